@@ -1,0 +1,52 @@
+# Two commands from a fresh clone: `make train` and `make test`. Each creates .venv when missing.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PRESET  ?= tracking
+ARGS    ?=
+# One rank per GPU when CUDA GPUs are visible, else 2 CPU ranks (gloo).
+NPROC   ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
+# 2 cores here: one thread per rank keeps ranks from oversubscribing the CPU.
+export OMP_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+
+.PHONY: help setup train test test-fast bench bench-grad bench-sync tensorboard clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Torch first with an exact pin on CPU-only machines (a local CPU wheel); any torch in range on GPU boxes.
+$(VENV)/.runtime: requirements.txt | $(BIN)/python
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(BIN)/pip install -q 'torch>=2.4,<2.15'; else $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
+	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $@
+
+setup: $(VENV)/.dev  ## create .venv with everything the tests need
+
+train: $(VENV)/.runtime  ## train the default preset: NPROC ranks (2 on CPU), PRESET=tracking
+	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) train.py $(PRESET) $(ARGS)
+
+test: $(VENV)/.dev  ## run the whole test suite
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(VENV)/.dev  ## run the quick subset (no slow multi-rank or learning tests)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+bench: $(VENV)/.dev  ## training throughput vs RSL-RL (installs rsl-rl-lib into .venv)
+	$(BIN)/pip install -q rsl-rl-lib
+	$(BIN)/python bench/bench_train.py
+
+tensorboard: $(VENV)/.runtime  ## serve runs/ on port 6006
+	$(BIN)/tensorboard --logdir runs --port 6006
+
+clean:  ## remove runs and caches (keeps .venv)
+	rm -rf runs .pytest_cache

@@ -1,0 +1,66 @@
+"""Exact cross-rank statistics from sufficient statistics: one small float64 all-reduce each.
+
+None of these gathers samples: ranks exchange (count, sum, sum of squares) or their shifted
+equivalents, so the bytes are O(dim), independent of batch size and world size, and the result equals
+the statistic over the union of all ranks' samples (up to float64 summation order).
+"""
+
+import torch
+
+from dist import comm
+
+
+def global_mean_std(x: torch.Tensor, purpose: str = "advantages") -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and (population) std of `x` over all ranks' elements.
+
+    Crosses ranks: one all-reduce of 3 float64 numbers (count, sum, sum of squares) per call; the
+    runner calls it once per iteration for advantage normalization.
+    """
+    x64 = x.detach().double().flatten()
+    stats = torch.stack([torch.tensor(float(x64.numel()), dtype=torch.float64, device=x.device),
+                         x64.sum(), x64.square().sum()])
+    count, total, total_sq = comm.all_reduce(stats, purpose).unbind(0)
+    mean = total / count
+    var = (total_sq / count - mean.square()).clamp_min(0.0)
+    return mean.to(x.dtype), var.sqrt().to(x.dtype)
+
+
+def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, batch: torch.Tensor,
+                  purpose: str = "normalizer") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold `batch` [B, D] from every rank into running moments (count, mean [D], M2 [D]), all float64.
+
+    Crosses ranks: one all-reduce of 1 + 2D float64 numbers per call (the runner: once per iteration
+    per normalizer). Each rank sums its samples shifted by the current running mean (identical on all
+    ranks, so the sums add up exactly and stay well conditioned); the global batch moments then merge
+    with the running ones by Chan's parallel formula, which includes the between-group term
+    delta^2 * n_a * n_b / n. Every rank computes the same result, so no broadcast follows.
+    """
+    shifted = batch.detach().double() - mean
+    local = torch.cat([torch.tensor([float(shifted.shape[0])], dtype=torch.float64, device=batch.device),
+                       shifted.sum(0), shifted.square().sum(0)])
+    summed = comm.all_reduce(local, purpose)
+    dim = mean.numel()
+    n_b, s1, s2 = summed[0], summed[1:1 + dim], summed[1 + dim:]
+    mean_b_shift = s1 / n_b                      # batch mean minus running mean
+    m2_b = s2 - s1 * mean_b_shift                # batch sum of squared deviations from its own mean
+    n = count + n_b
+    new_mean = mean + mean_b_shift * (n_b / n)
+    new_m2 = m2 + m2_b + mean_b_shift.square() * count * n_b / n
+    return n, new_mean, new_m2
+
+
+def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor],
+                   purpose: str = "metrics") -> dict[str, float]:
+    """Count-weighted means over all ranks: key -> sum over ranks of sums[key] / sum of counts[key].
+
+    Crosses ranks: one all-reduce of 2K float64 numbers (K = number of keys), packed into one vector,
+    once per log step. Keys must be the same on every rank in the same order (missing ones count 0).
+    Keys with a zero total count are dropped (e.g. no episode finished anywhere).
+    """
+    keys = sorted(sums)
+    if not keys:
+        return {}
+    packed = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=comm.device()).reshape(())
+                          for k in keys for v in (sums[k], counts[k])])
+    packed = comm.all_reduce(packed, purpose).view(-1, 2)
+    return {k: s / c for k, (s, c) in zip(keys, packed.tolist()) if c > 0}

@@ -1,0 +1,36 @@
+"""The VecEnv protocol: the shape of Isaac Lab's RL environments, so real simulators plug in thinly.
+
+    obs, extras = env.reset()
+    obs, reward, terminated, truncated, extras = env.step(actions)
+
+- `obs` is a dict of observation groups, at least `policy` and `critic`, each a [num_envs, dim] tensor.
+- `terminated` (failure: no bootstrap) and `truncated` (time-out: bootstrap from the value function)
+  are separate bool [num_envs] tensors; an env never sets both.
+- `step` resets finished envs itself; the returned `obs` is already the first observation of the next
+  episode. `extras["final_obs"]` holds the observation groups *before* that reset (equal to `obs`
+  for envs that did not finish), which is what a time-out must be bootstrapped from.
+- `extras["log"]` maps names to scalar tensors (episode metrics of envs that just finished); the runner
+  averages them over an iteration and across ranks.
+- `state_dict()`/`load_state_dict()` carry sampler/curriculum state into checkpoints.
+"""
+
+from typing import Protocol
+
+import torch
+
+
+class VecEnv(Protocol):
+    num_envs: int
+    num_actions: int
+    obs_dims: dict[str, int]
+    max_episode_length: int
+    device: torch.device
+
+    def reset(self) -> tuple[dict[str, torch.Tensor], dict]: ...
+
+    def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor,
+                                                    torch.Tensor, dict]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...

@@ -1,0 +1,49 @@
+"""Gaussian actor and value critic as plain MLPs, with asymmetric observations and a learned,
+state-independent action std. Optional observation normalizers live inside the module so their
+statistics travel with the weights (checkpoints, weight sync)."""
+
+import torch
+from torch import nn
+
+from ppo.normalizer import ObsNormalizer
+
+ACTIVATIONS = {"elu": nn.ELU, "tanh": nn.Tanh, "relu": nn.ReLU}
+
+
+def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: str) -> nn.Sequential:
+    layers, dim = [], in_dim
+    for h in hidden:
+        layers += [nn.Linear(dim, h), ACTIVATIONS[activation]()]
+        dim = h
+    layers.append(nn.Linear(dim, out_dim))
+    return nn.Sequential(*layers)
+
+
+class ActorCritic(nn.Module):
+    def __init__(self, actor_obs_dim: int, critic_obs_dim: int, num_actions: int,
+                 actor_hidden=(128, 128), critic_hidden=(128, 128), activation: str = "elu",
+                 init_noise_std: float = 1.0, normalize_actor_obs: bool = False, normalize_critic_obs: bool = True):
+        super().__init__()
+        self.actor = mlp(actor_obs_dim, actor_hidden, num_actions, activation)
+        self.critic = mlp(critic_obs_dim, critic_hidden, 1, activation)
+        self.log_std = nn.Parameter(torch.full((num_actions,), float(torch.log(torch.tensor(init_noise_std)))))
+        self.actor_normalizer = ObsNormalizer(actor_obs_dim) if normalize_actor_obs else nn.Identity()
+        self.critic_normalizer = ObsNormalizer(critic_obs_dim) if normalize_critic_obs else nn.Identity()
+
+    def distribution(self, actor_obs: torch.Tensor) -> torch.distributions.Normal:
+        mean = self.actor(self.actor_normalizer(actor_obs))
+        return torch.distributions.Normal(mean, self.log_std.exp().expand_as(mean))
+
+    def value(self, critic_obs: torch.Tensor) -> torch.Tensor:
+        return self.critic(self.critic_normalizer(critic_obs)).squeeze(-1)
+
+    def normalizers(self) -> dict[str, ObsNormalizer]:
+        """Active normalizers keyed by the rollout-storage field they learn from."""
+        pairs = {"actor_obs": self.actor_normalizer, "critic_obs": self.critic_normalizer}
+        return {k: m for k, m in pairs.items() if isinstance(m, ObsNormalizer)}
+
+
+def build_actor_critic(policy_cfg, obs_dims: dict[str, int], num_actions: int) -> ActorCritic:
+    return ActorCritic(obs_dims["policy"], obs_dims["critic"], num_actions, policy_cfg.actor_hidden,
+                       policy_cfg.critic_hidden, policy_cfg.activation, policy_cfg.init_noise_std,
+                       policy_cfg.normalize_actor_obs, policy_cfg.normalize_critic_obs)

@@ -1,0 +1,30 @@
+"""PPO loss terms for a Gaussian policy. Pure functions of tensors: copy this file anywhere."""
+
+import torch
+
+
+def ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+             values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, entropy: torch.Tensor,
+             clip_param: float, clip_value_loss: bool, value_loss_coef: float,
+             entropy_coef: float) -> dict[str, torch.Tensor]:
+    """Clipped surrogate + (optionally clipped) value loss - entropy bonus, each a batch mean.
+
+    All inputs are [B] (log-probs summed over action dims). Returns the terms and their weighted sum
+    `loss` = surrogate + value_loss_coef * value_function - entropy_coef * entropy.
+    """
+    ratio = torch.exp(log_prob - old_log_prob)
+    surrogate = -torch.min(ratio * advantages, ratio.clamp(1.0 - clip_param, 1.0 + clip_param) * advantages).mean()
+    if clip_value_loss:
+        clipped = old_values + (values - old_values).clamp(-clip_param, clip_param)
+        value_loss = torch.max((values - returns).square(), (clipped - returns).square()).mean()
+    else:
+        value_loss = (values - returns).square().mean()
+    entropy = entropy.mean()
+    loss = surrogate + value_loss_coef * value_loss - entropy_coef * entropy
+    return {"loss": loss, "surrogate": surrogate, "value_function": value_loss, "entropy": entropy}
+
+
+def gaussian_kl(mu_old: torch.Tensor, sigma_old: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """KL(old || new) per sample [B], summed over action dims, for diagonal Gaussians."""
+    return (torch.log(sigma / sigma_old) + (sigma_old.square() + (mu_old - mu).square()) / (2.0 * sigma.square())
+            - 0.5).sum(-1)

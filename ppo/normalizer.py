@@ -1,0 +1,37 @@
+"""Running mean/variance observation normalizer whose statistics change only when told to.
+
+Buffers (count, mean, M2 in float64; mean/std float32 copies for the forward pass). Sync rule `merge`:
+`update(batch)` folds this iteration's observations of *all ranks* into the statistics by an exact
+count-weighted merge (dist.stats.merge_moments). Between updates the statistics are frozen, so the
+values computed during the rollout and during learning see the same normalization.
+"""
+
+import torch
+from torch import nn
+
+from dist.stats import merge_moments
+
+
+class ObsNormalizer(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-8, clip: float = 10.0):
+        super().__init__()
+        self.eps, self.clip = eps, clip
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("mean64", torch.zeros(dim, dtype=torch.float64))
+        self.register_buffer("m2", torch.zeros(dim, dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("std", torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x - self.mean) / (self.std + self.eps)).clamp(-self.clip, self.clip)
+
+    @torch.no_grad()
+    def update(self, batch: torch.Tensor) -> None:
+        """Merge `batch` [B, dim] of every rank into the statistics.
+
+        Crosses ranks: one all-reduce of 1 + 2*dim float64 values (see merge_moments); call once per
+        iteration, at the same point on every rank.
+        """
+        self.count, self.mean64, self.m2 = merge_moments(self.count, self.mean64, self.m2, batch)
+        self.mean.copy_(self.mean64)
+        self.std.copy_((self.m2 / self.count).sqrt())

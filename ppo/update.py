@@ -1,0 +1,81 @@
+"""One PPO update over a filled rollout: E epochs x M minibatches x q micro-batches.
+
+Reads top to bottom as the algorithm. What crosses ranks, per iteration:
+  - advantages: one all-reduce of 3 float64 (global mean/std), when advantage_norm == "global";
+  - per minibatch: one gradient all-reduce that also carries (KL sum, KL count), so every rank sees
+    the global KL and applies the same LR; clipping and the non-finite check use the synchronized
+    gradient, so all ranks take (or skip) the same step;
+  - normalizers: one all-reduce each, after learning (statistics frozen until then).
+Micro-batches only split memory: they accumulate gradients locally, and the accumulation window
+is exactly one minibatch, so it never crosses a minibatch, epoch or iteration boundary.
+"""
+
+import math
+
+import torch
+
+from dist.stats import global_mean_std
+from ppo.kl_schedule import adaptive_lr
+from ppo.loss import gaussian_kl, ppo_loss
+
+
+def normalize_advantages(storage, mode: str) -> None:
+    """In place: "global" over all ranks (3 float64 sums), "local" over this rank's rollout, or "none"."""
+    if mode == "none":
+        return
+    adv = storage.advantages
+    if mode == "global":
+        mean, std = global_mean_std(adv, "advantages")
+    else:
+        mean, std = adv.mean(), adv.std(unbiased=False)
+    storage.advantages = (adv - mean) / (std + 1e-8)
+
+
+def ppo_update(model, optimizer, storage, grad_sync, cfg, num_micro_batches: int = 1,
+               generator: torch.Generator | None = None) -> dict[str, float]:
+    """Run the update in place on `model`/`optimizer`; return this rank's loss means, the global KL,
+    the final LR and the number of skipped (non-finite) steps."""
+    normalize_advantages(storage, cfg.advantage_norm)
+    lr = optimizer.param_groups[0]["lr"]
+    totals = {"surrogate": 0.0, "value_function": 0.0, "entropy": 0.0, "kl": 0.0}
+    num_steps = skipped = 0
+    for _epoch in range(cfg.num_epochs):
+        for batch in storage.minibatches(cfg.num_mini_batches, generator):
+            grad_sync.zero_grad()
+            batch_size = batch["actions"].shape[0]
+            if batch_size % num_micro_batches:
+                raise ValueError(f"minibatch of {batch_size} transitions is not divisible by "
+                                 f"--ppo.num-micro-batches {num_micro_batches}")
+            kl_sum = torch.zeros((), device=batch["actions"].device)
+            terms_sum = torch.zeros(3, device=kl_sum.device)
+            for micro in zip(*(v.chunk(num_micro_batches) for v in batch.values())):
+                mb = dict(zip(batch.keys(), micro))
+                pi = model.distribution(mb["actor_obs"])
+                terms = ppo_loss(pi.log_prob(mb["actions"]).sum(-1), mb["log_probs"], mb["advantages"],
+                                 model.value(mb["critic_obs"]), mb["values"], mb["returns"], pi.entropy().sum(-1),
+                                 cfg.clip_param, cfg.clip_value_loss, cfg.value_loss_coef, cfg.entropy_coef)
+                (terms["loss"] / num_micro_batches).backward()   # equal micro-batches: mean of means
+                with torch.no_grad():
+                    kl_sum += gaussian_kl(mb["action_mean"], mb["action_std"], pi.mean, pi.stddev).sum()
+                    terms_sum += torch.stack([terms["surrogate"], terms["value_function"], terms["entropy"]])
+            kl_stats = grad_sync.synchronize(torch.stack([kl_sum, torch.tensor(float(batch_size), device=kl_sum.device)]))
+            grad_norm = grad_sync.clip_(cfg.max_grad_norm)
+            kl, norm = torch.stack([kl_stats[0] / kl_stats[1], grad_norm]).tolist()  # one host sync per step
+            if cfg.schedule == "adaptive" and math.isfinite(kl):
+                lr = adaptive_lr(lr, kl, cfg.desired_kl, cfg.lr_min, cfg.lr_max)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+            if not math.isfinite(norm):
+                skipped += 1     # identical on every rank: the norm is of the synchronized gradient
+                continue
+            optimizer.step()
+            num_steps += 1
+            for key, value in zip(("surrogate", "value_function", "entropy"), (terms_sum / num_micro_batches).tolist()):
+                totals[key] += value
+            totals["kl"] += kl
+    for storage_field, normalizer in model.normalizers().items():
+        normalizer.update(getattr(storage, storage_field).flatten(0, 1))
+    stats = {k: v / max(num_steps, 1) for k, v in totals.items()}
+    stats.update(learning_rate=lr, skipped_steps=float(skipped))
+    return stats
+

@@ -1,0 +1,105 @@
+"""Weight-sync configuration: dataclasses whose fields mirror RLinf's `weight_syncer` YAML.
+
+    type: patch | bucket
+    patch:  snapshot_device, transport_device, delta_encoding, compression, init_sync{enabled, prefixes, bucket_size}
+    bucket: bucket_size, bucket_dtype, bucket_device, load_instant
+
+Both sides of a transfer must build the same config: the handshake compares them and refuses a mismatch,
+because the wire format depends on it.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+DEVICES = ("cpu", "cuda")
+COMPRESSIONS = ("none", "zstd")
+BUCKET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class InitSyncConfig:
+    enabled: bool = True
+    """send the receivers a bucketed copy of the state_dict once at init, before the first patch"""
+    prefixes: Optional[tuple[str, ...]] = None
+    """keys to bootstrap: None = the whole state_dict (frozen parameters and persistent buffers included), else keys equal to or under one of these prefixes"""
+    bucket_size: int = 128 * 2**20
+    """largest bootstrap bucket in bytes (a bigger tensor travels alone)"""
+
+    def __post_init__(self):
+        _require_positive("patch.init_sync.bucket_size", self.bucket_size)
+        if self.prefixes is not None:
+            if isinstance(self.prefixes, str):
+                raise ValueError(f"patch.init_sync.prefixes must be a list of key prefixes, got the string {self.prefixes!r}")
+            self.prefixes = tuple(self.prefixes)
+            if not self.prefixes or any(not isinstance(p, str) or not p for p in self.prefixes):
+                raise ValueError(f"patch.init_sync.prefixes must be None or non-empty strings, got {self.prefixes!r}")
+
+
+@dataclass
+class PatchConfig:
+    snapshot_device: Literal["cpu", "cuda"] = "cpu"
+    """where the sender keeps its snapshot (cpu: pinned host memory when CUDA exists, saves one model copy of GPU memory)"""
+    transport_device: Literal["cpu", "cuda"] = "cpu"
+    """where patches are staged for sending: cpu for gloo, cuda for NCCL"""
+    delta_encoding: bool = True
+    """send row/column deltas instead of absolute coordinates (smaller numbers, smaller index dtypes)"""
+    compression: Literal["none", "zstd"] = "none"
+    """lossless codec for the patch payload; zstd needs `pip install zstandard` and transport_device=cpu"""
+    init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
+    """one-off bucketed bootstrap before the first patch"""
+
+    def __post_init__(self):
+        _require_choice("patch.snapshot_device", self.snapshot_device, DEVICES)
+        _require_choice("patch.transport_device", self.transport_device, DEVICES)
+        _require_choice("patch.compression", self.compression, COMPRESSIONS)
+        if self.compression == "zstd" and self.transport_device != "cpu":
+            raise ValueError("patch.compression=zstd runs on the host: set patch.transport_device=cpu")
+        if isinstance(self.init_sync, dict):
+            self.init_sync = InitSyncConfig(**self.init_sync)
+
+
+@dataclass
+class BucketConfig:
+    bucket_size: int = 512 * 2**20
+    """largest bucket in bytes (a bigger tensor travels alone)"""
+    bucket_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    """wire dtype for floating tensors (ints and bools keep theirs); None = the receiver's dtype, which is exact"""
+    bucket_device: Literal["cpu", "cuda"] = "cpu"
+    """where buckets are packed: cpu for gloo, cuda for NCCL"""
+    load_instant: bool = True
+    """apply each bucket as it arrives (less receiver memory); False stages all buckets and applies at the end"""
+
+    def __post_init__(self):
+        _require_positive("bucket.bucket_size", self.bucket_size)
+        if self.bucket_dtype is not None:
+            _require_choice("bucket.bucket_dtype", self.bucket_dtype, tuple(BUCKET_DTYPES))
+        _require_choice("bucket.bucket_device", self.bucket_device, DEVICES)
+
+
+@dataclass
+class WeightSyncConfig:
+    type: Literal["patch", "bucket"] = "patch"
+    """patch: send only the elements that changed since the last sync; bucket: send whole tensors every time"""
+    patch: PatchConfig = field(default_factory=PatchConfig)
+    """settings used when type=patch"""
+    bucket: BucketConfig = field(default_factory=BucketConfig)
+    """settings used when type=bucket"""
+
+    def __post_init__(self):
+        _require_choice("type", self.type, ("patch", "bucket"))
+        if isinstance(self.patch, dict):
+            self.patch = PatchConfig(**self.patch)
+        if isinstance(self.bucket, dict):
+            self.bucket = BucketConfig(**self.bucket)
+
+
+def _require_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"weight sync config: {name}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _require_positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"weight sync config: {name} must be a positive number of bytes, got {value!r}")

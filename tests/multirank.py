@@ -1,0 +1,70 @@
+"""Run a test function on W gloo ranks (CPU processes) and collect what each rank returns.
+
+Usage inside a test:
+
+    def body(rank, world_size, x):      # module-level, so it can be pickled
+        ...
+        return some_tensor_or_dict
+
+    results = run_ranks(body, world_size=2, args=(x,))   # list, one entry per rank
+
+Each rank joins a fresh gloo process group on 127.0.0.1 with a free port, runs `fn(rank, world_size,
+*args)`, and sends its return value back through a queue. A rank that raises makes `run_ranks` raise
+with that rank's traceback, so failures read like ordinary test failures.
+"""
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> list:
+    """Spawn `world_size` gloo processes running `fn(rank, world_size, *args)`; return their results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = [None] * world_size, []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break  # the other ranks may be stuck in a collective with the failed one
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return results
