@@ -30,7 +30,8 @@ from ppo.storage import RolloutStorage
 from ppo.update import ppo_update
 
 
-def main(cfg: Config) -> dict[str, float]:
+def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float]]:
+    """Train; return the model and the last iteration's logged scalars (tests use both)."""
     # ---- parse-time checks, before anything is built ----------------------------------------------
     validate(cfg)
     if cfg.resume:
@@ -132,7 +133,7 @@ def main(cfg: Config) -> dict[str, float]:
     if is_main:
         logger.close()
     shutdown()
-    return stats
+    return model, stats
 
 
 def rng_state(env, shuffle: torch.Generator) -> dict:

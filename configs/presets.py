@@ -18,11 +18,11 @@ def cartpole() -> Config:
 def tracking() -> Config:
     """SONIC-shaped motion tracking with a 6-joint chain, adaptive motion sampling: the `make train` job."""
     return Config(
-        env=EnvConfig(name="tracking", num_envs=256, episode_length_s=10.0, num_motions=64),
+        env=EnvConfig(name="tracking", num_envs=512, episode_length_s=10.0, num_motions=64),
         policy=PolicyConfig(actor_hidden=(128, 128), critic_hidden=(128, 128), normalize_critic_obs=True),
         ppo=PPOConfig(num_steps=24, num_epochs=5, num_mini_batches=4, learning_rate=1e-3),
         log=LogConfig(experiment="tracking"),
-        max_iterations=150,
+        max_iterations=400,
     )
 
 

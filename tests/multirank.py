@@ -13,6 +13,7 @@ Each rank joins a fresh gloo process group on 127.0.0.1 with a free port, runs `
 with that rank's traceback, so failures read like ordinary test failures.
 """
 
+import io
 import os
 import socket
 import traceback
@@ -35,7 +36,11 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Serialized to bytes: tensors sent through the queue as-is would live in this process's shared
+        # memory, which is gone once it exits.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -56,7 +61,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> 
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break  # the other ranks may be stuck in a collective with the failed one

@@ -1,0 +1,65 @@
+"""Bad input fails before anything is built, with a message naming the flag to fix."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from configs import preset, validate
+
+
+def cfg_with(**changes):
+    cfg = preset("tracking")
+    for dotted, value in changes.items():
+        section, field = dotted.split("__") if "__" in dotted else (None, dotted)
+        setattr(getattr(cfg, section) if section else cfg, field, value)
+    return cfg
+
+
+@pytest.mark.parametrize("changes, flag", [
+    ({"env__num_envs": 510}, "--env.num-envs"),                 # not divisible by 4 minibatches
+    ({"env__num_envs": 0}, "--env.num-envs"),
+    ({"ppo__num_steps": -1}, "--ppo.num-steps"),
+    ({"ppo__num_mini_batches": 0}, "--ppo.num-mini-batches"),
+    ({"ppo__num_epochs": 0}, "--ppo.num-epochs"),
+    ({"max_iterations": 0}, "--max-iterations"),
+    ({"ppo__gamma": 1.5}, "--ppo.gamma"),
+    ({"ppo__lam": -0.1}, "--ppo.lam"),
+    ({"ppo__learning_rate": 1.0}, "--ppo.learning-rate"),
+    ({"policy__actor_hidden": (64, 0)}, "--policy.actor-hidden"),
+])
+def test_bad_values_name_the_flag(changes, flag):
+    with pytest.raises(ValueError, match=flag.replace(".", r"\.")):
+        validate(cfg_with(**changes))
+
+
+def test_resume_path_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--resume"):
+        train.main(cfg_with(resume=str(tmp_path / "missing.pt")))
+    with pytest.raises(ValueError, match="directory"):
+        train.main(cfg_with(resume=str(tmp_path)))
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable torch checkpoint"):
+        train.main(cfg_with(resume=str(garbage)))
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {}}, foreign)
+    with pytest.raises(ValueError, match="not a syncppo checkpoint"):
+        train.main(cfg_with(resume=str(foreign)))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "train.py", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_unknown_preset_and_help():
+    bad = run_cli("walker")
+    assert bad.returncode != 0 and "cartpole" in bad.stderr + bad.stdout       # lists the valid presets
+    help_text = run_cli("tracking", "--help").stdout
+    for flag in ("--env.num-envs", "--ppo.num-epochs", "--ppo.desired-kl", "--log.save-every", "--resume"):
+        assert flag in help_text
+    assert "environments per rank" in help_text                                 # field help strings are shown
+    typo = run_cli("tracking", "--ppo.num-epoch", "3")
+    assert typo.returncode != 0 and "num-epochs" in typo.stderr + typo.stdout

@@ -1,0 +1,103 @@
+import pytest
+import torch
+
+from envs import CartPole, Tracking
+from envs.motions import AdaptiveMotionSampler
+
+ENVS = {"cartpole": lambda seed: CartPole(32, "cpu", seed),
+        "tracking": lambda seed: Tracking(32, "cpu", seed, base_seed=0, num_motions=8)}
+
+
+def rollout(env, steps=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    obs, _ = env.reset()
+    out = []
+    for _ in range(steps):
+        obs, reward, terminated, truncated, extras = env.step(torch.randn(env.num_envs, env.num_actions, generator=g))
+        out.append((obs, reward, terminated, truncated, extras))
+    return out
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_protocol_shapes_and_flags(name):
+    env = ENVS[name](0)
+    saw_done = False
+    for obs, reward, terminated, truncated, extras in rollout(env, 200):
+        assert set(obs) >= {"policy", "critic"}
+        for group, dim in env.obs_dims.items():
+            assert obs[group].shape == (env.num_envs, dim) and extras["final_obs"][group].shape == (env.num_envs, dim)
+        assert reward.shape == terminated.shape == truncated.shape == (env.num_envs,)
+        assert terminated.dtype == truncated.dtype == torch.bool
+        assert not (terminated & truncated).any(), "an env is either terminated or timed out, never both"
+        done = terminated | truncated
+        # Envs that did not finish: the final obs is the obs; finished envs were reset.
+        assert torch.equal(extras["final_obs"]["policy"][~done], obs["policy"][~done])
+        saw_done |= bool(done.any())
+    assert saw_done
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_deterministic_under_seed(name):
+    a, b, c = rollout(ENVS[name](3)), rollout(ENVS[name](3)), rollout(ENVS[name](4))
+    assert all(torch.equal(x[0]["critic"], y[0]["critic"]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+    assert not all(torch.equal(x[0]["critic"], y[0]["critic"]) for x, y in zip(a, c))
+
+
+def test_cartpole_time_out_at_the_limit():
+    env = CartPole(4, "cpu", 0, episode_length_s=0.1)      # 5 steps
+    env.reset()
+    env.episode_length.zero_()
+    for step in range(5):
+        _, _, terminated, truncated, _ = env.step(torch.zeros(4, 1))
+    assert truncated.all() and not terminated.any()
+
+
+def test_chain_dynamics_hold_a_gravity_compensated_pose_and_conserve_energy():
+    env = Tracking(2, "cpu", 0, base_seed=0)
+    pose = torch.tensor([0.3, -0.2, 0.1, 0.4, -0.3, 0.2]).repeat(2, 1)
+    phi = pose.cumsum(-1)
+    gravity_torque = (env.gravity_coef * torch.sin(phi)).flip(-1).cumsum(-1).flip(-1)   # joint j holds links >= j
+    env.q, env.qd = pose.clone(), torch.zeros(2, 6)
+    for _ in range(50):
+        env._simulate(pose + gravity_torque / env.kp)
+    torch.testing.assert_close(env.q, pose, atol=1e-5, rtol=0)
+
+    # Passive chain (no PD, no damping): kinetic + potential energy stays put over 1 s.
+    env.kp, env.kd, env.joint_damping = 0.0, 0.0, 0.0
+    env.stiffness_phi = env.stiffness_phi * 0
+    env.damping_phi = env.damping_phi * 0
+
+    def energy():
+        phi, phid = env.q.cumsum(-1), env.qd.cumsum(-1)
+        H = env.mass_pair * torch.cos(phi[:, :, None] - phi[:, None, :])
+        kinetic = 0.5 * torch.einsum("ni,nij,nj->n", phid, H, phid)
+        return kinetic + env.gravity * env.link_mass * env._body_positions(env.q)[..., 1].sum(-1)
+    e0 = energy()
+    for _ in range(50):
+        env._simulate(torch.zeros(2, 6))
+    assert ((energy() - e0).abs() / e0.abs()).max() < 0.01
+
+
+def test_adaptive_sampler_probabilities_follow_failure_rates_with_a_floor():
+    s = AdaptiveMotionSampler(4, uniform_floor=0.2, device="cpu")
+    ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    ended = torch.ones(8, dtype=torch.bool)
+    failed = torch.tensor([1, 1, 1, 0, 0, 0, 0, 0], dtype=torch.bool)
+    s.record(ids, ended, failed)
+    rate = torch.tensor([3 / 4, 2 / 4, 1 / 4, 1 / 4], dtype=torch.float64)     # (failures + 1) / (visits + 2)
+    expected = 0.2 / 4 + 0.8 * rate / rate.sum()
+    torch.testing.assert_close(s.probabilities(), expected)
+    assert s.probabilities().sum().item() == pytest.approx(1.0)
+    # Global counts (from the last cross-rank sync) and local counts add up.
+    s.global_counts, s.local_counts = s.local_counts.clone(), torch.zeros_like(s.local_counts)
+    torch.testing.assert_close(s.probabilities(), expected)
+
+
+def test_tracking_state_dict_round_trip_and_shape_check():
+    a = Tracking(16, "cpu", 0, base_seed=0, num_motions=8)
+    rollout(a, 100)
+    b = Tracking(16, "cpu", 1, base_seed=0, num_motions=8)
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(b.sampler.probabilities(), a.sampler.probabilities())
+    with pytest.raises(ValueError, match="num-motions"):
+        Tracking(16, "cpu", 0, base_seed=0, num_motions=9).load_state_dict(a.state_dict())

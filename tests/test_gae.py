@@ -1,0 +1,35 @@
+import numpy as np
+import torch
+
+from ppo.gae import compute_gae
+
+
+def test_gae_matches_hand_computation_with_termination_and_time_out():
+    # One env, 4 steps. Step 1 terminates (no bootstrap). Step 2 times out: the runner has already
+    # folded gamma * V(final obs) = 0.9 * 5.0 into its reward (1 + 4.5 = 5.5); then a new episode.
+    gamma, lam = 0.9, 0.8
+    rewards = torch.tensor([[1.0], [2.0], [5.5], [3.0]])
+    values = torch.tensor([[0.5], [1.0], [2.0], [1.5]])
+    dones = torch.tensor([[False], [True], [True], [False]])
+    last_value = torch.tensor([4.0])
+    adv, ret = compute_gae(rewards, values, dones, last_value, gamma, lam)
+
+    d3 = 3.0 + 0.9 * 4.0 - 1.5            # 5.1, bootstraps from last_value
+    d2 = 5.5 - 2.0                         # 3.5, done: next obs belongs to a new episode
+    d1 = 2.0 - 1.0                         # 1.0, terminated
+    d0 = 1.0 + 0.9 * 1.0 - 0.5             # 1.4
+    a3, a2, a1 = d3, d2, d1
+    a0 = d0 + gamma * lam * a1             # 1.4 + 0.72 = 2.12
+    expected = np.array([a0, a1, a2, a3])
+    np.testing.assert_allclose(adv[:, 0].numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(ret[:, 0].numpy(), expected + values[:, 0].numpy(), rtol=1e-6)
+
+
+def test_gae_with_lambda_one_and_no_dones_is_discounted_return_minus_value():
+    torch.manual_seed(0)
+    T, N, gamma = 6, 3, 0.95
+    rewards, values, last = torch.randn(T, N), torch.randn(T, N), torch.randn(N)
+    adv, ret = compute_gae(rewards, values, torch.zeros(T, N, dtype=torch.bool), last, gamma, 1.0)
+    for t in range(T):
+        discounted = sum(gamma ** (k - t) * rewards[k] for k in range(t, T)) + gamma ** (T - t) * last
+        torch.testing.assert_close(ret[t], discounted, rtol=1e-5, atol=1e-5)

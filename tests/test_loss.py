@@ -1,0 +1,47 @@
+import math
+
+import numpy as np
+import torch
+
+from ppo.kl_schedule import adaptive_lr
+from ppo.loss import gaussian_kl, ppo_loss
+
+
+def test_ppo_loss_terms_match_hand_calculation():
+    lp = torch.tensor([0.0, math.log(1.5), math.log(0.5)])        # ratios 1, 1.5, 0.5 vs old log-prob 0
+    old = torch.zeros(3)
+    adv = torch.tensor([1.0, 2.0, -1.0])
+    v, old_v, ret = torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0.5, 0.5, 2.0]), torch.tensor([2.0, 0.0, 2.0])
+    ent = torch.tensor([1.0, 2.0, 3.0])
+    out = ppo_loss(lp, old, adv, v, old_v, ret, ent, clip_param=0.2, clip_value_loss=True,
+                   value_loss_coef=0.5, entropy_coef=0.01)
+    # surrogate per sample: -min(r*A, clip(r)*A): 1 -> -1; 1.5*2=3 vs 1.2*2=2.4 -> -2.4; 0.5*-1=-0.5 vs 0.8*-1=-0.8 -> 0.8
+    surrogate = np.mean([-1.0, -2.4, 0.8])
+    # value: clipped = old + clip(v-old, +-0.2) = [0.7, 0.3, 2.2]
+    # max((v-R)^2, (vc-R)^2): [max(1, 1.69), max(0, 0.09), max(1, 0.04)] = [1.69, 0.09, 1.0]
+    value = np.mean([1.69, 0.09, 1.0])
+    entropy = 2.0
+    assert math.isclose(out["surrogate"].item(), surrogate, rel_tol=1e-6)
+    assert math.isclose(out["value_function"].item(), value, rel_tol=1e-6)
+    assert math.isclose(out["entropy"].item(), entropy, rel_tol=1e-6)
+    assert math.isclose(out["loss"].item(), surrogate + 0.5 * value - 0.01 * entropy, rel_tol=1e-6)
+
+    unclipped = ppo_loss(lp, old, adv, v, old_v, ret, ent, 0.2, False, 0.5, 0.01)
+    assert math.isclose(unclipped["value_function"].item(), np.mean([1.0, 0.0, 1.0]), rel_tol=1e-6)
+
+
+def test_gaussian_kl_matches_torch_distributions():
+    torch.manual_seed(0)
+    mu0, mu1 = torch.randn(5, 3), torch.randn(5, 3)
+    s0, s1 = torch.rand(5, 3) + 0.1, torch.rand(5, 3) + 0.1
+    ref = torch.distributions.kl_divergence(torch.distributions.Normal(mu0, s0), torch.distributions.Normal(mu1, s1))
+    torch.testing.assert_close(gaussian_kl(mu0, s0, mu1, s1), ref.sum(-1))
+
+
+def test_adaptive_lr_rule():
+    assert adaptive_lr(1e-3, kl=0.05, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-3 / 1.5
+    assert adaptive_lr(1e-3, kl=0.001, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-3 * 1.5
+    assert adaptive_lr(1e-3, kl=0.01, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-3
+    assert adaptive_lr(1e-3, kl=0.02, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-3   # boundary: not above 2x
+    assert adaptive_lr(1e-5, kl=1.0, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-5     # bounded below
+    assert adaptive_lr(9e-3, kl=0.0, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-2     # bounded above

@@ -1,0 +1,64 @@
+"""Cross-rank statistics equal numpy over the union of all ranks' samples (unequal batch sizes)."""
+
+import numpy as np
+import pytest
+import torch
+
+from dist.stats import global_mean_std, merge_moments, reduce_metrics
+from ppo.normalizer import ObsNormalizer
+from tests.multirank import run_ranks
+
+SIZES = [(7, 40), (3, 5), (11, 1)]          # per rank: (first iteration, second iteration) batch sizes
+
+
+def rank_batches(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    # Different offsets per rank so the between-group variance matters.
+    return [torch.randn(n, 4, generator=g, dtype=torch.float64) * (rank + 1) + 3.0 * rank for n in SIZES[rank]]
+
+
+def normalizer_body(rank, world_size):
+    norm = ObsNormalizer(4)
+    for batch in rank_batches(rank):
+        norm.update(batch.float())
+    x = torch.cat(rank_batches(rank)).float()
+    mean, std = global_mean_std(x)
+    return {k: v.clone() for k, v in norm.state_dict().items()}, mean, std
+
+
+@pytest.mark.slow
+def test_normalizer_merge_and_global_mean_std_equal_numpy_over_the_union():
+    results = run_ranks(normalizer_body, world_size=3)
+    union = np.concatenate([b.float().double().numpy() for r in range(3) for b in rank_batches(r)])
+    for state, mean, std in results:
+        assert state["count"].item() == len(union)
+        np.testing.assert_allclose(state["mean64"].numpy(), union.mean(0), rtol=1e-6)
+        np.testing.assert_allclose((state["m2"] / state["count"]).numpy(), union.var(0), rtol=1e-6)
+        np.testing.assert_allclose(mean.item(), union.mean(), rtol=1e-5)
+        np.testing.assert_allclose(std.item(), union.std(), rtol=1e-5)
+    for state, _, _ in results[1:]:   # every rank computed the same statistics, bit for bit
+        for key in state:
+            assert torch.equal(state[key], results[0][0][key])
+
+
+def test_merge_moments_single_process_equals_numpy_over_sequential_batches():
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(n, 3, generator=g, dtype=torch.float64) * 5 + 100 for n in (1, 17, 4)]
+    count, mean, m2 = torch.zeros((), dtype=torch.float64), torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    for b in batches:
+        count, mean, m2 = merge_moments(count, mean, m2, b)
+    union = torch.cat(batches).numpy()
+    np.testing.assert_allclose(mean.numpy(), union.mean(0), rtol=1e-12)
+    np.testing.assert_allclose((m2 / count).numpy(), union.var(0), rtol=1e-9)
+
+
+def metrics_body(rank, world_size):
+    sums = {"a": torch.tensor(float(rank + 1) * 10), "b": torch.tensor(0.0)}
+    counts = {"a": torch.tensor(float(rank + 1)), "b": torch.tensor(0.0)}
+    return reduce_metrics(sums, counts)
+
+
+@pytest.mark.slow
+def test_reduce_metrics_is_count_weighted_and_drops_empty_keys():
+    for out in run_ranks(metrics_body, world_size=2):
+        assert out == {"a": (10 + 20) / (1 + 2)}

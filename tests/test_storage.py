@@ -1,0 +1,41 @@
+import torch
+
+from ppo.storage import RolloutStorage
+
+
+def filled_storage(T=5, N=12):
+    s = RolloutStorage(T, N, {"policy": 3, "critic": 4}, 2, torch.device("cpu"))
+    for t in range(T):
+        ids = torch.arange(N, dtype=torch.float32)
+        s.add(ids[:, None].expand(N, 3) + 100 * t, torch.zeros(N, 4), torch.zeros(N, 2), torch.zeros(N, 2),
+              torch.ones(N, 2), torch.zeros(N), torch.full((N,), float(t)), ids, torch.zeros(N, dtype=torch.bool))
+    return s
+
+
+def test_each_epoch_yields_every_trajectory_exactly_once_and_whole():
+    T, N, M = 5, 12, 4
+    s = filled_storage(T, N)
+    g = torch.Generator().manual_seed(0)
+    orders = []
+    for _epoch in range(3):
+        seen = []
+        for batch in s.minibatches(M, g):
+            assert batch["actor_obs"].shape == (T * N // M, 3)
+            env_ids = batch["values"].view(T, N // M)               # values hold the env id
+            assert (env_ids == env_ids[0]).all(), "a minibatch must hold whole trajectories (all T steps)"
+            steps = batch["actor_obs"][:, 0].view(T, N // M) - env_ids
+            assert (steps == 100 * torch.arange(T)[:, None]).all(), "time order within a trajectory is kept"
+            seen += env_ids[0].long().tolist()
+        assert sorted(seen) == list(range(N))
+        orders.append(seen)
+    assert orders[0] != orders[1], "trajectories are reshuffled every epoch"
+
+
+def test_indivisible_minibatches_raise():
+    s = filled_storage(2, 10)
+    try:
+        next(s.minibatches(4))
+    except ValueError as e:
+        assert "divisible" in str(e)
+    else:
+        raise AssertionError("expected ValueError")
