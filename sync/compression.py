@@ -15,8 +15,7 @@ def compress(name: str, payload: torch.Tensor) -> torch.Tensor:
     """uint8 CPU tensor -> uint8 CPU tensor."""
     if name == "none":
         return payload
-    data = _zstd().ZstdCompressor(level=_ZSTD_LEVEL).compress(payload.numpy().tobytes())
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return _to_tensor(_zstd().ZstdCompressor(level=_ZSTD_LEVEL).compress(payload.numpy().tobytes()))
 
 
 def decompress(name: str, data: torch.Tensor, raw_bytes: int) -> torch.Tensor:
@@ -29,7 +28,13 @@ def decompress(name: str, data: torch.Tensor, raw_bytes: int) -> torch.Tensor:
         raise ValueError(f"zstd could not decompress the patch payload: {error}") from error
     if len(raw) != raw_bytes:
         raise ValueError(f"zstd produced {len(raw)} bytes, the header announced {raw_bytes}")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return _to_tensor(raw)
+
+
+def _to_tensor(data: bytes) -> torch.Tensor:
+    if not data:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _zstd():

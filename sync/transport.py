@@ -24,6 +24,18 @@ HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8
 
 
+class SyncIntegrityError(RuntimeError):
+    """An update was refused: lost, reordered or corrupted. Recover with resync() on both sides.
+
+    `model_written` says whether the refusal came after the model was already written (checksum
+    mismatch): the model is then in an unknown state and the receiver refuses everything until resync().
+    """
+
+    def __init__(self, message: str, model_written: bool = False):
+        super().__init__(message)
+        self.model_written = model_written
+
+
 class Header(NamedTuple):
     kind: int
     version: int
@@ -65,7 +77,7 @@ def wait_all(works: list) -> None:
 
 def recv_header(src: int, group, device, expected_kind: int) -> Header:
     """Receive one fixed-size header (64 bytes) from `src`: the first message of every update."""
-    words = torch.empty(HEADER_WORDS + 1, dtype=torch.int64, device=device)
+    words = torch.empty(HEADER_WORDS, dtype=torch.int64, device=device)
     dist.recv(words, src=src, group=group)
     return Header.from_tensor(words, expected_kind)
 

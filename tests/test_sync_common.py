@@ -1,0 +1,50 @@
+"""Shared helpers for the sync/ tests (no tests here): states to sync, random updates, bitwise equality."""
+
+import torch
+
+from sync.coo import as_bits
+
+
+def make_state(seed: int, float_dtype=torch.float32) -> dict:
+    """Every shape and dtype the patch format must handle: scalar, 1-D, 2-D, 4-D, int and bool buffers."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "scale": torch.randn((), generator=g).to(float_dtype),
+        "enc.bias": torch.randn(37, generator=g).to(float_dtype),
+        "enc.weight": torch.randn(300, 70, generator=g).to(float_dtype),
+        "conv.weight": torch.randn(4, 3, 5, 5, generator=g).to(float_dtype),
+        "dec.weight": torch.randn(1000, 2, generator=g).to(float_dtype),
+        "steps": torch.randint(0, 100, (10,), generator=g),
+        "mask": torch.rand(6, generator=g) < 0.5,
+    }
+
+
+def cast_floats(state: dict, dtype) -> dict:
+    return {k: v.to(dtype) if v.is_floating_point() else v.clone() for k, v in state.items()}
+
+
+def random_update(state: dict, g: torch.Generator, density: float) -> None:
+    """Change about `density` of every tensor's elements in place, with NaNs and signed zeros among the
+    new float values so that change detection must work on bits."""
+    for value in state.values():
+        where = torch.rand(value.shape, generator=g) < density
+        if value.dtype == torch.bool:
+            value[where] = ~value[where]
+        elif not value.is_floating_point():
+            value[where] += 1
+        else:
+            new = torch.randn(value.shape, generator=g).to(value.dtype)
+            kind = torch.rand(value.shape, generator=g)
+            new[kind < 0.05] = float("nan")
+            new[(kind >= 0.05) & (kind < 0.10)] = -0.0
+            new[(kind >= 0.10) & (kind < 0.15)] = 0.0
+            value[where] = new[where]
+
+
+def bits_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(as_bits(a[k].contiguous()), as_bits(b[k].contiguous())) for k in a)
+
+
+def snapshot(state: dict) -> dict:
+    return {k: v.detach().clone() for k, v in state.items()}
