@@ -83,7 +83,9 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float]]:
                 next_obs, reward, terminated, truncated, extras = env.step(actions)
                 done = terminated | truncated
                 # Time-outs are not failures: bootstrap them with the value of the obs before the reset.
-                bootstrapped = reward + cfg.ppo.gamma * truncated * model.value(extras["final_obs"]["critic"])
+                bootstrapped = reward
+                if cfg.ppo.bootstrap_time_outs:
+                    bootstrapped = reward + cfg.ppo.gamma * truncated * model.value(extras["final_obs"]["critic"])
                 storage.add(obs["policy"], obs["critic"], actions, pi.mean, pi.stddev,
                             pi.log_prob(actions).sum(-1), bootstrapped, values, done)
                 episode_return += reward
@@ -104,7 +106,9 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float]]:
 
         # ---- update: E epochs x M minibatches, gradients averaged across ranks --------------------
         t1 = time.time()
-        model.train()
+        if cfg.ppo.schedule == "linear":
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.ppo.learning_rate * (1.0 - iteration / cfg.max_iterations)
         stats = ppo_update(model, optimizer, storage, grad_sync, cfg.ppo, generator=shuffle)
         learning_time = time.time() - t1
 

@@ -32,6 +32,8 @@ class PolicyConfig:
     """hidden activation of both MLPs"""
     init_noise_std: float = 1.0
     """initial action standard deviation (state-independent, learned)"""
+    orthogonal_init: bool = False
+    """orthogonal weights (gain sqrt 2; actor head 0.01, critic head 1) and zero biases, as in CleanRL"""
     normalize_critic_obs: bool = True
     """running mean/var normalizer on critic observations (frozen during an iteration)"""
     normalize_actor_obs: bool = False
@@ -47,9 +49,9 @@ class PPOConfig:
     num_mini_batches: int = 4
     """minibatches per epoch; each is num-envs / num-mini-batches whole trajectories per rank"""
     learning_rate: float = 1e-3
-    """Adam learning rate (initial value when the schedule is adaptive)"""
-    schedule: Literal["adaptive", "fixed"] = "adaptive"
-    """adaptive: scale the LR by the global KL after each minibatch; fixed: constant LR"""
+    """Adam learning rate (initial value for the adaptive and linear schedules)"""
+    schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"
+    """adaptive: scale the LR by the global KL each minibatch; fixed: constant; linear: anneal to 0 over the run"""
     desired_kl: float = 0.01
     """target KL for the adaptive schedule"""
     lr_min: float = 1e-5
@@ -72,6 +74,12 @@ class PPOConfig:
     """clip the global gradient norm (after cross-rank averaging) to this value"""
     advantage_norm: Literal["global", "local", "none"] = "global"
     """normalize advantages over all ranks (3 float64 sums), per rank, or not at all"""
+    minibatch_unit: Literal["trajectory", "transition"] = "trajectory"
+    """split minibatches by whole env trajectories (SONIC, RSL-RL) or by single transitions (CleanRL)"""
+    normalize_rewards: bool = False
+    """divide rewards by the running std of the discounted return (CleanRL's NormalizeReward), merged across ranks"""
+    bootstrap_time_outs: bool = True
+    """bootstrap time-outs from the value of the final observation; off treats them like terminations"""
 
 
 @dataclass
@@ -127,7 +135,11 @@ def validate(cfg: Config) -> None:
                         "--env.sampling-uniform-floor": cfg.env.sampling_uniform_floor}.items():
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{flag} must be in [0, 1], got {value}")
-    if cfg.env.num_envs % cfg.ppo.num_mini_batches:
+    if cfg.ppo.minibatch_unit == "transition":
+        if (cfg.env.num_envs * cfg.ppo.num_steps) % cfg.ppo.num_mini_batches:
+            raise ValueError(f"--env.num-envs x --ppo.num-steps ({cfg.env.num_envs * cfg.ppo.num_steps}) must be "
+                             f"divisible by --ppo.num-mini-batches ({cfg.ppo.num_mini_batches})")
+    elif cfg.env.num_envs % cfg.ppo.num_mini_batches:
         raise ValueError(f"--env.num-envs ({cfg.env.num_envs}) must be divisible by --ppo.num-mini-batches "
                          f"({cfg.ppo.num_mini_batches}): minibatches are whole trajectories, never a silent remainder")
     if not 0 < cfg.ppo.lr_min <= cfg.ppo.learning_rate <= cfg.ppo.lr_max:

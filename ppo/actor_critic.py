@@ -22,13 +22,20 @@ def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: str) -> 
 class ActorCritic(nn.Module):
     def __init__(self, actor_obs_dim: int, critic_obs_dim: int, num_actions: int,
                  actor_hidden=(128, 128), critic_hidden=(128, 128), activation: str = "elu",
-                 init_noise_std: float = 1.0, normalize_actor_obs: bool = False, normalize_critic_obs: bool = True):
+                 init_noise_std: float = 1.0, normalize_actor_obs: bool = False, normalize_critic_obs: bool = True,
+                 orthogonal_init: bool = False):
         super().__init__()
         self.actor = mlp(actor_obs_dim, actor_hidden, num_actions, activation)
         self.critic = mlp(critic_obs_dim, critic_hidden, 1, activation)
         self.log_std = nn.Parameter(torch.full((num_actions,), float(torch.log(torch.tensor(init_noise_std)))))
         self.actor_normalizer = ObsNormalizer(actor_obs_dim) if normalize_actor_obs else nn.Identity()
         self.critic_normalizer = ObsNormalizer(critic_obs_dim) if normalize_critic_obs else nn.Identity()
+        if orthogonal_init:
+            for net, head_gain in ((self.actor, 0.01), (self.critic, 1.0)):
+                linears = [m for m in net if isinstance(m, nn.Linear)]
+                for layer in linears:
+                    nn.init.orthogonal_(layer.weight, head_gain if layer is linears[-1] else 2**0.5)
+                    nn.init.zeros_(layer.bias)
 
     def distribution(self, actor_obs: torch.Tensor) -> torch.distributions.Normal:
         mean = self.actor(self.actor_normalizer(actor_obs))
@@ -46,4 +53,4 @@ class ActorCritic(nn.Module):
 def build_actor_critic(policy_cfg, obs_dims: dict[str, int], num_actions: int) -> ActorCritic:
     return ActorCritic(obs_dims["policy"], obs_dims["critic"], num_actions, policy_cfg.actor_hidden,
                        policy_cfg.critic_hidden, policy_cfg.activation, policy_cfg.init_noise_std,
-                       policy_cfg.normalize_actor_obs, policy_cfg.normalize_critic_obs)
+                       policy_cfg.normalize_actor_obs, policy_cfg.normalize_critic_obs, policy_cfg.orthogonal_init)

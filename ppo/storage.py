@@ -33,19 +33,26 @@ class RolloutStorage:
     def clear(self) -> None:
         self.step = 0
 
-    def minibatches(self, num_mini_batches: int, generator: torch.Generator | None = None
-                    ) -> Iterator[dict[str, torch.Tensor]]:
-        """One epoch: a fresh permutation of the N envs split into equal groups of whole trajectories.
+    FIELDS = ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values",
+              "advantages", "returns")
 
-        Each yielded dict holds flat [T * N / M, ...] tensors. Every trajectory appears exactly once
-        per epoch. No communication: each rank shuffles its own envs with its own generator.
+    def minibatches(self, num_mini_batches: int, generator: torch.Generator | None = None,
+                    unit: str = "trajectory") -> Iterator[dict[str, torch.Tensor]]:
+        """One epoch: a fresh permutation split into `num_mini_batches` equal minibatches.
+
+        unit "trajectory": permute the N envs; each minibatch holds N / M whole trajectories (all T
+        steps, in time order), as flat [T * N / M, ...] tensors. unit "transition": permute all T * N
+        transitions. Either way every sample appears exactly once per epoch. No communication: each
+        rank shuffles its own data with its own generator.
         """
-        if self.num_envs % num_mini_batches:
-            raise ValueError(f"num_envs ({self.num_envs}) must be divisible by num_mini_batches ({num_mini_batches})")
-        size = self.num_envs // num_mini_batches
-        perm = torch.randperm(self.num_envs, generator=generator, device="cpu").to(self.rewards.device)
-        fields = ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values",
-                  "advantages", "returns")
+        count = self.num_envs if unit == "trajectory" else self.num_envs * self.num_steps
+        if count % num_mini_batches:
+            raise ValueError(f"{count} {unit}s per rank are not divisible by num_mini_batches ({num_mini_batches})")
+        size = count // num_mini_batches
+        perm = torch.randperm(count, generator=generator, device="cpu").to(self.rewards.device)
         for i in range(num_mini_batches):
-            envs = perm[i * size:(i + 1) * size]
-            yield {f: getattr(self, f)[:, envs].flatten(0, 1) for f in fields}
+            ids = perm[i * size:(i + 1) * size]
+            if unit == "trajectory":
+                yield {f: getattr(self, f)[:, ids].flatten(0, 1) for f in self.FIELDS}
+            else:
+                yield {f: getattr(self, f).flatten(0, 1)[ids] for f in self.FIELDS}

@@ -40,7 +40,7 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, num_micro_batches: int
     totals = {"surrogate": 0.0, "value_function": 0.0, "entropy": 0.0, "kl": 0.0}
     num_steps = skipped = 0
     for _epoch in range(cfg.num_epochs):
-        for batch in storage.minibatches(cfg.num_mini_batches, generator):
+        for batch in storage.minibatches(cfg.num_mini_batches, generator, cfg.minibatch_unit):
             grad_sync.zero_grad()
             batch_size = batch["actions"].shape[0]
             if batch_size % num_micro_batches:

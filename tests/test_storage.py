@@ -39,3 +39,14 @@ def test_indivisible_minibatches_raise():
         assert "divisible" in str(e)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_transition_minibatches_cover_every_transition_once():
+    T, N, M = 5, 12, 6
+    s = filled_storage(T, N)
+    seen = []
+    for batch in s.minibatches(M, torch.Generator().manual_seed(1), unit="transition"):
+        assert batch["actor_obs"].shape == (T * N // M, 3)
+        # (step, env) of each transition, recovered from the stored values: obs = env + 100 * step.
+        seen += (batch["actor_obs"][:, 0] - batch["values"]).div(100).long().mul(N).add(batch["values"].long()).tolist()
+    assert sorted(seen) == list(range(T * N))
