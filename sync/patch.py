@@ -189,20 +189,25 @@ class PatchSyncer(WeightSyncer):
         except (ValueError, RuntimeError) as error:
             raise SyncIntegrityError(f"weight sync: patch {update.version} payload is corrupted: {error}") from error
 
-        writes, out_of_range = [], []
+        # Every payload byte must matter: indices inside their tensor, bools stored as 0 or 1 (copy_ would
+        # quietly turn a damaged bool byte into True). One host sync for all tensors, before any write.
+        writes, invalid = [], []
         for key, (_, values_sent, row_code, col_code, _) in zip(keys, update.table.tolist()):
             target = tensors[key]
-            if row_code == DENSE:
-                writes.append((target, None, next(views).to(target.device)))
-                continue
-            rows, cols = decode(next(views).to(target.device), next(views).to(target.device),
-                                self.cfg.patch.delta_encoding)
-            n_rows, n_cols = shape_2d(self.shapes[key])
-            out_of_range.append((rows.min() < 0) | (rows.max() >= n_rows) | (cols.min() < 0) | (cols.max() >= n_cols))
-            writes.append((target, rows * n_cols + cols, next(views).to(target.device)))
-        if out_of_range and bool(torch.stack([f.cpu() for f in out_of_range]).any()):
-            raise SyncIntegrityError(f"weight sync: patch {update.version} has indices outside their tensors: "
-                                     "the payload is corrupted; call resync() on sender and receivers")
+            linear = None
+            if row_code != DENSE:
+                rows, cols = decode(next(views).to(target.device), next(views).to(target.device),
+                                    self.cfg.patch.delta_encoding)
+                n_rows, n_cols = shape_2d(self.shapes[key])
+                invalid.append((rows.min() < 0) | (rows.max() >= n_rows) | (cols.min() < 0) | (cols.max() >= n_cols))
+                linear = rows * n_cols + cols
+            values = next(views).to(target.device)
+            if values.dtype == torch.bool:
+                invalid.append((values.view(torch.uint8) > 1).any())
+            writes.append((target, linear, values))
+        if invalid and bool(torch.stack([f.to(invalid[0].device) for f in invalid]).any()):
+            raise SyncIntegrityError(f"weight sync: patch {update.version} has indices outside their tensors or "
+                                     "invalid bools: the payload is corrupted; call resync() on sender and receivers")
 
         with torch.no_grad():
             for target, linear, values in writes:

@@ -76,3 +76,54 @@ def test_delta_encoding_and_compression_agree_and_two_receivers_match():
     # Delta encoding narrows the row indices of sparse matrices: never more bytes, fewer at 0.1% density.
     delta_bytes, absolute_bytes = [[s.payload_bytes for s in stats] for _, stats in sender[:2]]
     assert all(d <= a for d, a in zip(delta_bytes, absolute_bytes)) and delta_bytes[1] < absolute_bytes[1]
+
+
+def _hand_sized(rank, world_size, receiver_dtype, delta):
+    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(delta_encoding=delta))
+    cfg.patch.init_sync.bucket_size = 4000
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    state = {"dec.weight": torch.zeros(1000, 2), "vec": torch.zeros(10)}
+    if rank == 0:
+        syncer.init_sender(state)
+        stats = [syncer.stats]
+        state["dec.weight"][[0, 200, 400, 600], 0] = 1.0  # rows 0..600: deltas fit uint8, absolutes need int16
+        state["vec"][:6] = 1.0  # 6 of 10 changed
+        stats.append(syncer.sync(state, 1))
+        state["vec"][:7] = 2.0  # 7 of 10 changed
+        stats.append(syncer.sync(state, 2))
+        return [(s.wire_bytes, s.payload_bytes, s.sparse_tensors, s.dense_tensors) for s in stats]
+    model = cast_floats(state, receiver_dtype)
+    syncer.init_receiver(model)
+    tables = []
+    for _ in range(2):
+        update = syncer.recv_update()
+        tables.append(update.table[:, :4].tolist())
+        syncer.apply_update(model, update)
+    return tables
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("receiver_dtype, delta", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
+def test_patch_bytes_index_dtypes_and_dense_fallback_by_hand(receiver_dtype, delta):
+    stats, tables = run_ranks(_hand_sized, 2, args=(receiver_dtype, delta))
+    value = receiver_dtype.itemsize
+    uint8, int16, dense = 0, 1, -1
+    header, table_row = 64, 5 * 8
+    # Bootstrap: dec.weight (8000 fp32 bytes, over the 4000-byte bucket) travels alone, then vec (40 bytes);
+    # bootstrap and patches travel in the receiver's dtype.
+    assert stats[0] == (2 * header + 2000 * value + 10 * value, 2000 * value + 10 * value, 0, 0)
+
+    # Patch 1, dec.weight: 4 changes at rows 0, 200, 400, 600, col 0. Rows as deltas (0, 200, 200, 200) fit
+    # uint8; absolute rows need int16. Each tensor picks its own index dtypes.
+    row_bytes = 1 if delta else 2
+    dec = 4 * (row_bytes + 1 + value)
+    # vec, viewed as (1, 10): 6 changes cost 6 * (1 + 1 + 4) = 36 < 40 bytes whole in fp32 (sparse), but
+    # 6 * (1 + 1 + 2) = 24 >= 20 bytes whole in bf16 (dense).
+    vec_sparse = 6 * (1 + 1 + value) < 10 * value
+    vec = 6 * (1 + 1 + value) if vec_sparse else 10 * value
+    assert stats[1] == (header + 2 * table_row + dec + vec, dec + vec, 1 + vec_sparse, 1 - vec_sparse)
+    assert tables[0] == [[0, 4, uint8 if delta else int16, uint8], [1, 6, uint8, uint8] if vec_sparse else [1, 10, dense, dense]]
+
+    # Patch 2: 7 of 10 changed: 7 * (1 + 1 + value) >= 10 * value in both dtypes, so vec goes whole.
+    assert stats[2] == (header + table_row + 10 * value, 10 * value, 0, 1)
+    assert tables[1] == [[1, 10, dense, dense]]

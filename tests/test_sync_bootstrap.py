@@ -1,0 +1,103 @@
+"""patch init bootstrap over gloo: prefixes, frozen parameters, tied weights sent once, checked starts."""
+
+import pytest
+import torch
+from torch import nn
+
+from multirank import run_ranks
+from sync import InitSyncConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer, trainable_keys
+from test_sync_common import bits_equal, snapshot
+
+
+class TiedNet(nn.Module):
+    """Embedding tied to the output head, a frozen layer, a persistent and a non-persistent buffer."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(50, 8)
+        self.head = nn.Linear(8, 50, bias=False)
+        self.head.weight = self.embed.weight
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("count", torch.tensor(0))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+
+EMBED, FROZEN, COUNT = 50 * 8 * 4, (8 * 8 + 8) * 4, 8  # bytes of each part in fp32 / int64
+
+
+def _frozen_and_tied(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=list(range(1, world_size)))
+    net = TiedNet(seed=rank)  # every rank starts from different weights
+    if rank == 0:
+        syncer.init_sender(net, keys=trainable_keys(net))
+        bootstrap = syncer.stats
+        with torch.no_grad():
+            net.embed.weight.add_(1.0)  # every element of the tied weight
+            net.frozen.weight.add_(1.0)  # frozen: not part of patches
+            net.count += 1
+        patch = syncer.sync(net, 1)
+        after_patch = snapshot(net.state_dict())
+        syncer.resync(net, 2)
+        resync = syncer.stats
+        return [(s.wire_bytes, s.payload_bytes, s.changed_elements) for s in (bootstrap, patch, resync)], after_patch, \
+            snapshot(net.state_dict())
+    syncer.init_receiver(net)
+    at_start = snapshot(net.state_dict())
+    assert syncer.apply(net) == 1
+    after_patch = snapshot(net.state_dict())
+    assert syncer.resync(net) == 2
+    tied = net.head.weight.data_ptr() == net.embed.weight.data_ptr()
+    return at_start, after_patch, snapshot(net.state_dict()), tied
+
+
+@pytest.mark.slow
+def test_frozen_parameters_bootstrap_and_resync_only_and_tied_weights_travel_once():
+    (stats, sender_after_patch, sender_final), *receivers = run_ranks(_frozen_and_tied, 3)
+    bootstrap, patch, resync = stats
+    sender_start = snapshot(TiedNet(seed=0).state_dict())
+    # Bootstrap: the whole state_dict, the tied weight once, frozen layer included, no non-persistent buffer.
+    assert bootstrap == (64 + EMBED + FROZEN + COUNT, EMBED + FROZEN + COUNT, 400 + 72 + 1)
+    # Patch: tied weight (dense, once) and count; the frozen layer is not tracked. Two table rows of 5 words.
+    assert patch == (64 + 2 * 40 + EMBED + COUNT, EMBED + COUNT, 400 + 1)
+    assert resync == bootstrap[:2] + (473,)
+    for at_start, after_patch, final, tied in receivers:
+        assert bits_equal(at_start, sender_start)
+        frozen = ("frozen.weight", "frozen.bias")
+        assert bits_equal({k: v for k, v in after_patch.items() if k not in frozen},
+                          {k: v for k, v in sender_after_patch.items() if k not in frozen})
+        assert bits_equal({k: after_patch[k] for k in frozen}, {k: sender_start[k] for k in frozen})
+        assert bits_equal(final, sender_final) and tied
+
+
+def _prefixes(rank, world_size, prefixes, receiver_differs_in):
+    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(init_sync=InitSyncConfig(prefixes=prefixes)))
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    net = TiedNet(seed=0)
+    if rank == 0:
+        try:
+            syncer.init_sender(net)
+        except (ValueError, SyncIntegrityError) as error:
+            return f"{type(error).__name__}: {error}"
+        return syncer.stats.payload_bytes
+    with torch.no_grad():
+        getattr(net, receiver_differs_in).weight.mul_(2.0)
+    try:
+        syncer.init_receiver(net)
+    except (ValueError, SyncIntegrityError) as error:
+        return f"{type(error).__name__}: {error}"
+    return bits_equal(net.state_dict(), TiedNet(seed=0).state_dict())
+
+
+@pytest.mark.slow
+def test_bootstrap_prefixes_send_only_their_keys_and_the_rest_must_start_equal():
+    # Receiver differs only inside the prefix: the bootstrap repairs it, sending only frozen.*.
+    sent, equal = run_ranks(_prefixes, 2, args=(("frozen",), "frozen"))
+    assert sent == FROZEN and equal is True
+    # Receiver differs outside the prefix: both sides refuse at init and name the key.
+    for message in run_ranks(_prefixes, 2, args=(("frozen",), "embed")):
+        assert message.startswith("SyncIntegrityError") and "embed.weight" in message and "frozen" not in message
+    # A prefix that matches nothing is a configuration error on both sides ("frozen.w" is not a module path).
+    for message in run_ranks(_prefixes, 2, args=(("frozen.w",), "frozen")):
+        assert message.startswith("ValueError") and "['frozen.w'] match no state_dict key" in message

@@ -1,0 +1,75 @@
+"""bucket strategy over gloo: exact copies, bucket plans and bytes by hand, dtype conversion, load_instant."""
+
+import pytest
+import torch
+
+from multirank import run_ranks
+from sync import BucketConfig, WeightSyncConfig, make_weight_syncer
+from sync.bucket_transfer import plan_buckets
+from test_sync_common import bits_equal, cast_floats, make_state, random_update, snapshot
+
+# Bytes of make_state's tensors in fp32: scale, enc.bias, enc.weight, conv.weight, dec.weight, steps, mask.
+FP32_BYTES = [4, 37 * 4, 300 * 70 * 4, 4 * 3 * 25 * 4, 1000 * 2 * 4, 10 * 8, 6]
+
+
+def test_plan_buckets_by_hand():
+    assert plan_buckets(FP32_BYTES, 50_000) == [[0, 1], [2], [3, 4, 5, 6]]  # 84000 bytes travel alone
+    assert plan_buckets([10, 10, 10], 20) == [[0, 1], [2]]
+    assert plan_buckets([30, 10], 20) == [[0], [1]]
+    assert plan_buckets([], 20) == [[]]  # an update always carries one header
+
+
+def _bucket_updates(rank, world_size, settings_list, receiver_dtype):
+    results = []
+    for settings in settings_list:
+        syncer = make_weight_syncer(WeightSyncConfig(type="bucket", bucket=BucketConfig(**settings)),
+                                    src=0, dsts=list(range(1, world_size)))
+        if rank == 0:
+            state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+            syncer.init_sender(state)
+            history, stats = [], []
+            for version in (1, 2, 3):
+                random_update(state, g, 0.1)
+                stats.append(syncer.sync(state, version))
+                history.append(snapshot(state))
+            results.append((history, [(s.wire_bytes, s.payload_bytes) for s in stats]))
+        else:
+            model = cast_floats(make_state(seed=100 + rank), receiver_dtype)
+            syncer.init_receiver(model)
+            history = []
+            for version in (1, 2, 3):
+                assert syncer.apply(model) == version
+                history.append(snapshot(model))
+            results.append(history)
+    return results
+
+
+@pytest.mark.slow
+def test_bucket_load_instant_both_ways_to_two_receivers_exact_and_sized_by_hand():
+    settings = [{"bucket_size": 50_000, "load_instant": True}, {"bucket_size": 50_000, "load_instant": False}]
+    sender, *receivers = run_ranks(_bucket_updates, 3, args=(settings, torch.float32))
+    for (history, stats), *copies in zip(sender, *receivers):
+        assert all(bits_equal(copy[i], history[i]) for copy in copies for i in range(3))
+        assert stats == [(3 * 64 + sum(FP32_BYTES), sum(FP32_BYTES))] * 3  # three buckets (see the plan test)
+
+
+@pytest.mark.slow
+def test_bucket_dtype_converts_floats_only():
+    # bf16 on the wire to an fp32 receiver: floats are rounded to bf16, ints and bools are untouched.
+    settings = [{"bucket_size": 50_000, "bucket_dtype": "bfloat16"}]
+    ((history, stats),), (received,) = run_ranks(_bucket_updates, 2, args=(settings, torch.float32))
+    for step in range(3):
+        assert bits_equal(received[step], cast_floats(cast_floats(history[step], torch.bfloat16), torch.float32))
+    bf16_bytes = sum(n // 2 for n in FP32_BYTES[:5]) + sum(FP32_BYTES[5:])  # 46762 bytes: one bucket
+    assert stats == [(64 + bf16_bytes, bf16_bytes)] * 3
+
+
+@pytest.mark.slow
+def test_bucket_to_a_bf16_receiver_sends_its_dtype():
+    # bucket_dtype=None sends each tensor in the receiver's dtype: exact and half the bytes of fp32.
+    settings = [{"bucket_size": 50_000}]
+    ((history, stats),), (received,) = run_ranks(_bucket_updates, 2, args=(settings, torch.bfloat16))
+    for step in range(3):
+        assert bits_equal(received[step], cast_floats(history[step], torch.bfloat16))
+    bf16_bytes = sum(n // 2 for n in FP32_BYTES[:5]) + sum(FP32_BYTES[5:])
+    assert stats == [(64 + bf16_bytes, bf16_bytes)] * 3

@@ -1,0 +1,114 @@
+"""Bad input is a clear error naming what to fix: configs, handshakes (both sides raise), calls."""
+
+import sys
+
+import pytest
+import torch
+
+from multirank import run_ranks
+from sync import BucketConfig, InitSyncConfig, PatchConfig, WeightSyncConfig, make_weight_syncer
+from sync.compression import require_codec
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: WeightSyncConfig(type="delta"), "type='delta' is not one of 'patch', 'bucket'"),
+    (lambda: PatchConfig(compression="lz5"), "patch.compression='lz5'"),
+    (lambda: PatchConfig(compression="zstd", transport_device="cuda"), "set patch.transport_device=cpu"),
+    (lambda: PatchConfig(snapshot_device="gpu"), "patch.snapshot_device='gpu'"),
+    (lambda: BucketConfig(bucket_size=0), "bucket.bucket_size must be a positive number of bytes"),
+    (lambda: BucketConfig(bucket_dtype="int8"), "bucket.bucket_dtype='int8'"),
+    (lambda: InitSyncConfig(prefixes="actor"), "must be a list of key prefixes"),
+    (lambda: InitSyncConfig(prefixes=[]), "must be None or non-empty strings"),
+])
+def test_bad_config_names_the_field(build, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build()
+
+
+def test_missing_codec_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # makes `import zstandard` fail
+    with pytest.raises(ImportError, match="pip install zstandard"):
+        require_codec("zstd")
+
+
+def _state():
+    return {"a": torch.zeros(4, 3), "b": torch.zeros(5), "steps": torch.zeros(2, dtype=torch.int64)}
+
+
+# (what the receiver changes, what both sides' error must say)
+HANDSHAKES = [
+    ("keys", "missing on the receiver ['b'], unexpected on the receiver ['extra']"),
+    ("shape", "'a' has shape [3, 4] on the receiver and [4, 3] on the sender"),
+    ("int dtype", "'steps' is torch.float32 on the receiver and torch.int64 on the sender"),
+    ("config", "config differs from the sender's"),
+    ("not contiguous", "not_contiguous on the receiver: ['a']"),
+]
+
+
+def _bad_handshakes(rank, world_size):
+    messages = []
+    for change, _ in HANDSHAKES:
+        cfg = WeightSyncConfig(type="patch")
+        state = _state()
+        if rank == 1:
+            if change == "keys":
+                state["extra"] = state.pop("b")
+            elif change == "shape":
+                state["a"] = torch.zeros(3, 4)
+            elif change == "int dtype":
+                state["steps"] = state["steps"].float()
+            elif change == "config":
+                cfg.patch.delta_encoding = False
+            elif change == "not contiguous":
+                state["a"] = torch.zeros(3, 4).t()
+        syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+        with pytest.raises(ValueError) as error:
+            syncer.init_sender(state) if rank == 0 else syncer.init_receiver(state)
+        messages.append(str(error.value))
+    # A bf16 receiver of an fp32 sender is fine: floating dtypes may differ.
+    syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
+    state = _state() if rank == 0 else {**_state(), "a": torch.zeros(4, 3, dtype=torch.bfloat16)}
+    syncer.init_sender(state) if rank == 0 else syncer.init_receiver(state)
+    return messages
+
+
+@pytest.mark.slow
+def test_handshake_mismatches_fail_on_both_sides_with_the_reason():
+    for messages in run_ranks(_bad_handshakes, 2):
+        for (_, expected), message in zip(HANDSHAKES, messages):
+            assert expected in message, message
+
+
+def _bad_calls(rank, world_size):
+    with pytest.raises(ValueError, match="neither the sender"):
+        make_weight_syncer(WeightSyncConfig(), src=5, dsts=[6])
+    with pytest.raises(ValueError, match="distinct receiver ranks other than the sender 0"):
+        make_weight_syncer(WeightSyncConfig(), src=0, dsts=[0, 1])
+    with pytest.raises(ValueError, match="gloo backend cannot send from device 'cuda'"):
+        make_weight_syncer(WeightSyncConfig(type="bucket", bucket=BucketConfig(bucket_device="cuda")), 0, [1])
+    syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
+    state = _state()
+    with pytest.raises(RuntimeError, match="call init_sender/init_receiver first"):
+        syncer.sync(state, 1) if rank == 0 else syncer.apply(state)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="rank 0 is the sender; call the sender methods"):
+            syncer.apply(state)
+        syncer.init_sender(state)
+        with pytest.raises(ValueError, match="version must increase, last sent 0, got 0"):
+            syncer.sync(state, 0)
+        with pytest.raises(KeyError, match=r"missing \['b'\], unexpected \['c'\]"):
+            syncer.sync({"a": state["a"], "c": state["b"], "steps": state["steps"]}, 1)
+        syncer.sync(state, 1)
+    else:
+        syncer.init_receiver(state)
+        with pytest.raises(KeyError, match=r"receiver model keys differ from init_receiver: missing \['steps'\]"):
+            syncer.apply({"a": state["a"], "b": state["b"]})
+        with pytest.raises(ValueError, match="load_instant=true writes buckets as they arrive"):
+            syncer.apply(state, blocking=False)
+        assert syncer.apply(state) == 1
+    return True
+
+
+@pytest.mark.slow
+def test_bad_calls_are_clear_errors():
+    assert run_ranks(_bad_calls, 2) == [True, True]

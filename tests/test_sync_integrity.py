@@ -1,0 +1,125 @@
+"""patch integrity over gloo: lost, reordered and corrupted patches are refused, resync() recovers, and the
+sender commits its snapshot only after a send went through."""
+
+import pytest
+import torch
+
+import sync.patch
+from multirank import run_ranks
+from sync import PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from test_sync_common import bits_equal, make_state, random_update, snapshot
+
+
+def _syncer(world_size, **patch_settings):
+    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(**patch_settings))
+    return make_weight_syncer(cfg, src=0, dsts=list(range(1, world_size)))
+
+
+def _lost_and_reordered(rank, world_size):
+    syncer = _syncer(world_size)
+    if rank == 0:
+        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+        syncer.init_sender(state)
+        for version in (1, 2):
+            random_update(state, g, 0.1)
+            syncer.sync(state, version)
+        syncer.resync(state, 3)
+        for version in (4, 5):
+            random_update(state, g, 0.1)
+            syncer.sync(state, version)
+        return snapshot(state)
+
+    model = make_state(seed=7)
+    syncer.init_receiver(model)
+    syncer.recv_update()  # patch 1 is lost
+    second, at_version_0 = syncer.recv_update(), snapshot(model)
+    with pytest.raises(SyncIntegrityError, match="applies to version 1 but this receiver holds version 0"):
+        syncer.apply_update(model, second)
+    assert bits_equal(model, at_version_0), "a refused patch must leave the model untouched"
+    assert syncer.version == 0
+    assert syncer.resync(model) == 3
+
+    fourth, fifth = syncer.recv_update(), syncer.recv_update()
+    with pytest.raises(SyncIntegrityError, match="lost or reordered"):
+        syncer.apply_update(model, fifth)  # arrives before its base
+    assert syncer.apply_update(model, fourth) == 4
+    assert syncer.apply_update(model, fifth) == 5
+    return snapshot(model)
+
+
+@pytest.mark.slow
+def test_lost_or_reordered_patch_is_refused_and_resync_recovers():
+    sender, receiver = run_ranks(_lost_and_reordered, 2)
+    assert bits_equal(receiver, sender)
+
+
+def _corrupted(rank, world_size, compression, flip_at):
+    syncer = _syncer(world_size, compression=compression)
+    if rank == 0:
+        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+        syncer.init_sender(state)
+        random_update(state, g, 0.05)
+        syncer.sync(state, 1)
+        syncer.resync(state, 2)
+        random_update(state, g, 0.05)
+        syncer.sync(state, 3)
+        return snapshot(state)
+
+    model = make_state(seed=7)
+    syncer.init_receiver(model)
+    update = syncer.recv_update()
+    intact = update.payload.clone()
+    update.payload[int(flip_at * (update.payload.numel() - 1))] ^= 0xFF
+    with pytest.raises(SyncIntegrityError):
+        syncer.apply_update(model, update)
+    if syncer._broken:  # the model was written before the damage showed: nothing else may land on it
+        update.payload = intact
+        with pytest.raises(SyncIntegrityError, match="needs resync"):
+            syncer.apply_update(model, update)
+    assert syncer.resync(model) == 2
+    assert syncer.apply(model) == 3
+    return snapshot(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compression, flip_at", [("none", 0.0), ("none", 1.0), ("zstd", 0.5)])
+def test_corrupted_payload_is_detected(compression, flip_at):
+    # Byte 0 is a float value (values are laid out before 1-byte indices), the last byte an index.
+    sender, receiver = run_ranks(_corrupted, 2, args=(compression, flip_at))
+    assert bits_equal(receiver, sender)
+
+
+def _failed_send(rank, world_size):
+    syncer = _syncer(world_size)
+    if rank == 0:
+        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+        syncer.init_sender(state)
+        random_update(state, g, 0.1)
+        real_isend_all = sync.patch.isend_all
+
+        def broken_link(*args):
+            raise ConnectionError("link down")
+
+        sync.patch.isend_all = broken_link
+        with pytest.raises(ConnectionError):
+            syncer.sync(state, 1)
+        sync.patch.isend_all = real_isend_all
+        assert syncer.version == 0
+        random_update(state, g, 0.1)
+        stats = syncer.sync(state, 2)
+        return snapshot(state), stats.changed_elements
+
+    model = make_state(seed=7)
+    syncer.init_receiver(model)
+    assert syncer.apply(model) == 2  # patch 2 applies to version 0: patch 1 was never committed
+    return snapshot(model)
+
+
+@pytest.mark.slow
+def test_snapshot_is_committed_only_after_the_send():
+    (sender, changed), receiver = run_ranks(_failed_send, 2)
+    assert bits_equal(receiver, sender)
+    start = make_state(seed=0)
+    # Patch 2 carries the changes of the failed patch 1 as well: everything that differs from the start.
+    from test_sync_patch import _changed_elements
+    assert changed == _changed_elements(start, sender, torch.float32)
