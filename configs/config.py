@@ -4,22 +4,37 @@ tyro turns `Config` into the command line: `--ppo.num-epochs 5 --env.num-envs 10
 concern; `validate()` rejects bad values with an error naming the flag, before anything is built.
 """
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
 
 @dataclass
 class EnvConfig:
-    name: Literal["cartpole", "tracking"] = "tracking"
-    """embedded environment to train on"""
+    name: Literal["cartpole", "tracking", "gymnasium", "isaaclab"] = "tracking"
+    """environment: embedded (cartpole, tracking) or a simulator adapter (gymnasium, isaaclab; see --env.task)"""
     num_envs: int = 256
     """environments per rank (total = world size x num-envs)"""
+    global_num_envs: int = 0
+    """if > 0: a global env budget split evenly across ranks (replaces --env.num-envs; must divide)"""
     episode_length_s: float = 10.0
-    """episode time limit in seconds; reaching it is a time-out (bootstrapped), not a termination"""
+    """cartpole/tracking: episode time limit in seconds; reaching it is a time-out (bootstrapped), not a termination"""
     num_motions: int = 64
     """tracking only: reference motions in the procedurally generated motion library"""
     sampling_uniform_floor: float = 0.2
     """tracking only: share of motion sampling that stays uniform; the rest follows failure rates"""
+    task: str = ""
+    """gymnasium/isaaclab: registered task id, e.g. Hopper-v4 or Isaac-Velocity-Rough-G1-v0 (its own time limit applies)"""
+    action_scale: float = 1.0
+    """gymnasium/isaaclab: multiply policy actions by this before they reach the simulator"""
+    action_clip: float | None = None
+    """gymnasium/isaaclab: clip scaled actions to [-C, C] (gymnasium also clips to the action space bounds)"""
+    actor_obs_groups: tuple[str, ...] = ("policy",)
+    """isaaclab: observation groups concatenated, in order, into the actor input"""
+    critic_obs_groups: tuple[str, ...] = ("policy",)
+    """isaaclab: observation groups concatenated, in order, into the critic input (e.g. policy critic)"""
+    launcher_args: str = ""
+    """isaaclab: extra Isaac Lab launcher flags, e.g. '--physics newton_mjwarp --viz kit' (never --device)"""
 
 
 @dataclass
@@ -48,6 +63,8 @@ class PPOConfig:
     """passes over the rollout per iteration"""
     num_mini_batches: int = 4
     """minibatches per epoch; each is num-envs / num-mini-batches whole trajectories per rank"""
+    num_micro_batches: int = 1
+    """split each minibatch into this many micro-batches for memory only (one gradient sync per minibatch)"""
     learning_rate: float = 1e-3
     """Adam learning rate (initial value for the adaptive and linear schedules)"""
     schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"
@@ -88,6 +105,16 @@ class DistConfig:
     """process-group backend; auto = nccl when CUDA is available, else gloo"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda:LOCAL_RANK when CUDA is available, else cpu"""
+    grad_sync: Literal["flat", "bucketed"] = "flat"
+    """flat: one all-reduce of all gradients after backward; bucketed: per-bucket async all-reduce overlapping backward"""
+    bucket_mb: float = 25.0
+    """bucketed: bucket size cap in MB (a larger tensor gets its own bucket)"""
+    unused_params: Literal["error", "zero"] = "error"
+    """a parameter without gradient in a step: error naming it, or average it as a zero gradient"""
+    verify_every: int = 100
+    """all-reduce a parameter checksum every K iterations and raise naming diverging ranks (0 = only after loads)"""
+    sampler_sync_every: int = 10
+    """sum the adaptive-sampling counts across ranks every K iterations (and at every checkpoint)"""
 
 
 @dataclass
@@ -115,6 +142,8 @@ class Config:
     """base seed; rank r uses seed + r"""
     resume: str = ""
     """checkpoint (.pt) to continue from; training resumes at its iteration"""
+    dry_run: bool = False
+    """print the start-up summary and the sync plan, then exit without training"""
 
 
 def validate(cfg: Config) -> None:
@@ -127,6 +156,8 @@ def validate(cfg: Config) -> None:
         "--ppo.learning-rate": cfg.ppo.learning_rate, "--ppo.clip-param": cfg.ppo.clip_param,
         "--ppo.max-grad-norm": cfg.ppo.max_grad_norm, "--policy.init-noise-std": cfg.policy.init_noise_std,
         "--env.num-motions": cfg.env.num_motions, "--ppo.desired-kl": cfg.ppo.desired_kl,
+        "--ppo.num-micro-batches": cfg.ppo.num_micro_batches, "--dist.bucket-mb": cfg.dist.bucket_mb,
+        "--dist.sampler-sync-every": cfg.dist.sampler_sync_every,
     }
     for flag, value in positive.items():
         if not value > 0:
@@ -142,6 +173,14 @@ def validate(cfg: Config) -> None:
     elif cfg.env.num_envs % cfg.ppo.num_mini_batches:
         raise ValueError(f"--env.num-envs ({cfg.env.num_envs}) must be divisible by --ppo.num-mini-batches "
                          f"({cfg.ppo.num_mini_batches}): minibatches are whole trajectories, never a silent remainder")
+    if cfg.dist.verify_every < 0:
+        raise ValueError(f"--dist.verify-every must be >= 0, got {cfg.dist.verify_every}")
+    samples_per_rank = cfg.env.num_envs * cfg.ppo.num_steps
+    minibatch = samples_per_rank // cfg.ppo.num_mini_batches
+    if minibatch % cfg.ppo.num_micro_batches:
+        raise ValueError(f"a minibatch of {minibatch} transitions per rank is not divisible by --ppo.num-micro-batches "
+                         f"({cfg.ppo.num_micro_batches}); micro-batches must be equal for the accumulated gradient "
+                         f"to equal the minibatch gradient")
     if not 0 < cfg.ppo.lr_min <= cfg.ppo.learning_rate <= cfg.ppo.lr_max:
         raise ValueError(f"need 0 < --ppo.lr-min <= --ppo.learning-rate <= --ppo.lr-max, got "
                          f"{cfg.ppo.lr_min}, {cfg.ppo.learning_rate}, {cfg.ppo.lr_max}")
@@ -149,3 +188,40 @@ def validate(cfg: Config) -> None:
         raise ValueError("--ppo.value-loss-coef and --ppo.entropy-coef must be >= 0")
     if any(h <= 0 for h in (*cfg.policy.actor_hidden, *cfg.policy.critic_hidden)):
         raise ValueError("--policy.actor-hidden and --policy.critic-hidden sizes must be positive")
+    validate_simulator_env(cfg)
+
+
+SIMULATOR_PACKAGES = {"gymnasium": ("gymnasium", "make setup-mujoco"), "isaaclab": ("isaaclab", "make setup-isaaclab")}
+
+
+def validate_simulator_env(cfg: Config) -> None:
+    """Checks for the gymnasium and Isaac Lab adapters that need no simulator to be started."""
+    if cfg.env.name not in SIMULATOR_PACKAGES:
+        return
+    package, setup = SIMULATOR_PACKAGES[cfg.env.name]
+    if not cfg.env.task:
+        raise ValueError(f"--env.name {cfg.env.name} needs --env.task, a registered task id "
+                         f"(e.g. Hopper-v4, Isaac-Velocity-Rough-G1-v0)")
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"--env.name {cfg.env.name} needs the {package} package, which is not installed: `{setup}`")
+    if cfg.env.name == "isaaclab" and cfg.dist.device == "cpu":
+        raise ValueError("--env.name isaaclab simulates on GPUs (one per rank); it cannot run with --dist.device cpu")
+    if not cfg.env.action_scale > 0:
+        raise ValueError(f"--env.action-scale must be positive, got {cfg.env.action_scale}")
+    if cfg.env.action_clip is not None and not cfg.env.action_clip > 0:
+        raise ValueError(f"--env.action-clip must be positive (or None for no clip), got {cfg.env.action_clip}")
+    if not cfg.env.actor_obs_groups or not cfg.env.critic_obs_groups:
+        raise ValueError("--env.actor-obs-groups and --env.critic-obs-groups need at least one group each")
+
+
+def resolve_num_envs(cfg: Config, world_size: int) -> str:
+    """Apply --env.global-num-envs (split across ranks) if set; return a line saying which scope is used."""
+    if cfg.env.global_num_envs < 0:
+        raise ValueError(f"--env.global-num-envs must be >= 0, got {cfg.env.global_num_envs}")
+    if cfg.env.global_num_envs == 0:
+        return f"--env.num-envs {cfg.env.num_envs} is per rank"
+    if cfg.env.global_num_envs % world_size:
+        raise ValueError(f"--env.global-num-envs {cfg.env.global_num_envs} is not divisible by the world size "
+                         f"{world_size}; pick a multiple of {world_size} or use per-rank --env.num-envs")
+    cfg.env.num_envs = cfg.env.global_num_envs // world_size
+    return f"--env.global-num-envs {cfg.env.global_num_envs} split over {world_size} ranks = {cfg.env.num_envs} per rank"

@@ -41,14 +41,15 @@ def _count(purpose: str, tensor: torch.Tensor) -> None:
 
 
 def all_reduce(tensor: torch.Tensor, purpose: str, op: str = "sum", async_op: bool = False):
-    """In-place all-reduce of `tensor` over all ranks with op "sum", "max" or "min".
+    """In-place all-reduce of `tensor` over all ranks with op "sum", "avg" (NCCL only), "max" or "min".
 
     Returns a work handle when `async_op` (None in a single process), else the tensor.
     """
     if world_size() == 1:
         return None if async_op else tensor
     _count(purpose, tensor)
-    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+                 "min": dist.ReduceOp.MIN}[op]
     work = dist.all_reduce(tensor, op=reduce_op, async_op=async_op)
     return work if async_op else tensor
 
@@ -60,6 +61,16 @@ def broadcast(tensor: torch.Tensor, purpose: str, src: int = 0) -> torch.Tensor:
     _count(purpose, tensor)
     dist.broadcast(tensor, src=src)
     return tensor
+
+
+def all_gather(tensor: torch.Tensor, purpose: str) -> torch.Tensor:
+    """Every rank's `tensor`, stacked along a new first dim [world_size, ...]."""
+    if world_size() == 1:
+        return tensor.unsqueeze(0)
+    _count(purpose, tensor)
+    out = [torch.empty_like(tensor) for _ in range(world_size())]
+    dist.all_gather(out, tensor)
+    return torch.stack(out)
 
 
 def all_gather_object(obj, purpose: str) -> list:

@@ -1,71 +1,179 @@
-"""Gradient averaging across ranks without a DDP wrapper.
+"""Gradient averaging across ranks without a DDP wrapper: `GradSync(params, mode="flat" | "bucketed")`.
 
-`FlatGradSync` (mode `flat`): every parameter's `.grad` is a view into one contiguous buffer, so the
-whole gradient is averaged by a single all-reduce with no packing copy. A few float32 scalars
-(e.g. the KL sum and count of the adaptive-LR rule) ride at the end of the same buffer, saving a
-separate collective.
+Every parameter's `.grad` is a view into a bucket buffer (no packing copy, ever):
 
-Usage per optimizer step (the gradient of the whole minibatch, possibly accumulated over
-micro-batches with no communication in between):
+- `flat`: one bucket holding every gradient; one all-reduce per optimizer step, issued at
+  `synchronize()`, after backward.
+- `bucketed`: buckets of at most `bucket_mb` MB in reverse registration order (roughly the order
+  backward produces gradients; a tensor larger than the cap gets a bucket of its own). At the
+  minibatch boundary each bucket's all-reduce is launched asynchronously, from a
+  post-accumulate-grad hook, as soon as its last gradient is ready, so communication overlaps the
+  rest of backward. Buckets launch strictly in index order so every rank issues the same sequence.
+
+A few float32 `extras` (e.g. the KL sum and count of the adaptive-LR rule) ride at the end of the
+last bucket to launch, saving a separate collective: they are summed, the gradients averaged.
+
+Per optimizer step, with q micro-batches (gradients accumulate locally; only the last backward
+communicates, so the accumulation window is exactly one minibatch):
 
     sync.zero_grad()
-    loss.backward()                      # accumulate locally, as often as needed
-    extras = sync.synchronize(extras)    # one all-reduce: grads averaged, extras summed
-    norm = sync.clip_(max_norm)          # on the synchronized global gradient
+    for i, micro in enumerate(micro_batches):
+        loss = ...                               # forward
+        if i == q - 1:
+            sync.arm(extras)                     # the next backward is the minibatch boundary
+        (loss / q).backward()
+    summed_extras = sync.synchronize()           # wait: grads averaged, identical on every rank
+    norm = sync.clip_(max_norm)                  # global norm of the synchronized gradient
     optimizer.step()
+
+Parameters that got no gradient in a step: `unused="error"` (default) raises naming them, because a
+silently missing gradient usually means a bug in the loss; `unused="zero"` treats it as a zero
+gradient (still averaged, so ranks stay identical).
 """
 
 import torch
+import torch.distributed as dist
 
 from dist import comm
 
 
-class FlatGradSync:
-    def __init__(self, params: list[torch.nn.Parameter], num_extras: int = 0):
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
-            raise ValueError("FlatGradSync needs at least one parameter that requires grad")
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise ValueError(f"flat gradient sync needs one parameter dtype, got {sorted(map(str, dtypes))}")
-        self.num_grads = sum(p.numel() for p in self.params)
-        self.num_extras = num_extras
-        self.buffer = torch.zeros(self.num_grads + num_extras, dtype=self.params[0].dtype,
-                                  device=self.params[0].device)
-        self.flat_grad = self.buffer[:self.num_grads]
+class _Bucket:
+    def __init__(self, params: list[torch.nn.Parameter], num_extras: int):
+        self.params = params
+        self.num_grads = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(self.num_grads + num_extras, dtype=params[0].dtype, device=params[0].device)
+        self.grads = self.buffer[:self.num_grads]
+        self.extras = self.buffer[self.num_grads:]
+        self.pending = 0          # gradients still to arrive in the armed backward
+        self.work = None          # async all-reduce handle once launched
         offset = 0
-        for p in self.params:
+        for p in params:
             # Autograd accumulates into an existing .grad in place, so the view survives every backward.
             p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
+
+def _bucket_params(params, bucket_bytes: float) -> list[list[torch.nn.Parameter]]:
+    """Reverse registration order, greedily filled up to `bucket_bytes`; never splits a tensor."""
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class GradSync:
+    def __init__(self, params, mode: str = "flat", bucket_mb: float = 25.0, num_extras: int = 0,
+                 unused: str = "error"):
+        if mode not in ("flat", "bucketed"):
+            raise ValueError(f"--dist.grad-sync must be flat or bucketed, got {mode!r}")
+        if unused not in ("error", "zero"):
+            raise ValueError(f"--dist.unused-params must be error or zero, got {unused!r}")
+        if not bucket_mb > 0:
+            raise ValueError(f"--dist.bucket-mb must be positive, got {bucket_mb}")
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("GradSync needs at least one parameter that requires grad")
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"gradient buckets need one parameter dtype, got {sorted(map(str, dtypes))}")
+        self.mode, self.unused, self.num_extras = mode, unused, num_extras
+        groups = [self.params[::-1]] if mode == "flat" else _bucket_params(self.params, bucket_mb * 2**20)
+        self.buckets = [_Bucket(g, num_extras if i == len(groups) - 1 else 0) for i, g in enumerate(groups)]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._received: set[int] = set()
+        self._armed = False
+        self._next_launch = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    # ---- per step ------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        """Zero the gradient buffer (never set grads to None: that would detach the views)."""
-        self.buffer.zero_()
+        """Zero every bucket (never set grads to None: that would detach the views)."""
+        for b in self.buckets:
+            b.buffer.zero_()
+        self._received.clear()
 
-    def synchronize(self, extras: torch.Tensor | None = None) -> torch.Tensor:
-        """Average the gradients over ranks and sum `extras` ([num_extras]) over ranks; return the summed extras.
-
-        Crosses ranks: one all-reduce (SUM) of num_params + num_extras values per optimizer step, then a
-        local scale by 1 / world size (gloo has no AVG). Every rank ends with bit-identical gradients.
-        """
+    def arm(self, extras: torch.Tensor | None = None) -> None:
+        """Declare the next backward the minibatch boundary and stage the extras to sum across ranks."""
         if self.num_extras:
             if extras is None or extras.numel() != self.num_extras:
-                raise ValueError(f"synchronize expects {self.num_extras} extra scalars, got "
+                raise ValueError(f"arm() expects {self.num_extras} extra scalars, got "
                                  f"{None if extras is None else extras.numel()}")
-            self.buffer[self.num_grads:] = extras.detach().to(self.buffer.dtype)
-        comm.all_reduce(self.buffer, "gradients")
+            self.buckets[-1].extras.copy_(extras.detach().reshape(-1))
+        for b in self.buckets:
+            b.pending, b.work = len(b.params), None
+        self._armed, self._next_launch = True, 0
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        self._received.add(id(p))
+        if not (self._armed and self.mode == "bucketed"):
+            return
+        bucket = self._bucket_of[id(p)]
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        """Launch buckets in index order while the next one is complete (or `force`: all the rest)."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.pending > 0 and not force:
+                return
+            bucket.work = self._all_reduce(bucket.buffer, async_op=True)
+            self._next_launch += 1
+
+    def _all_reduce(self, buffer: torch.Tensor, async_op: bool):
+        """Crosses ranks: one all-reduce of a bucket (its gradients + any extras), once per optimizer step.
+
+        NCCL averages in the collective (AVG); gloo has no AVG, so it sums and `synchronize` divides.
+        """
+        if comm.world_size() > 1 and dist.get_backend() == "nccl":
+            return comm.all_reduce(buffer, "gradients", op="avg", async_op=async_op)
+        return comm.all_reduce(buffer, "gradients", op="sum", async_op=async_op)
+
+    def synchronize(self) -> torch.Tensor:
+        """Finish the step's communication; return the extras summed over ranks.
+
+        Crosses ranks: flat, one all-reduce of every gradient + extras, issued here; bucketed, the
+        per-bucket all-reduces launched during backward, waited on here. Afterwards every rank holds
+        the bit-identical mean gradient.
+        """
+        if not self._armed:
+            raise RuntimeError("synchronize() without arm(): call arm() before the last micro-batch's backward")
+        missing = [p for p in self.params if id(p) not in self._received]
+        if missing and self.unused == "error":
+            names = ", ".join(f"#{self.params.index(p)} {tuple(p.shape)}" for p in missing[:5])
+            raise RuntimeError(f"{len(missing)} parameter(s) received no gradient this step ({names}); fix the "
+                               f"loss, or pass --dist.unused-params zero to average them as zero gradients")
+        self._launch_ready(force=True)      # flat: the one bucket; bucketed: only buckets with unused params
         world = comm.world_size()
-        if world > 1:
-            self.flat_grad.div_(world)
-        return self.buffer[self.num_grads:].clone()
+        averaged_by_backend = world > 1 and dist.get_backend() == "nccl"
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            if world > 1 and not averaged_by_backend:
+                b.grads.div_(world)
+        self._armed = False
+        extras = self.buckets[-1].extras
+        return extras * world if averaged_by_backend else extras.clone()
 
     def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale the synchronized gradient to global L2 norm <= max_norm; return the norm before clipping.
 
-        No communication: the gradient is already identical on every rank, so is its norm, so a
-        non-finite norm makes every rank skip the same step.
+        No communication: the gradient is identical on every rank, so is its norm, so a non-finite
+        norm makes every rank skip the same step.
         """
-        norm = self.flat_grad.norm()
-        self.flat_grad.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b.grads) for b in self.buckets]))
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for b in self.buckets:
+            b.grads.mul_(scale)
         return norm
+
+    def bucket_bytes(self) -> list[int]:
+        """Bytes of each bucket's all-reduce, in launch order (the sync plan prints these)."""
+        return [b.buffer.numel() * b.buffer.element_size() for b in self.buckets]

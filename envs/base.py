@@ -10,7 +10,10 @@
   episode. `extras["final_obs"]` holds the observation groups *before* that reset (equal to `obs`
   for envs that did not finish), which is what a time-out must be bootstrapped from.
 - `extras["log"]` maps names to scalar tensors (episode metrics of envs that just finished); the runner
-  averages them over an iteration and across ranks.
+  averages them over an iteration and across ranks. `log_keys` declares every name that can appear,
+  up front: the cross-rank metrics vector must have the same layout on every rank even when one
+  rank has not logged a key yet.
+- `sampler` is the env's adaptive sampler (counts summed across ranks by the runner), or None.
 - `state_dict()`/`load_state_dict()` carry sampler/curriculum state into checkpoints.
 """
 
@@ -25,6 +28,8 @@ class VecEnv(Protocol):
     obs_dims: dict[str, int]
     max_episode_length: int
     device: torch.device
+    log_keys: tuple[str, ...]
+    sampler: object | None        # has local_counts, commit_global(summed); see envs/motions.py
 
     def reset(self) -> tuple[dict[str, torch.Tensor], dict]: ...
 

@@ -16,6 +16,7 @@ class CartPole:
     def __init__(self, num_envs: int, device: torch.device, seed: int, episode_length_s: float = 10.0):
         self.num_envs, self.device, self.num_actions = num_envs, torch.device(device), 1
         self.obs_dims = {"policy": 4, "critic": 4}
+        self.log_keys, self.sampler = (), None
         self.max_episode_length = int(round(episode_length_s / self.dt))
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.state = torch.zeros(num_envs, 4, device=self.device)

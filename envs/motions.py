@@ -74,6 +74,11 @@ class AdaptiveMotionSampler:
         self.local_counts[0].index_add_(0, motion_ids, ended.double())
         self.local_counts[1].index_add_(0, motion_ids, (ended & failed).double())
 
+    def commit_global(self, summed_local: torch.Tensor) -> None:
+        """Fold the cross-rank sum of every rank's local counts into the global counts; restart local."""
+        self.global_counts += summed_local
+        self.local_counts.zero_()
+
     def state_dict(self) -> dict:
         return {"global_counts": self.global_counts.cpu(), "local_counts": self.local_counts.cpu()}
 

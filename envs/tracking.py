@@ -28,6 +28,7 @@ class Tracking:
     sim_dt, decimation, action_scale = 0.005, 4, 1.0
     future_steps = (1, 2, 5, 10)
     fail_distance = 0.15
+    log_keys = ("Episode/body_error", "Episode/reward_joint", "Episode/reward_body", "Episode/failure_rate")
 
     def __init__(self, num_envs: int, device: torch.device, seed: int, base_seed: int,
                  episode_length_s: float = 10.0, num_motions: int = 64, uniform_floor: float = 0.2):

@@ -20,6 +20,9 @@ def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: str) -> 
 
 
 class ActorCritic(nn.Module):
+    # Cross-rank rule of every buffer (see dist/buffers.py): the normalizers merge their statistics.
+    BUFFER_POLICY = {"actor_normalizer.*": "merge", "critic_normalizer.*": "merge"}
+
     def __init__(self, actor_obs_dim: int, critic_obs_dim: int, num_actions: int,
                  actor_hidden=(128, 128), critic_hidden=(128, 128), activation: str = "elu",
                  init_noise_std: float = 1.0, normalize_actor_obs: bool = False, normalize_critic_obs: bool = True,

@@ -11,7 +11,7 @@ class RunLogger:
         self.max_iterations, self.start_iteration = max_iterations, start_iteration
         self.start_time = time.time()
 
-    def log(self, iteration: int, scalars: dict[str, float], step: int) -> None:
+    def log(self, scalars: dict[str, float], step: int) -> None:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
 

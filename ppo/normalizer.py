@@ -35,3 +35,41 @@ class ObsNormalizer(nn.Module):
         self.count, self.mean64, self.m2 = merge_moments(self.count, self.mean64, self.m2, batch)
         self.mean.copy_(self.mean64)
         self.std.copy_((self.m2 / self.count).sqrt())
+
+
+class RewardNormalizer(nn.Module):
+    """Scales rewards by the running std of the discounted return, like CleanRL's NormalizeReward.
+
+    Buffers: `returns` [N] is each env's running discounted return (sync rule `local`: it follows this
+    rank's envs); count/mean64/m2/std are the return statistics (rule `merge`). The statistics are
+    frozen while an iteration collects and learns; `update()` then merges the returns this iteration
+    produced on every rank (one all-reduce of 3 float64).
+    """
+
+    BUFFER_POLICY = {"returns": "local", "count": "merge", "mean64": "merge", "m2": "merge", "std": "merge"}
+
+    def __init__(self, num_envs: int, gamma: float, eps: float = 1e-8):
+        super().__init__()
+        self.gamma, self.eps = gamma, eps
+        self.register_buffer("returns", torch.zeros(num_envs))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("mean64", torch.zeros(1, dtype=torch.float64))
+        self.register_buffer("m2", torch.zeros(1, dtype=torch.float64))
+        self.register_buffer("std", torch.ones(()))
+        self._seen: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def forward(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        """Record the discounted return after this step and return the scaled reward."""
+        self.returns.mul_(self.gamma).add_(reward)
+        self._seen.append(self.returns.clone())
+        self.returns.mul_(~done)
+        return reward / (self.std + self.eps)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Merge this iteration's returns of every rank into the statistics (one all-reduce of 3 float64)."""
+        seen = torch.cat(self._seen)[:, None]
+        self._seen.clear()
+        self.count, self.mean64, self.m2 = merge_moments(self.count, self.mean64, self.m2, seen)
+        self.std.copy_((self.m2[0] / self.count).sqrt())

@@ -31,11 +31,11 @@ def normalize_advantages(storage, mode: str) -> None:
     storage.advantages = (adv - mean) / (std + 1e-8)
 
 
-def ppo_update(model, optimizer, storage, grad_sync, cfg, num_micro_batches: int = 1,
-               generator: torch.Generator | None = None) -> dict[str, float]:
+def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Generator | None = None) -> dict[str, float]:
     """Run the update in place on `model`/`optimizer`; return this rank's loss means, the global KL,
     the final LR and the number of skipped (non-finite) steps."""
     normalize_advantages(storage, cfg.advantage_norm)
+    num_micro_batches = cfg.num_micro_batches
     lr = optimizer.param_groups[0]["lr"]
     totals = {"surrogate": 0.0, "value_function": 0.0, "entropy": 0.0, "kl": 0.0}
     num_steps = skipped = 0
@@ -46,19 +46,22 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, num_micro_batches: int
             if batch_size % num_micro_batches:
                 raise ValueError(f"minibatch of {batch_size} transitions is not divisible by "
                                  f"--ppo.num-micro-batches {num_micro_batches}")
-            kl_sum = torch.zeros((), device=batch["actions"].device)
-            terms_sum = torch.zeros(3, device=kl_sum.device)
-            for micro in zip(*(v.chunk(num_micro_batches) for v in batch.values())):
+            device = batch["actions"].device
+            kl_sum, terms_sum = torch.zeros((), device=device), torch.zeros(3, device=device)
+            micro_batches = list(zip(*(v.chunk(num_micro_batches) for v in batch.values())))
+            for i, micro in enumerate(micro_batches):
                 mb = dict(zip(batch.keys(), micro))
                 pi = model.distribution(mb["actor_obs"])
                 terms = ppo_loss(pi.log_prob(mb["actions"]).sum(-1), mb["log_probs"], mb["advantages"],
                                  model.value(mb["critic_obs"]), mb["values"], mb["returns"], pi.entropy().sum(-1),
                                  cfg.clip_param, cfg.clip_value_loss, cfg.value_loss_coef, cfg.entropy_coef)
-                (terms["loss"] / num_micro_batches).backward()   # equal micro-batches: mean of means
                 with torch.no_grad():
                     kl_sum += gaussian_kl(mb["action_mean"], mb["action_std"], pi.mean, pi.stddev).sum()
                     terms_sum += torch.stack([terms["surrogate"], terms["value_function"], terms["entropy"]])
-            kl_stats = grad_sync.synchronize(torch.stack([kl_sum, torch.tensor(float(batch_size), device=kl_sum.device)]))
+                if i == num_micro_batches - 1:   # the boundary: KL (sum, count) rides in the gradient all-reduce
+                    grad_sync.arm(torch.stack([kl_sum, torch.tensor(float(batch_size), device=device)]))
+                (terms["loss"] / num_micro_batches).backward()   # equal micro-batches: mean of means
+            kl_stats = grad_sync.synchronize()
             grad_norm = grad_sync.clip_(cfg.max_grad_norm)
             kl, norm = torch.stack([kl_stats[0] / kl_stats[1], grad_norm]).tolist()  # one host sync per step
             if cfg.schedule == "adaptive" and math.isfinite(kl):

@@ -48,7 +48,7 @@ class ConcatStorage(RolloutStorage):
         super().__init__(T, N * world_size, OBS, A, torch.device("cpu"))
         self.world_size, self.generators = world_size, [torch.Generator().manual_seed(s) for s in seeds]
 
-    def minibatches(self, num_mini_batches, generator=None):
+    def minibatches(self, num_mini_batches, generator=None, unit="trajectory"):
         size = N // num_mini_batches
         perms = [torch.randperm(N, generator=g) + r * N for r, g in enumerate(self.generators)]
         for i in range(num_mini_batches):

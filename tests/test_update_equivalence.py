@@ -3,21 +3,21 @@
 import pytest
 import torch
 
-from dist.grad_sync import FlatGradSync
+from dist.grad_sync import GradSync
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update
 from tests.multirank import run_ranks
 from tests.ppo_fixtures import A, N, OBS, T, ConcatStorage, fill, make_model, ppo_cfg
 
 
-def distributed_update(rank, world_size, cfg_overrides, num_micro_batches):
+def distributed_update(rank, world_size, cfg_overrides, num_micro_batches=1):
     model = make_model()
     storage = RolloutStorage(T, N, OBS, A, torch.device("cpu"))
     fill(storage, rank, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    sync = FlatGradSync(list(model.parameters()), num_extras=2)
-    stats = ppo_update(model, optimizer, storage, sync, ppo_cfg(**cfg_overrides), num_micro_batches,
-                       generator=torch.Generator().manual_seed(7 + rank))
+    sync = GradSync(list(model.parameters()), num_extras=2)
+    cfg = ppo_cfg(num_micro_batches=num_micro_batches, **cfg_overrides)
+    stats = ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(7 + rank))
     return {k: v.clone() for k, v in model.state_dict().items()}, stats
 
 
@@ -27,7 +27,7 @@ def single_process_update(world_size, cfg_overrides):
     for r in range(world_size):
         fill(storage, r, model, env_offset=r * N)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    sync = FlatGradSync(list(model.parameters()), num_extras=2)
+    sync = GradSync(list(model.parameters()), num_extras=2)
     stats = ppo_update(model, optimizer, storage, sync, ppo_cfg(**cfg_overrides))
     return model.state_dict(), stats
 

@@ -1,0 +1,72 @@
+"""An explicit cross-rank rule for every registered buffer of a trained module.
+
+Rules: `broadcast` (rank 0's value wins), `mean` (average over ranks), `merge` (the owner merges
+sufficient statistics itself, e.g. ObsNormalizer.update), `local` (never synchronized: per-rank state
+such as a per-env running return). A module declares its rules as {glob pattern: rule} over buffer
+names; `resolve_buffer_policy` fails at start-up on any buffer that no pattern covers, naming it, so a
+new buffer can never be silently broadcast or silently left to drift (DDP broadcasts them all).
+"""
+
+from fnmatch import fnmatch
+
+import torch
+
+from dist import comm
+
+RULES = ("broadcast", "mean", "merge", "local")
+
+
+def resolve_buffer_policy(module: torch.nn.Module, policy: dict[str, str]) -> dict[str, str]:
+    """Return {buffer name: rule} for every buffer of `module`; raise on undeclared buffers or bad rules."""
+    bad = {p: r for p, r in policy.items() if r not in RULES}
+    if bad:
+        raise ValueError(f"unknown buffer rules {bad}; use one of {RULES}")
+    resolved, undeclared = {}, []
+    for name, _ in module.named_buffers():
+        rules = [r for pattern, r in policy.items() if fnmatch(name, pattern)]
+        if not rules:
+            undeclared.append(name)
+        elif len(set(rules)) > 1:
+            raise ValueError(f"buffer {name!r} matches patterns with different rules {sorted(set(rules))}")
+        else:
+            resolved[name] = rules[0]
+    if undeclared:
+        raise ValueError(f"buffers without a sync rule: {undeclared}; declare each as one of {RULES} in the "
+                         f"module's BUFFER_POLICY")
+    return resolved
+
+
+def sync_buffers(module: torch.nn.Module, resolved: dict[str, str]) -> None:
+    """Apply the `broadcast` and `mean` rules (merge and local need nothing here).
+
+    Crosses ranks: per dtype, one coalesced broadcast of all `broadcast` buffers and one coalesced
+    all-reduce of all `mean` buffers; nothing when no buffer has those rules. The runner calls this
+    once per iteration, after the update.
+    """
+    buffers = dict(module.named_buffers())
+    for rule in ("broadcast", "mean"):
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for name, r in resolved.items():
+            if r == rule:
+                by_dtype.setdefault(buffers[name].dtype, []).append(buffers[name])
+        for group in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in group]).to(comm.device())
+            if rule == "broadcast":
+                comm.broadcast(flat, "buffers", src=0)
+            else:
+                comm.all_reduce(flat, "buffers").div_(comm.world_size())
+            offset = 0
+            for b in group:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+
+def buffer_bytes(module: torch.nn.Module, resolved: dict[str, str], rule: str) -> list[int]:
+    """Bytes per collective (one per dtype) that sync_buffers moves for `rule` (for the sync plan)."""
+    buffers = dict(module.named_buffers())
+    by_dtype: dict[torch.dtype, int] = {}
+    for name, r in resolved.items():
+        if r == rule:
+            b = buffers[name]
+            by_dtype[b.dtype] = by_dtype.get(b.dtype, 0) + b.numel() * b.element_size()
+    return list(by_dtype.values())

@@ -1,0 +1,105 @@
+"""The sync plan: every collective the learner will issue for a configuration, declared up front.
+
+Rank 0 prints it at start-up (`train.py PRESET --dry-run` prints it without training). Each row is
+one piece of state with its rule, collective, cadence, and the bytes of each call. `expected_ledger`
+turns the plan into call/byte counts after some iterations, which tests compare with what
+`dist.comm.LEDGER` actually recorded: the printed plan cannot drift from the code.
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PlanRow:
+    purpose: str
+    rule: str
+    collective: str          # "-" when nothing crosses ranks (state kept identical by construction)
+    cadence: str = "-"       # "setup", "iteration", "every", "checkpoint" or "-"
+    call_bytes: list[int] = field(default_factory=list)   # bytes of each call in one round (0 = pickled)
+    rounds: int = 1          # rounds per occurrence (e.g. optimizer steps per iteration)
+    every: int = 1           # K for cadence "every"; the save interval for "checkpoint"
+
+    @property
+    def calls(self) -> int:
+        return len(self.call_bytes) * self.rounds
+
+    def occurrences(self, iterations: int, final_iteration: int | None = None) -> int:
+        if self.cadence == "setup":
+            return 1
+        if self.cadence == "iteration":
+            return iterations
+        if self.cadence in ("every", "checkpoint"):
+            n = iterations // self.every
+            if self.cadence == "checkpoint" and final_iteration is not None and final_iteration % self.every:
+                n += 1      # a checkpoint is always written at the end of the run
+            return n
+        return 0
+
+
+def build_plan(*, optimizer_steps: int, grad_bucket_bytes: list[int], kl_rides: bool, param_bytes: list[int],
+               advantage_global: bool, normalizer_bytes: list[int], buffer_broadcast_bytes: list[int],
+               buffer_mean_bytes: list[int], sampler_bytes: int, sampler_every: int, metric_keys: int,
+               verify_every: int, save_every: int, resumed: bool) -> list[PlanRow]:
+    """The plan for one run. All sizes are per call, per rank, in bytes."""
+    rows = [
+        PlanRow("params", "broadcast from rank 0", "broadcast", "setup", param_bytes),
+        PlanRow("gradients", "mean over ranks", "all_reduce", "iteration", grad_bucket_bytes, optimizer_steps),
+        PlanRow("kl", "global mean (sum, count)", "in gradients" if kl_rides else "-"),
+        PlanRow("nonfinite", "norm of synced gradient", "-"),
+        PlanRow("optimizer", "local, same by construction", "-"),
+    ]
+    if advantage_global:
+        rows.append(PlanRow("advantages", "global (n, sum, sum sq)", "all_reduce", "iteration", [24]))
+    if normalizer_bytes:
+        rows.append(PlanRow("normalizer", "merge (n, mean, M2)", "all_reduce", "iteration", normalizer_bytes))
+    if buffer_broadcast_bytes:
+        rows.append(PlanRow("buffers", "broadcast from rank 0", "broadcast", "iteration", buffer_broadcast_bytes))
+    if buffer_mean_bytes:
+        rows.append(PlanRow("buffers", "mean over ranks", "all_reduce", "iteration", buffer_mean_bytes))
+    if sampler_bytes:
+        rows.append(PlanRow("sampler", "sum of counts", "all_reduce", "every", [sampler_bytes], every=sampler_every))
+        rows.append(PlanRow("sampler", "sum of counts before save", "all_reduce", "checkpoint", [sampler_bytes],
+                            every=save_every))
+    rows.append(PlanRow("metrics", "count-weighted mean", "all_reduce", "iteration", [16 * metric_keys]))
+    if verify_every:
+        rows.append(PlanRow("checksum", "all ranks equal rank 0", "all_gather", "every", [8], every=verify_every))
+    if resumed:
+        rows.append(PlanRow("checksum", "verify after load", "all_gather", "setup", [8]))
+    rows.append(PlanRow("checkpoint", "RNG of every rank", "all_gather_object", "checkpoint", [0], every=save_every))
+    return rows
+
+
+def expected_ledger(rows: list[PlanRow], iterations: int, final_iteration: int | None = None) -> dict[str, list[int]]:
+    """{purpose: [calls, bytes]} the plan predicts after the set-up and `iterations` iterations."""
+    out: dict[str, list[int]] = {}
+    for row in rows:
+        n = row.occurrences(iterations, final_iteration)
+        if n and row.calls:
+            entry = out.setdefault(row.purpose, [0, 0])
+            entry[0] += n * row.calls
+            entry[1] += n * row.rounds * sum(row.call_bytes)
+    return out
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def format_plan(rows: list[PlanRow], world_size: int) -> str:
+    note = "; at world size 1 none of these run" if world_size == 1 else ""
+    lines = [f"sync plan ({world_size} ranks{note})",
+             f"  {'state':<11} {'rule':<28} {'collective':<17} {'cadence':<15} {'calls':>5}  bytes per call"]
+    for r in rows:
+        cadence = {"every": f"every {r.every} it", "checkpoint": f"at saves"}.get(r.cadence, r.cadence)
+        if not r.call_bytes:
+            sizes = "-"
+        elif r.call_bytes == [0]:
+            sizes = "pickled, a few KB"
+        else:
+            sizes = " + ".join(_size(b) for b in r.call_bytes) + (f"  (x{r.rounds} steps)" if r.rounds > 1 else "")
+        lines.append(f"  {r.purpose:<11} {r.rule:<28} {r.collective:<17} {cadence:<15} {r.calls:>5}  {sizes}")
+    return "\n".join(lines)
