@@ -38,8 +38,8 @@ from ppo.update import ppo_update
 TRAIN_KEYS = ("Train/mean_reward", "Train/mean_episode_length", "Loss/surrogate", "Loss/value_function", "Loss/entropy")
 
 
-def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float]]:
-    """Train (or print the plan, with --dry-run); return the model and the last logged scalars."""
+def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
+    """Train (or print the plan, with --dry-run); return the model, the last logged scalars and the sync plan."""
     # ---- distributed set-up and every config check, before anything is built ---------------------
     info = init_distributed(cfg.dist.backend, cfg.dist.device)
     rank, world, device, is_main = info.rank, info.world_size, info.device, info.rank == 0
@@ -86,7 +86,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float]]:
               f"{format_plan(plan, world)}", flush=True)
     if cfg.dry_run:
         shutdown()
-        return model, {}
+        return model, {}, plan
     logger = RunLogger(run_dir, cfg.max_iterations, start_iteration) if is_main else None
 
     obs, _ = env.reset()
@@ -176,7 +176,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float]]:
     if is_main:
         logger.close()
     shutdown()
-    return model, scalars
+    return model, scalars, plan
 
 
 def sync_sampler(sampler) -> None:

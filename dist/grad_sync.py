@@ -145,9 +145,9 @@ class GradSync:
         """
         if not self._armed:
             raise RuntimeError("synchronize() without arm(): call arm() before the last micro-batch's backward")
-        missing = [p for p in self.params if id(p) not in self._received]
+        missing = [(i, p) for i, p in enumerate(self.params) if id(p) not in self._received]
         if missing and self.unused == "error":
-            names = ", ".join(f"#{self.params.index(p)} {tuple(p.shape)}" for p in missing[:5])
+            names = ", ".join(f"#{i} of shape {tuple(p.shape)}" for i, p in missing[:5])
             raise RuntimeError(f"{len(missing)} parameter(s) received no gradient this step ({names}); fix the "
                                f"loss, or pass --dist.unused-params zero to average them as zero gradients")
         self._launch_ready(force=True)      # flat: the one bucket; bucketed: only buckets with unused params

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train
-from configs import preset, validate
+from configs import preset, resolve_num_envs, validate
 
 
 def cfg_with(**changes):
@@ -29,10 +29,23 @@ def cfg_with(**changes):
     ({"ppo__lam": -0.1}, "--ppo.lam"),
     ({"ppo__learning_rate": 1.0}, "--ppo.learning-rate"),
     ({"policy__actor_hidden": (64, 0)}, "--policy.actor-hidden"),
+    ({"ppo__num_micro_batches": 5}, "--ppo.num-micro-batches"),   # 512 x 24 / 4 = 3072 transitions, not / 5
+    ({"dist__bucket_mb": 0.0}, "--dist.bucket-mb"),
+    ({"dist__verify_every": -1}, "--dist.verify-every"),
+    ({"dist__sampler_sync_every": 0}, "--dist.sampler-sync-every"),
 ])
 def test_bad_values_name_the_flag(changes, flag):
     with pytest.raises(ValueError, match=flag.replace(".", r"\.")):
         validate(cfg_with(**changes))
+
+
+def test_global_env_budget_splits_across_ranks_or_fails():
+    cfg = cfg_with(env__global_num_envs=1024)
+    assert "512 per rank" in resolve_num_envs(cfg, 2) and cfg.env.num_envs == 512
+    with pytest.raises(ValueError, match="--env.global-num-envs 1000 is not divisible by the world size 3"):
+        resolve_num_envs(cfg_with(env__global_num_envs=1000), 3)
+    per_rank = cfg_with()
+    assert "per rank" in resolve_num_envs(per_rank, 4) and per_rank.env.num_envs == 512
 
 
 def test_resume_path_errors(tmp_path):

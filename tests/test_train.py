@@ -22,7 +22,7 @@ def small_tracking(root, iterations=3, **overrides):
 
 
 def train_body(rank, world_size, cfg):
-    model, scalars = train.main(cfg)
+    model, scalars, _ = train.main(cfg)
     return {k: v.clone() for k, v in model.state_dict().items()}, scalars
 
 
@@ -41,7 +41,7 @@ def test_two_ranks_keep_parameters_bitwise_equal(tmp_path):
 
 def test_resume_continues_from_the_saved_iteration_and_state(tmp_path):
     cfg = small_tracking(tmp_path / "a", iterations=2)
-    model, _ = train.main(cfg)
+    model, _, _ = train.main(cfg)
     (ckpt,) = glob.glob(os.path.join(tmp_path, "a", "tracking", "*", "model_2.pt"))
     saved = torch.load(ckpt, weights_only=True)
     assert saved["iteration"] == 2 and len(saved["rng"]) == 1
@@ -49,7 +49,7 @@ def test_resume_continues_from_the_saved_iteration_and_state(tmp_path):
         assert torch.equal(saved["model"][key], value)
 
     resumed = small_tracking(tmp_path / "b", iterations=3, resume=ckpt)
-    model_b, _ = train.main(resumed)
+    model_b, _, _ = train.main(resumed)
     written = glob.glob(os.path.join(tmp_path, "b", "tracking", "*", "model_*.pt"))
     assert [os.path.basename(p) for p in written] == ["model_3.pt"]       # one more iteration, not three
     assert torch.load(written[0], weights_only=True)["iteration"] == 3
@@ -66,6 +66,6 @@ def test_resume_continues_from_the_saved_iteration_and_state(tmp_path):
 def test_cartpole_learns_past_threshold(tmp_path):
     cfg = preset("cartpole")
     cfg.log.root, cfg.log.print_every, cfg.max_iterations = str(tmp_path), 1000, 40
-    _, scalars = train.main(cfg)
+    _, scalars, _ = train.main(cfg)
     # A random policy balances ~20 steps; the time limit is 500.
     assert scalars["Train/mean_episode_length"] > 150

@@ -10,12 +10,12 @@ from tests.multirank import run_ranks
 from tests.ppo_fixtures import A, N, OBS, T, ConcatStorage, fill, make_model, ppo_cfg
 
 
-def distributed_update(rank, world_size, cfg_overrides, num_micro_batches=1):
+def distributed_update(rank, world_size, cfg_overrides, num_micro_batches=1, mode="flat"):
     model = make_model()
     storage = RolloutStorage(T, N, OBS, A, torch.device("cpu"))
     fill(storage, rank, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    sync = GradSync(list(model.parameters()), num_extras=2)
+    sync = GradSync(model.parameters(), mode, bucket_mb=0.001, num_extras=2)
     cfg = ppo_cfg(num_micro_batches=num_micro_batches, **cfg_overrides)
     stats = ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(7 + rank))
     return {k: v.clone() for k, v in model.state_dict().items()}, stats
@@ -33,9 +33,10 @@ def single_process_update(world_size, cfg_overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_whole_ppo_update_on_w_ranks_equals_one_process_on_concatenated_data(world_size):
-    results = run_ranks(distributed_update, world_size, args=({}, 1))
+@pytest.mark.parametrize("world_size, micro, mode", [(2, 1, "flat"), (2, 4, "bucketed"), (3, 2, "flat")])
+def test_whole_ppo_update_on_w_ranks_equals_one_process_on_concatenated_data(world_size, micro, mode):
+    """E epochs x M minibatches, adaptive KL, global advantage normalization, normalizer merge, clipping."""
+    results = run_ranks(distributed_update, world_size, args=({}, micro, mode))
     ref_state, ref_stats = single_process_update(world_size, {})
     for state, stats in results:
         for key, ref in ref_state.items():

@@ -1,0 +1,135 @@
+"""GradSync (flat and bucketed) against one process over the concatenated batch and against torch DDP."""
+
+import pytest
+import torch
+from torch import nn
+
+from dist.grad_sync import GradSync
+from tests.multirank import run_ranks
+
+B = 12   # samples per rank
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+        self.unused = nn.Linear(4, 4)        # never in the forward: gets no gradient
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def data(rank):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(B, 6, generator=g), torch.randn(B, 3, generator=g)
+
+
+def loss_fn(net, x, y):
+    return (net(x) - y).square().mean()
+
+
+def sync_grads(rank, world_size, mode, num_micro_batches, bucket_mb):
+    net = Net()
+    sync = GradSync(net.parameters(), mode, bucket_mb=bucket_mb, num_extras=2, unused="zero")
+    x, y = data(rank)
+    sync.zero_grad()
+    for i, (xm, ym) in enumerate(zip(x.chunk(num_micro_batches), y.chunk(num_micro_batches))):
+        if i == num_micro_batches - 1:
+            sync.arm(torch.tensor([float(rank), 1.0]))
+        (loss_fn(net, xm, ym) / num_micro_batches).backward()
+    extras = sync.synchronize()
+    grads = [p.grad.clone() for p in net.parameters()]
+    norm = sync.clip_(0.05)
+    clipped = [p.grad.clone() for p in net.parameters()]
+    return {"grads": grads, "clipped": clipped, "norm": norm, "extras": extras, "buckets": len(sync.buckets)}
+
+
+def ddp_grads(rank, world_size):
+    net = Net()
+    ddp = nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+    x, y = data(rank)
+    loss_fn(ddp, x, y).backward()
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in net.parameters()]
+
+
+def single_process_grads(world_size):
+    net = Net()
+    xs, ys = zip(*(data(r) for r in range(world_size)))
+    loss_fn(net, torch.cat(xs), torch.cat(ys)).backward()
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in net.parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+def test_grads_equal_single_process_and_ddp(mode, world_size):
+    # 0.01 MB buckets: several buckets, and the 64x64 weight (16 KB) is larger than a bucket.
+    results = run_ranks(sync_grads, world_size, args=(mode, 1, 0.01))
+    reference = single_process_grads(world_size)
+    ddp = run_ranks(ddp_grads, world_size)[0]
+    if mode == "bucketed":
+        assert results[0]["buckets"] == 3      # [head + unused], [64x64 weight: 16 KB > the 10 KB cap], [first layer]
+    for res in results:
+        for g, ref, oracle in zip(res["grads"], reference, ddp):
+            torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(g, oracle, rtol=1e-5, atol=1e-7)
+        # extras are summed, not averaged: sum of ranks, and one count per rank
+        assert res["extras"].tolist() == [float(sum(range(world_size))), float(world_size)]
+        for g, other in zip(res["grads"], results[0]["grads"]):
+            assert torch.equal(g, other), "every rank must hold bit-identical gradients"
+    assert results[0]["grads"][-1].abs().sum() == 0 and results[0]["grads"][-2].abs().sum() == 0   # unused = zero
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+def test_micro_batches_give_the_same_synchronized_and_clipped_gradient(mode):
+    one = run_ranks(sync_grads, 2, args=(mode, 1, 0.01))
+    four = run_ranks(sync_grads, 2, args=(mode, 4, 0.01))
+    for a, b in zip(one, four):
+        for key in ("grads", "clipped"):
+            for x, y in zip(a[key], b[key]):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a["norm"], b["norm"])
+        assert a["norm"] > 0.05       # the clip really scaled the step
+    clipped_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in one[0]["clipped"]]))
+    assert clipped_norm.item() == pytest.approx(0.05, rel=1e-4)
+
+
+def test_missing_gradient_is_an_error_naming_the_parameter():
+    net = Net()
+    sync = GradSync(net.parameters(), "flat")
+    sync.zero_grad()
+    sync.arm()
+    loss_fn(net, *data(0)).backward()
+    with pytest.raises(RuntimeError, match=r"2 parameter\(s\) received no gradient.*--dist.unused-params zero"):
+        sync.synchronize()
+
+
+def test_bad_arguments_are_rejected():
+    net = Net()
+    with pytest.raises(ValueError, match="--dist.grad-sync"):
+        GradSync(net.parameters(), "ring")
+    with pytest.raises(ValueError, match="--dist.bucket-mb"):
+        GradSync(net.parameters(), "bucketed", bucket_mb=0)
+    sync = GradSync(net.parameters(), "flat", num_extras=2)
+    with pytest.raises(ValueError, match="2 extra scalars"):
+        sync.arm(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="arm"):
+        GradSync(net.parameters()).synchronize()
+
+
+def test_grads_stay_views_into_the_buckets_across_steps():
+    net = Net()
+    sync = GradSync(net.parameters(), "bucketed", bucket_mb=0.01, unused="zero")
+    opt = torch.optim.Adam(net.parameters())
+    for _ in range(3):
+        sync.zero_grad()
+        sync.arm()
+        loss_fn(net, *data(0)).backward()
+        sync.synchronize()
+        opt.step()
+    for bucket in sync.buckets:
+        for p in bucket.params:
+            assert p.grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()

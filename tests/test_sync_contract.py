@@ -1,0 +1,142 @@
+"""The sync contract end to end: plan == ledger, buffer rules, replica verification, sampler counts,
+non-finite steps skipped everywhere."""
+
+import pytest
+import torch
+from torch import nn
+
+import train
+from configs import preset
+from dist import comm
+from dist.buffers import resolve_buffer_policy, sync_buffers
+from dist.grad_sync import GradSync
+from dist.plan import expected_ledger
+from dist.verify import verify_replicas
+from envs.motions import AdaptiveMotionSampler
+from ppo.storage import RolloutStorage
+from ppo.update import ppo_update
+from tests.multirank import run_ranks
+from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
+
+
+def ledger_body(rank, world_size, root, epochs, minibatches, micro, mode, iterations):
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 8, 4, iterations
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
+    cfg.ppo.num_epochs, cfg.ppo.num_mini_batches, cfg.ppo.num_micro_batches = epochs, minibatches, micro
+    cfg.dist.grad_sync, cfg.dist.bucket_mb = mode, 0.002
+    cfg.dist.verify_every, cfg.dist.sampler_sync_every = 2, 2
+    cfg.log.root, cfg.log.save_every, cfg.log.print_every = root, 2, 100
+    comm.reset_ledger()
+    _, scalars, plan = train.main(cfg)
+    return {k: list(v) for k, v in comm.LEDGER.items()}, expected_ledger(plan, iterations, final_iteration=iterations), scalars
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("epochs, minibatches, micro, mode", [(2, 2, 1, "flat"), (1, 4, 2, "bucketed"), (3, 1, 4, "bucketed")])
+def test_ledger_after_training_equals_the_printed_plan(tmp_path, epochs, minibatches, micro, mode):
+    iterations = 3
+    results = run_ranks(ledger_body, 2, args=(str(tmp_path), epochs, minibatches, micro, mode, iterations))
+    for ledger, expected, scalars in results:
+        assert ledger == expected
+        steps = epochs * minibatches
+        if mode == "bucketed":
+            assert expected["gradients"][0] > steps * iterations    # several buckets per optimizer step
+        assert expected["gradients"][0] % (steps * iterations) == 0
+        assert scalars["Comm/metrics_calls"] == 1 and scalars["Comm/advantages_calls"] == 1
+
+
+class WithBuffers(nn.Module):
+    BUFFER_POLICY = {"shared": "broadcast", "averaged": "mean", "stats.*": "merge", "per_env": "local"}
+
+    def __init__(self, rank):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        for name in ("shared", "averaged", "per_env"):
+            self.register_buffer(name, torch.full((3,), float(rank + 1)))
+        self.stats = nn.Module()
+        self.stats.register_buffer("count", torch.tensor(float(rank)))
+
+
+def buffers_body(rank, world_size):
+    m = WithBuffers(rank)
+    sync_buffers(m, resolve_buffer_policy(m, m.BUFFER_POLICY))
+    return {k: v.clone() for k, v in m.named_buffers()}
+
+
+@pytest.mark.slow
+def test_buffer_rules_broadcast_mean_merge_local():
+    for rank, bufs in enumerate(run_ranks(buffers_body, 2)):
+        assert bufs["shared"].tolist() == [1.0] * 3                    # rank 0's value
+        assert bufs["averaged"].tolist() == [1.5] * 3                  # mean of 1 and 2
+        assert bufs["per_env"].tolist() == [float(rank + 1)] * 3      # untouched
+        assert bufs["stats.count"].item() == float(rank)               # merged by its owner, not here
+
+
+def test_undeclared_buffer_is_a_start_up_error_naming_it():
+    m = WithBuffers(0)
+    m.register_buffer("new_thing", torch.zeros(1))
+    with pytest.raises(ValueError, match="new_thing"):
+        resolve_buffer_policy(m, m.BUFFER_POLICY)
+    with pytest.raises(ValueError, match="unknown buffer rules"):
+        resolve_buffer_policy(m, {"*": "average"})
+
+
+def diverge_body(rank, world_size):
+    model = make_model()
+    verify_replicas(model)                      # equal: passes
+    if rank == 2:
+        with torch.no_grad():
+            model.actor[0].weight[0, 0] += 1e-7   # one ulp-scale change on one rank
+    try:
+        verify_replicas(model)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_divergent_parameters_are_detected_naming_the_rank():
+    for message in run_ranks(diverge_body, 3):
+        assert "rank(s) [2] differ from rank 0" in message
+
+
+def sampler_body(rank, world_size):
+    s = AdaptiveMotionSampler(3, 0.2, "cpu")
+    s.record(torch.tensor([rank, rank]), torch.tensor([True, True]), torch.tensor([True, True]))
+    local_probs = s.probabilities()
+    train.sync_sampler(s)
+    return local_probs, s.probabilities(), s.global_counts.clone(), s.local_counts.clone()
+
+
+@pytest.mark.slow
+def test_sampler_counts_are_summed_not_averaged():
+    results = run_ranks(sampler_body, 2)
+    for local_probs, probs, global_counts, local_counts in results:
+        assert global_counts.tolist() == [[2.0, 2.0, 0.0], [2.0, 2.0, 0.0]]   # visits, failures: sums over ranks
+        assert local_counts.abs().sum() == 0
+        torch.testing.assert_close(probs, results[0][1])
+    assert not torch.equal(results[0][0], results[1][0])   # before the sync each rank sampled by its own counts
+
+
+def nonfinite_body(rank, world_size):
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, torch.device("cpu"))
+    fill(storage, rank, model)
+    if rank == 1:
+        storage.returns[0, 0] = float("nan")    # poisons every minibatch that holds env 0 of rank 1
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sync = GradSync(model.parameters(), num_extras=2)
+    stats = ppo_update(model, optimizer, storage, sync, ppo_cfg(advantage_norm="local"),
+                       generator=torch.Generator().manual_seed(rank))
+    return stats["skipped_steps"], {k: v.clone() for k, v in model.state_dict().items() if "normalizer" not in k}
+
+
+@pytest.mark.slow
+def test_nonfinite_gradient_on_one_rank_is_skipped_by_every_rank():
+    (skipped0, state0), (skipped1, state1) = run_ranks(nonfinite_body, 2)
+    cfg = ppo_cfg()
+    assert skipped0 == skipped1 == cfg.num_epochs        # one poisoned minibatch per epoch, on both ranks
+    for key in state0:
+        assert torch.isfinite(state0[key]).all(), key
+        assert torch.equal(state0[key], state1[key]), key
