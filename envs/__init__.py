@@ -4,6 +4,8 @@ import torch
 
 from envs.base import VecEnv
 from envs.cartpole import CartPole
+from envs.gymnasium import GymnasiumEnv
+from envs.isaaclab import IsaacLabEnv
 from envs.tracking import Tracking
 
 
@@ -14,7 +16,12 @@ def make_env(cfg, device: torch.device, seed: int, base_seed: int) -> VecEnv:
     if cfg.name == "tracking":
         return Tracking(cfg.num_envs, device, seed, base_seed, cfg.episode_length_s, cfg.num_motions,
                         cfg.sampling_uniform_floor)
-    raise ValueError(f"unknown --env.name {cfg.name!r}; choose cartpole or tracking")
+    if cfg.name == "gymnasium":
+        return GymnasiumEnv(cfg.task, cfg.num_envs, device, seed, cfg.action_scale, cfg.action_clip)
+    if cfg.name == "isaaclab":
+        return IsaacLabEnv(cfg.task, cfg.num_envs, device, seed, cfg.actor_obs_groups, cfg.critic_obs_groups,
+                           cfg.action_scale, cfg.action_clip, cfg.launcher_args)
+    raise ValueError(f"unknown --env.name {cfg.name!r}; choose cartpole, tracking, gymnasium or isaaclab")
 
 
-__all__ = ["VecEnv", "CartPole", "Tracking", "make_env"]
+__all__ = ["VecEnv", "CartPole", "Tracking", "GymnasiumEnv", "IsaacLabEnv", "make_env"]

@@ -1,0 +1,100 @@
+"""Any gymnasium task with a continuous action space (MuJoCo's Hopper-v4, HalfCheetah-v4, ...) behind
+the VecEnv protocol of envs/base.py.
+
+The adapter is deliberately thin: numpy <-> torch at the boundary, action scaling and clipping, and
+gymnasium 1.x's autoreset semantics mapped onto ours. Observation and reward normalization live in the
+learner (ppo/normalizer.py), where their statistics are merged across ranks and checkpointed.
+
+Autoreset: the vector env runs in SAME_STEP mode, so a finished sub-env is reset inside `step` and its
+last observation arrives in `infos["final_obs"]` (masked by `infos["_final_obs"]`). gymnasium's default
+NEXT_STEP mode would instead return the last observation now and silently ignore the next action; that
+is why the mode is set explicitly here.
+"""
+
+import torch
+
+INSTALL_HINT = "make setup-mujoco   (or: pip install 'gymnasium[mujoco]')"
+
+
+def import_gymnasium():
+    """The gymnasium package, or an error naming the install command."""
+    try:
+        import gymnasium
+    except ImportError as exc:
+        raise ImportError(f"--env.name gymnasium needs gymnasium (and mujoco for MuJoCo tasks): {INSTALL_HINT}") from exc
+    return gymnasium
+
+
+class GymnasiumEnv:
+    def __init__(self, task: str, num_envs: int, device: torch.device, seed: int,
+                 action_scale: float = 1.0, action_clip: float | None = None):
+        gym = import_gymnasium()
+        if task not in gym.registry:
+            known = sorted(name for name in gym.registry if name.split("-")[0] == task.split("-")[0])
+            raise ValueError(f"unknown --env.task {task!r} for gymnasium"
+                             + (f"; registered versions: {', '.join(known)}" if known else ""))
+        self.env = gym.make_vec(task, num_envs=num_envs, vectorization_mode="sync",
+                                vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+        action_space, obs_space = self.env.single_action_space, self.env.single_observation_space
+        if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
+            raise ValueError(f"--env.task {task}: needs a 1-D continuous (Box) action space, got {action_space}")
+        if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+            raise ValueError(f"--env.task {task}: needs a 1-D Box observation space, got {obs_space}")
+        if self.env.spec.max_episode_steps is None:
+            raise ValueError(f"--env.task {task}: has no time limit (max_episode_steps); PPO rollouts need one")
+
+        self.num_envs, self.device = num_envs, torch.device(device)
+        self.num_actions = action_space.shape[0]
+        self.obs_dims = {"policy": obs_space.shape[0], "critic": obs_space.shape[0]}
+        self.max_episode_length = self.env.spec.max_episode_steps
+        self.log_keys, self.sampler = (), None
+        self.action_scale, self.action_clip = action_scale, action_clip
+        self.action_dtype = action_space.dtype
+        # Actions outside the space are invalid input to a gymnasium env (CleanRL's ClipAction): always clip
+        # to the bounds, after the optional symmetric --env.action-clip.
+        self.action_low = torch.as_tensor(action_space.low, dtype=torch.float32, device=self.device)
+        self.action_high = torch.as_tensor(action_space.high, dtype=torch.float32, device=self.device)
+        # Draws the sub-env seeds at reset; the runner checkpoints its state with the other RNGs.
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _to_torch(self, array) -> torch.Tensor:
+        return torch.as_tensor(array, dtype=torch.float32).to(self.device)
+
+    def _groups(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
+        # Plain gymnasium tasks have one observation; actor and critic both read it.
+        return {"policy": obs, "critic": obs}
+
+    def env_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """What the simulator receives for the policy's `actions`: scaled, clipped, then clipped to the bounds."""
+        actions = actions * self.action_scale
+        if self.action_clip is not None:
+            actions = actions.clamp(-self.action_clip, self.action_clip)
+        return torch.maximum(torch.minimum(actions, self.action_high), self.action_low)
+
+    def reset(self):
+        # One drawn seed per sub-env: gymnasium's `reset(seed=s)` would give sub-env i the seed s + i, so
+        # rank r's env 1 and rank r + 1's env 0 would replay the same episode starts.
+        seeds = torch.randint(0, 2**31 - 1, (self.num_envs,), generator=self.generator).tolist()
+        obs, _ = self.env.reset(seed=seeds)
+        return self._groups(self._to_torch(obs)), {"log": {}}
+
+    def step(self, actions: torch.Tensor):
+        env_actions = self.env_actions(actions).cpu().numpy().astype(self.action_dtype)
+        obs, reward, terminated, truncated, infos = self.env.step(env_actions)
+        final_obs = obs.copy()
+        if "_final_obs" in infos:
+            for i in infos["_final_obs"].nonzero()[0]:
+                final_obs[i] = infos["final_obs"][i]
+        terminated = torch.as_tensor(terminated, dtype=torch.bool).to(self.device)
+        # gymnasium's TimeLimit flags a time-out even when the last step also failed; a failure must not be
+        # bootstrapped, so it wins.
+        truncated = torch.as_tensor(truncated, dtype=torch.bool).to(self.device) & ~terminated
+        return (self._groups(self._to_torch(obs)), self._to_torch(reward), terminated, truncated,
+                {"final_obs": self._groups(self._to_torch(final_obs)), "log": {}})
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"gymnasium envs have no checkpointed state, got keys {sorted(state)}")

@@ -1,0 +1,187 @@
+"""Any registered Isaac Lab 3.0 task behind the VecEnv protocol of envs/base.py:
+
+    torchrun --nproc-per-node 8 train.py isaaclab --env.task Isaac-Velocity-Rough-G1-v0 --env.num-envs 4096
+
+Start-up follows Isaac Lab 3.0. The task's env config is parsed first, because it decides which runtime
+must start (Isaac Sim/Kit for PhysX or RTX cameras, nothing for kitless Newton); `launch_simulation`
+then starts that runtime and the env is built inside it. The runtime lives as long as the process and
+is closed at exit. Each rank simulates its own envs on its own GPU (cuda:LOCAL_RANK) with seed
+--seed + rank; nothing about the simulation crosses ranks.
+
+Isaac Lab resets finished envs inside `step` (same-step autoreset) and, with the env config's
+`compute_final_obs` set, hands the observation from before that reset in `extras["final_obs"]`: exactly
+what a time-out must be bootstrapped from, so the adapter requires it.
+"""
+
+import argparse
+import atexit
+import contextlib
+import difflib
+import shlex
+import warnings
+
+import torch
+
+INSTALL_HINT = "make setup-isaaclab   (Isaac Lab 3.0 installed next to this repo, Python 3.12; see README)"
+
+
+def simulation_device(device: torch.device) -> str:
+    """This rank's simulation device: the learner's GPU. Isaac Lab has no distributed CPU mode."""
+    if device.type != "cuda":
+        raise ValueError(f"--env.name isaaclab simulates on GPUs (cuda:LOCAL_RANK per rank), but this rank's device "
+                         f"is {device}: run on a CUDA machine with --dist.device auto or cuda")
+    return str(device)
+
+
+def import_isaaclab():
+    """Isaac Lab 3.0's launch and config API, with its tasks registered in gymnasium."""
+    try:
+        import gymnasium
+        import isaaclab_tasks  # noqa: F401  (registers the Isaac-* tasks with gymnasium)
+        from isaaclab.app import add_launcher_args, launch_simulation
+        from isaaclab_tasks.utils import parse_env_cfg
+    except ImportError as exc:
+        raise ImportError(f"--env.name isaaclab needs Isaac Lab 3.0 (isaaclab, isaaclab_tasks; {exc}): "
+                          f"{INSTALL_HINT}") from exc
+    return gymnasium, add_launcher_args, launch_simulation, parse_env_cfg
+
+
+def launcher_namespace(add_launcher_args, extra_args: str, sim_device: str) -> argparse.Namespace:
+    """Isaac Lab's launcher flags (--viz, --physics, --kit_args, ...) from --env.launcher-args, with this
+    rank's device filled in."""
+    parser = argparse.ArgumentParser(prog="--env.launcher-args", add_help=False)
+    add_launcher_args(parser)
+    tokens = shlex.split(extra_args)
+    if any(token == "--device" or token.startswith("--device=") for token in tokens):
+        raise ValueError("--env.launcher-args must not set --device: each rank simulates on its own GPU "
+                         "(cuda:LOCAL_RANK, from torchrun)")
+    namespace, unknown = parser.parse_known_args(tokens)
+    if unknown:
+        raise ValueError(f"--env.launcher-args: Isaac Lab's launcher does not know {' '.join(unknown)}")
+    namespace.device = sim_device
+    return namespace
+
+
+class IsaacLabEnv:
+    def __init__(self, task: str, num_envs: int, device: torch.device, seed: int,
+                 actor_obs_groups: tuple[str, ...] = ("policy",), critic_obs_groups: tuple[str, ...] = ("policy",),
+                 action_scale: float = 1.0, action_clip: float | None = None, launcher_args: str = ""):
+        sim_device = simulation_device(device)
+        gym, add_launcher_args, launch_simulation, parse_env_cfg = import_isaaclab()
+        if task not in gym.registry:
+            close = difflib.get_close_matches(task, [name for name in gym.registry if name.startswith("Isaac")], n=5)
+            raise ValueError(f"unknown --env.task {task!r} for Isaac Lab" + (f"; did you mean: {', '.join(close)}" if close else ""))
+        launcher = launcher_namespace(add_launcher_args, launcher_args, sim_device)
+        self.action_scale, self.action_clip = action_scale, action_clip
+
+        env_cfg = parse_env_cfg(task, device=sim_device, num_envs=num_envs)
+        env_cfg.seed = seed
+        if not hasattr(env_cfg, "compute_final_obs"):
+            raise ValueError("this Isaac Lab has no `compute_final_obs` env option (isaac-sim/IsaacLab#6219), so the "
+                             "observation before an auto-reset is lost and time-outs cannot be bootstrapped: "
+                             "update Isaac Lab")
+        env_cfg.compute_final_obs = True
+        # Anything that fails while the runtime is up closes it again (with the error's exit code).
+        with contextlib.ExitStack() as runtime:
+            runtime.enter_context(launch_simulation(env_cfg, launcher))
+            self.env = gym.make(task, cfg=env_cfg)
+            self._describe(task, device, seed, actor_obs_groups, critic_obs_groups)
+            self._runtime = runtime.pop_all()
+        atexit.register(self.close)
+
+    def _describe(self, task, device, seed, actor_obs_groups, critic_obs_groups) -> None:
+        """Read sizes, limits and metric names off the built env; check it runs where the learner does."""
+        self.unwrapped = self.env.unwrapped
+        self.device = torch.device(self.unwrapped.device)
+        if self.device != torch.device(device):
+            raise ValueError(f"Isaac Lab built {task} on {self.device}, but this rank learns on {device}: check "
+                             f"--env.launcher-args for options that move the simulation")
+        space = self.unwrapped.single_action_space
+        if space.shape is None or len(space.shape) != 1 or space.dtype.kind != "f":   # a 1-D float Box
+            raise ValueError(f"--env.task {task}: needs a 1-D continuous (Box) action space, got {space}")
+        self.num_envs, self.num_actions = self.unwrapped.num_envs, space.shape[0]
+        self.max_episode_length = int(self.unwrapped.max_episode_length)
+        # A finite-horizon task asks for time-outs to be treated as terminal (no bootstrap).
+        self.finite_horizon = bool(self.unwrapped.cfg.is_finite_horizon)
+        self.group_names = {"policy": tuple(actor_obs_groups), "critic": tuple(critic_obs_groups)}
+        self.sampler = None
+        # Draws the initial episode lengths at reset; the runner checkpoints its state with the other RNGs.
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Isaac Lab fills extras["log"] in its first reset, so that reset names every metric this task
+        # logs; the runner needs the names up front (same metric layout on every rank).
+        obs, extras = self.env.reset()
+        self.obs_dims = {name: group.shape[1] for name, group in self._groups(obs).items()}
+        self.log_keys = tuple(extras.get("log", {}))
+        self._warned_keys: set[str] = set()
+
+    def _groups(self, obs: dict) -> dict[str, torch.Tensor]:
+        """Our `policy`/`critic` inputs: the configured Isaac Lab groups, each flattened, concatenated in order."""
+        groups = {}
+        for name, flag in (("policy", "--env.actor-obs-groups"), ("critic", "--env.critic-obs-groups")):
+            parts = []
+            for group in self.group_names[name]:
+                if group not in obs:
+                    raise ValueError(f"{flag}: this task has no observation group {group!r}; it has {sorted(obs)}")
+                if not isinstance(obs[group], torch.Tensor):
+                    raise ValueError(f"{flag}: observation group {group!r} is a dict of terms; set its "
+                                     f"concatenate_terms=True in the task config")
+                parts.append(obs[group].flatten(1))
+            groups[name] = torch.cat(parts, dim=1)
+        return groups
+
+    def env_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """What the simulator receives for the policy's `actions`: scaled, then clipped if configured."""
+        actions = actions * self.action_scale
+        return actions.clamp(-self.action_clip, self.action_clip) if self.action_clip is not None else actions
+
+    def reset(self):
+        obs, _ = self.env.reset()
+        # Spread episode ends over the time limit (as RSL-RL does for Isaac Lab): otherwise every env times
+        # out at the same step and the rollouts see synchronized resets.
+        self.unwrapped.episode_length_buf.copy_(torch.randint(
+            0, self.max_episode_length, (self.num_envs,), generator=self.generator, device=self.device))
+        return self._groups(obs), {"log": {}}
+
+    def step(self, actions: torch.Tensor):
+        obs, reward, terminated, truncated, extras = self.env.step(self.env_actions(actions))
+        if self.finite_horizon:
+            terminated, truncated = terminated | truncated, torch.zeros_like(truncated)
+        # Isaac Lab may flag a failure and a time-out in the same step; a failure is never bootstrapped.
+        truncated = truncated & ~terminated
+        done = terminated | truncated
+        groups = self._groups(obs)
+        if "final_obs" not in extras and bool(done.any()):
+            raise RuntimeError("Isaac Lab reset envs without extras['final_obs'] although compute_final_obs is set")
+        # extras["final_obs"] is only refreshed on steps that reset some env: take it where an env finished.
+        final = self._groups(extras["final_obs"]) if "final_obs" in extras else groups
+        final_obs = {name: torch.where(done[:, None], final[name], groups[name]) for name in groups}
+        # Isaac Lab writes rewards and flags into buffers it reuses next step: hand out copies.
+        return groups, reward.clone(), terminated.clone(), truncated, {"final_obs": final_obs, "log": self._log(extras)}
+
+    def _log(self, extras: dict) -> dict[str, torch.Tensor]:
+        """extras["log"] as scalar tensors. Isaac Lab keeps the last reset's values there between resets;
+        the runner averages them over every step, exactly as RSL-RL does."""
+        log = extras.get("log", {})
+        new = set(log) - set(self.log_keys) - self._warned_keys
+        if new:
+            warnings.warn(f"Isaac Lab logged {sorted(new)}, which its first reset did not name; they are not "
+                          f"reported (the cross-rank metric layout is fixed at start-up)")
+            self._warned_keys |= new
+        return {key: torch.as_tensor(log[key], dtype=torch.float32, device=self.device).reshape(())
+                for key in self.log_keys if key in log}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"the Isaac Lab adapter has no checkpointed state, got keys {sorted(state)}")
+
+    def close(self) -> None:
+        """Close the env, then the simulation runtime (Kit may end the process here). Safe to call twice."""
+        if self._runtime is None:
+            return
+        atexit.unregister(self.close)
+        runtime, self._runtime = self._runtime, None
+        with runtime:
+            self.env.close()

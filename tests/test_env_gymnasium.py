@@ -1,0 +1,163 @@
+"""The gymnasium adapter on real gymnasium/MuJoCo envs: its autoreset, final observations and time-outs
+against single envs stepped by hand, then a short real training run."""
+
+import glob
+import os
+import sys
+
+import gymnasium
+import numpy as np
+import pytest
+import torch
+
+import envs.gymnasium
+import train
+from configs import preset, validate
+from envs.gymnasium import GymnasiumEnv
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is out of date:DeprecationWarning")
+
+
+def recording_seeds(env: GymnasiumEnv) -> list:
+    """Record the seeds the adapter passes to the vector env's reset."""
+    calls, reset = [], env.env.reset
+    env.env.reset = lambda **kwargs: (calls.append(kwargs["seed"]), reset(**kwargs))[1]
+    return calls
+
+
+@pytest.mark.parametrize("task, expect", [("Hopper-v4", "terminated"), ("Pendulum-v1", "truncated")])
+def test_steps_like_single_envs_stepped_by_hand(task, expect):
+    num_envs, steps = 3, 420                         # Pendulum times out after 200 steps; Hopper falls much sooner
+    env = GymnasiumEnv(task, num_envs, torch.device("cpu"), seed=5)
+    seeds = recording_seeds(env)
+    obs, _ = env.reset()
+    singles = [gymnasium.make(task) for _ in range(num_envs)]
+    hand_obs = [single.reset(seed=seed)[0] for single, seed in zip(singles, seeds[0])]
+    actions = 2.5 * torch.randn(steps, num_envs, env.num_actions, generator=torch.Generator().manual_seed(0))
+    counts = {"terminated": 0, "truncated": 0}
+    f32 = lambda array: torch.as_tensor(np.asarray(array), dtype=torch.float32)  # noqa: E731
+    torch.testing.assert_close(obs["policy"], f32(hand_obs), rtol=0, atol=0)
+    for t in range(steps):
+        obs, reward, terminated, truncated, extras = env.step(actions[t])
+        for i, single in enumerate(singles):
+            low, high = single.action_space.low, single.action_space.high
+            hand_action = np.clip(actions[t, i].numpy(), low, high).astype(single.action_space.dtype)
+            final, hand_reward, hand_terminated, hand_truncated, _ = single.step(hand_action)
+            hand_obs[i] = single.reset()[0] if hand_terminated or hand_truncated else final
+            assert terminated[i].item() == hand_terminated
+            assert truncated[i].item() == (hand_truncated and not hand_terminated)
+            assert reward[i].item() == pytest.approx(hand_reward, rel=1e-6)
+            # The returned obs already starts the next episode; final_obs is where the finished one ended.
+            torch.testing.assert_close(obs["policy"][i], f32(hand_obs[i]), rtol=0, atol=0)
+            torch.testing.assert_close(extras["final_obs"]["critic"][i], f32(final), rtol=0, atol=0)
+        counts["terminated"] += int(terminated.sum())
+        counts["truncated"] += int(truncated.sum())
+    assert counts[expect] >= num_envs
+
+
+class FallsAtTheTimeLimit(gymnasium.Env):
+    """Terminates on its 3rd step, which is also where its time limit truncates it."""
+
+    observation_space = gymnasium.spaces.Box(-10.0, 10.0, (1,))
+    action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,))
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, dtype=np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.full(1, self.t, dtype=np.float32), 1.0, self.t == 3, False, {}
+
+
+def test_a_failure_at_the_time_limit_is_a_failure(monkeypatch):
+    monkeypatch.setitem(gymnasium.registry, "FallsAtTheTimeLimit-v0", gymnasium.envs.registration.EnvSpec(
+        "FallsAtTheTimeLimit-v0", entry_point=FallsAtTheTimeLimit, max_episode_steps=3))
+    env = GymnasiumEnv("FallsAtTheTimeLimit-v0", 2, torch.device("cpu"), seed=0)
+    env.reset()
+    for _ in range(2):
+        env.step(torch.zeros(2, 1))
+    obs, _, terminated, truncated, extras = env.step(torch.zeros(2, 1))
+    assert terminated.all() and not truncated.any()           # gymnasium's TimeLimit flagged both
+    assert extras["final_obs"]["policy"].tolist() == [[3.0], [3.0]] and obs["policy"].tolist() == [[0.0], [0.0]]
+
+
+def test_actions_are_scaled_clipped_then_held_inside_the_bounds():
+    env = GymnasiumEnv("Pendulum-v1", 1, torch.device("cpu"), seed=0, action_scale=2.0, action_clip=3.0)
+    actions = torch.tensor([[0.5], [1.2], [-1.7], [-0.3]])
+    # x2, then clip to [-3, 3], then Pendulum's torque bounds [-2, 2]
+    assert torch.equal(env.env_actions(actions), torch.tensor([[1.0], [2.0], [-2.0], [-0.6]]))
+
+
+def test_sub_envs_get_distinct_seeds_and_a_seed_replays_exactly():
+    seeds, rollouts = [], []
+    for seed in (1, 1, 2):
+        env = GymnasiumEnv("Hopper-v4", 4, torch.device("cpu"), seed=seed)
+        recorded = recording_seeds(env)
+        obs, _ = env.reset()
+        trajectory = [obs["policy"]]
+        for _ in range(50):
+            trajectory.append(env.step(torch.full((4, 3), 0.3))[0]["policy"])
+        seeds.append(recorded[0])
+        rollouts.append(torch.stack(trajectory))
+    assert seeds[0] == seeds[1] and torch.equal(rollouts[0], rollouts[1])
+    assert len(set(seeds[0]) | set(seeds[2])) == 8           # ranks (seed + rank) never share a sub-env seed
+
+
+def test_bad_tasks_are_refused_by_name():
+    with pytest.raises(ValueError, match="unknown --env.task 'Hoper-v4'"):
+        GymnasiumEnv("Hoper-v4", 1, torch.device("cpu"), seed=0)
+    with pytest.raises(ValueError, match="CartPole-v1: needs a 1-D continuous"):
+        GymnasiumEnv("CartPole-v1", 1, torch.device("cpu"), seed=0)
+
+
+def test_missing_gymnasium_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gymnasium", None)       # what an absent package looks like to import
+    with pytest.raises(ImportError, match="make setup-mujoco"):
+        envs.gymnasium.import_gymnasium()
+    with pytest.raises(ValueError, match="needs the gymnasium package.*make setup-mujoco"):
+        validate(preset("mujoco"))
+
+
+def test_mujoco_preset_is_cleanrl_ppo_continuous_action():
+    cfg = preset("mujoco")
+    assert (cfg.env.name, cfg.env.task, cfg.env.num_envs, cfg.ppo.num_steps) == ("gymnasium", "Hopper-v4", 1, 2048)
+    assert cfg.max_iterations * cfg.ppo.num_steps * cfg.env.num_envs == 1_000_000 // 2048 * 2048
+    assert (cfg.ppo.num_mini_batches, cfg.ppo.minibatch_unit, cfg.ppo.num_epochs) == (32, "transition", 10)
+    assert (cfg.ppo.learning_rate, cfg.ppo.schedule, cfg.ppo.gamma, cfg.ppo.lam) == (3e-4, "linear", 0.99, 0.95)
+    assert (cfg.ppo.clip_param, cfg.ppo.clip_value_loss, cfg.ppo.entropy_coef, cfg.ppo.max_grad_norm) == (0.2, True, 0.0, 0.5)
+    assert cfg.ppo.value_loss_coef == 0.25                     # CleanRL's 0.5 x its inner 0.5
+    assert cfg.ppo.normalize_rewards and not cfg.ppo.bootstrap_time_outs
+    assert (cfg.policy.actor_hidden, cfg.policy.critic_hidden, cfg.policy.activation) == ((64, 64), (64, 64), "tanh")
+    assert cfg.policy.orthogonal_init and cfg.policy.normalize_actor_obs and cfg.policy.normalize_critic_obs
+    validate(cfg)
+
+
+def small_hopper(root, iterations=3):
+    cfg = preset("mujoco")
+    cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 64, 4, iterations
+    cfg.log.root, cfg.log.print_every = str(root), 100
+    return cfg
+
+
+def test_trains_end_to_end_on_hopper(tmp_path):
+    model, scalars = train.main(small_hopper(tmp_path))[:2]
+    assert model.actor[0].in_features == 11 and model.actor[-1].out_features == 3
+    assert model.critic_normalizer.count.item() == 3 * 64          # every observation reached the normalizer
+    assert np.isfinite(scalars["Train/mean_reward"]) and scalars["Train/mean_episode_length"] > 0
+    assert glob.glob(os.path.join(tmp_path, "mujoco", "*", "model_3.pt"))
+
+
+def rank_body(rank, world_size, root):
+    model = train.main(small_hopper(root, iterations=2))[0]
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_same_model(tmp_path):
+    state0, state1 = run_ranks(rank_body, 2, args=(str(tmp_path),))
+    for key in state0:
+        assert torch.equal(state0[key], state1[key]), f"{key} diverged across ranks"
+    assert state0["critic_normalizer.count"].item() == 2 * 64 * 2    # both ranks' observations merged

@@ -1,0 +1,363 @@
+"""The Isaac Lab adapter against a fake `isaaclab`/`isaaclab_tasks` pair shaped like Isaac Lab 3.0's API.
+
+The fake mimics what the adapter relies on: `add_launcher_args(parser)` + the `launch_simulation(cfg,
+args)` context, `parse_env_cfg(task, device=, num_envs=)`, tasks registered in gymnasium and built by
+`gym.make(task, cfg=cfg)`, `reset() -> (obs_dict, extras)`, `step() -> (obs_dict, rew, terminated,
+truncated, extras)` with same-step autoreset, reward/flag buffers reused in place, `extras["final_obs"]`
+refreshed only on steps that reset some env, and `extras["log"]` kept between resets.
+
+The fake simulates on the CPU: tests replace `envs.isaaclab.simulation_device` (the function that refuses
+non-CUDA devices, tested on its own below) so that the adapter asks for "cuda:<rank>" while running here.
+"""
+
+import argparse
+import contextlib
+import glob
+import importlib.machinery
+import os
+import sys
+import types
+import warnings
+
+import gymnasium
+import pytest
+import torch
+
+import envs.isaaclab
+import train
+from configs import preset, validate
+from envs.isaaclab import IsaacLabEnv, simulation_device
+from tests.multirank import run_ranks
+
+TASK = "Isaac-Fake-Reach-v0"
+MAX_EPISODE_LENGTH = 8
+TERMINATE_ABOVE = 1.0     # the fake "falls" when its first coordinate passes this
+
+
+class Record:
+    """What the fake saw: launches (with the runtime's open/closed state) and the envs it built."""
+
+    def __init__(self):
+        self.launches, self.envs, self.runtime_open, self.finite_horizon = [], [], False, False
+
+
+class FakeEnvCfg:
+    def __init__(self, device, num_envs, finite_horizon):
+        self.sim = types.SimpleNamespace(device=device)
+        self.scene = types.SimpleNamespace(num_envs=num_envs)
+        self.seed = None
+        self.compute_final_obs = False
+        self.is_finite_horizon = finite_horizon
+
+
+class FakeRLEnv(gymnasium.Env):
+    """A point mass moved by actions: policy obs (x, y, episode progress), critic obs a 2-step history."""
+
+    def __init__(self, cfg, record, render_mode=None):
+        assert record.runtime_open, "Isaac Lab envs can only be built inside launch_simulation"
+        record.envs.append(self)
+        self.cfg, self.record, self.closed = cfg, record, False
+        self.num_envs, self.device = cfg.scene.num_envs, torch.device("cpu")
+        self.max_episode_length = MAX_EPISODE_LENGTH
+        self.single_action_space = gymnasium.spaces.Box(-float("inf"), float("inf"), (2,))
+        self.action_space = self.observation_space = self.single_action_space
+        self.pos, self.prev = torch.zeros(self.num_envs, 2), torch.zeros(self.num_envs, 2)
+        self.episode_length_buf = torch.zeros(self.num_envs, dtype=torch.long)
+        self.reward_buf = torch.zeros(self.num_envs)
+        self.reset_terminated = torch.zeros(self.num_envs, dtype=torch.bool)
+        self.reset_time_outs = torch.zeros(self.num_envs, dtype=torch.bool)
+        self.extras, self.received_actions, self.extra_log = {}, [], {}
+
+    def _observe(self):
+        progress = (self.episode_length_buf.float() / self.max_episode_length)[:, None]
+        return {"policy": torch.cat([self.pos, progress], 1), "critic": torch.stack([self.pos, self.prev], 1)}
+
+    def _reset_idx(self, ids):
+        self.pos[ids], self.prev[ids], self.episode_length_buf[ids] = 0.0, 0.0, 0
+        self.extras["log"] = {"Metrics/constant": 0.5, "Episode_Termination/time_out": torch.tensor(float(len(ids))),
+                              **self.extra_log}
+
+    def reset(self, seed=None, options=None):
+        self._reset_idx(torch.arange(self.num_envs))
+        return self._observe(), self.extras
+
+    def step(self, actions):
+        self.received_actions.append(actions.clone())
+        self.prev, self.pos = self.pos.clone(), self.pos + 0.1 * actions
+        self.episode_length_buf += 1
+        self.reward_buf[:] = -self.pos.square().sum(1)
+        self.reset_terminated[:] = self.pos[:, 0] > TERMINATE_ABOVE
+        self.reset_time_outs[:] = self.episode_length_buf >= self.max_episode_length
+        done_ids = (self.reset_terminated | self.reset_time_outs).nonzero()[:, 0]
+        if len(done_ids):
+            if self.cfg.compute_final_obs:
+                self.extras["final_obs"] = self._observe()
+            self._reset_idx(done_ids)
+        return self._observe(), self.reward_buf, self.reset_terminated, self.reset_time_outs, self.extras
+
+    def close(self):
+        self.closed = True
+
+
+def fake_modules(record: Record) -> dict[str, types.ModuleType]:
+    def package(name):
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        module.__path__ = []
+        return module
+
+    def add_launcher_args(parser):
+        parser.add_argument("--device", type=str, default="cuda:0")
+        parser.add_argument("--viz", "--visualizer", dest="visualizer", default=None)
+        parser.add_argument("--physics", type=str, default=None)
+
+    @contextlib.contextmanager
+    def launch_simulation(cfg, launcher_args=None):
+        args = vars(launcher_args)
+        cfg.sim.device = args["device"]
+        record.launches.append({"device": args["device"], "physics": args["physics"], "seed": cfg.seed,
+                                "num_envs": cfg.scene.num_envs, "compute_final_obs": cfg.compute_final_obs,
+                                "closed": False})
+        record.runtime_open = True
+        try:
+            yield None
+        finally:
+            record.runtime_open = False
+            record.launches[-1]["closed"] = True
+
+    def parse_env_cfg(task_name, device="cuda:0", num_envs=None, use_fabric=None):
+        return FakeEnvCfg(device, num_envs, record.finite_horizon)
+
+    isaaclab, app = package("isaaclab"), types.ModuleType("isaaclab.app")
+    app.add_launcher_args, app.launch_simulation, isaaclab.app = add_launcher_args, launch_simulation, app
+    tasks, utils = package("isaaclab_tasks"), types.ModuleType("isaaclab_tasks.utils")
+    utils.parse_env_cfg, tasks.utils = parse_env_cfg, utils
+    return {"isaaclab": isaaclab, "isaaclab.app": app, "isaaclab_tasks": tasks, "isaaclab_tasks.utils": utils}
+
+
+def spec(record: Record) -> gymnasium.envs.registration.EnvSpec:
+    # What `import isaaclab_tasks` does for every task: register it with gymnasium, env checker off.
+    return gymnasium.envs.registration.EnvSpec(TASK, entry_point=lambda cfg, **kw: FakeRLEnv(cfg, record, **kw),
+                                               disable_env_checker=True)
+
+
+def install_fake_isaaclab(rank: int) -> Record:
+    """For spawned ranks: install the fake for the whole process; this rank 'simulates' on cuda:<rank>."""
+    record = Record()
+    sys.modules.update(fake_modules(record))
+    gymnasium.registry[TASK] = spec(record)
+    envs.isaaclab.simulation_device = lambda device: f"cuda:{rank}"
+    return record
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    record = Record()
+    for name, module in fake_modules(record).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(gymnasium.registry, TASK, spec(record))
+    monkeypatch.setattr(envs.isaaclab, "simulation_device", lambda device: "cuda:0")
+    yield record
+    for env in record.envs:       # close what a test left open (IsaacLabEnv.close is idempotent)
+        env.closed = True
+
+
+@pytest.fixture
+def make(fake):
+    built = []
+
+    def build(num_envs=4, seed=0, **kwargs):
+        kwargs.setdefault("critic_obs_groups", ("policy", "critic"))
+        env = IsaacLabEnv(TASK, num_envs, torch.device("cpu"), seed, **kwargs)
+        built.append(env)
+        return env
+
+    yield build
+    for env in built:
+        env.close()
+
+
+def test_start_up_follows_the_3_0_launch_order(fake, make):
+    env = make(num_envs=4, seed=7, launcher_args="--physics newton_mjwarp")
+    (launch,) = fake.launches
+    assert launch == {"device": "cuda:0", "physics": "newton_mjwarp", "seed": 7, "num_envs": 4,
+                      "compute_final_obs": True, "closed": False}
+    assert env.obs_dims == {"policy": 3, "critic": 3 + 4}      # critic = policy group + flattened 2x2 history
+    assert env.num_actions == 2 and env.max_episode_length == MAX_EPISODE_LENGTH
+    assert env.log_keys == ("Metrics/constant", "Episode_Termination/time_out")
+    env.close()
+    assert fake.envs[0].closed and launch["closed"]
+    env.close()                                                # a second close (e.g. at exit) does nothing
+    assert len(fake.launches) == 1
+
+
+def test_final_obs_is_the_observation_before_the_reset(make):
+    env = make(num_envs=6)
+    obs, _ = env.reset()
+    saw_time_out = saw_step_without_reset = False
+    for _ in range(3 * MAX_EPISODE_LENGTH):
+        previous = obs
+        obs, reward, terminated, truncated, extras = env.step(torch.full((6, 2), 0.5))
+        done = terminated | truncated
+        final = extras["final_obs"]
+        # Finished envs: the observation before the reset continues the previous one by one step.
+        expected = previous["policy"][:, :2] + 0.05
+        torch.testing.assert_close(final["policy"][:, :2], expected)
+        torch.testing.assert_close(final["critic"][:, 3:5], expected)
+        assert torch.equal(final["policy"][truncated, 2], torch.ones(int(truncated.sum())))   # at the time limit
+        # ...while the returned observation already starts the next episode.
+        assert torch.equal(obs["policy"][done], torch.zeros(int(done.sum()), 3))
+        assert torch.equal(final["policy"][~done], obs["policy"][~done])
+        assert torch.equal(final["critic"][~done], obs["critic"][~done])
+        saw_time_out |= bool(truncated.any())
+        saw_step_without_reset |= not bool(done.any())          # stale extras["final_obs"] must be ignored there
+    assert saw_time_out and saw_step_without_reset
+
+
+def test_reset_spreads_episode_ends_deterministically(make):
+    lengths = []
+    for _ in range(2):
+        env = make(num_envs=32, seed=3)
+        env.reset()
+        lengths.append(env.unwrapped.episode_length_buf.clone())
+    assert torch.equal(lengths[0], lengths[1])
+    assert lengths[0].min() >= 0 and lengths[0].max() < MAX_EPISODE_LENGTH
+    assert len(lengths[0].unique()) > 1
+
+
+def test_failure_at_the_time_limit_is_a_failure(make):
+    env = make(num_envs=2)
+    env.reset()
+    sim = env.unwrapped
+    sim.episode_length_buf[:] = MAX_EPISODE_LENGTH - 1
+    sim.pos[:, 0] = TERMINATE_ABOVE - 0.05
+    _, _, terminated, truncated, extras = env.step(torch.tensor([[1.0, 0.0], [-1.0, 0.0]]))
+    assert terminated.tolist() == [True, False] and truncated.tolist() == [False, True]
+    assert extras["final_obs"]["policy"][0, 0].item() == pytest.approx(TERMINATE_ABOVE + 0.05)
+
+
+def test_finite_horizon_time_outs_are_terminal(fake, make):
+    fake.finite_horizon = True
+    env = make(num_envs=2)
+    env.reset()
+    env.unwrapped.episode_length_buf[:] = MAX_EPISODE_LENGTH - 1
+    _, _, terminated, truncated, _ = env.step(torch.zeros(2, 2))
+    assert terminated.all() and not truncated.any()
+
+
+def test_actions_are_scaled_then_clipped(make):
+    env = make(action_scale=2.0, action_clip=1.5)
+    env.reset()
+    env.step(torch.tensor([[0.5, -0.5], [1.0, -1.0], [0.7, 0.0], [-3.0, 3.0]]))
+    assert torch.equal(env.unwrapped.received_actions[-1],
+                       torch.tensor([[1.0, -1.0], [1.5, -1.5], [1.4, 0.0], [-1.5, 1.5]]))
+
+
+def test_returned_rewards_and_flags_survive_the_next_step(make):
+    env = make()
+    env.reset()
+    _, reward, terminated, truncated, _ = env.step(torch.ones(4, 2))
+    kept = reward.clone(), terminated.clone(), truncated.clone()
+    env.step(-torch.ones(4, 2))                              # the fake overwrites its buffers in place
+    assert all(torch.equal(a, b) for a, b in zip((reward, terminated, truncated), kept))
+
+
+def test_episode_log_becomes_scalar_tensors_and_late_keys_warn(make):
+    env = make()
+    env.reset()
+    env.unwrapped.extra_log = {"Curriculum/late": 1.0}
+    env.unwrapped.episode_length_buf[:] = MAX_EPISODE_LENGTH - 1         # every env resets this step
+    with pytest.warns(UserWarning, match="Curriculum/late"):
+        _, _, _, _, extras = env.step(torch.zeros(4, 2))
+    assert set(extras["log"]) == {"Metrics/constant", "Episode_Termination/time_out"}
+    assert extras["log"]["Metrics/constant"].dtype == torch.float32 and extras["log"]["Metrics/constant"].shape == ()
+    assert extras["log"]["Episode_Termination/time_out"].item() == 4.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                       # warned once, not every step
+        env.step(torch.zeros(4, 2))
+
+
+def test_observation_group_errors_name_the_flag(make):
+    with pytest.raises(ValueError, match=r"--env.critic-obs-groups: this task has no observation group 'privileged'; "
+                                         r"it has \['critic', 'policy'\]"):
+        make(critic_obs_groups=("privileged",))
+
+
+def test_unknown_task_suggests_registered_ones(fake):
+    with pytest.raises(ValueError, match="unknown --env.task 'Isaac-Fake-Raech-v0'.*did you mean: Isaac-Fake-Reach-v0"):
+        IsaacLabEnv("Isaac-Fake-Raech-v0", 4, torch.device("cpu"), 0)
+
+
+def test_launcher_args_cannot_move_the_device_or_carry_unknown_flags(fake):
+    add_launcher_args = sys.modules["isaaclab.app"].add_launcher_args
+    namespace = envs.isaaclab.launcher_namespace(add_launcher_args, "--viz kit", "cuda:3")
+    assert namespace.visualizer == "kit" and namespace.device == "cuda:3"
+    with pytest.raises(ValueError, match="must not set --device"):
+        envs.isaaclab.launcher_namespace(add_launcher_args, "--device=cuda:1", "cuda:3")
+    with pytest.raises(ValueError, match="does not know --headles"):
+        envs.isaaclab.launcher_namespace(add_launcher_args, "--headles", "cuda:3")
+
+
+def test_simulation_device_refuses_the_cpu():
+    with pytest.raises(ValueError, match="isaaclab simulates on GPUs.*device is cpu"):
+        simulation_device(torch.device("cpu"))
+    assert simulation_device(torch.device("cuda:3")) == "cuda:3"
+
+
+def test_missing_isaaclab_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "isaaclab", None)             # what an absent package looks like to import
+    monkeypatch.setitem(sys.modules, "isaaclab_tasks", None)
+    with pytest.raises(ImportError, match="make setup-isaaclab"):
+        envs.isaaclab.import_isaaclab()
+    with pytest.raises(ValueError, match="needs the isaaclab package.*make setup-isaaclab"):
+        validate(preset("isaaclab"))
+
+
+def test_validate_refuses_cpu_and_a_missing_task(fake):
+    cfg = preset("isaaclab")
+    cfg.dist.device = "cpu"
+    with pytest.raises(ValueError, match="--dist.device cpu"):
+        validate(cfg)
+    cfg = preset("isaaclab")
+    cfg.env.task = ""
+    with pytest.raises(ValueError, match="needs --env.task"):
+        validate(cfg)
+
+
+def small_run(root, iterations=2):
+    cfg = preset("isaaclab")
+    cfg.env.task, cfg.env.num_envs, cfg.env.critic_obs_groups = TASK, 8, ("policy", "critic")
+    cfg.ppo.num_steps, cfg.max_iterations = 8, iterations
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16, 16)
+    cfg.log.root, cfg.log.print_every = str(root), 100
+    return cfg
+
+
+def test_trains_end_to_end_through_the_adapter(fake, tmp_path):
+    cfg = small_run(tmp_path)
+    model, scalars = train.main(cfg)[:2]
+    (launch,) = fake.launches
+    assert launch["device"] == "cuda:0" and launch["seed"] == cfg.seed and launch["num_envs"] == 8
+    assert model.actor[0].in_features == 3 and model.critic[0].in_features == 7
+    assert scalars["Metrics/constant"] == pytest.approx(0.5)
+    assert 0 < scalars["Train/mean_episode_length"] <= MAX_EPISODE_LENGTH
+    assert glob.glob(os.path.join(tmp_path, "isaaclab", "*", "model_2.pt"))
+    # 2 iterations x 8 steps reached the simulator, as (8 envs x 2 actions) tensors on the env's device.
+    actions = fake.envs[0].received_actions
+    assert len(actions) == 16 and actions[0].shape == (8, 2)
+
+
+def rank_body(rank, world_size, root):
+    record = install_fake_isaaclab(rank)
+    model = train.main(small_run(root))[0]
+    return record.launches, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_two_ranks_simulate_on_their_own_gpu_with_their_own_seed(tmp_path):
+    (launches0, state0), (launches1, state1) = run_ranks(rank_body, 2, args=(str(tmp_path),))
+    base_seed = preset("isaaclab").seed
+    assert [(launch["device"], launch["seed"]) for launch in launches0 + launches1] == [
+        ("cuda:0", base_seed), ("cuda:1", base_seed + 1)]
+    for key in state0:
+        assert torch.equal(state0[key], state1[key]), f"{key} diverged across ranks"
