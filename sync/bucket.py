@@ -39,7 +39,8 @@ class BucketSyncer(WeightSyncer):
         return SyncStats(wire, payload, sum(state[k].numel() for k in self.synced), dense_tensors=len(self.synced))
 
     def recv_update(self) -> BucketUpdate:
-        """Receive all buckets of the next update and keep them staged (nothing is written yet)."""
+        """Receive all buckets of the next update (header and bytes per bucket, from the sender, once per
+        sync()) and keep them staged; nothing is written yet."""
         staged = []
         version = recv_buckets(self._items(), self.cfg.bucket.bucket_size, self.src, self.group, self.device,
                                on_bucket=staged.extend)

@@ -54,6 +54,8 @@ def recv_buckets(items: Sequence[tuple[str, tuple, torch.dtype]], bucket_size: i
                  on_bucket: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
     """Receive the buckets `send_buckets` sent for these (key, shape, wire dtype) items; returns the version.
 
+    Crosses ranks: per bucket, a 64-byte header and the bucket's bytes from `src`; once per send_buckets.
+
     Calls `on_bucket([(key, flat typed view), ...])` as each bucket arrives; the views share the bucket's
     buffer, so `on_bucket` either copies them into the model or keeps them.
     """

@@ -56,8 +56,6 @@ class PatchConfig:
         _require_choice("patch.compression", self.compression, COMPRESSIONS)
         if self.compression == "zstd" and self.transport_device != "cpu":
             raise ValueError("patch.compression=zstd runs on the host: set patch.transport_device=cpu")
-        if isinstance(self.init_sync, dict):
-            self.init_sync = InitSyncConfig(**self.init_sync)
 
 
 @dataclass
@@ -89,10 +87,6 @@ class WeightSyncConfig:
 
     def __post_init__(self):
         _require_choice("type", self.type, ("patch", "bucket"))
-        if isinstance(self.patch, dict):
-            self.patch = PatchConfig(**self.patch)
-        if isinstance(self.bucket, dict):
-            self.bucket = BucketConfig(**self.bucket)
 
 
 def _require_choice(name, value, choices):

@@ -168,7 +168,8 @@ class PatchSyncer(WeightSyncer):
     # ----- receiver ------------------------------------------------------------------------------------
 
     def recv_update(self) -> PatchUpdate:
-        """Receive the next patch (header, table, payload) without applying it."""
+        """Receive the next patch without applying it: a 64-byte header, a table of 40 bytes per touched
+        tensor and the payload, from the sender, once per sync(). Host syncs: one (the header)."""
         header = recv_header(self.src, self.group, self.device, KIND_PATCH)
         table = torch.empty(header.count, TABLE_COLUMNS, dtype=torch.int64, device=self.device)
         if header.count:

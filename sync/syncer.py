@@ -85,6 +85,9 @@ class WeightSyncer:
         mine = _describe(state, self.cfg)
         for dst, meta in zip(self.dsts, metas):
             problems += [f"receiver rank {dst}: {p}" for p in _compare(mine, meta)]
+            if any(meta[field] != metas[0][field] for field in ("keys", "shapes", "dtypes", "ties")):
+                problems.append(f"receiver rank {dst} differs from receiver rank {self.dsts[0]} in key order, shapes, "
+                                "dtypes or tied keys; one syncer serves identical receivers (use one per kind)")
         reply = {"error": "; ".join(problems) or None, "version": version, "keys": [k for k in mine["keys"] if k in keys]}
         for dst in self.dsts:
             send_json(reply, dst, self.group, self.device)
@@ -131,7 +134,12 @@ class WeightSyncer:
     # ----- updates ---------------------------------------------------------------------------------------
 
     def sync(self, state_dict, version: int) -> SyncStats:
-        """Send the sender's current weights as update `version` (must exceed the last one) to all receivers."""
+        """Send the sender's current weights as update `version` (must exceed the last one) to all receivers.
+
+        Crosses ranks once per call (typically once per training iteration): one update to each receiver,
+        a patch (header, table, changed elements) or buckets (header and bytes per bucket). Blocks until
+        every receiver has it; returns what went on the wire.
+        """
         self._require_role(sender=True, initialized=True)
         if version <= self.version:
             raise ValueError(f"weight sync: version must increase, last sent {self.version}, got {version}")
@@ -142,6 +150,8 @@ class WeightSyncer:
 
     def apply(self, model, blocking: bool = True) -> int:
         """Receive the next update and apply it to `model`; returns the version now in place.
+
+        Crosses ranks: receives the one update the sender's matching sync() sends (nothing is sent back).
 
         blocking=False never waits: the first call starts receiving in a background thread and returns the
         current version; a later call applies the update once it has fully arrived (on the caller's

@@ -112,3 +112,19 @@ def _bad_calls(rank, world_size):
 @pytest.mark.slow
 def test_bad_calls_are_clear_errors():
     assert run_ranks(_bad_calls, 2) == [True, True]
+
+
+def _unlike_receivers(rank, world_size):
+    state = _state()
+    if rank == 2:
+        state["a"] = state["a"].to(torch.bfloat16)  # fine on its own, but unlike receiver 1
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1, 2])
+    with pytest.raises(ValueError) as error:
+        syncer.init_sender(state) if rank == 0 else syncer.init_receiver(state)
+    return str(error.value)
+
+
+@pytest.mark.slow
+def test_receivers_of_one_syncer_must_be_alike():
+    for message in run_ranks(_unlike_receivers, 3):
+        assert "receiver rank 2 differs from receiver rank 1" in message
