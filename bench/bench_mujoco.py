@@ -82,8 +82,8 @@ def table(results: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         groups.setdefault((r["task"], r["ranks"], r["steps"]), []).append(r)
-    lines = ["| task | ranks x steps/rank | env steps | seeds | final return (mean ± std) | CleanRL (1M) | wall time per run |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| task | ranks x steps/rank | env steps | seeds | final return (mean ± std) | CleanRL (1M) "
+             "| wall time per run |", "|---|---|---|---|---|---|---|"]
     for (task, ranks, steps), runs in sorted(groups.items()):
         returns = np.array([r["final_return"] for r in runs])
         walls = np.array([r["wall_s"] for r in runs]) / 60

@@ -24,7 +24,7 @@ class EnvConfig:
     sampling_uniform_floor: float = 0.2
     """tracking only: share of motion sampling that stays uniform; the rest follows failure rates"""
     task: str = ""
-    """gymnasium/isaaclab: registered task id, e.g. Hopper-v4 or Isaac-Velocity-Rough-G1-v0 (its own time limit applies)"""
+    """gymnasium/isaaclab: registered task id, e.g. Hopper-v4, Isaac-Velocity-Rough-G1-v0 (its time limit applies)"""
     action_scale: float = 1.0
     """gymnasium/isaaclab: multiply policy actions by this before they reach the simulator"""
     action_clip: float | None = None
@@ -34,7 +34,7 @@ class EnvConfig:
     critic_obs_groups: tuple[str, ...] = ("policy",)
     """isaaclab: observation groups concatenated, in order, into the critic input (e.g. policy critic)"""
     launcher_args: str = ""
-    """isaaclab: extra Isaac Lab launcher flags, e.g. '--physics newton_mjwarp --viz kit' (never --device)"""
+    """isaaclab: Isaac Lab launcher flags, written --env.launcher-args='--physics newton_mjwarp' (never --device)"""
 
 
 @dataclass

@@ -27,7 +27,7 @@ def tracking() -> Config:
 
 
 def mujoco() -> Config:
-    """CleanRL's ppo_continuous_action setting on gymnasium MuJoCo (Hopper-v4; --env.task HalfCheetah-v4, ...), 1M steps."""
+    """CleanRL's ppo_continuous_action setting on MuJoCo: Hopper-v4 (--env.task HalfCheetah-v4, ...), 1M steps."""
     return Config(
         env=EnvConfig(name="gymnasium", task="Hopper-v4", num_envs=1),
         policy=PolicyConfig(actor_hidden=(64, 64), critic_hidden=(64, 64), activation="tanh", init_noise_std=1.0,

@@ -21,7 +21,8 @@ def import_gymnasium():
     try:
         import gymnasium
     except ImportError as exc:
-        raise ImportError(f"--env.name gymnasium needs gymnasium (and mujoco for MuJoCo tasks): {INSTALL_HINT}") from exc
+        raise ImportError(f"--env.name gymnasium needs gymnasium (and mujoco for MuJoCo tasks): "
+                          f"{INSTALL_HINT}") from exc
     return gymnasium
 
 

@@ -70,7 +70,8 @@ class IsaacLabEnv:
         gym, add_launcher_args, launch_simulation, parse_env_cfg = import_isaaclab()
         if task not in gym.registry:
             close = difflib.get_close_matches(task, [name for name in gym.registry if name.startswith("Isaac")], n=5)
-            raise ValueError(f"unknown --env.task {task!r} for Isaac Lab" + (f"; did you mean: {', '.join(close)}" if close else ""))
+            raise ValueError(f"unknown --env.task {task!r} for Isaac Lab"
+                             + (f"; did you mean: {', '.join(close)}" if close else ""))
         launcher = launcher_namespace(add_launcher_args, launcher_args, sim_device)
         self.action_scale, self.action_clip = action_scale, action_clip
 
