@@ -34,8 +34,11 @@ class GymnasiumEnv:
             known = sorted(name for name in gym.registry if name.split("-")[0] == task.split("-")[0])
             raise ValueError(f"unknown --env.task {task!r} for gymnasium"
                              + (f"; registered versions: {', '.join(known)}" if known else ""))
-        self.env = gym.make_vec(task, num_envs=num_envs, vectorization_mode="sync",
-                                vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+        try:
+            self.env = gym.make_vec(task, num_envs=num_envs, vectorization_mode="sync",
+                                    vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+        except gym.error.DependencyNotInstalled as exc:      # e.g. mujoco missing for a MuJoCo task
+            raise ImportError(f"--env.task {task}: {exc}; {INSTALL_HINT}") from exc
         action_space, obs_space = self.env.single_action_space, self.env.single_observation_space
         if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
             raise ValueError(f"--env.task {task}: needs a 1-D continuous (Box) action space, got {action_space}")

@@ -121,6 +121,16 @@ def test_missing_gymnasium_names_the_install_command(monkeypatch):
         validate(preset("mujoco"))
 
 
+def test_a_task_missing_its_simulator_names_the_install_command(monkeypatch):
+    def needs_mujoco(**kwargs):
+        raise gymnasium.error.DependencyNotInstalled("MuJoCo is not installed")
+
+    monkeypatch.setitem(gymnasium.registry, "NeedsMujoco-v0", gymnasium.envs.registration.EnvSpec(
+        "NeedsMujoco-v0", entry_point=needs_mujoco, max_episode_steps=10))
+    with pytest.raises(ImportError, match="NeedsMujoco-v0: MuJoCo is not installed; make setup-mujoco"):
+        GymnasiumEnv("NeedsMujoco-v0", 1, torch.device("cpu"), seed=0)
+
+
 def test_mujoco_preset_is_cleanrl_ppo_continuous_action():
     cfg = preset("mujoco")
     assert (cfg.env.name, cfg.env.task, cfg.env.num_envs, cfg.ppo.num_steps) == ("gymnasium", "Hopper-v4", 1, 2048)
