@@ -25,7 +25,7 @@ from .config import WeightSyncConfig
 from .coo import INDEX_DTYPES, changed_mask, decode, encode, shape_2d, smallest_index_dtype
 from .syncer import SyncStats, WeightSyncer
 from .transport import (HEADER_BYTES, KIND_PATCH, Header, SyncIntegrityError, isend_all, recv_bytes, recv_header,
-                        unpack, wait_all, pack)
+                        pack, unpack, wait_all)
 
 TABLE_COLUMNS = 5
 DENSE = -1

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 MAGIC = 0x53594E43  # "SYNC": a receiver reading a stray message fails loudly instead of decoding garbage
-KIND_BUCKET, KIND_PATCH, KIND_CHECKSUMS = 1, 2, 3
+KIND_BUCKET, KIND_PATCH = 1, 2
 HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8
 
@@ -40,7 +40,7 @@ class Header(NamedTuple):
     kind: int
     version: int
     base_version: int  # patch: the version the patch applies to; other kinds: -1
-    count: int  # patch: number of table rows; bucket: bucket index; checksums: number of tensors
+    count: int  # patch: number of table rows; bucket: bucket index
     wire_bytes: int  # payload bytes on the wire (after compression)
     raw_bytes: int  # payload bytes after decompression
     total: int  # bucket: number of buckets in this update; otherwise 0
