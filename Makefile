@@ -41,9 +41,16 @@ test: $(VENV)/.dev  ## run the whole test suite
 test-fast: $(VENV)/.dev  ## run the quick subset (no slow multi-rank or learning tests)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-bench: $(VENV)/.dev  ## training throughput vs RSL-RL (installs rsl-rl-lib into .venv)
-	$(BIN)/pip install -q rsl-rl-lib
+bench: $(VENV)/.dev  ## training throughput vs RSL-RL (installs rsl-rl-lib into .venv), then bench-grad
+	$(BIN)/pip install -q rsl-rl-lib==5.5.1
 	$(BIN)/python bench/bench_train.py
+	$(MAKE) bench-grad
+
+bench-grad: $(VENV)/.dev  ## gradient sync step time: flat and bucketed vs torch DDP vs a raw all-reduce
+	$(BIN)/python bench/bench_grad_sync.py
+
+bench-sync: $(VENV)/.dev  ## weight sync: patch vs bucket vs naive dist.send (a few minutes; ARGS=--quick for seconds)
+	$(BIN)/python bench/bench_sync.py $(ARGS)
 
 tensorboard: $(VENV)/.runtime  ## serve runs/ on port 6006
 	$(BIN)/tensorboard --logdir runs --port 6006

@@ -27,6 +27,7 @@ def ledger_body(rank, world_size, root, epochs, minibatches, micro, mode, iterat
     cfg.dist.grad_sync, cfg.dist.bucket_mb = mode, 0.002
     cfg.dist.verify_every, cfg.dist.sampler_sync_every = 2, 2
     cfg.log.root, cfg.log.save_every, cfg.log.print_every = root, 2, 100
+    cfg.dist.device = "cpu"          # gloo ranks on CPU even where a GPU is visible
     comm.reset_ledger()
     _, scalars, plan = train.main(cfg)
     return {k: list(v) for k, v in comm.LEDGER.items()}, expected_ledger(plan, iterations, final_iteration=iterations), scalars

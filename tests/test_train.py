@@ -22,6 +22,7 @@ def small_tracking(root, iterations=3, **overrides):
 
 
 def train_body(rank, world_size, cfg):
+    cfg.dist.device = "cpu"          # gloo ranks on CPU even where a GPU is visible
     model, scalars, _ = train.main(cfg)
     return {k: v.clone() for k, v in model.state_dict().items()}, scalars
 
