@@ -78,6 +78,10 @@ def load_results(path: str) -> dict[str, dict]:
         return {r["key"]: r for r in map(json.loads, f)}
 
 
+def spread(returns: np.ndarray) -> str:
+    return f"{returns.mean():.2f} ± {returns.std():.2f}" if len(returns) > 1 else f"{returns[0]:.2f} (one seed)"
+
+
 def table(results: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in results:
@@ -89,7 +93,7 @@ def table(results: list[dict]) -> str:
         walls = np.array([r["wall_s"] for r in runs]) / 60
         published = "{:.2f} ± {:.2f}".format(*CLEANRL[task]) if task in CLEANRL else "-"
         lines.append(f"| {task} | {ranks} x {GLOBAL_STEPS_PER_ITERATION // ranks} | {steps:,} | "
-                     f"{', '.join(str(r['seed']) for r in runs)} | {returns.mean():.2f} ± {returns.std():.2f} | "
+                     f"{', '.join(str(r['seed']) for r in runs)} | {spread(returns)} | "
                      f"{published} | {walls.mean():.1f} min |")
     return "\n".join(lines)
 
