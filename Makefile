@@ -10,7 +10,13 @@ NPROC   ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && e
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: help setup train test test-fast bench bench-grad bench-sync tensorboard clean
+ISAACLAB_DIR     ?= ../IsaacLab
+ISAACLAB_REF     ?= v3.0.0
+ISAACLAB_VENV    ?= .venv-isaaclab
+ISAACSIM         ?= 0
+ISAACSIM_VERSION ?= 6.1.0.0
+
+.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-mujoco setup-mujoco setup-isaaclab tensorboard clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -51,6 +57,21 @@ bench-grad: $(VENV)/.dev  ## gradient sync step time: flat and bucketed vs torch
 
 bench-sync: $(VENV)/.dev  ## weight sync: patch vs bucket vs naive dist.send (a few minutes; ARGS=--quick for seconds)
 	$(BIN)/python bench/bench_sync.py $(ARGS)
+
+bench-mujoco: setup-mujoco  ## mujoco preset vs CleanRL: 3 tasks x 3 seeds x {1,2} ranks, 1M steps (hours); ARGS="--tasks Hopper-v4 --seeds 1"
+	$(BIN)/python bench/bench_mujoco.py $(ARGS)
+
+setup-mujoco: $(VENV)/.runtime  ## gymnasium + MuJoCo into .venv for the gymnasium adapter (make test installs them too)
+	$(BIN)/pip install -q "gymnasium[mujoco]>=1.4,<1.5" "mujoco>=4.0,<4.1"
+
+setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv-isaaclab; ISAACSIM=1 adds Isaac Sim
+	[ -d $(ISAACLAB_DIR) ] || git clone --branch $(ISAACLAB_REF) https://github.com/isaac-sim/IsaacLab.git $(ISAACLAB_DIR)
+	[ -x $(ISAACLAB_VENV)/bin/python ] || python3.12 -m venv $(ISAACLAB_VENV)
+	$(ISAACLAB_VENV)/bin/pip install -q --upgrade pip
+	if [ "$(ISAACSIM)" = 1 ]; then $(ISAACLAB_VENV)/bin/pip install "isaacsim[all,extscache]==$(ISAACSIM_VERSION)" \
+		--extra-index-url https://pypi.nvidia.com; fi
+	. $(CURDIR)/$(ISAACLAB_VENV)/bin/activate && cd $(ISAACLAB_DIR) && ./isaaclab.sh --install
+	$(ISAACLAB_VENV)/bin/pip install -q -r requirements.txt
 
 tensorboard: $(VENV)/.runtime  ## serve runs/ on port 6006
 	$(BIN)/tensorboard --logdir runs --port 6006
