@@ -52,8 +52,8 @@ bench: $(VENV)/.dev  ## training throughput vs RSL-RL (installs rsl-rl-lib into 
 	$(BIN)/python bench/bench_train.py
 	$(MAKE) bench-grad
 
-bench-grad: $(VENV)/.dev  ## gradient sync step time: flat and bucketed vs torch DDP vs a raw all-reduce
-	$(BIN)/python bench/bench_grad_sync.py
+bench-grad: $(VENV)/.runtime  ## gradient sync: flat | bucketed vs DDP vs a raw all-reduce, 2 gloo ranks (ARGS=--quick)
+	$(BIN)/python bench/bench_grad_sync.py $(ARGS)
 
 bench-sync: $(VENV)/.dev  ## weight sync: patch vs bucket vs naive dist.send (a few minutes; ARGS=--quick for seconds)
 	$(BIN)/python bench/bench_sync.py $(ARGS)

@@ -10,8 +10,9 @@ Every parameter's `.grad` is a view into a bucket buffer (no packing copy, ever)
   post-accumulate-grad hook, as soon as its last gradient is ready, so communication overlaps the
   rest of backward. Buckets launch strictly in index order so every rank issues the same sequence.
 
-A few float32 `extras` (e.g. the KL sum and count of the adaptive-LR rule) ride at the end of the
-last bucket to launch, saving a separate collective: they are summed, the gradients averaged.
+A few `extras` scalars (e.g. the KL sum and count of the adaptive-LR rule) ride at the end of the
+last bucket to launch, saving a separate collective: they are summed, the gradients averaged. They
+take the gradient dtype (float32 for fp32 parameters: counts stay exact below 2**24).
 
 Per optimizer step, with q micro-batches (gradients accumulate locally; only the last backward
 communicates, so the accumulation window is exactly one minibatch):
@@ -75,7 +76,7 @@ class GradSync:
             raise ValueError(f"--dist.grad-sync must be flat or bucketed, got {mode!r}")
         if unused not in ("error", "zero"):
             raise ValueError(f"--dist.unused-params must be error or zero, got {unused!r}")
-        if not bucket_mb > 0:
+        if mode == "bucketed" and not bucket_mb > 0:
             raise ValueError(f"--dist.bucket-mb must be positive, got {bucket_mb}")
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
@@ -87,6 +88,7 @@ class GradSync:
         groups = [self.params[::-1]] if mode == "flat" else _bucket_params(self.params, bucket_mb * 2**20)
         self.buckets = [_Bucket(g, num_extras if i == len(groups) - 1 else 0) for i, g in enumerate(groups)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._grad_ptr = {id(p): p.grad.data_ptr() for p in self.params}
         self._received: set[int] = set()
         self._armed = False
         self._next_launch = 0
@@ -145,6 +147,11 @@ class GradSync:
         """
         if not self._armed:
             raise RuntimeError("synchronize() without arm(): call arm() before the last micro-batch's backward")
+        for i, p in enumerate(self.params):
+            if p.grad is None or p.grad.data_ptr() != self._grad_ptr[id(p)]:
+                raise RuntimeError(f"parameter #{i}'s .grad is no longer a view into its gradient bucket, so it would "
+                                   f"not be synchronized: zero gradients with sync.zero_grad(), never with "
+                                   f"optimizer.zero_grad() or model.zero_grad() (they set grads to None)")
         missing = [(i, p) for i, p in enumerate(self.params) if id(p) not in self._received]
         if missing and self.unused == "error":
             names = ", ".join(f"#{i} of shape {tuple(p.shape)}" for i, p in missing[:5])

@@ -331,7 +331,9 @@ def small_run(root, iterations=2):
     return cfg
 
 
-def test_trains_end_to_end_through_the_adapter(fake, tmp_path):
+def test_trains_end_to_end_through_the_adapter(fake, tmp_path, monkeypatch):
+    # The fake simulates on the CPU, so the learner must pick the CPU too, also on a machine with a GPU.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = small_run(tmp_path)
     model, scalars = train.main(cfg)[:2]
     (launch,) = fake.launches

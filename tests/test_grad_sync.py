@@ -120,6 +120,16 @@ def test_bad_arguments_are_rejected():
         GradSync(net.parameters()).synchronize()
 
 
+def test_grads_detached_from_the_buckets_are_an_error_not_a_silent_local_step():
+    net = Net()
+    sync = GradSync(net.parameters(), "flat", unused="zero")
+    torch.optim.Adam(net.parameters()).zero_grad()          # set_to_none: autograd allocates fresh grads
+    sync.arm()
+    loss_fn(net, *data(0)).backward()
+    with pytest.raises(RuntimeError, match="sync.zero_grad"):
+        sync.synchronize()
+
+
 def test_grads_stay_views_into_the_buckets_across_steps():
     net = Net()
     sync = GradSync(net.parameters(), "bucketed", bucket_mb=0.01, unused="zero")
