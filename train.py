@@ -99,7 +99,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
         sums = {k: torch.zeros((), device=device) for k in metric_keys}
         counts = {k: torch.zeros((), device=device) for k in metric_keys}
         storage.clear()
-        with torch.no_grad():
+        with torch.inference_mode():
             for _ in range(T):
                 pi = model.distribution(obs["policy"])
                 actions = pi.sample()

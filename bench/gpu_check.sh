@@ -14,4 +14,4 @@ step train_cuda_4096 90 $py train.py tracking --env.num-envs 4096 --max-iteratio
 step train_cuda_16384_bucketed 60 $py train.py tracking --env.num-envs 16384 --max-iterations 10 --dist.grad-sync bucketed --log.root /tmp/gpu_runs --log.print-every 2
 step torchrun_nccl_1gpu 45 torchrun --standalone --nproc-per-node 1 train.py cartpole --max-iterations 20 --log.root /tmp/gpu_runs --log.print-every 5
 step pytest_fast 150 $py -m pytest -q -m "not slow" tests -p no:cacheprovider --ignore=tests/test_env_gymnasium.py
-step bench_grad_cuda 90 $py bench/bench_grad_sync.py --device cuda --iters 10
+step bench_grad_cuda 240 $py bench/bench_grad_sync.py --device cuda --iters 10

@@ -70,3 +70,32 @@ def test_cartpole_learns_past_threshold(tmp_path):
     _, scalars, _ = train.main(cfg)
     # A random policy balances ~20 steps; the time limit is 500.
     assert scalars["Train/mean_episode_length"] > 150
+
+
+def resume_body(rank, world_size, cfg):
+    cfg.dist.device = "cpu"
+    model, _, _ = train.main(cfg)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tmp_path):
+    train.main(small_tracking(tmp_path / "one", iterations=2))
+    (ckpt,) = glob.glob(os.path.join(tmp_path, "one", "tracking", "*", "model_2.pt"))
+    state0, state1 = run_ranks(resume_body, 2, args=(small_tracking(tmp_path / "two", iterations=3, resume=ckpt),))
+    for key in state0:
+        assert torch.equal(state0[key], state1[key]), key
+    (written,) = glob.glob(os.path.join(tmp_path, "two", "tracking", "*", "model_3.pt"))
+    final = torch.load(written, weights_only=True)
+    assert final["iteration"] == 3 and len(final["rng"]) == 2
+    # The normalizer kept the 1-rank statistics and merged one more iteration from both ranks.
+    assert final["model"]["critic_normalizer.count"].item() == 2 * 16 * 8 + 2 * 16 * 8
+
+
+def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, capsys):
+    cfg = small_tracking(tmp_path, dry_run=True)
+    _, scalars, plan = train.main(cfg)
+    out = capsys.readouterr().out
+    assert scalars == {} and not os.path.exists(tmp_path / "tracking")
+    assert "sync plan" in out and "1 ranks x 16 envs x 8 steps = 128 transitions per iteration" in out
+    assert {row.purpose for row in plan} >= {"params", "gradients", "advantages", "normalizer", "metrics"}
