@@ -5,13 +5,25 @@ import torch
 from dist import comm
 
 
+CHUNK = 1 << 20   # bytes per step: bounds the int64 temporaries (8 MB) whatever the model size
+
+
 def checksum(tensors) -> torch.Tensor:
-    """An int64 checksum of the exact bytes of `tensors` (position-weighted, so swaps are caught too)."""
-    total = torch.zeros((), dtype=torch.int64)
+    """An int64 checksum of the exact bytes of `tensors`, computed where they live.
+
+    Each byte is weighted by its position within a 1 MB chunk (so swapped values are caught too);
+    every chunk sum is an exact integer below 2**48, and 2**15 chunks fit in int64 without overflow.
+    """
+    weights = None
+    total = None
     for t in tensors:
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).to("cpu", torch.int64)
-        weights = torch.arange(raw.numel(), dtype=torch.int64) % 65521 + 1
-        total += (raw * weights).sum()
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if weights is None:
+            weights = torch.arange(1, CHUNK + 1, dtype=torch.int64, device=raw.device)
+            total = torch.zeros((), dtype=torch.int64, device=raw.device)
+        for start in range(0, raw.numel(), CHUNK):
+            chunk = raw[start:start + CHUNK].to(torch.int64)
+            total += (chunk * weights[:chunk.numel()]).sum()
     return total
 
 
@@ -21,8 +33,8 @@ def verify_replicas(module: torch.nn.Module, what: str = "parameters") -> None:
     Crosses ranks: one all-gather of a single int64 per rank. Called every --dist.verify-every
     iterations and after every checkpoint load.
     """
-    local = checksum(module.parameters()).to(comm.device())
-    gathered = comm.all_gather(local, "checksum").cpu()
+    local = checksum(module.parameters()).reshape(1).to(comm.device())
+    gathered = comm.all_gather(local, "checksum").cpu().flatten()
     diverged = [r for r in range(gathered.numel()) if gathered[r] != gathered[0]]
     if diverged:
         raise RuntimeError(f"{what} diverged across ranks: rank(s) {diverged} differ from rank 0 "
