@@ -76,5 +76,6 @@ setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv
 tensorboard: $(VENV)/.runtime  ## serve runs/ on port 6006
 	$(BIN)/tensorboard --logdir runs --port 6006
 
-clean:  ## remove runs and caches (keeps .venv)
-	rm -rf runs .pytest_cache
+clean:  ## remove caches (keeps .venv and runs/: checkpoints are never deleted by make)
+	rm -rf .pytest_cache
+	find . -name __pycache__ -not -path "./.venv*" -prune -exec rm -rf {} +
