@@ -348,6 +348,7 @@ def test_trains_end_to_end_through_the_adapter(fake, tmp_path, monkeypatch):
 
 
 def rank_body(rank, world_size, root):
+    torch.cuda.is_available = lambda: False    # the fake simulates on the CPU: so does this spawned rank
     record = install_fake_isaaclab(rank)
     model = train.main(small_run(root))[0]
     return record.launches, {k: v.clone() for k, v in model.state_dict().items()}
