@@ -22,7 +22,7 @@ from dist import comm
 from dist.buffers import buffer_bytes, resolve_buffer_policy, sync_buffers
 from dist.checkpoint import check_checkpoint_path, load_checkpoint, save_checkpoint
 from dist.grad_sync import GradSync
-from dist.params import broadcast_module
+from dist.params import broadcast_bytes, broadcast_module
 from dist.plan import build_plan, format_plan
 from dist.setup import init_distributed, seed_everything, shutdown
 from dist.stats import reduce_metrics
@@ -71,7 +71,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     metric_keys = TRAIN_KEYS + tuple(env.log_keys)
     plan = build_plan(
         optimizer_steps=cfg.ppo.num_epochs * cfg.ppo.num_mini_batches, grad_bucket_bytes=grad_sync.bucket_bytes(),
-        kl_rides=True, param_bytes=param_broadcast_bytes(model), advantage_global=cfg.ppo.advantage_norm == "global",
+        kl_rides=True, param_bytes=broadcast_bytes(model), advantage_global=cfg.ppo.advantage_norm == "global",
         normalizer_bytes=[(1 + 2 * n.mean.numel()) * 8 for n in model.normalizers().values()]
         + ([24] if reward_normalizer is not None else []),
         buffer_broadcast_bytes=buffer_bytes(model, buffer_rules, "broadcast"),
@@ -183,14 +183,6 @@ def sync_sampler(sampler) -> None:
     """Crosses ranks: one all-reduce (sum, not mean) of the local visit/failure counts, 2 x motions float64."""
     sampler.commit_global(comm.all_reduce(sampler.local_counts.clone().to(comm.device()), "sampler").to(
         sampler.local_counts.device))
-
-
-def param_broadcast_bytes(model: torch.nn.Module) -> list[int]:
-    """Bytes of broadcast_module's calls (one per dtype), for the plan."""
-    by_dtype: dict[torch.dtype, int] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel() * t.element_size()
-    return list(by_dtype.values())
 
 
 def rng_state(env, shuffle: torch.Generator) -> dict:

@@ -125,7 +125,7 @@ def main():
     print(f"\n{args.preset}: {args.num_envs} envs/rank x {cfg.ppo.num_steps} steps, {cfg.ppo.num_epochs} epochs x "
           f"{cfg.ppo.num_mini_batches} minibatches, MLP {cfg.policy.actor_hidden}, {args.iterations} iterations "
           f"(medians after {args.warmup} warm-up), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    print(f"| learner | ranks | env-steps/s | collection s/it | update s/it | steps/s vs RSL-RL | update vs RSL-RL |")
+    print("| learner | ranks | env-steps/s | collection s/it | update s/it | steps/s vs RSL-RL | update vs RSL-RL |")
     print("|---|---|---|---|---|---|---|")
     base = rows[1]
     for name, world, fps, collect, learn in rows:

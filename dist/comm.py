@@ -30,10 +30,6 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _count(purpose: str, tensor: torch.Tensor) -> None:
     entry = LEDGER[purpose]
     entry[0] += 1
@@ -81,12 +77,6 @@ def all_gather_object(obj, purpose: str) -> list:
     dist.all_gather_object(out, obj)
     LEDGER[purpose][0] += 1
     return out
-
-
-def barrier(purpose: str) -> None:
-    if world_size() > 1:
-        LEDGER[purpose][0] += 1
-        dist.barrier()
 
 
 def reset_ledger() -> None:

@@ -5,17 +5,25 @@ import torch
 from dist import comm
 
 
-def broadcast_module(module: torch.nn.Module, tensors: list[torch.Tensor] | None = None) -> None:
+def _by_dtype(module: torch.nn.Module) -> dict[torch.dtype, list[torch.Tensor]]:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    return by_dtype
+
+
+def broadcast_bytes(module: torch.nn.Module) -> list[int]:
+    """Bytes of each of broadcast_module's calls, in order (the sync plan prints these)."""
+    return [sum(t.numel() * t.element_size() for t in group) for group in _by_dtype(module).values()]
+
+
+def broadcast_module(module: torch.nn.Module) -> None:
     """Make every rank's parameters and buffers equal to rank 0's.
 
     Crosses ranks: one broadcast per dtype present (e.g. float32 params + float64 normalizer
     statistics = 2 calls), at start-up and after a checkpoint load; never in the training loop.
     """
-    tensors = tensors if tensors is not None else [*module.parameters(), *module.buffers()]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
+    for group in _by_dtype(module).values():
         flat = torch.cat([t.detach().reshape(-1) for t in group]).to(comm.device())
         comm.broadcast(flat, "params", src=0)
         offset = 0

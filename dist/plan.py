@@ -94,7 +94,7 @@ def format_plan(rows: list[PlanRow], world_size: int) -> str:
     lines = [f"sync plan ({world_size} ranks{note})",
              f"  {'state':<11} {'rule':<28} {'collective':<17} {'cadence':<15} {'calls':>5}  bytes per call"]
     for r in rows:
-        cadence = {"every": f"every {r.every} it", "checkpoint": f"at saves"}.get(r.cadence, r.cadence)
+        cadence = {"every": f"every {r.every} it", "checkpoint": "at saves"}.get(r.cadence, r.cadence)
         if not r.call_bytes:
             sizes = "-"
         elif r.call_bytes == [0]:

@@ -60,7 +60,10 @@ def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor
     keys = sorted(sums)
     if not keys:
         return {}
-    packed = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=comm.device()).reshape(())
-                          for k in keys for v in (sums[k], counts[k])])
+    values = [v for k in keys for v in (sums[k], counts[k])]
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    # Stacked where the metrics live, then moved once: no per-key device copies (host syncs on GPU).
+    packed = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+    packed = packed.to(comm.device())
     packed = comm.all_reduce(packed, purpose).view(-1, 2)
     return {k: s / c for k, (s, c) in zip(keys, packed.tolist()) if c > 0}

@@ -10,7 +10,6 @@ The fake simulates on the CPU: tests replace `envs.isaaclab.simulation_device` (
 non-CUDA devices, tested on its own below) so that the adapter asks for "cuda:<rank>" while running here.
 """
 
-import argparse
 import contextlib
 import glob
 import importlib.machinery
