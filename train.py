@@ -52,11 +52,12 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     # ---- build: env, model, optimizer, gradient sync, buffer rules -------------------------------
     env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=cfg.seed)
     model = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.ppo.learning_rate)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps)
     grad_sync = GradSync(model.parameters(), cfg.dist.grad_sync, cfg.dist.bucket_mb, num_extras=2,  # KL sum, count
                          unused=cfg.dist.unused_params)
     buffer_rules = resolve_buffer_policy(model, model.BUFFER_POLICY)
-    reward_normalizer = RewardNormalizer(env.num_envs, cfg.ppo.gamma).to(device) if cfg.ppo.normalize_rewards else None
+    reward_normalizer = (RewardNormalizer(env.num_envs, cfg.ppo.gamma, cfg.ppo.reward_clip).to(device)
+                         if cfg.ppo.normalize_rewards else None)
     if reward_normalizer is not None:
         resolve_buffer_policy(reward_normalizer, reward_normalizer.BUFFER_POLICY)   # all merge/local
     storage = RolloutStorage(cfg.ppo.num_steps, env.num_envs, env.obs_dims, env.num_actions, device)
@@ -99,6 +100,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
         sums = {k: torch.zeros((), device=device) for k in metric_keys}
         counts = {k: torch.zeros((), device=device) for k in metric_keys}
         storage.clear()
+        ended = []   # rank 0, --log.episode-returns: [N] per step, the return of each env that finished, else NaN
         with torch.inference_mode():
             for _ in range(T):
                 pi = model.distribution(obs["policy"])
@@ -116,6 +118,8 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
                 for key, value in (("Train/mean_reward", episode_return), ("Train/mean_episode_length", episode_length)):
                     sums[key] += (value * done).sum()
                     counts[key] += done.sum()
+                if cfg.log.episode_returns and is_main:
+                    ended.append(torch.where(done, episode_return, torch.nan))
                 episode_return *= ~done
                 episode_length *= ~done
                 for key, value in extras["log"].items():
@@ -159,6 +163,9 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
         ledger_before = {k: list(v) for k, v in comm.LEDGER.items()}
         if is_main:
             logger.log(scalars, step=iteration + 1)
+            returns = torch.stack(ended).flatten().cpu() if ended else torch.zeros(0)   # in the order they ended
+            for value in returns[~returns.isnan()].tolist():
+                logger.writer.add_scalar("Episode/return", value, (iteration + 1) * world * N * T)
             if (iteration + 1) % cfg.log.print_every == 0 or iteration + 1 == cfg.max_iterations:
                 logger.print_line(iteration, scalars)
 

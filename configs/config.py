@@ -24,7 +24,7 @@ class EnvConfig:
     sampling_uniform_floor: float = 0.2
     """tracking only: share of motion sampling that stays uniform; the rest follows failure rates"""
     task: str = ""
-    """gymnasium/isaaclab: registered task id, e.g. Hopper-v4, Isaac-Velocity-Rough-G1-v0 (its time limit applies)"""
+    """gymnasium/isaaclab: registered task id, e.g. Hopper-v4, Isaac-Velocity-Rough-G1 (its time limit applies)"""
     action_scale: float = 1.0
     """gymnasium/isaaclab: multiply policy actions by this before they reach the simulator"""
     action_clip: float | None = None
@@ -34,7 +34,9 @@ class EnvConfig:
     critic_obs_groups: tuple[str, ...] = ("policy",)
     """isaaclab: observation groups concatenated, in order, into the critic input (e.g. policy critic)"""
     launcher_args: str = ""
-    """isaaclab: Isaac Lab launcher flags, written --env.launcher-args='--physics newton_mjwarp' (never --device)"""
+    """isaaclab: Isaac Lab launcher flags, written --env.launcher-args='--viz kit' (never --device)"""
+    task_overrides: tuple[str, ...] = ()
+    """isaaclab: Hydra-style overrides of the task config for parse_env_cfg, e.g. physics=isaacsim_physx"""
 
 
 @dataclass
@@ -67,6 +69,8 @@ class PPOConfig:
     """split each minibatch into this many micro-batches for memory only (one gradient sync per minibatch)"""
     learning_rate: float = 1e-3
     """Adam learning rate (initial value for the adaptive and linear schedules)"""
+    adam_eps: float = 1e-8
+    """Adam epsilon (PyTorch's default 1e-8; CleanRL uses 1e-5)"""
     schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"
     """adaptive: scale the LR by the global KL each minibatch; fixed: constant; linear: anneal to 0 over the run"""
     desired_kl: float = 0.01
@@ -89,12 +93,14 @@ class PPOConfig:
     """weight of the entropy bonus"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm (after cross-rank averaging) to this value"""
-    advantage_norm: Literal["global", "local", "none"] = "global"
-    """normalize advantages over all ranks (3 float64 sums), per rank, or not at all"""
+    advantage_norm: Literal["global", "local", "minibatch", "none"] = "global"
+    """normalize advantages over all ranks (3 float64 sums), per rank, per minibatch on each rank (CleanRL), or not"""
     minibatch_unit: Literal["trajectory", "transition"] = "trajectory"
     """split minibatches by whole env trajectories (SONIC, RSL-RL) or by single transitions (CleanRL)"""
     normalize_rewards: bool = False
     """divide rewards by the running std of the discounted return (CleanRL's NormalizeReward), merged across ranks"""
+    reward_clip: float = 10.0
+    """with --ppo.normalize-rewards: clip normalized rewards to [-C, C] (CleanRL clips at 10)"""
     bootstrap_time_outs: bool = True
     """bootstrap time-outs from the value of the final observation; off treats them like terminations"""
 
@@ -127,6 +133,8 @@ class LogConfig:
     """write a checkpoint every K iterations (and always at the end)"""
     print_every: int = 1
     """console line every K iterations"""
+    episode_returns: bool = False
+    """rank 0 writes every finished episode's raw return to TensorBoard as Episode/return (CleanRL's statistic)"""
 
 
 @dataclass
@@ -158,6 +166,7 @@ def validate(cfg: Config) -> None:
         "--env.num-motions": cfg.env.num_motions, "--ppo.desired-kl": cfg.ppo.desired_kl,
         "--ppo.num-micro-batches": cfg.ppo.num_micro_batches, "--dist.bucket-mb": cfg.dist.bucket_mb,
         "--dist.sampler-sync-every": cfg.dist.sampler_sync_every,
+        "--ppo.adam-eps": cfg.ppo.adam_eps, "--ppo.reward-clip": cfg.ppo.reward_clip,
     }
     for flag, value in positive.items():
         if not value > 0:
@@ -201,7 +210,7 @@ def validate_simulator_env(cfg: Config) -> None:
     package, setup = SIMULATOR_PACKAGES[cfg.env.name]
     if not cfg.env.task:
         raise ValueError(f"--env.name {cfg.env.name} needs --env.task, a registered task id "
-                         f"(e.g. Hopper-v4, Isaac-Velocity-Rough-G1-v0)")
+                         f"(e.g. Hopper-v4, Isaac-Velocity-Rough-G1)")
     if importlib.util.find_spec(package) is None:
         raise ValueError(f"--env.name {cfg.env.name} needs the {package} package, which is not installed: `{setup}`")
     if cfg.env.name == "isaaclab" and cfg.dist.device == "cpu":

@@ -34,26 +34,27 @@ def mujoco() -> Config:
                             orthogonal_init=True, normalize_actor_obs=True, normalize_critic_obs=True),
         # CleanRL's vf_coef 0.5 multiplies 0.5 * mean(max(...)); our loss has no inner 0.5, hence 0.25.
         ppo=PPOConfig(num_steps=2048, num_epochs=10, num_mini_batches=32, minibatch_unit="transition",
-                      learning_rate=3e-4, schedule="linear", gamma=0.99, lam=0.95, clip_param=0.2,
+                      learning_rate=3e-4, adam_eps=1e-5, schedule="linear", gamma=0.99, lam=0.95, clip_param=0.2,
                       clip_value_loss=True, value_loss_coef=0.25, entropy_coef=0.0, max_grad_norm=0.5,
-                      normalize_rewards=True, bootstrap_time_outs=False),
-        log=LogConfig(experiment="mujoco", print_every=10),
+                      advantage_norm="minibatch", normalize_rewards=True, reward_clip=10.0, bootstrap_time_outs=False),
+        log=LogConfig(experiment="mujoco", print_every=10, episode_returns=True),
         max_iterations=1_000_000 // 2048,   # 488 iterations = 999,424 steps, as CleanRL counts them
     )
 
 
 def isaaclab() -> Config:
     """An Isaac Lab 3.0 task on GPUs (G1 rough locomotion by default), with Isaac Lab's RSL-RL PPO settings for it."""
+    # Isaac Lab 3.0.0's G1RoughPPORunnerCfg, except where docs/simulators.md says otherwise.
     return Config(
-        env=EnvConfig(name="isaaclab", task="Isaac-Velocity-Rough-G1-v0", num_envs=4096,
+        env=EnvConfig(name="isaaclab", task="Isaac-Velocity-Rough-G1", num_envs=4096,
                       actor_obs_groups=("policy",), critic_obs_groups=("policy",)),
         policy=PolicyConfig(actor_hidden=(512, 256, 128), critic_hidden=(512, 256, 128), activation="elu",
                             init_noise_std=1.0, normalize_actor_obs=False, normalize_critic_obs=False),
         ppo=PPOConfig(num_steps=24, num_epochs=5, num_mini_batches=4, learning_rate=1e-3, schedule="adaptive",
                       desired_kl=0.01, gamma=0.99, lam=0.95, clip_param=0.2, clip_value_loss=True,
-                      value_loss_coef=1.0, entropy_coef=0.008, max_grad_norm=1.0),
+                      value_loss_coef=1.0, entropy_coef=0.008, max_grad_norm=1.0, minibatch_unit="transition"),
         log=LogConfig(experiment="isaaclab"),
-        max_iterations=3000,
+        max_iterations=5000,
     )
 
 

@@ -38,7 +38,8 @@ class ObsNormalizer(nn.Module):
 
 
 class RewardNormalizer(nn.Module):
-    """Scales rewards by the running std of the discounted return, like CleanRL's NormalizeReward.
+    """Scales rewards by the running std of the discounted return, like CleanRL's NormalizeReward, then
+    clips them to [-clip, clip] (CleanRL's TransformReward clip at 10).
 
     Buffers: `returns` [N] is each env's running discounted return (sync rule `local`: it follows this
     rank's envs); count/mean64/m2/std are the return statistics (rule `merge`). The statistics are
@@ -48,9 +49,9 @@ class RewardNormalizer(nn.Module):
 
     BUFFER_POLICY = {"returns": "local", "count": "merge", "mean64": "merge", "m2": "merge", "std": "merge"}
 
-    def __init__(self, num_envs: int, gamma: float, eps: float = 1e-8):
+    def __init__(self, num_envs: int, gamma: float, clip: float, eps: float = 1e-8):
         super().__init__()
-        self.gamma, self.eps = gamma, eps
+        self.gamma, self.clip, self.eps = gamma, clip, eps
         self.register_buffer("returns", torch.zeros(num_envs))
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
         self.register_buffer("mean64", torch.zeros(1, dtype=torch.float64))
@@ -60,11 +61,11 @@ class RewardNormalizer(nn.Module):
 
     @torch.no_grad()
     def forward(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
-        """Record the discounted return after this step and return the scaled reward."""
+        """Record the discounted return after this step and return the scaled, clipped reward."""
         self.returns.mul_(self.gamma).add_(reward)
         self._seen.append(self.returns.clone())
         self.returns.mul_(~done)
-        return reward / (self.std + self.eps)
+        return (reward / (self.std + self.eps)).clamp(-self.clip, self.clip)
 
     @torch.no_grad()
     def update(self) -> None:

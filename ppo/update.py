@@ -20,8 +20,9 @@ from ppo.loss import gaussian_kl, ppo_loss
 
 
 def normalize_advantages(storage, mode: str) -> None:
-    """In place: "global" over all ranks (3 float64 sums), "local" over this rank's rollout, or "none"."""
-    if mode == "none":
+    """In place: "global" over all ranks (3 float64 sums), "local" over this rank's rollout, or nothing for
+    "none" and "minibatch" (normalized per minibatch in ppo_update instead)."""
+    if mode in ("none", "minibatch"):
         return
     adv = storage.advantages
     if mode == "global":
@@ -43,6 +44,9 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
         for batch in storage.minibatches(cfg.num_mini_batches, generator, cfg.minibatch_unit):
             grad_sync.zero_grad()
             batch_size = batch["actions"].shape[0]
+            if cfg.advantage_norm == "minibatch":   # CleanRL: this rank's minibatch alone, unbiased std
+                adv = batch["advantages"]
+                batch["advantages"] = (adv - adv.mean()) / (adv.std() + 1e-8)
             if batch_size % num_micro_batches:
                 raise ValueError(f"minibatch of {batch_size} transitions is not divisible by "
                                  f"--ppo.num-micro-batches {num_micro_batches}")
