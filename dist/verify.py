@@ -3,28 +3,8 @@
 import torch
 
 from dist import comm
-
-
-CHUNK = 1 << 20   # bytes per step: bounds the int64 temporaries (8 MB) whatever the model size
-
-
-def checksum(tensors) -> torch.Tensor:
-    """An int64 checksum of the exact bytes of `tensors`, computed where they live.
-
-    Each byte is weighted by its position within a 1 MB chunk (so swapped values are caught too);
-    every chunk sum is an exact integer below 2**48, and 2**15 chunks fit in int64 without overflow.
-    """
-    weights = None
-    total = None
-    for t in tensors:
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        if weights is None:
-            weights = torch.arange(1, CHUNK + 1, dtype=torch.int64, device=raw.device)
-            total = torch.zeros((), dtype=torch.int64, device=raw.device)
-        for start in range(0, raw.numel(), CHUNK):
-            chunk = raw[start:start + CHUNK].to(torch.int64)
-            total += (chunk * weights[:chunk.numel()]).sum()
-    return total
+from dist.checksum import checksum  # noqa: F401 - the one checksum, shared with sync/
+from dist.plan import PlanRow
 
 
 def verify_replicas(module: torch.nn.Module, what: str = "parameters") -> None:
@@ -39,3 +19,11 @@ def verify_replicas(module: torch.nn.Module, what: str = "parameters") -> None:
     if diverged:
         raise RuntimeError(f"{what} diverged across ranks: rank(s) {diverged} differ from rank 0 "
                            f"(checksums {gathered.tolist()}); something updated one replica without the others")
+
+
+def verify_plan_rows(every: int, after_load: bool) -> list[PlanRow]:
+    """The sync-plan rows of verify_replicas: every K iterations, and once after a checkpoint load."""
+    rows = [PlanRow("checksum", "all ranks equal rank 0", "all_gather", "every", [8], every=every)] if every else []
+    if after_load:
+        rows.append(PlanRow("checksum", "verify after load", "all_gather", "setup", [8]))
+    return rows

@@ -1,0 +1,136 @@
+"""One exact checksum of tensors' bytes, identical on every device and rank; updatable from changed elements.
+
+The bits are read as 16-bit lanes (8-bit for 1-byte dtypes) and laid out as rows of ROW lanes. Lane s of
+row r has the weight W[s] * H[r] (two independent weight sets, so two 31-bit checksums in one int64).
+W and H are pseudo-random (splitmix64 of the position under fixed seeds), so a shifted or permuted write
+does not line up with the original the way linear position weights do.
+
+Exact on any device and in any summation order: a row sum of |lane| < 2**15 times W < 2**24 over 2**14
+lanes stays below 2**53, so it is an exact float64 matrix-vector product (one BLAS call per block of
+rows, with a reused buffer); row sums are then folded modulo the prime P in int64.
+
+Because the checksum is linear in the lanes, changing elements at known positions from `old` to `new`
+changes it by sum((new - old) * weight) mod P: `update_checksum` needs only the changed elements.
+"""
+
+import threading
+
+import numpy as np
+import torch
+
+P = 2**31 - 1
+ROW = 1 << 14            # lanes per row
+BLOCK = 32               # rows converted per BLAS call: a 4 MiB float64 buffer, reused
+_SEEDS = (0x5EED0001, 0x5EED0002)
+_tables: dict = {}       # (what, device) -> tensor, built once (H grows on demand)
+_scratch = threading.local()  # per-thread float64 buffers: a receiving thread and the caller may both checksum
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer (uint64 arithmetic wraps in numpy by definition)."""
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)).astype(np.uint64)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def weights(count: int, bits: int, offset: int = 0) -> np.ndarray:
+    """[count, 2] int64 pseudo-random weights in [1, 2**bits) (and below P), positions offset.. offset+count."""
+    pos = np.arange(offset, offset + count, dtype=np.uint64)
+    cols = [(_splitmix64(pos ^ np.uint64(seed << 32)) >> np.uint64(64 - bits)).astype(np.int64) for seed in _SEEDS]
+    out = np.stack(cols, axis=1) % P
+    out[out == 0] = 1
+    return out
+
+
+def _lane_weights(device, dtype) -> torch.Tensor:
+    key = ("W", str(device), dtype)
+    if key not in _tables:
+        # [2, ROW]: w @ block.T is one fast BLAS call (block @ w with two columns is several times slower)
+        _tables[key] = torch.from_numpy(weights(ROW, 24).T.copy()).to(device=device, dtype=dtype)
+    return _tables[key]
+
+
+def _row_weights(rows: int, device) -> torch.Tensor:
+    key = ("H", str(device))
+    table = _tables.get(key)
+    if table is None or table.shape[0] < rows:
+        size = 1 << max(10, (rows - 1).bit_length())
+        table = _tables[key] = torch.from_numpy(weights(size, 31, offset=1 << 40)).to(device)
+    return table
+
+
+def lanes(t: torch.Tensor) -> torch.Tensor:
+    """The 1-D integer lanes of a tensor's bits (no copy for contiguous tensors)."""
+    flat = t.detach().reshape(-1)
+    return flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
+
+
+def _combine(parts: torch.Tensor) -> torch.Tensor:
+    """[2] residues mod P -> one int64 (high * 2**31 + low)."""
+    return parts[0] * 2**31 + parts[1]
+
+
+def _split(checksum: torch.Tensor) -> torch.Tensor:
+    return torch.stack([checksum // 2**31, checksum % 2**31])
+
+
+def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
+    """0-dim int64 checksum of `t`'s exact bits, on t.device; no host synchronization."""
+    x = lanes(t)
+    device = x.device
+    full, tail = divmod(x.numel(), ROW)
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.device != device:
+        buffer = _scratch.buffer = torch.empty(BLOCK, ROW, dtype=torch.float64, device=device)
+    w = _lane_weights(device, torch.float64)
+    sums = []
+    for start in range(0, full, BLOCK):
+        rows = min(BLOCK, full - start)
+        block = buffer[:rows]
+        block.copy_(x[start * ROW:(start + rows) * ROW].view(rows, ROW))
+        sums.append((w @ block.t()).t())
+    if tail:
+        block = buffer[0, :tail]
+        block.copy_(x[full * ROW:])
+        sums.append((w[:, :tail] @ block).view(1, 2))
+    if not sums:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    row_sums = torch.remainder(torch.cat(sums).to(torch.int64), P)
+    folded = torch.remainder(row_sums * _row_weights(row_sums.shape[0], device)[:row_sums.shape[0]], P)
+    return _combine(torch.remainder(folded.sum(0), P))
+
+
+def update_checksum(checksum: torch.Tensor, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The checksum of a tensor after its elements at flat positions `index` changed from `old` to `new`.
+
+    Costs O(len(index)), not O(numel): the sender and the receiver of a sparse patch never rescan a tensor.
+    `index` must not repeat a position (each change is counted once).
+    """
+    if index.numel() == 0:
+        return checksum
+    per = max(1, old.element_size() // 2)                      # lanes per element
+    old_lanes, new_lanes = lanes(old).view(-1, per), lanes(new).view(-1, per)
+    diff = (new_lanes.to(torch.int64) - old_lanes.to(torch.int64)).unsqueeze(-1)           # [m, per, 1]
+    lane = index.to(torch.int64).view(-1, 1) * per + torch.arange(per, device=index.device)  # [m, per]
+    rows, cols = lane // ROW, lane % ROW
+    w = _lane_weights(index.device, torch.int64).t()[cols]                                 # [m, per, 2]
+    h = _row_weights(int(rows.max()) + 1, index.device)[rows]
+    delta = torch.remainder(torch.remainder(diff * w, P) * h, P).sum((0, 1))
+    return _combine(torch.remainder(_split(checksum) + delta, P))
+
+
+def checksum(tensors) -> torch.Tensor:
+    """One int64 checksum of a sequence of tensors, order-sensitive: tensor i's checksum is weighted by a
+    pseudo-random weight of i. Identical on every rank and device for identical bytes."""
+    total, device = None, None
+    for i, t in enumerate(tensors):
+        parts = _split(tensor_checksum(t))
+        device = parts.device
+        w = torch.from_numpy(weights(1, 31, offset=1 << 50 | i)[0]).to(device)
+        term = torch.remainder(parts * w, P)
+        total = term if total is None else torch.remainder(total + term, P)
+    if total is None:
+        return torch.zeros((), dtype=torch.int64)
+    return _combine(total)
