@@ -114,23 +114,35 @@ def reset_ledger() -> None:
 def send(tensor: torch.Tensor, purpose: str, dst: int, group=None) -> None:
     """Blocking send of `tensor` to global rank `dst`."""
     _count(purpose, tensor)
-    dist.send(tensor, dst=dst, group=group)
+    try:
+        torch_dist.send(tensor, dst=dst, group=group)
+    except Exception as exc:  # noqa: BLE001
+        raise _failed("send", purpose, exc) from exc
 
 
 def recv(tensor: torch.Tensor, purpose: str, src: int, group=None) -> torch.Tensor:
     """Blocking receive into `tensor` from global rank `src`."""
     _count(purpose, tensor)
-    dist.recv(tensor, src=src, group=group)
+    try:
+        torch_dist.recv(tensor, src=src, group=group)
+    except Exception as exc:  # noqa: BLE001
+        raise _failed("recv", purpose, exc) from exc
     return tensor
 
 
 def isend(tensor: torch.Tensor, purpose: str, dst: int, group=None):
     """Start sending `tensor` to global rank `dst`; returns the work to wait on (`tensor` must outlive it)."""
     _count(purpose, tensor)
-    return dist.isend(tensor, dst=dst, group=group)
+    try:
+        return _Work(torch_dist.isend(tensor, dst=dst, group=group), "isend", purpose)
+    except Exception as exc:  # noqa: BLE001
+        raise _failed("isend", purpose, exc) from exc
 
 
 def irecv(tensor: torch.Tensor, purpose: str, src: int, group=None):
     """Start receiving into `tensor` from global rank `src`; returns the work to wait on."""
     _count(purpose, tensor)
-    return dist.irecv(tensor, src=src, group=group)
+    try:
+        return _Work(torch_dist.irecv(tensor, src=src, group=group), "irecv", purpose)
+    except Exception as exc:  # noqa: BLE001
+        raise _failed("irecv", purpose, exc) from exc
