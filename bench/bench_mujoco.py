@@ -8,20 +8,29 @@ transitions and 32 minibatches of 64 per iteration.
     python bench/bench_mujoco.py --tasks Hopper-v4 --seeds 1 --ranks 1
     python bench/bench_mujoco.py --table-only                      # print the table of the runs done so far
 
-Final return of a run: the mean of Train/mean_reward (raw episodic return of the episodes that ended
-in an iteration) over its last --last-iterations iterations. The table shows the mean +- std (numpy's,
-ddof 0) of that over seeds, and the wall time per run (process start to exit). Results are appended to
-ROOT/results.jsonl as each run finishes, so a long background job can be read while it runs, and
-finished runs are not repeated.
+Final return of a run, two ways, both from raw (unnormalized) episodic returns:
+  - CleanRL's statistic (openrlbenchmark): the mean of the last --last-episodes (100) episodes the run
+    finished, read from the Episode/return scalars rank 0 writes for each of its finished episodes
+    (with 2 ranks: rank 0's envs, which run the same policy as rank 1's);
+  - the mean of Train/mean_reward (episodes ended in an iteration, all ranks) over the last
+    --last-iterations (10) iterations.
+The table shows the mean +- population std (ddof 0, as CleanRL's table) of each over seeds, CleanRL's
+published number beside it, and the wall time per run (process start to exit). Results are appended
+to ROOT/results.jsonl as each run finishes (with the gymnasium, mujoco and torch versions), so a long
+background job can be read while it runs, and finished runs are not repeated. --jobs 2 runs two
+configurations at a time (one per core for 1-rank runs).
 """
 
 import argparse
+import concurrent.futures
 import glob
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from importlib.metadata import version
 
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -44,12 +53,18 @@ def train_command(task: str, ranks: int, seed: int, iterations: int, root: str) 
     return [torchrun, "--standalone", "--nproc-per-node", str(ranks), "train.py", *flags]
 
 
-def final_return(root: str, last_iterations: int) -> float:
+def final_returns(root: str, last_episodes: int, last_iterations: int) -> dict:
+    """CleanRL's statistic (mean of the last `last_episodes` episodic returns) and the mean of the
+    per-iteration mean return over the last `last_iterations` iterations, from the run's TensorBoard file."""
     (events,) = glob.glob(os.path.join(root, "mujoco", "*", "events.out.tfevents.*"))
-    accumulator = EventAccumulator(events, size_guidance={"scalars": 0})
+    accumulator = EventAccumulator(events, size_guidance={"scalars": 0})   # 0: keep every value
     accumulator.Reload()
-    returns = [event.value for event in accumulator.Scalars("Train/mean_reward")]
-    return float(np.mean(returns[-last_iterations:]))
+    episodes = [event.value for event in accumulator.Scalars("Episode/return")]   # in the order they ended
+    if len(episodes) < last_episodes:
+        raise RuntimeError(f"{root}: only {len(episodes)} episodes finished, fewer than --last-episodes {last_episodes}")
+    iterations = [event.value for event in accumulator.Scalars("Train/mean_reward")]
+    return {"last_episodes_return": float(np.mean(episodes[-last_episodes:])), "episodes": len(episodes),
+            "last_iterations_return": float(np.mean(iterations[-last_iterations:]))}
 
 
 def run(task: str, ranks: int, seed: int, total_steps: int, args) -> dict:
@@ -67,34 +82,55 @@ def run(task: str, ranks: int, seed: int, total_steps: int, args) -> dict:
     if code:
         raise RuntimeError(f"{task} ranks {ranks} seed {seed} exited with {code}; see {log_path}")
     return {"key": run_key(task, ranks, seed, total_steps), "task": task, "ranks": ranks, "seed": seed,
-            "steps": iterations * GLOBAL_STEPS_PER_ITERATION, "final_return": final_return(root, args.last_iterations),
-            "wall_s": wall}
+            "steps": iterations * GLOBAL_STEPS_PER_ITERATION, "wall_s": wall, "versions": VERSIONS,
+            **final_returns(root, args.last_episodes, args.last_iterations)}
 
 
 def load_results(path: str) -> dict[str, dict]:
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        return {r["key"]: r for r in map(json.loads, f)}
+        records = [json.loads(line) for line in f]
+    old = [r["key"] for r in records if "last_episodes_return" not in r]
+    if old:   # written before the episode statistic existed, by an older mujoco preset: run them again
+        print(f"[bench] ignoring {len(old)} results of an older bench version in {path}: {', '.join(old)}")
+    return {r["key"]: r for r in records if "last_episodes_return" in r}
+
+
+VERSIONS = {name: version(name) for name in ("gymnasium", "mujoco", "torch")}
 
 
 def spread(returns: np.ndarray) -> str:
+    """Mean ± population std (ddof 0) over seeds, as CleanRL's table; one seed is marked as such."""
     return f"{returns.mean():.2f} ± {returns.std():.2f}" if len(returns) > 1 else f"{returns[0]:.2f} (one seed)"
 
 
-def table(results: list[dict]) -> str:
+def verdict(returns: np.ndarray, task: str) -> str:
+    """Whether the seeds' mean is within one of CleanRL's standard deviations of its mean, or above it."""
+    if task not in CLEANRL or len(returns) < 2:
+        return "-"
+    mean, std = CLEANRL[task]
+    return "yes" if returns.mean() >= mean - std else f"no ({(mean - returns.mean()) / std:.1f} std below)"
+
+
+def table(results: list[dict], last_episodes: int, last_iterations: int) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         groups.setdefault((r["task"], r["ranks"], r["steps"]), []).append(r)
-    lines = ["| task | ranks x steps/rank | env steps | seeds | final return (mean ± std) | CleanRL (1M) "
-             "| wall time per run |", "|---|---|---|---|---|---|---|"]
+    lines = [f"| task | ranks x steps/rank | env steps | seeds | last {last_episodes} episodes (CleanRL's statistic) "
+             f"| last {last_iterations} iterations | CleanRL (1M) | within CleanRL's std | wall time per run |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for (task, ranks, steps), runs in sorted(groups.items()):
-        returns = np.array([r["final_return"] for r in runs])
+        runs.sort(key=lambda r: r["seed"])
+        episodes = np.array([r["last_episodes_return"] for r in runs])
+        iterations = np.array([r["last_iterations_return"] for r in runs])
         walls = np.array([r["wall_s"] for r in runs]) / 60
         published = "{:.2f} ± {:.2f}".format(*CLEANRL[task]) if task in CLEANRL else "-"
         lines.append(f"| {task} | {ranks} x {GLOBAL_STEPS_PER_ITERATION // ranks} | {steps:,} | "
-                     f"{', '.join(str(r['seed']) for r in runs)} | {spread(returns)} | "
-                     f"{published} | {walls.mean():.1f} min |")
+                     f"{', '.join(str(r['seed']) for r in runs)} | {spread(episodes)} | {spread(iterations)} | "
+                     f"{published} | {verdict(episodes, task)} | {walls.mean():.1f} min |")
+    versions = sorted({json.dumps(r["versions"], sort_keys=True) for r in results})
+    lines.append("versions: " + "; ".join(", ".join(f"{k} {v}" for k, v in json.loads(v).items()) for v in versions))
     return "\n".join(lines)
 
 
@@ -104,13 +140,17 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="base seeds (--seed)")
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2], help="world sizes, same global batch")
     parser.add_argument("--total-steps", type=int, default=1_000_000, help="env steps per run (all ranks)")
-    parser.add_argument("--last-iterations", type=int, default=10, help="iterations averaged into the final return")
+    parser.add_argument("--last-episodes", type=int, default=100, help="episodes averaged into CleanRL's statistic")
+    parser.add_argument("--last-iterations", type=int, default=10, help="iterations averaged into the second statistic")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each rank is one process)")
     parser.add_argument("--root", default=os.path.join(REPO, "runs", "bench_mujoco"), help="runs and results.jsonl")
     parser.add_argument("--table-only", action="store_true", help="print the table of finished runs and exit")
     args = parser.parse_args()
     for ranks in args.ranks:
         if ranks < 1 or GLOBAL_STEPS_PER_ITERATION % ranks:
             parser.error(f"--ranks {ranks}: must divide the {GLOBAL_STEPS_PER_ITERATION} steps per iteration")
+    if args.jobs < 1 or args.last_episodes < 1:
+        parser.error("--jobs and --last-episodes must be at least 1")
     if args.total_steps < GLOBAL_STEPS_PER_ITERATION * args.last_iterations:
         parser.error(f"--total-steps must cover --last-iterations x {GLOBAL_STEPS_PER_ITERATION} steps")
 
@@ -118,18 +158,24 @@ def main() -> None:
     results = load_results(results_path)
     if not args.table_only:
         os.makedirs(args.root, exist_ok=True)
-        for task in args.tasks:
-            for ranks in args.ranks:
-                for seed in args.seeds:
-                    key = run_key(task, ranks, seed, args.total_steps)
-                    if key in results:
-                        continue
-                    results[key] = run(task, ranks, seed, args.total_steps, args)
-                    with open(results_path, "a") as f:
-                        f.write(json.dumps(results[key]) + "\n")
-                    print(f"[bench] {key}: final return {results[key]['final_return']:.2f}, "
-                          f"{results[key]['wall_s'] / 60:.1f} min", flush=True)
-    print(table(list(results.values())))
+        todo = [(task, ranks, seed) for task in args.tasks for ranks in args.ranks for seed in args.seeds
+                if run_key(task, ranks, seed, args.total_steps) not in results]
+        lock = threading.Lock()
+
+        def run_and_record(task, ranks, seed):
+            result = run(task, ranks, seed, args.total_steps, args)
+            with lock:
+                results[result["key"]] = result
+                with open(results_path, "a") as f:
+                    f.write(json.dumps(result) + "\n")
+                print(f"[bench] {result['key']}: last {args.last_episodes} episodes {result['last_episodes_return']:.2f}, "
+                      f"last {args.last_iterations} iterations {result['last_iterations_return']:.2f}, "
+                      f"{result['wall_s'] / 60:.1f} min", flush=True)
+
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            for future in [pool.submit(run_and_record, *job) for job in todo]:
+                future.result()
+    print(table(list(results.values()), args.last_episodes, args.last_iterations))
 
 
 if __name__ == "__main__":
