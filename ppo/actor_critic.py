@@ -2,6 +2,8 @@
 state-independent action std. Optional observation normalizers live inside the module so their
 statistics travel with the weights (checkpoints, weight sync)."""
 
+import math
+
 import torch
 from torch import nn
 
@@ -17,6 +19,31 @@ def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: str) -> 
         dim = h
     layers.append(nn.Linear(dim, out_dim))
     return nn.Sequential(*layers)
+
+
+class Gaussian:
+    """Diagonal Gaussian with a state-independent std [A]: the same numbers as
+    `torch.distributions.Normal(mean, std.expand_as(mean))` (same formulas, same sampling call), but the std
+    terms (square, log) are computed once on [A] instead of on every sample [B, A], and nothing is validated."""
+
+    def __init__(self, mean: torch.Tensor, log_std: torch.Tensor):
+        self.mean, self.std = mean, log_std.exp()
+
+    @property
+    def stddev(self) -> torch.Tensor:
+        return self.std.expand_as(self.mean)
+
+    def sample(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.normal(self.mean, self.stddev)
+
+    def log_prob(self, actions: torch.Tensor) -> torch.Tensor:
+        """Per action dimension, [B, A]."""
+        return -((actions - self.mean) ** 2) / (2 * self.std**2) - self.std.log() - math.log(math.sqrt(2 * math.pi))
+
+    def entropy(self) -> torch.Tensor:
+        """Per action dimension, [B, A] (a broadcast view: every sample has the same entropy)."""
+        return (0.5 + 0.5 * math.log(2 * math.pi) + torch.log(self.std)).expand_as(self.mean)
 
 
 class ActorCritic(nn.Module):
@@ -40,9 +67,8 @@ class ActorCritic(nn.Module):
                     nn.init.orthogonal_(layer.weight, head_gain if layer is linears[-1] else 2**0.5)
                     nn.init.zeros_(layer.bias)
 
-    def distribution(self, actor_obs: torch.Tensor) -> torch.distributions.Normal:
-        mean = self.actor(self.actor_normalizer(actor_obs))
-        return torch.distributions.Normal(mean, self.log_std.exp().expand_as(mean))
+    def distribution(self, actor_obs: torch.Tensor) -> Gaussian:
+        return Gaussian(self.actor(self.actor_normalizer(actor_obs)), self.log_std)
 
     def value(self, critic_obs: torch.Tensor) -> torch.Tensor:
         return self.critic(self.critic_normalizer(critic_obs)).squeeze(-1)

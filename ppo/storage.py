@@ -1,23 +1,57 @@
-"""Rank-local rollout storage [T, N, ...] and the minibatch generator over whole trajectories."""
+"""Rank-local rollout storage [T, N, ...] and the minibatch generator over whole trajectories.
+
+Every field a minibatch reads is a column block of ONE packed float buffer [T, N, F], so drawing a
+minibatch is a single `index_select` (one pass over the bytes) instead of one gather per field; the
+fields are views into it. Rewards and dones, which only GAE reads, live in their own tensors.
+"""
 
 from collections.abc import Iterator
 
 import torch
 
 
+class _Column:
+    """A named column block of the packed buffer. Reading gives a view; assigning copies into the view,
+    so `storage.advantages = compute(...)` keeps the packing (rebinding would silently detach it)."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, storage, owner=None):
+        return self if storage is None else storage.columns[self.name]
+
+    def __set__(self, storage, value):
+        storage.columns[self.name].copy_(value)
+
+
 class RolloutStorage:
     """Fixed-size buffers for one iteration. `add` writes step t; the update reads whole trajectories."""
+
+    FIELDS = ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values",
+              "advantages", "returns")
+    actor_obs, critic_obs, actions, action_mean, action_std = _Column(), _Column(), _Column(), _Column(), _Column()
+    log_probs, values, advantages, returns = _Column(), _Column(), _Column(), _Column()
 
     def __init__(self, num_steps: int, num_envs: int, obs_dims: dict[str, int], num_actions: int,
                  device: torch.device):
         T, N = num_steps, num_envs
         self.num_steps, self.num_envs, self.step = T, N, 0
-        z = lambda *shape: torch.zeros(T, N, *shape, device=device)  # noqa: E731
-        self.actor_obs, self.critic_obs = z(obs_dims["policy"]), z(obs_dims["critic"])
-        self.actions, self.action_mean, self.action_std = z(num_actions), z(num_actions), z(num_actions)
-        self.log_probs, self.rewards, self.values = z(), z(), z()
+        # Width of each field; 0 marks a scalar per transition (a [T, N] view, not [T, N, 1]).
+        self.widths = {"actor_obs": obs_dims["policy"], "critic_obs": obs_dims["critic"], "actions": num_actions,
+                       "action_mean": num_actions, "action_std": num_actions, "log_probs": 0, "values": 0,
+                       "advantages": 0, "returns": 0}
+        self.data = torch.zeros(T, N, sum(max(w, 1) for w in self.widths.values()), device=device)
+        self.columns = self.split(self.data)
+        self.rewards = torch.zeros(T, N, device=device)
         self.dones = torch.zeros(T, N, dtype=torch.bool, device=device)
-        self.advantages, self.returns = z(), z()
+
+    def split(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of every field in `packed` [..., F] (the storage buffer, or a gathered minibatch)."""
+        views, start = {}, 0
+        for name, width in self.widths.items():
+            views[name] = packed[..., start] if width == 0 else packed[..., start:start + width]
+            start += max(width, 1)
+        return views
 
     def add(self, actor_obs, critic_obs, actions, action_mean, action_std, log_probs, rewards, values, dones):
         if self.step >= self.num_steps:
@@ -33,9 +67,6 @@ class RolloutStorage:
     def clear(self) -> None:
         self.step = 0
 
-    FIELDS = ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values",
-              "advantages", "returns")
-
     def minibatches(self, num_mini_batches: int, generator: torch.Generator | None = None,
                     unit: str = "trajectory") -> Iterator[dict[str, torch.Tensor]]:
         """One epoch: a fresh permutation split into `num_mini_batches` equal minibatches.
@@ -43,16 +74,18 @@ class RolloutStorage:
         unit "trajectory": permute the N envs; each minibatch holds N / M whole trajectories (all T
         steps, in time order), as flat [T * N / M, ...] tensors. unit "transition": permute all T * N
         transitions. Either way every sample appears exactly once per epoch. No communication: each
-        rank shuffles its own data with its own generator.
+        rank shuffles its own data with its own generator. The fields of a minibatch are views into
+        one freshly gathered [T * N / M, F] tensor.
         """
         count = self.num_envs if unit == "trajectory" else self.num_envs * self.num_steps
         if count % num_mini_batches:
             raise ValueError(f"{count} {unit}s per rank are not divisible by num_mini_batches ({num_mini_batches})")
         size = count // num_mini_batches
-        perm = torch.randperm(count, generator=generator, device="cpu").to(self.rewards.device)
+        perm = torch.randperm(count, generator=generator, device="cpu").to(self.data.device)
         for i in range(num_mini_batches):
             ids = perm[i * size:(i + 1) * size]
             if unit == "trajectory":
-                yield {f: getattr(self, f)[:, ids].flatten(0, 1) for f in self.FIELDS}
+                packed = self.data.index_select(1, ids).flatten(0, 1)
             else:
-                yield {f: getattr(self, f).flatten(0, 1)[ids] for f in self.FIELDS}
+                packed = self.data.flatten(0, 1).index_select(0, ids)
+            yield self.split(packed)
