@@ -14,7 +14,7 @@ ISAACLAB_DIR     ?= ../IsaacLab
 ISAACLAB_REF     ?= v3.0.0
 ISAACLAB_VENV    ?= .venv-isaaclab
 ISAACSIM         ?= 0
-ISAACSIM_VERSION ?= 6.1.0.0
+ISAACSIM_VERSION ?= 6.2.0.0
 
 .PHONY: help setup train test test-fast bench bench-grad bench-sync bench-mujoco setup-mujoco setup-isaaclab tensorboard clean
 

@@ -20,7 +20,7 @@ def make_env(cfg, device: torch.device, seed: int, base_seed: int) -> VecEnv:
         return GymnasiumEnv(cfg.task, cfg.num_envs, device, seed, cfg.action_scale, cfg.action_clip)
     if cfg.name == "isaaclab":
         return IsaacLabEnv(cfg.task, cfg.num_envs, device, seed, cfg.actor_obs_groups, cfg.critic_obs_groups,
-                           cfg.action_scale, cfg.action_clip, cfg.launcher_args)
+                           cfg.action_scale, cfg.action_clip, cfg.launcher_args, cfg.task_overrides)
     raise ValueError(f"unknown --env.name {cfg.name!r}; choose cartpole, tracking, gymnasium or isaaclab")
 
 

@@ -1,12 +1,15 @@
 """Any registered Isaac Lab 3.0 task behind the VecEnv protocol of envs/base.py:
 
-    torchrun --nproc-per-node 8 train.py isaaclab --env.task Isaac-Velocity-Rough-G1-v0 --env.num-envs 4096
+    torchrun --nproc-per-node 8 train.py isaaclab --env.task Isaac-Velocity-Rough-G1 --env.num-envs 4096
 
-Start-up follows Isaac Lab 3.0. The task's env config is parsed first, because it decides which runtime
-must start (Isaac Sim/Kit for PhysX or RTX cameras, nothing for kitless Newton); `launch_simulation`
-then starts that runtime and the env is built inside it. The runtime lives as long as the process and
-is closed at exit. Each rank simulates its own envs on its own GPU (cuda:LOCAL_RANK) with seed
---seed + rank; nothing about the simulation crosses ranks.
+Start-up follows Isaac Lab 3.0.0. The task's env config is parsed first (with --env.task-overrides, the
+Hydra-style selectors such as physics=isaacsim_physx that pick one of the task's own backend presets),
+because it decides which runtime must start (Isaac Sim/Kit for PhysX or RTX cameras, nothing for kitless
+Newton); `launch_simulation` then starts that runtime and the env is built inside it. The runtime lives
+as long as the process and is closed at exit with the process's exit status (Kit ends the process with
+the status it is given). Each rank simulates its own envs on its own GPU (cuda:LOCAL_RANK) with seed
+--seed + rank; nothing about the simulation crosses ranks. With more than one rank the launcher is told
+`distributed`, so Kit pins its renderer to the rank's GPU too.
 
 Isaac Lab resets finished envs inside `step` (same-step autoreset) and, with the env config's
 `compute_final_obs` set, hands the observation from before that reset in `extras["final_obs"]`: exactly
@@ -18,6 +21,7 @@ import atexit
 import contextlib
 import difflib
 import shlex
+import sys
 import warnings
 
 import torch
@@ -46,9 +50,9 @@ def import_isaaclab():
     return gymnasium, add_launcher_args, launch_simulation, parse_env_cfg
 
 
-def launcher_namespace(add_launcher_args, extra_args: str, sim_device: str) -> argparse.Namespace:
-    """Isaac Lab's launcher flags (--viz, --physics, --kit_args, ...) from --env.launcher-args, with this
-    rank's device filled in."""
+def launcher_namespace(add_launcher_args, extra_args: str, sim_device: str, distributed: bool) -> argparse.Namespace:
+    """Isaac Lab's launcher flags (--viz, --kit_args, --livestream, ...) from --env.launcher-args, with this
+    rank's device and `distributed` (more than one rank: Kit pins its renderer to that device) filled in."""
     parser = argparse.ArgumentParser(prog="--env.launcher-args", add_help=False)
     add_launcher_args(parser)
     tokens = shlex.split(extra_args)
@@ -56,26 +60,39 @@ def launcher_namespace(add_launcher_args, extra_args: str, sim_device: str) -> a
         raise ValueError("--env.launcher-args must not set --device: each rank simulates on its own GPU "
                          "(cuda:LOCAL_RANK, from torchrun)")
     namespace, unknown = parser.parse_known_args(tokens)
+    if any(token == "--physics" or token.startswith("--physics=") for token in unknown):
+        raise ValueError("--env.launcher-args: Isaac Lab 3.0's launcher has no --physics flag; choose the task's "
+                         "physics preset with --env.task-overrides physics=NAME (e.g. physics=isaacsim_physx)")
     if unknown:
         raise ValueError(f"--env.launcher-args: Isaac Lab's launcher does not know {' '.join(unknown)}")
-    namespace.device = sim_device
+    namespace.device, namespace.distributed = sim_device, distributed
     return namespace
+
+
+def process_exit_code() -> int:
+    """The status this process is ending with, as seen from an atexit handler: 130 after an uncaught
+    KeyboardInterrupt, 1 after any other uncaught exception, else 0. (A `sys.exit(n)` leaves no trace
+    there, so code that exits with n after building the env should call `IsaacLabEnv.close(n)` first.)"""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)   # last_exc: Python >= 3.12
+    return 0 if exc is None else 130 if isinstance(exc, KeyboardInterrupt) else 1
 
 
 class IsaacLabEnv:
     def __init__(self, task: str, num_envs: int, device: torch.device, seed: int,
                  actor_obs_groups: tuple[str, ...] = ("policy",), critic_obs_groups: tuple[str, ...] = ("policy",),
-                 action_scale: float = 1.0, action_clip: float | None = None, launcher_args: str = ""):
+                 action_scale: float = 1.0, action_clip: float | None = None, launcher_args: str = "",
+                 task_overrides: tuple[str, ...] = ()):
         sim_device = simulation_device(device)
         gym, add_launcher_args, launch_simulation, parse_env_cfg = import_isaaclab()
         if task not in gym.registry:
             close = difflib.get_close_matches(task, [name for name in gym.registry if name.startswith("Isaac")], n=5)
             raise ValueError(f"unknown --env.task {task!r} for Isaac Lab"
                              + (f"; did you mean: {', '.join(close)}" if close else ""))
-        launcher = launcher_namespace(add_launcher_args, launcher_args, sim_device)
+        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        launcher = launcher_namespace(add_launcher_args, launcher_args, sim_device, distributed)
         self.action_scale, self.action_clip = action_scale, action_clip
 
-        env_cfg = parse_env_cfg(task, device=sim_device, num_envs=num_envs)
+        env_cfg = parse_env_cfg(task, device=sim_device, num_envs=num_envs, overrides=list(task_overrides))
         env_cfg.seed = seed
         if not hasattr(env_cfg, "compute_final_obs"):
             raise ValueError("this Isaac Lab has no `compute_final_obs` env option (isaac-sim/IsaacLab#6219), so the "
@@ -178,11 +195,20 @@ class IsaacLabEnv:
         if state:
             raise ValueError(f"the Isaac Lab adapter has no checkpointed state, got keys {sorted(state)}")
 
-    def close(self) -> None:
-        """Close the env, then the simulation runtime (Kit may end the process here). Safe to call twice."""
+    def close(self, exit_code: int | None = None) -> None:
+        """Close the env, then the simulation runtime with `exit_code` (default: the status the process is
+        ending with). Kit ends the process here, with that status. Safe to call twice."""
         if self._runtime is None:
             return
         atexit.unregister(self.close)
         runtime, self._runtime = self._runtime, None
-        with runtime:
+        code = process_exit_code() if exit_code is None else exit_code
+        try:
             self.env.close()
+        finally:
+            # launch_simulation hands its launchers the status of a SystemExit raised in its block, and Kit
+            # exits with it; leaving the block normally would end every run with status 0.
+            if code:
+                runtime.__exit__(SystemExit, SystemExit(code), None)
+            else:
+                runtime.close()

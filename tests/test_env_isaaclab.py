@@ -1,21 +1,14 @@
-"""The Isaac Lab adapter against a fake `isaaclab`/`isaaclab_tasks` pair shaped like Isaac Lab 3.0's API.
-
-The fake mimics what the adapter relies on: `add_launcher_args(parser)` + the `launch_simulation(cfg,
-args)` context, `parse_env_cfg(task, device=, num_envs=)`, tasks registered in gymnasium and built by
-`gym.make(task, cfg=cfg)`, `reset() -> (obs_dict, extras)`, `step() -> (obs_dict, rew, terminated,
-truncated, extras)` with same-step autoreset, reward/flag buffers reused in place, `extras["final_obs"]`
-refreshed only on steps that reset some env, and `extras["log"]` kept between resets.
-
-The fake simulates on the CPU: tests replace `envs.isaaclab.simulation_device` (the function that refuses
-non-CUDA devices, tested on its own below) so that the adapter asks for "cuda:<rank>" while running here.
+"""The Isaac Lab adapter against tests/fake_isaaclab.py, a fake `isaaclab`/`isaaclab_tasks` pair with the
+API surface of the released isaaclab 3.0.0 (launcher flags, `launch_simulation`, `parse_env_cfg`, the G1
+task's id). The fake simulates on the CPU: tests replace `envs.isaaclab.simulation_device` (the function
+that refuses non-CUDA devices, tested on its own below) so that the adapter asks for "cuda:<rank>".
 """
 
-import contextlib
 import glob
-import importlib.machinery
 import os
+import subprocess
 import sys
-import types
+import textwrap
 import warnings
 
 import gymnasium
@@ -26,127 +19,10 @@ import envs.isaaclab
 import train
 from configs import preset, validate
 from envs.isaaclab import IsaacLabEnv, simulation_device
+from tests.fake_isaaclab import MAX_EPISODE_LENGTH, TASK, TERMINATE_ABOVE, Record, fake_modules, install, spec
 from tests.multirank import run_ranks
 
-TASK = "Isaac-Fake-Reach-v0"
-MAX_EPISODE_LENGTH = 8
-TERMINATE_ABOVE = 1.0     # the fake "falls" when its first coordinate passes this
-
-
-class Record:
-    """What the fake saw: launches (with the runtime's open/closed state) and the envs it built."""
-
-    def __init__(self):
-        self.launches, self.envs, self.runtime_open, self.finite_horizon = [], [], False, False
-
-
-class FakeEnvCfg:
-    def __init__(self, device, num_envs, finite_horizon):
-        self.sim = types.SimpleNamespace(device=device)
-        self.scene = types.SimpleNamespace(num_envs=num_envs)
-        self.seed = None
-        self.compute_final_obs = False
-        self.is_finite_horizon = finite_horizon
-
-
-class FakeRLEnv(gymnasium.Env):
-    """A point mass moved by actions: policy obs (x, y, episode progress), critic obs a 2-step history."""
-
-    def __init__(self, cfg, record, render_mode=None):
-        assert record.runtime_open, "Isaac Lab envs can only be built inside launch_simulation"
-        record.envs.append(self)
-        self.cfg, self.record, self.closed = cfg, record, False
-        self.num_envs, self.device = cfg.scene.num_envs, torch.device("cpu")
-        self.max_episode_length = MAX_EPISODE_LENGTH
-        self.single_action_space = gymnasium.spaces.Box(-float("inf"), float("inf"), (2,))
-        self.action_space = self.observation_space = self.single_action_space
-        self.pos, self.prev = torch.zeros(self.num_envs, 2), torch.zeros(self.num_envs, 2)
-        self.episode_length_buf = torch.zeros(self.num_envs, dtype=torch.long)
-        self.reward_buf = torch.zeros(self.num_envs)
-        self.reset_terminated = torch.zeros(self.num_envs, dtype=torch.bool)
-        self.reset_time_outs = torch.zeros(self.num_envs, dtype=torch.bool)
-        self.extras, self.received_actions, self.extra_log = {}, [], {}
-
-    def _observe(self):
-        progress = (self.episode_length_buf.float() / self.max_episode_length)[:, None]
-        return {"policy": torch.cat([self.pos, progress], 1), "critic": torch.stack([self.pos, self.prev], 1)}
-
-    def _reset_idx(self, ids):
-        self.pos[ids], self.prev[ids], self.episode_length_buf[ids] = 0.0, 0.0, 0
-        self.extras["log"] = {"Metrics/constant": 0.5, "Episode_Termination/time_out": torch.tensor(float(len(ids))),
-                              **self.extra_log}
-
-    def reset(self, seed=None, options=None):
-        self._reset_idx(torch.arange(self.num_envs))
-        return self._observe(), self.extras
-
-    def step(self, actions):
-        self.received_actions.append(actions.clone())
-        self.prev, self.pos = self.pos.clone(), self.pos + 0.1 * actions
-        self.episode_length_buf += 1
-        self.reward_buf[:] = -self.pos.square().sum(1)
-        self.reset_terminated[:] = self.pos[:, 0] > TERMINATE_ABOVE
-        self.reset_time_outs[:] = self.episode_length_buf >= self.max_episode_length
-        done_ids = (self.reset_terminated | self.reset_time_outs).nonzero()[:, 0]
-        if len(done_ids):
-            if self.cfg.compute_final_obs:
-                self.extras["final_obs"] = self._observe()
-            self._reset_idx(done_ids)
-        return self._observe(), self.reward_buf, self.reset_terminated, self.reset_time_outs, self.extras
-
-    def close(self):
-        self.closed = True
-
-
-def fake_modules(record: Record) -> dict[str, types.ModuleType]:
-    def package(name):
-        module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        module.__path__ = []
-        return module
-
-    def add_launcher_args(parser):
-        parser.add_argument("--device", type=str, default="cuda:0")
-        parser.add_argument("--viz", "--visualizer", dest="visualizer", default=None)
-        parser.add_argument("--physics", type=str, default=None)
-
-    @contextlib.contextmanager
-    def launch_simulation(cfg, launcher_args=None):
-        args = vars(launcher_args)
-        cfg.sim.device = args["device"]
-        record.launches.append({"device": args["device"], "physics": args["physics"], "seed": cfg.seed,
-                                "num_envs": cfg.scene.num_envs, "compute_final_obs": cfg.compute_final_obs,
-                                "closed": False})
-        record.runtime_open = True
-        try:
-            yield None
-        finally:
-            record.runtime_open = False
-            record.launches[-1]["closed"] = True
-
-    def parse_env_cfg(task_name, device="cuda:0", num_envs=None, use_fabric=None):
-        return FakeEnvCfg(device, num_envs, record.finite_horizon)
-
-    isaaclab, app = package("isaaclab"), types.ModuleType("isaaclab.app")
-    app.add_launcher_args, app.launch_simulation, isaaclab.app = add_launcher_args, launch_simulation, app
-    tasks, utils = package("isaaclab_tasks"), types.ModuleType("isaaclab_tasks.utils")
-    utils.parse_env_cfg, tasks.utils = parse_env_cfg, utils
-    return {"isaaclab": isaaclab, "isaaclab.app": app, "isaaclab_tasks": tasks, "isaaclab_tasks.utils": utils}
-
-
-def spec(record: Record) -> gymnasium.envs.registration.EnvSpec:
-    # What `import isaaclab_tasks` does for every task: register it with gymnasium, env checker off.
-    return gymnasium.envs.registration.EnvSpec(TASK, entry_point=lambda cfg, **kw: FakeRLEnv(cfg, record, **kw),
-                                               disable_env_checker=True)
-
-
-def install_fake_isaaclab(rank: int) -> Record:
-    """For spawned ranks: install the fake for the whole process; this rank 'simulates' on cuda:<rank>."""
-    record = Record()
-    sys.modules.update(fake_modules(record))
-    gymnasium.registry[TASK] = spec(record)
-    envs.isaaclab.simulation_device = lambda device: f"cuda:{rank}"
-    return record
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -174,18 +50,59 @@ def make(fake):
         env.close()
 
 
+def test_the_preset_task_is_the_one_isaac_lab_3_0_registers():
+    assert preset("isaaclab").env.task == TASK == "Isaac-Velocity-Rough-G1"
+
+
 def test_start_up_follows_the_3_0_launch_order(fake, make):
-    env = make(num_envs=4, seed=7, launcher_args="--physics newton_mjwarp")
+    env = make(num_envs=4, seed=7, task_overrides=("physics=ovphysx",), launcher_args="--viz none")
     (launch,) = fake.launches
-    assert launch == {"device": "cuda:0", "physics": "newton_mjwarp", "seed": 7, "num_envs": 4,
-                      "compute_final_obs": True, "closed": False}
+    assert launch == {"device": "cuda:0", "distributed": False, "physics": "ovphysx", "seed": 7, "num_envs": 4,
+                      "compute_final_obs": True, "exit_code": None}
     assert env.obs_dims == {"policy": 3, "critic": 3 + 4}      # critic = policy group + flattened 2x2 history
     assert env.num_actions == 2 and env.max_episode_length == MAX_EPISODE_LENGTH
     assert env.log_keys == ("Metrics/constant", "Episode_Termination/time_out")
     env.close()
-    assert fake.envs[0].closed and launch["closed"]
+    assert fake.envs[0].closed and launch["exit_code"] == 0
     env.close()                                                # a second close (e.g. at exit) does nothing
-    assert len(fake.launches) == 1
+    assert len(fake.launches) == 1 and launch["exit_code"] == 0
+
+
+def test_close_hands_the_runtime_the_exit_status(make, fake, monkeypatch):
+    make().close(3)
+    assert fake.launches[-1]["exit_code"] == 3
+    # From the atexit handler, after an uncaught exception: what the release's launch_simulation would report.
+    monkeypatch.setattr(sys, "last_exc", RuntimeError("training failed"), raising=False)
+    make().close()
+    assert fake.launches[-1]["exit_code"] == 1
+    monkeypatch.setattr(sys, "last_exc", KeyboardInterrupt(), raising=False)
+    make().close()
+    assert fake.launches[-1]["exit_code"] == 130
+
+
+KIT_SCRIPT = """
+import torch
+from envs.isaaclab import IsaacLabEnv
+from tests.fake_isaaclab import TASK, install
+
+record = install(rank=0)
+env = IsaacLabEnv(TASK, 4, torch.device("cpu"), 0, task_overrides=("physics=isaacsim_physx",))
+env.reset()
+env.step(torch.zeros(4, 2))
+{end}
+"""
+
+
+@pytest.mark.parametrize("end, status", [("pass", 0), ("raise RuntimeError('training failed')", 1),
+                                         ("raise KeyboardInterrupt", 130), ("env.close(3)", 3)])
+def test_kit_ends_the_process_with_its_real_status(end, status):
+    # Kit (PhysX physics) ends the process when its runtime closes, with the status it is given: an error in
+    # training must not turn into status 0.
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(KIT_SCRIPT).format(end=end)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == status, result.stderr
+    if status == 1:
+        assert "training failed" in result.stderr
 
 
 def test_final_obs_is_the_observation_before_the_reset(make):
@@ -281,18 +198,24 @@ def test_observation_group_errors_name_the_flag(make):
 
 
 def test_unknown_task_suggests_registered_ones(fake):
-    with pytest.raises(ValueError, match="unknown --env.task 'Isaac-Fake-Raech-v0'.*did you mean: Isaac-Fake-Reach-v0"):
-        IsaacLabEnv("Isaac-Fake-Raech-v0", 4, torch.device("cpu"), 0)
+    # Isaac Lab 3.0 dropped the -v0 suffix of its task ids.
+    with pytest.raises(ValueError, match="unknown --env.task 'Isaac-Velocity-Rough-G1-v0'.*did you mean: "
+                                         "Isaac-Velocity-Rough-G1"):
+        IsaacLabEnv("Isaac-Velocity-Rough-G1-v0", 4, torch.device("cpu"), 0)
 
 
 def test_launcher_args_cannot_move_the_device_or_carry_unknown_flags(fake):
     add_launcher_args = sys.modules["isaaclab.app"].add_launcher_args
-    namespace = envs.isaaclab.launcher_namespace(add_launcher_args, "--viz kit", "cuda:3")
-    assert namespace.visualizer == "kit" and namespace.device == "cuda:3"
+    namespace = envs.isaaclab.launcher_namespace(add_launcher_args, "--viz kit --kit_args=--no-window", "cuda:3", True)
+    assert namespace.visualizer == ["kit"] and namespace.kit_args == "--no-window"
+    assert namespace.device == "cuda:3" and namespace.distributed
     with pytest.raises(ValueError, match="must not set --device"):
-        envs.isaaclab.launcher_namespace(add_launcher_args, "--device=cuda:1", "cuda:3")
+        envs.isaaclab.launcher_namespace(add_launcher_args, "--device=cuda:1", "cuda:3", False)
     with pytest.raises(ValueError, match="does not know --headles"):
-        envs.isaaclab.launcher_namespace(add_launcher_args, "--headles", "cuda:3")
+        envs.isaaclab.launcher_namespace(add_launcher_args, "--headles", "cuda:3", False)
+    # 3.0.0's launcher has no --physics: the task's own physics presets are chosen through parse_env_cfg.
+    with pytest.raises(ValueError, match="no --physics flag.*--env.task-overrides physics="):
+        envs.isaaclab.launcher_namespace(add_launcher_args, "--physics newton_mjwarp", "cuda:3", False)
 
 
 def test_simulation_device_refuses_the_cpu():
@@ -323,7 +246,7 @@ def test_validate_refuses_cpu_and_a_missing_task(fake):
 
 def small_run(root, iterations=2):
     cfg = preset("isaaclab")
-    cfg.env.task, cfg.env.num_envs, cfg.env.critic_obs_groups = TASK, 8, ("policy", "critic")
+    cfg.env.num_envs, cfg.env.critic_obs_groups = 8, ("policy", "critic")
     cfg.ppo.num_steps, cfg.max_iterations = 8, iterations
     cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16, 16)
     cfg.log.root, cfg.log.print_every = str(root), 100
@@ -337,6 +260,7 @@ def test_trains_end_to_end_through_the_adapter(fake, tmp_path, monkeypatch):
     model, scalars = train.main(cfg)[:2]
     (launch,) = fake.launches
     assert launch["device"] == "cuda:0" and launch["seed"] == cfg.seed and launch["num_envs"] == 8
+    assert not launch["distributed"] and launch["physics"] == "newton_mjwarp"   # the task's default: kitless
     assert model.actor[0].in_features == 3 and model.critic[0].in_features == 7
     assert scalars["Metrics/constant"] == pytest.approx(0.5)
     assert 0 < scalars["Train/mean_episode_length"] <= MAX_EPISODE_LENGTH
@@ -348,7 +272,7 @@ def test_trains_end_to_end_through_the_adapter(fake, tmp_path, monkeypatch):
 
 def rank_body(rank, world_size, root):
     torch.cuda.is_available = lambda: False    # the fake simulates on the CPU: so does this spawned rank
-    record = install_fake_isaaclab(rank)
+    record = install(rank)
     model = train.main(small_run(root))[0]
     return record.launches, {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -357,7 +281,8 @@ def rank_body(rank, world_size, root):
 def test_two_ranks_simulate_on_their_own_gpu_with_their_own_seed(tmp_path):
     (launches0, state0), (launches1, state1) = run_ranks(rank_body, 2, args=(str(tmp_path),))
     base_seed = preset("isaaclab").seed
-    assert [(launch["device"], launch["seed"]) for launch in launches0 + launches1] == [
-        ("cuda:0", base_seed), ("cuda:1", base_seed + 1)]
+    # Both ranks tell the launcher `distributed` (Kit then pins its renderer to the rank's GPU).
+    assert [(launch["device"], launch["seed"], launch["distributed"]) for launch in launches0 + launches1] == [
+        ("cuda:0", base_seed, True), ("cuda:1", base_seed + 1, True)]
     for key in state0:
         assert torch.equal(state0[key], state1[key]), f"{key} diverged across ranks"
