@@ -1,4 +1,4 @@
-"""Data-parallel PPO: parse -> init -> build -> (rollout -> update -> sync -> log -> checkpoint)*.
+"""Data-parallel PPO: parse -> check -> init -> build -> (rollout -> update -> sync -> log -> checkpoint)*.
 
     python train.py cartpole                                   # one process, no torchrun needed
     torchrun --standalone --nproc-per-node 2 train.py tracking # 2 ranks (gloo on CPU, NCCL on GPUs)
@@ -7,50 +7,69 @@
 
 Each rank owns N envs and a [T, N] rollout. Everything that crosses ranks is listed in the sync plan
 printed at start-up; `dist.comm.LEDGER` counts what actually did. A single process is world size 1
-on the same code path (collectives become no-ops).
+on the same code path (collectives become no-ops). Bad input is one line on stderr and exit status 2,
+before anything is built or written.
 """
 
 import dataclasses
 import os
+import sys
 import time
 
 import torch
 import tyro
 
 from configs import PRESETS, Config, resolve_num_envs, validate
+from configs.resume import check_resume_fits, resolve_resume
 from dist import comm
-from dist.buffers import buffer_bytes, resolve_buffer_policy, sync_buffers
-from dist.checkpoint import check_checkpoint_path, load_checkpoint, save_checkpoint
+from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
+from dist.checkpoint import (check_writable_root, gather_rng_states, load_checkpoint, open_run_dir, rng_plan_row,
+                             save_checkpoint)
+from dist.errors import RunError, UsageError
 from dist.grad_sync import GradSync
-from dist.params import broadcast_bytes, broadcast_module
-from dist.plan import build_plan, format_plan
-from dist.setup import init_distributed, seed_everything, shutdown
-from dist.stats import reduce_metrics
-from dist.verify import verify_replicas
+from dist.params import broadcast_module, broadcast_plan_rows
+from dist.plan import PlanRow, format_plan
+from dist.setup import init_distributed, resolve_device, seed_everything, shutdown
+from dist.stats import metrics_plan_rows, reduce_metrics
+from dist.stop import STOP_KEYS, StopRequests
+from dist.verify import verify_plan_rows, verify_replicas
 from envs import make_env
 from ppo.actor_critic import build_actor_critic
 from ppo.gae import compute_gae
 from ppo.logger import RunLogger
 from ppo.normalizer import RewardNormalizer
 from ppo.storage import RolloutStorage
-from ppo.update import ppo_update
+from ppo.update import ppo_update, update_plan_rows
 
 TRAIN_KEYS = ("Train/mean_reward", "Train/mean_episode_length", "Loss/surrogate", "Loss/value_function", "Loss/entropy")
+OBS_GROUP = {"actor_obs": "policy", "critic_obs": "critic"}   # storage field -> observation group
 
 
 def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     """Train (or print the plan, with --dry-run); return the model, the last logged scalars and the sync plan."""
-    # ---- distributed set-up and every config check, before anything is built ---------------------
-    info = init_distributed(cfg.dist.backend, cfg.dist.device)
-    rank, world, device, is_main = info.rank, info.world_size, info.device, info.rank == 0
+    # ---- every check that needs neither a process group nor an env: nothing is built or written yet --
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     envs_scope = resolve_num_envs(cfg, world)
-    validate(cfg)
-    if cfg.resume:
-        check_checkpoint_path(cfg.resume)
-    seed_everything(cfg.seed + rank)
+    validate(cfg, world)
+    resolve_device(cfg.dist.device)
+    check_writable_root(cfg.log.root)
+    experiment_dir = os.path.join(cfg.log.root, cfg.log.experiment or cfg.env.name)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    resume_path, run_dir = resolve_resume(cfg, experiment_dir)
+    checkpoint = load_checkpoint(resume_path) if resume_path else None
+    if checkpoint is not None and not check_resume_fits(checkpoint, cfg, resume_path, restarted):
+        if rank == 0:
+            print(f"[syncppo] {resume_path} already reached --max-iterations {cfg.max_iterations}: done", flush=True)
+        return None, {}, []
 
-    # ---- build: env, model, optimizer, gradient sync, buffer rules -------------------------------
-    env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=cfg.seed)
+    # ---- distributed set-up and build: env, model, optimizer, gradient sync, buffer rules ---------
+    info = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
+    device, is_main = info.device, rank == 0
+    seed_everything(cfg.seed + rank)
+    try:
+        env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=cfg.seed)
+    except ValueError as exc:     # the adapters name the --env flag that does not fit the simulator
+        raise UsageError(str(exc)) from exc
     model = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps)
     grad_sync = GradSync(model.parameters(), cfg.dist.grad_sync, cfg.dist.bucket_mb, num_extras=2,  # KL sum, count
@@ -63,24 +82,21 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     storage = RolloutStorage(cfg.ppo.num_steps, env.num_envs, env.obs_dims, env.num_actions, device)
     shuffle = torch.Generator().manual_seed(cfg.seed + rank)
     stateful = {"model": model, "optimizer": optimizer, "env": env, "reward_normalizer": reward_normalizer}
-    start_iteration = restore(cfg.resume, stateful, shuffle, rank, world, device) if cfg.resume else 0
+    start_iteration = restore(checkpoint, resume_path, stateful, shuffle, rank, world) if checkpoint else 0
+    obs, _ = env.reset()
+    for storage_field, normalizer in model.normalizers().items():
+        normalizer.set_first_shift(obs[OBS_GROUP[storage_field]])   # rank 0's shift wins in the broadcast
     broadcast_module(model)                       # same start everywhere (after a load too)
-    if cfg.resume:
+    if checkpoint is not None:
         verify_replicas(model, "parameters after checkpoint load")
 
     T, N = cfg.ppo.num_steps, env.num_envs
     metric_keys = TRAIN_KEYS + tuple(env.log_keys)
-    plan = build_plan(
-        optimizer_steps=cfg.ppo.num_epochs * cfg.ppo.num_mini_batches, grad_bucket_bytes=grad_sync.bucket_bytes(),
-        kl_rides=True, param_bytes=broadcast_bytes(model), advantage_global=cfg.ppo.advantage_norm == "global",
-        normalizer_bytes=[(1 + 2 * n.mean.numel()) * 8 for n in model.normalizers().values()]
-        + ([24] if reward_normalizer is not None else []),
-        buffer_broadcast_bytes=buffer_bytes(model, buffer_rules, "broadcast"),
-        buffer_mean_bytes=buffer_bytes(model, buffer_rules, "mean"),
-        sampler_bytes=env.sampler.local_counts.numel() * 8 if env.sampler is not None else 0,
-        sampler_every=cfg.dist.sampler_sync_every, metric_keys=len(metric_keys), verify_every=cfg.dist.verify_every,
-        save_every=cfg.log.save_every, resumed=bool(cfg.resume))
-    run_dir = os.path.join(cfg.log.root, cfg.log.experiment or cfg.env.name, time.strftime("%Y-%m-%d_%H-%M-%S"))
+    plan = [*broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
+            *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
+            *sampler_plan_rows(env, cfg), *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS)),
+            *verify_plan_rows(cfg.dist.verify_every, checkpoint is not None),
+            rng_plan_row(rng_states(env, shuffle), cfg.log.save_every)]
     if is_main:
         print(f"[syncppo] world size {world}, backend {info.backend}, device {device} (one per rank); {envs_scope}\n"
               f"[syncppo] {world} ranks x {N} envs x {T} steps = {world * N * T} transitions per iteration\n"
@@ -88,9 +104,12 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     if cfg.dry_run:
         shutdown()
         return model, {}, plan
-    logger = RunLogger(run_dir, cfg.max_iterations, start_iteration) if is_main else None
+    stop = StopRequests(watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
+    if is_main:
+        run_dir = open_run_dir(run_dir, experiment_dir, os.environ.get("TORCHELASTIC_RUN_ID"))
+        logger = RunLogger(run_dir, cfg.max_iterations, start_iteration)   # continues the curves at start + 1
+        print(f"[syncppo] writing to {run_dir}", flush=True)
 
-    obs, _ = env.reset()
     episode_return, episode_length = torch.zeros(N, device=device), torch.zeros(N, device=device)
     ledger_before = {k: list(v) for k, v in comm.LEDGER.items()}
     scalars: dict[str, float] = {}
@@ -109,8 +128,10 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
                 next_obs, raw_reward, terminated, truncated, extras = env.step(actions)
                 done = terminated | truncated
                 reward = reward_normalizer(raw_reward, done) if reward_normalizer is not None else raw_reward
-                if cfg.ppo.bootstrap_time_outs:   # a time-out is not a failure: add gamma * V(obs before reset)
-                    reward = reward + cfg.ppo.gamma * truncated * model.value(extras["final_obs"]["critic"])
+                if cfg.ppo.bootstrap_time_outs and truncated.any():   # a time-out is not a failure:
+                    timed_out = truncated.nonzero().squeeze(-1)          # add gamma * V(obs before the reset)
+                    reward = reward.index_add(0, timed_out, cfg.ppo.gamma * model.value(
+                        extras["final_obs"]["critic"].index_select(0, timed_out)))
                 storage.add(obs["policy"], obs["critic"], actions, pi.mean, pi.stddev, pi.log_prob(actions).sum(-1),
                             reward, values, done)
                 episode_return += raw_reward
@@ -127,6 +148,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
                     counts[key] += 1
                 obs = next_obs
             last_values = model.value(obs["critic"])
+        check_finite_rollout(storage, cfg.env.task or cfg.env.name, rank)   # before anything enters a normalizer
         storage.advantages, storage.returns = compute_gae(storage.rewards, storage.values, storage.dones,
                                                           last_values, cfg.ppo.gamma, cfg.ppo.lam)
         collection_time = time.time() - t0
@@ -146,12 +168,15 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
             verify_replicas(model)
         learning_time = time.time() - t1
 
-        # ---- metrics: one packed all-reduce of (sum, count) pairs; rank 0 writes ------------------
+        # ---- metrics + the stop flags: one packed all-reduce of (sum, count) pairs; rank 0 writes --
         for key, value in (("Loss/surrogate", stats["surrogate"]), ("Loss/value_function", stats["value_function"]),
                            ("Loss/entropy", stats["entropy"])):
             sums[key] += value
             counts[key] += 1
+        for key, (flag, one) in stop.local_flags(device).items():
+            sums[key], counts[key] = flag, one
         scalars = reduce_metrics(sums, counts)
+        stop_signal, launcher_gone = (scalars.pop(key) > 0 for key in STOP_KEYS)
         scalars.update({"Loss/learning_rate": stats["learning_rate"], "Policy/kl": stats["kl"],
                         "Policy/mean_noise_std": model.log_std.exp().mean().item(),
                         "Perf/total_fps": world * N * T / (collection_time + learning_time),
@@ -165,23 +190,33 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
             logger.log(scalars, step=iteration + 1)
             returns = torch.stack(ended).flatten().cpu() if ended else torch.zeros(0)   # in the order they ended
             for value in returns[~returns.isnan()].tolist():
-                logger.writer.add_scalar("Episode/return", value, (iteration + 1) * world * N * T)
+                logger.writer.add_scalar("Episode/return", value, iteration + 1)
             if (iteration + 1) % cfg.log.print_every == 0 or iteration + 1 == cfg.max_iterations:
                 logger.print_line(iteration, scalars)
+        if launcher_gone:     # orphans: no launcher is left to restart or collect the job, so write nothing
+            raise RunError(f"the launcher (torchrun) is gone: stopped after iteration {iteration + 1} without saving; "
+                           f"the last periodic checkpoint is kept")
 
         # ---- checkpoint: sampler counts summed, every rank's RNG gathered, rank 0 writes ----------
-        if (iteration + 1) % cfg.log.save_every == 0 or iteration + 1 == cfg.max_iterations:
+        last = iteration + 1 == cfg.max_iterations
+        if (iteration + 1) % cfg.log.save_every == 0 or last or stop_signal:
             if env.sampler is not None:
                 sync_sampler(env.sampler)
-            rngs = comm.all_gather_object(rng_state(env, shuffle), "checkpoint")
+            rngs = gather_rng_states(rng_states(env, shuffle))
             if is_main:
                 path = os.path.join(run_dir, f"model_{iteration + 1}.pt")
                 save_checkpoint(path, {**{k: v.state_dict() for k, v in stateful.items() if v is not None},
                                        "iteration": iteration + 1, "learning_rate": optimizer.param_groups[0]["lr"],
                                        "config": dataclasses.asdict(cfg), "rng": rngs})
                 print(f"[syncppo] saved {path}", flush=True)
+        if stop_signal and not last:
+            if is_main:
+                print(f"[syncppo] stopped on request (SIGINT/SIGTERM) after iteration {iteration + 1}; saved {path}; "
+                      f"continue with --resume {path} or --resume auto", flush=True)
+            break
     if is_main:
         logger.close()
+    stop.restore_default_handlers()
     shutdown()
     return model, scalars, plan
 
@@ -192,26 +227,55 @@ def sync_sampler(sampler) -> None:
         sampler.local_counts.device))
 
 
-def rng_state(env, shuffle: torch.Generator) -> dict:
+def sampler_plan_rows(env, cfg: Config) -> list[PlanRow]:
+    if env.sampler is None:
+        return []
+    nbytes = [env.sampler.local_counts.numel() * 8]
+    return [PlanRow("sampler", "sum of counts", "all_reduce", "every", nbytes, every=cfg.dist.sampler_sync_every),
+            PlanRow("sampler", "sum of counts before save", "all_reduce", "checkpoint", nbytes,
+                    every=cfg.log.save_every)]
+
+
+def rng_states(env, shuffle: torch.Generator) -> dict[str, torch.Tensor]:
     state = {"torch": torch.get_rng_state(), "env": env.generator.get_state(), "shuffle": shuffle.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def restore(path, stateful: dict, shuffle, rank, world, device) -> int:
-    """Every rank loads the same file; RNG states are restored per rank when the world size matches."""
-    state = load_checkpoint(path, map_location=device)
+def check_finite_rollout(storage, env_name: str, rank: int) -> None:
+    """Raise naming the env, observation group and feature of the first NaN/inf the env produced."""
+    for field, what in (("actor_obs", "observation group 'policy'"), ("critic_obs", "observation group 'critic'"),
+                        ("rewards", "reward (or the time-out bootstrap value of extras['final_obs'])")):
+        data = getattr(storage, field)
+        bad = ~torch.isfinite(data)
+        if bad.any():
+            t, n, *feature = (int(i) for i in bad.nonzero()[0])
+            where = f" feature {feature[0]}" if feature else ""
+            raise RunError(f"env {env_name!r} produced {data[bad][0].item()} in {what}{where} at step {t} of env {n} "
+                           f"on rank {rank}; stopped before it reached a normalizer (fix the env or its config)")
+
+
+def restore(state: dict, path: str, stateful: dict, shuffle, rank: int, world: int) -> int:
+    """Load a checkpoint into the built objects; RNG states are restored per rank when the world size matches.
+
+    Buffers declared `local` (per-env running state such as the reward normalizer's running returns)
+    keep their fresh values: envs restart their episodes, so that state restarts too.
+    """
     for key, obj in stateful.items():
         if obj is None:
             continue
         if key not in state:
-            raise ValueError(f"--resume {path!r} has no {key!r} state (saved with other flags, e.g. --ppo.normalize-rewards?)")
+            raise UsageError(f"--resume {path!r} has no {key!r} state (saved with other flags, e.g. "
+                             f"--ppo.normalize-rewards?)")
+        saved = state[key]
+        if isinstance(obj, RewardNormalizer):
+            saved = {**saved, **{k: v for k, v in obj.state_dict().items() if obj.BUFFER_POLICY.get(k) == "local"}}
         try:
-            obj.load_state_dict(state[key])
+            obj.load_state_dict(saved)
         except (RuntimeError, ValueError, KeyError) as exc:
-            raise ValueError(f"--resume {path!r}: its {key} does not fit this run (other env or --policy.* sizes?): "
-                             f"{exc}") from None
+            raise UsageError(f"--resume {path!r}: its {key} does not fit this run (other env or --policy.* "
+                             f"sizes?): {str(exc).splitlines()[0]}") from None
     env = stateful["env"]
     if len(state["rng"]) == world:
         rng = state["rng"][rank]
@@ -226,5 +290,23 @@ def restore(path, stateful: dict, shuffle, rank, world, device) -> int:
     return state["iteration"]
 
 
+def cli(cfg: Config) -> int:
+    """Run `main`; turn user errors into one line on stderr (status 2) and run-time failures into one line (1)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    try:
+        main(cfg)
+    except UsageError as exc:        # identical on every rank: say it once per node
+        if local_rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except (RunError, comm.CollectiveError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted by a second Ctrl-C: nothing saved since the last checkpoint", file=sys.stderr)
+        return 130
+    return 0
+
+
 if __name__ == "__main__":
-    main(tyro.extras.overridable_config_cli({name: (fn.__doc__, fn()) for name, fn in PRESETS.items()}))
+    sys.exit(cli(tyro.extras.overridable_config_cli({name: (fn.__doc__, fn()) for name, fn in PRESETS.items()})))

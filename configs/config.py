@@ -5,8 +5,12 @@ concern; `validate()` rejects bad values with an error naming the flag, before a
 """
 
 import importlib.util
-from dataclasses import dataclass, field
+import math
+import os
+from dataclasses import dataclass, field, fields
 from typing import Literal
+
+from dist.errors import UsageError
 
 
 @dataclass
@@ -103,6 +107,8 @@ class PPOConfig:
     """with --ppo.normalize-rewards: clip normalized rewards to [-C, C] (CleanRL clips at 10)"""
     bootstrap_time_outs: bool = True
     """bootstrap time-outs from the value of the final observation; off treats them like terminations"""
+    capture_step: bool = False
+    """minibatch step with no host sync (LR rule and non-finite skip on the device, fused Adam); on CUDA captured as a CUDA graph"""
 
 
 @dataclass
@@ -121,6 +127,8 @@ class DistConfig:
     """all-reduce a parameter checksum every K iterations and raise naming diverging ranks (0 = only after loads)"""
     sampler_sync_every: int = 10
     """sum the adaptive-sampling counts across ranks every K iterations (and at every checkpoint)"""
+    timeout_s: float = 600.0
+    """a collective that makes no progress for this many seconds fails, naming what it was waiting for"""
 
 
 @dataclass
@@ -149,13 +157,25 @@ class Config:
     seed: int = 1
     """base seed; rank r uses seed + r"""
     resume: str = ""
-    """checkpoint (.pt) to continue from; training resumes at its iteration"""
+    """checkpoint (.pt) to continue from in a new run directory, or auto: the newest run of this experiment, in place"""
     dry_run: bool = False
     """print the start-up summary and the sync plan, then exit without training"""
 
 
-def validate(cfg: Config) -> None:
-    """Raise ValueError naming the flag for every value that cannot work. Runs before anything is built."""
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Raise UsageError naming the flag for every value that cannot work. Runs before anything is built."""
+    check_finite(cfg)
+    if not 0 <= cfg.seed <= 2**32 - world_size:
+        raise UsageError(f"--seed must be in [0, {2**32 - world_size}] with {world_size} rank(s) (rank r seeds "
+                         f"numpy with seed + r, which must fit 32 bits), got {cfg.seed}")
+    if cfg.log.experiment in (".", "..") or any(sep in cfg.log.experiment for sep in ("/", "\\", os.sep)):
+        raise UsageError(f"--log.experiment {cfg.log.experiment!r} must be a plain name without path separators "
+                         f"(runs go to --log.root/EXPERIMENT/TIMESTAMP); use --log.root to write elsewhere")
+    if cfg.env.name in ("cartpole", "tracking") and cfg.env.episode_length_s < EMBEDDED_STEP_S:
+        raise UsageError(f"--env.episode-length-s {cfg.env.episode_length_s} is shorter than one control step of "
+                         f"{cfg.env.name} ({EMBEDDED_STEP_S} s); an episode needs at least one step")
+    if cfg.dist.timeout_s <= 0:
+        raise UsageError(f"--dist.timeout-s must be positive, got {cfg.dist.timeout_s}")
     positive = {
         "--env.num-envs": cfg.env.num_envs, "--ppo.num-steps": cfg.ppo.num_steps,
         "--ppo.num-epochs": cfg.ppo.num_epochs, "--ppo.num-mini-batches": cfg.ppo.num_mini_batches,
@@ -170,34 +190,47 @@ def validate(cfg: Config) -> None:
     }
     for flag, value in positive.items():
         if not value > 0:
-            raise ValueError(f"{flag} must be positive, got {value}")
+            raise UsageError(f"{flag} must be positive, got {value}")
     for flag, value in {"--ppo.gamma": cfg.ppo.gamma, "--ppo.lam": cfg.ppo.lam,
                         "--env.sampling-uniform-floor": cfg.env.sampling_uniform_floor}.items():
         if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{flag} must be in [0, 1], got {value}")
+            raise UsageError(f"{flag} must be in [0, 1], got {value}")
     if cfg.ppo.minibatch_unit == "transition":
         if (cfg.env.num_envs * cfg.ppo.num_steps) % cfg.ppo.num_mini_batches:
-            raise ValueError(f"--env.num-envs x --ppo.num-steps ({cfg.env.num_envs * cfg.ppo.num_steps}) must be "
+            raise UsageError(f"--env.num-envs x --ppo.num-steps ({cfg.env.num_envs * cfg.ppo.num_steps}) must be "
                              f"divisible by --ppo.num-mini-batches ({cfg.ppo.num_mini_batches})")
     elif cfg.env.num_envs % cfg.ppo.num_mini_batches:
-        raise ValueError(f"--env.num-envs ({cfg.env.num_envs}) must be divisible by --ppo.num-mini-batches "
+        raise UsageError(f"--env.num-envs ({cfg.env.num_envs}) must be divisible by --ppo.num-mini-batches "
                          f"({cfg.ppo.num_mini_batches}): minibatches are whole trajectories, never a silent remainder")
     if cfg.dist.verify_every < 0:
-        raise ValueError(f"--dist.verify-every must be >= 0, got {cfg.dist.verify_every}")
+        raise UsageError(f"--dist.verify-every must be >= 0, got {cfg.dist.verify_every}")
     samples_per_rank = cfg.env.num_envs * cfg.ppo.num_steps
     minibatch = samples_per_rank // cfg.ppo.num_mini_batches
     if minibatch % cfg.ppo.num_micro_batches:
-        raise ValueError(f"a minibatch of {minibatch} transitions per rank is not divisible by --ppo.num-micro-batches "
+        raise UsageError(f"a minibatch of {minibatch} transitions per rank is not divisible by --ppo.num-micro-batches "
                          f"({cfg.ppo.num_micro_batches}); micro-batches must be equal for the accumulated gradient "
                          f"to equal the minibatch gradient")
     if not 0 < cfg.ppo.lr_min <= cfg.ppo.learning_rate <= cfg.ppo.lr_max:
-        raise ValueError(f"need 0 < --ppo.lr-min <= --ppo.learning-rate <= --ppo.lr-max, got "
+        raise UsageError(f"need 0 < --ppo.lr-min <= --ppo.learning-rate <= --ppo.lr-max, got "
                          f"{cfg.ppo.lr_min}, {cfg.ppo.learning_rate}, {cfg.ppo.lr_max}")
     if cfg.ppo.value_loss_coef < 0 or cfg.ppo.entropy_coef < 0:
-        raise ValueError("--ppo.value-loss-coef and --ppo.entropy-coef must be >= 0")
+        raise UsageError("--ppo.value-loss-coef and --ppo.entropy-coef must be >= 0")
     if any(h <= 0 for h in (*cfg.policy.actor_hidden, *cfg.policy.critic_hidden)):
-        raise ValueError("--policy.actor-hidden and --policy.critic-hidden sizes must be positive")
+        raise UsageError("--policy.actor-hidden and --policy.critic-hidden sizes must be positive")
     validate_simulator_env(cfg)
+
+
+EMBEDDED_STEP_S = 0.02    # control step of both embedded envs (cartpole: dt; tracking: 4 x 5 ms substeps)
+
+
+def check_finite(cfg: Config) -> None:
+    """Every float field must be finite: NaN or inf in a coefficient trains for hours with every step skipped."""
+    sections = {"": cfg, "env.": cfg.env, "policy.": cfg.policy, "ppo.": cfg.ppo, "dist.": cfg.dist, "log.": cfg.log}
+    for prefix, section in sections.items():
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"--{prefix}{f.name.replace('_', '-')} must be a finite number, got {value}")
 
 
 SIMULATOR_PACKAGES = {"gymnasium": ("gymnasium", "make setup-mujoco"), "isaaclab": ("isaaclab", "make setup-isaaclab")}
@@ -209,28 +242,28 @@ def validate_simulator_env(cfg: Config) -> None:
         return
     package, setup = SIMULATOR_PACKAGES[cfg.env.name]
     if not cfg.env.task:
-        raise ValueError(f"--env.name {cfg.env.name} needs --env.task, a registered task id "
+        raise UsageError(f"--env.name {cfg.env.name} needs --env.task, a registered task id "
                          f"(e.g. Hopper-v4, Isaac-Velocity-Rough-G1)")
     if importlib.util.find_spec(package) is None:
-        raise ValueError(f"--env.name {cfg.env.name} needs the {package} package, which is not installed: `{setup}`")
+        raise UsageError(f"--env.name {cfg.env.name} needs the {package} package, which is not installed: `{setup}`")
     if cfg.env.name == "isaaclab" and cfg.dist.device == "cpu":
-        raise ValueError("--env.name isaaclab simulates on GPUs (one per rank); it cannot run with --dist.device cpu")
+        raise UsageError("--env.name isaaclab simulates on GPUs (one per rank); it cannot run with --dist.device cpu")
     if not cfg.env.action_scale > 0:
-        raise ValueError(f"--env.action-scale must be positive, got {cfg.env.action_scale}")
+        raise UsageError(f"--env.action-scale must be positive, got {cfg.env.action_scale}")
     if cfg.env.action_clip is not None and not cfg.env.action_clip > 0:
-        raise ValueError(f"--env.action-clip must be positive (or None for no clip), got {cfg.env.action_clip}")
+        raise UsageError(f"--env.action-clip must be positive (or None for no clip), got {cfg.env.action_clip}")
     if not cfg.env.actor_obs_groups or not cfg.env.critic_obs_groups:
-        raise ValueError("--env.actor-obs-groups and --env.critic-obs-groups need at least one group each")
+        raise UsageError("--env.actor-obs-groups and --env.critic-obs-groups need at least one group each")
 
 
 def resolve_num_envs(cfg: Config, world_size: int) -> str:
     """Apply --env.global-num-envs (split across ranks) if set; return a line saying which scope is used."""
     if cfg.env.global_num_envs < 0:
-        raise ValueError(f"--env.global-num-envs must be >= 0, got {cfg.env.global_num_envs}")
+        raise UsageError(f"--env.global-num-envs must be >= 0, got {cfg.env.global_num_envs}")
     if cfg.env.global_num_envs == 0:
         return f"--env.num-envs {cfg.env.num_envs} is per rank"
     if cfg.env.global_num_envs % world_size:
-        raise ValueError(f"--env.global-num-envs {cfg.env.global_num_envs} is not divisible by the world size "
+        raise UsageError(f"--env.global-num-envs {cfg.env.global_num_envs} is not divisible by the world size "
                          f"{world_size}; pick a multiple of {world_size} or use per-rank --env.num-envs")
     cfg.env.num_envs = cfg.env.global_num_envs // world_size
     return f"--env.global-num-envs {cfg.env.global_num_envs} split over {world_size} ranks = {cfg.env.num_envs} per rank"

@@ -12,6 +12,7 @@ from fnmatch import fnmatch
 import torch
 
 from dist import comm
+from dist.plan import PlanRow
 
 RULES = ("broadcast", "mean", "merge", "local")
 
@@ -33,6 +34,11 @@ def resolve_buffer_policy(module: torch.nn.Module, policy: dict[str, str]) -> di
     if undeclared:
         raise ValueError(f"buffers without a sync rule: {undeclared}; declare each as one of {RULES} in the "
                          f"module's BUFFER_POLICY")
+    buffers = dict(module.named_buffers())
+    integer_means = [n for n, r in resolved.items() if r == "mean" and not buffers[n].is_floating_point()]
+    if integer_means:
+        raise ValueError(f"buffers {integer_means} are integer but declared `mean`: an average of counts is not an "
+                         f"integer; declare them `broadcast` (e.g. BatchNorm's num_batches_tracked) or `local`")
     return resolved
 
 
@@ -61,12 +67,17 @@ def sync_buffers(module: torch.nn.Module, resolved: dict[str, str]) -> None:
                 offset += b.numel()
 
 
-def buffer_bytes(module: torch.nn.Module, resolved: dict[str, str], rule: str) -> list[int]:
-    """Bytes per collective (one per dtype) that sync_buffers moves for `rule` (for the sync plan)."""
+def buffer_plan_rows(module: torch.nn.Module, resolved: dict[str, str]) -> list[PlanRow]:
+    """The sync-plan rows of sync_buffers: per rule, the bytes of each per-dtype collective (none if unused)."""
     buffers = dict(module.named_buffers())
-    by_dtype: dict[torch.dtype, int] = {}
-    for name, r in resolved.items():
-        if r == rule:
-            b = buffers[name]
-            by_dtype[b.dtype] = by_dtype.get(b.dtype, 0) + b.numel() * b.element_size()
-    return list(by_dtype.values())
+    rows = []
+    for rule, collective, text in (("broadcast", "broadcast", "broadcast from rank 0"),
+                                   ("mean", "all_reduce", "mean over ranks")):
+        by_dtype: dict[torch.dtype, int] = {}
+        for name, r in resolved.items():
+            if r == rule:
+                b = buffers[name]
+                by_dtype[b.dtype] = by_dtype.get(b.dtype, 0) + b.numel() * b.element_size()
+        if by_dtype:
+            rows.append(PlanRow("buffers", text, collective, "iteration", list(by_dtype.values())))
+    return rows

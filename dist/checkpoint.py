@@ -1,43 +1,168 @@
-"""Checkpoints: rank 0 writes atomically (tmp file + rename); every rank reads the same file.
+"""Checkpoints and run directories: rank 0 writes atomically; every rank reads the same file.
 
-A checkpoint is a dict with FORMAT, the model/optimizer state, the iteration, LR, the env's
-sampler state, the config, and every rank's RNG states (gathered once at save time).
+A checkpoint is a dict with FORMAT, the model/optimizer state, the iteration, LR, the env's sampler
+state, the config, and every rank's RNG states (gathered once at save time). A run directory
+ROOT/EXPERIMENT/TIMESTAMP holds one run's TensorBoard files and `model_<iteration>.pt` files; under
+torchrun it also holds `run_id` so a restarted job (same TORCHELASTIC_RUN_ID) finds it again.
 """
 
+import contextlib
+import glob
 import os
+import re
+import time
+import uuid
 
 import torch
 
+from dist import comm
+from dist.errors import RunError, UsageError
+from dist.plan import PlanRow
+
 FORMAT = "syncppo-checkpoint-v1"
 REQUIRED_KEYS = ("format", "model", "optimizer", "iteration", "learning_rate", "env", "config", "rng")
-
-
-def check_checkpoint_path(path: str) -> None:
-    """Fail early (before any env is built) when --resume does not point at a readable checkpoint file."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--resume {path!r} does not exist")
-    if not os.path.isfile(path):
-        raise ValueError(f"--resume {path!r} is a directory; pass a model_<iteration>.pt file inside it")
-    load_checkpoint(path)
+_CHECKPOINT = re.compile(r"model_(\d+)\.pt$")
 
 
 def load_checkpoint(path: str, map_location="cpu") -> dict:
     """Load and validate a checkpoint; a file that is not one of ours raises naming what is wrong."""
+    if not os.path.exists(path):
+        raise UsageError(f"--resume {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise UsageError(f"--resume {path!r} is a directory; pass a model_<iteration>.pt file inside it, or auto")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-        raise ValueError(f"--resume {path!r} is not a readable torch checkpoint ({type(exc).__name__}: {exc})") from None
+        raise UsageError(f"--resume {path!r} is not a readable torch checkpoint ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"--resume {path!r} is not a syncppo checkpoint (expected format {FORMAT!r})")
+        raise UsageError(f"--resume {path!r} is not a syncppo checkpoint (expected format {FORMAT!r})")
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
-        raise ValueError(f"--resume {path!r} is missing {missing}; the file is truncated or from another tool")
+        raise UsageError(f"--resume {path!r} is missing {missing}; the file is truncated or from another tool")
     return state
 
 
 def save_checkpoint(path: str, state: dict) -> None:
-    """Write `state` to `path` atomically: a crash mid-write never leaves a half-written checkpoint."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    torch.save({"format": FORMAT, **state}, tmp)
-    os.replace(tmp, path)
+    """Write `state` to `path` so that a crash at any moment leaves either the old file or the new one.
+
+    The bytes go to a temporary name unique to this process, are flushed and fsynced, renamed over
+    `path`, and the directory entry is fsynced. A write error (disk full, permissions) raises RunError
+    naming the path; the temporary is removed.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({"format": FORMAT, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise RunError(f"could not write checkpoint {path}: {exc.strerror or exc}; free space on that disk or "
+                       f"point --log.root elsewhere, then resume from the last checkpoint") from None
+
+
+def remove_stale_temporaries(run_dir: str) -> list[str]:
+    """Delete half-written checkpoint temporaries left by a killed save; return what was removed."""
+    stale = glob.glob(os.path.join(glob.escape(run_dir), "model_*.pt.tmp*"))
+    for path in stale:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    return stale
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The model_<k>.pt with the largest k in `run_dir` (complete by construction: saves are atomic)."""
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(glob.escape(run_dir), "model_*.pt"))
+             if (m := _CHECKPOINT.search(os.path.basename(p)))]
+    return max(found)[1] if found else None
+
+
+def find_run_dir(experiment_dir: str, run_id: str) -> str | None:
+    """The run directory a previous attempt of the same torchrun job (same run id) created, if any."""
+    for marker in sorted(glob.glob(os.path.join(glob.escape(experiment_dir), "*", "run_id"))):
+        with open(marker) as f:
+            if f.read().strip() == run_id:
+                return os.path.dirname(marker)
+    return None
+
+
+def newest_run_with_checkpoint(experiment_dir: str) -> str | None:
+    """The run directory under `experiment_dir` whose latest checkpoint was written last, if any."""
+    runs = [(os.path.getmtime(ckpt), d) for d in glob.glob(os.path.join(glob.escape(experiment_dir), "*"))
+            if os.path.isdir(d) and (ckpt := latest_checkpoint(d))]
+    return max(runs)[1] if runs else None
+
+
+def create_run_dir(experiment_dir: str, run_id: str | None) -> str:
+    """A new directory EXPERIMENT_DIR/TIMESTAMP (suffixed -2, -3, ... when taken): never shared by two runs."""
+    os.makedirs(experiment_dir, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    for n in range(1, 1000):
+        path = os.path.join(experiment_dir, stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            os.mkdir(path)      # atomic: of two runs started in the same second, one gets -2
+        except FileExistsError:
+            continue
+        if run_id:
+            with open(os.path.join(path, "run_id"), "w") as f:
+                f.write(run_id)
+        return path
+    raise RunError(f"could not create a run directory under {experiment_dir}: 999 runs started in one second?")
+
+
+def open_run_dir(existing: str | None, experiment_dir: str, run_id: str | None) -> str:
+    """Rank 0, once the run is known good: continue in `existing` (stale temporaries removed) or create one.
+
+    The run id (torchrun's TORCHELASTIC_RUN_ID) is recorded so that a restart of this job finds it.
+    """
+    if existing is None:
+        return create_run_dir(experiment_dir, run_id)
+    for path in remove_stale_temporaries(existing):
+        print(f"[syncppo] removed {path}, a checkpoint whose save was interrupted", flush=True)
+    if run_id:
+        with open(os.path.join(existing, "run_id"), "w") as f:
+            f.write(run_id)
+    return existing
+
+
+def check_writable_root(root: str) -> None:
+    """Fail before anything is built (or created) when --log.root cannot hold run directories."""
+    probe = os.path.abspath(root)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"--log.root {root!r}: {probe!r} is a file, not a directory; pick another --log.root")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"--log.root {root!r}: {probe!r} is not writable; pick a directory you can write to")
+
+
+def gather_rng_states(states: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Every rank's RNG states ({name: uint8 state tensor}, same names and sizes on every rank), by rank.
+
+    Crosses ranks: one all-gather of the states packed into one uint8 tensor (a few KB), once per
+    checkpoint; see `rng_plan_row`.
+    """
+    packed = torch.cat([s.reshape(-1) for s in states.values()]).to(comm.device())
+    gathered = comm.all_gather(packed, "checkpoint").cpu()
+    out = []
+    for row in gathered:
+        offsets, ranks_states = 0, {}
+        for name, s in states.items():
+            ranks_states[name] = row[offsets:offsets + s.numel()].clone()
+            offsets += s.numel()
+        out.append(ranks_states)
+    return out
+
+
+def rng_plan_row(states: dict[str, torch.Tensor], save_every: int) -> PlanRow:
+    return PlanRow("checkpoint", "RNG states of every rank", "all_gather", "checkpoint",
+                   [sum(s.numel() for s in states.values())], every=save_every)

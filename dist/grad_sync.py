@@ -33,9 +33,10 @@ gradient (still averaged, so ranks stay identical).
 """
 
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from dist import comm
+from dist.plan import PlanRow
 
 
 class _Bucket:
@@ -91,6 +92,7 @@ class GradSync:
         self._grad_ptr = {id(p): p.grad.data_ptr() for p in self.params}
         self._received: set[int] = set()
         self._armed = False
+        self._armed_received: set[int] = set()
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
@@ -111,8 +113,16 @@ class GradSync:
         for b in self.buckets:
             b.pending, b.work = len(b.params), None
         self._armed, self._next_launch = True, 0
+        self._armed_received.clear()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if self._armed:
+            if id(p) in self._armed_received:
+                # Bucketed: this bucket's all-reduce may already be in flight, so the second gradient
+                # would be added on this rank only. Flat raises too, so both modes mean the same thing.
+                raise RuntimeError("a second backward after arm(): arm() declares that exactly one more backward "
+                                   "(the minibatch's last micro-batch) follows before synchronize()")
+            self._armed_received.add(id(p))
         self._received.add(id(p))
         if not (self._armed and self.mode == "bucketed"):
             return
@@ -134,7 +144,7 @@ class GradSync:
 
         NCCL averages in the collective (AVG); gloo has no AVG, so it sums and `synchronize` divides.
         """
-        if comm.world_size() > 1 and dist.get_backend() == "nccl":
+        if comm.world_size() > 1 and torch_dist.get_backend() == "nccl":
             return comm.all_reduce(buffer, "gradients", op="avg", async_op=async_op)
         return comm.all_reduce(buffer, "gradients", op="sum", async_op=async_op)
 
@@ -159,7 +169,7 @@ class GradSync:
                                f"loss, or pass --dist.unused-params zero to average them as zero gradients")
         self._launch_ready(force=True)      # flat: the one bucket; bucketed: only buckets with unused params
         world = comm.world_size()
-        averaged_by_backend = world > 1 and dist.get_backend() == "nccl"
+        averaged_by_backend = world > 1 and torch_dist.get_backend() == "nccl"
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
@@ -184,3 +194,8 @@ class GradSync:
     def bucket_bytes(self) -> list[int]:
         """Bytes of each bucket's all-reduce, in launch order (the sync plan prints these)."""
         return [b.buffer.numel() * b.buffer.element_size() for b in self.buckets]
+
+    def plan_rows(self, steps_per_iteration: int) -> list[PlanRow]:
+        """The sync-plan row of `steps_per_iteration` synchronized optimizer steps per iteration."""
+        return [PlanRow("gradients", f"mean over ranks ({self.mode})", "all_reduce", "iteration",
+                        self.bucket_bytes(), steps_per_iteration)]

@@ -3,6 +3,7 @@
 import torch
 
 from dist import comm
+from dist.plan import PlanRow
 
 
 def _by_dtype(module: torch.nn.Module) -> dict[torch.dtype, list[torch.Tensor]]:
@@ -12,9 +13,10 @@ def _by_dtype(module: torch.nn.Module) -> dict[torch.dtype, list[torch.Tensor]]:
     return by_dtype
 
 
-def broadcast_bytes(module: torch.nn.Module) -> list[int]:
-    """Bytes of each of broadcast_module's calls, in order (the sync plan prints these)."""
-    return [sum(t.numel() * t.element_size() for t in group) for group in _by_dtype(module).values()]
+def broadcast_plan_rows(module: torch.nn.Module) -> list[PlanRow]:
+    """The sync-plan row of broadcast_module at start-up: one call per dtype, in order."""
+    sizes = [sum(t.numel() * t.element_size() for t in group) for group in _by_dtype(module).values()]
+    return [PlanRow("params", "broadcast from rank 0", "broadcast", "setup", sizes)]
 
 
 def broadcast_module(module: torch.nn.Module) -> None:

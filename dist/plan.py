@@ -1,5 +1,7 @@
 """The sync plan: every collective the learner will issue for a configuration, declared up front.
 
+Each component that communicates declares its own rows next to the code that communicates
+(`GradSync.plan_rows`, `merge_plan_row`, `buffer_plan_rows`, ...); the runner only concatenates them.
 Rank 0 prints it at start-up (`train.py PRESET --dry-run` prints it without training). Each row is
 one piece of state with its rule, collective, cadence, and the bytes of each call. `expected_ledger`
 turns the plan into call/byte counts after some iterations, which tests compare with what
@@ -15,7 +17,7 @@ class PlanRow:
     rule: str
     collective: str          # "-" when nothing crosses ranks (state kept identical by construction)
     cadence: str = "-"       # "setup", "iteration", "every", "checkpoint" or "-"
-    call_bytes: list[int] = field(default_factory=list)   # bytes of each call in one round (0 = pickled)
+    call_bytes: list[int] = field(default_factory=list)   # bytes of each call in one round
     rounds: int = 1          # rounds per occurrence (e.g. optimizer steps per iteration)
     every: int = 1           # K for cadence "every"; the save interval for "checkpoint"
 
@@ -34,39 +36,6 @@ class PlanRow:
                 n += 1      # a checkpoint is always written at the end of the run
             return n
         return 0
-
-
-def build_plan(*, optimizer_steps: int, grad_bucket_bytes: list[int], kl_rides: bool, param_bytes: list[int],
-               advantage_global: bool, normalizer_bytes: list[int], buffer_broadcast_bytes: list[int],
-               buffer_mean_bytes: list[int], sampler_bytes: int, sampler_every: int, metric_keys: int,
-               verify_every: int, save_every: int, resumed: bool) -> list[PlanRow]:
-    """The plan for one run. All sizes are per call, per rank, in bytes."""
-    rows = [
-        PlanRow("params", "broadcast from rank 0", "broadcast", "setup", param_bytes),
-        PlanRow("gradients", "mean over ranks", "all_reduce", "iteration", grad_bucket_bytes, optimizer_steps),
-        PlanRow("kl", "global mean (sum, count)", "in gradients" if kl_rides else "-"),
-        PlanRow("nonfinite", "norm of synced gradient", "-"),
-        PlanRow("optimizer", "local, same by construction", "-"),
-    ]
-    if advantage_global:
-        rows.append(PlanRow("advantages", "global (n, sum, sum sq)", "all_reduce", "iteration", [24]))
-    if normalizer_bytes:
-        rows.append(PlanRow("normalizer", "merge (n, mean, M2)", "all_reduce", "iteration", normalizer_bytes))
-    if buffer_broadcast_bytes:
-        rows.append(PlanRow("buffers", "broadcast from rank 0", "broadcast", "iteration", buffer_broadcast_bytes))
-    if buffer_mean_bytes:
-        rows.append(PlanRow("buffers", "mean over ranks", "all_reduce", "iteration", buffer_mean_bytes))
-    if sampler_bytes:
-        rows.append(PlanRow("sampler", "sum of counts", "all_reduce", "every", [sampler_bytes], every=sampler_every))
-        rows.append(PlanRow("sampler", "sum of counts before save", "all_reduce", "checkpoint", [sampler_bytes],
-                            every=save_every))
-    rows.append(PlanRow("metrics", "count-weighted mean", "all_reduce", "iteration", [16 * metric_keys]))
-    if verify_every:
-        rows.append(PlanRow("checksum", "all ranks equal rank 0", "all_gather", "every", [8], every=verify_every))
-    if resumed:
-        rows.append(PlanRow("checksum", "verify after load", "all_gather", "setup", [8]))
-    rows.append(PlanRow("checkpoint", "RNG of every rank", "all_gather_object", "checkpoint", [0], every=save_every))
-    return rows
 
 
 def expected_ledger(rows: list[PlanRow], iterations: int, final_iteration: int | None = None) -> dict[str, list[int]]:
@@ -97,8 +66,6 @@ def format_plan(rows: list[PlanRow], world_size: int) -> str:
         cadence = {"every": f"every {r.every} it", "checkpoint": "at saves"}.get(r.cadence, r.cadence)
         if not r.call_bytes:
             sizes = "-"
-        elif r.call_bytes == [0]:
-            sizes = "pickled, a few KB"
         else:
             sizes = " + ".join(_size(b) for b in r.call_bytes) + (f"  (x{r.rounds} steps)" if r.rounds > 1 else "")
         lines.append(f"  {r.purpose:<11} {r.rule:<28} {r.collective:<17} {cadence:<15} {r.calls:>5}  {sizes}")

@@ -3,10 +3,11 @@
 import os
 import random
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from dist import comm
 
@@ -20,22 +21,35 @@ class DistInfo:
     device: torch.device
 
 
-def init_distributed(backend: str = "auto", device: str = "auto") -> DistInfo:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK); one device per local rank.
-
-    backend/device "auto": NCCL and cuda:LOCAL_RANK when CUDA is available, else gloo and CPU. Without
-    torchrun's variables this is world size 1 and no process group is created.
-    """
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+def resolve_device(device: str = "auto") -> torch.device:
+    """cuda:LOCAL_RANK or cpu, checked before any process group or env exists (no communication)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise ValueError("--dist.device cuda was asked for but torch sees no CUDA device; use --dist.device cpu")
-    if use_cuda and local_rank >= torch.cuda.device_count():
-        raise ValueError(f"LOCAL_RANK {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
-                         f"start at most that many processes per node (--nproc-per-node)")
-    dev = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    if use_cuda and local_world > torch.cuda.device_count():
+        raise ValueError(f"--nproc-per-node {local_world} starts more ranks than the {torch.cuda.device_count()} "
+                         f"visible GPU(s); start at most that many processes per node")
+    return torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+
+
+def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK); one device per local rank.
+
+    backend/device "auto": NCCL and cuda:LOCAL_RANK when CUDA is available, else gloo and CPU. Without
+    torchrun's variables this is world size 1 and no process group is created. Every collective
+    fails after `timeout_s` seconds without progress instead of hanging.
+
+    Under torchrun restarts (`--max-restarts`), the launcher's key-value store still holds the keys
+    of the previous round; the group's keys are therefore prefixed by TORCHELASTIC_RESTART_COUNT so a
+    restarted gloo group never connects to a dead worker's old address.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dev = resolve_device(device)
+    use_cuda = dev.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(dev)
     if backend == "auto":
@@ -43,8 +57,16 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> DistInfo:
     if backend == "nccl" and not use_cuda:
         raise ValueError("--dist.backend nccl needs CUDA devices; use --dist.backend gloo on CPU")
     if world_size > 1:
-        if not dist.is_initialized():
-            dist.init_process_group(backend=backend, device_id=dev if use_cuda else None)
+        if not torch_dist.is_initialized():
+            timeout = timedelta(seconds=timeout_s)
+            kwargs = {"backend": backend, "timeout": timeout, "device_id": dev if use_cuda else None}
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                            is_master=False, timeout=timeout)
+                restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                kwargs.update(store=torch_dist.PrefixStore(f"syncppo/restart{restart}", store), rank=rank,
+                              world_size=world_size)
+            torch_dist.init_process_group(**kwargs)
     else:
         backend = "none"
     comm.set_device(dev if backend == "nccl" else torch.device("cpu"))
@@ -59,5 +81,5 @@ def seed_everything(seed: int) -> None:
 
 
 def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()

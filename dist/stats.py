@@ -1,28 +1,34 @@
-"""Exact cross-rank statistics from sufficient statistics: one small float64 all-reduce each.
+"""Exact cross-rank statistics from sufficient statistics: small float64 all-reduces.
 
-None of these gathers samples: ranks exchange (count, sum, sum of squares) or their shifted
-equivalents, so the bytes are O(dim), independent of batch size and world size, and the result equals
+None of these gathers samples: ranks exchange counts, sums and sums of squared deviations from a
+value every rank already shares (a running mean, or a global mean computed first), so the bytes are O(dim), independent of batch size and world size, and the result equals
 the statistic over the union of all ranks' samples (up to float64 summation order).
 """
 
 import torch
 
 from dist import comm
+from dist.plan import PlanRow
 
 
 def global_mean_std(x: torch.Tensor, purpose: str = "advantages") -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and (population) std of `x` over all ranks' elements.
+    """Mean and (population) std of `x` over all ranks' elements, exact even when |mean| >> std.
 
-    Crosses ranks: one all-reduce of 3 float64 numbers (count, sum, sum of squares) per call; the
-    runner calls it once per iteration for advantage normalization.
+    Crosses ranks: two all-reduces per call (see `mean_std_plan_rows`), the runner calls it once per
+    iteration for advantage normalization: (count, sum) in float64, then the sum of squared deviations
+    from that global mean. Two passes cost one extra 8-byte message; one pass over (n, sum, sum of
+    squares) loses about log10(mean^2 / var) of float64's 16 digits to cancellation.
     """
     x64 = x.detach().double().flatten()
-    stats = torch.stack([torch.tensor(float(x64.numel()), dtype=torch.float64, device=x.device),
-                         x64.sum(), x64.square().sum()])
-    count, total, total_sq = comm.all_reduce(stats, purpose).unbind(0)
+    first = torch.stack([torch.tensor(float(x64.numel()), dtype=torch.float64, device=x.device), x64.sum()])
+    count, total = comm.all_reduce(first.to(comm.device()), purpose).to(x.device).unbind(0)
     mean = total / count
-    var = (total_sq / count - mean.square()).clamp_min(0.0)
-    return mean.to(x.dtype), var.sqrt().to(x.dtype)
+    m2 = comm.all_reduce((x64 - mean).square().sum().reshape(1).to(comm.device()), purpose).to(x.device)[0]
+    return mean.to(x.dtype), (m2 / count).sqrt().to(x.dtype)
+
+
+def mean_std_plan_rows(purpose: str = "advantages") -> list[PlanRow]:
+    return [PlanRow(purpose, "global (n, sum), then dev^2", "all_reduce", "iteration", [16, 8])]
 
 
 def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, batch: torch.Tensor,
@@ -49,6 +55,11 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, bat
     return n, new_mean, new_m2
 
 
+def merge_plan_row(dim: int, purpose: str = "normalizer") -> PlanRow:
+    """The plan row of one merge_moments call per iteration over `dim` features."""
+    return PlanRow(purpose, "merge (n, mean, M2)", "all_reduce", "iteration", [(1 + 2 * dim) * 8])
+
+
 def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor],
                    purpose: str = "metrics") -> dict[str, float]:
     """Count-weighted means over all ranks: key -> sum over ranks of sums[key] / sum of counts[key].
@@ -67,3 +78,7 @@ def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor
     packed = packed.to(comm.device())
     packed = comm.all_reduce(packed, purpose).view(-1, 2)
     return {k: s / c for k, (s, c) in zip(keys, packed.tolist()) if c > 0}
+
+
+def metrics_plan_rows(num_keys: int, purpose: str = "metrics") -> list[PlanRow]:
+    return [PlanRow(purpose, "count-weighted mean", "all_reduce", "iteration", [16 * num_keys])]

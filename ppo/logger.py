@@ -1,5 +1,6 @@
 """Rank-0 logging: TensorBoard scalars under RSL-RL's tag names, and one console line per iteration."""
 
+import math
 import time
 
 from torch.utils.tensorboard import SummaryWriter
@@ -7,7 +8,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 class RunLogger:
     def __init__(self, run_dir: str, max_iterations: int, start_iteration: int):
-        self.writer = SummaryWriter(run_dir)
+        # purge_step: when a run continues in its own directory (restart, --resume auto), TensorBoard drops
+        # whatever an earlier attempt logged after the checkpoint, so no step appears twice.
+        self.writer = SummaryWriter(run_dir, purge_step=start_iteration + 1 if start_iteration else None)
         self.max_iterations, self.start_iteration = max_iterations, start_iteration
         self.start_time = time.time()
 
@@ -19,11 +22,16 @@ class RunLogger:
         done = iteration + 1 - self.start_iteration
         elapsed = time.time() - self.start_time
         eta = elapsed / done * (self.max_iterations - iteration - 1)
-        reward = scalars.get("Train/mean_reward", float("nan"))
-        length = scalars.get("Train/mean_episode_length", float("nan"))
+        reward, length = (_fmt(scalars.get(key), width, ".1f" if "length" in key else ".2f") for key, width in
+                          (("Train/mean_reward", 8), ("Train/mean_episode_length", 6)))
         print(f"it {iteration + 1:>5}/{self.max_iterations}  {scalars['Perf/total_fps']:>9.0f} steps/s  "
-              f"reward {reward:8.2f}  ep_len {length:6.1f}  kl {scalars['Policy/kl']:.4f}  "
+              f"reward {reward}  ep_len {length}  kl {scalars['Policy/kl']:.4f}  "
               f"lr {scalars['Loss/learning_rate']:.1e}  ETA {eta / 60:5.1f} min", flush=True)
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _fmt(value: float | None, width: int, spec: str) -> str:
+    """`-` when no episode ended in the iteration (the metric is absent), never `nan`."""
+    return f"{'-':>{width}}" if value is None or not math.isfinite(value) else f"{value:{width}{spec}}"

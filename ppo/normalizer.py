@@ -9,7 +9,8 @@ values computed during the rollout and during learning see the same normalizatio
 import torch
 from torch import nn
 
-from dist.stats import merge_moments
+from dist.plan import PlanRow
+from dist.stats import merge_moments, merge_plan_row
 
 
 class ObsNormalizer(nn.Module):
@@ -26,6 +27,18 @@ class ObsNormalizer(nn.Module):
         return ((x - self.mean) / (self.std + self.eps)).clamp(-self.clip, self.clip)
 
     @torch.no_grad()
+    def set_first_shift(self, observations: torch.Tensor) -> None:
+        """Before the first merge, shift the merge's sums by the mean of `observations` [B, dim].
+
+        Every merge sums samples minus the running mean; before any data that mean is 0, so the first
+        merge would be plain sums of squares, which lose digits when |mean| >> std (1e6 + N(0, 1)). The
+        runner calls this with the reset observations before the start-up parameter broadcast, which
+        then gives every rank rank 0's shift: no extra communication. The forward pass is unchanged.
+        """
+        if self.count.item() == 0:
+            self.mean64.copy_(observations.detach().double().mean(0))
+
+    @torch.no_grad()
     def update(self, batch: torch.Tensor) -> None:
         """Merge `batch` [B, dim] of every rank into the statistics.
 
@@ -35,6 +48,9 @@ class ObsNormalizer(nn.Module):
         self.count, self.mean64, self.m2 = merge_moments(self.count, self.mean64, self.m2, batch)
         self.mean.copy_(self.mean64)
         self.std.copy_((self.m2 / self.count).sqrt())
+
+    def plan_rows(self) -> list[PlanRow]:
+        return [merge_plan_row(self.mean.numel())]
 
 
 class RewardNormalizer(nn.Module):
@@ -74,3 +90,6 @@ class RewardNormalizer(nn.Module):
         self._seen.clear()
         self.count, self.mean64, self.m2 = merge_moments(self.count, self.mean64, self.m2, seen)
         self.std.copy_((self.m2[0] / self.count).sqrt())
+
+    def plan_rows(self) -> list[PlanRow]:
+        return [merge_plan_row(1)]

@@ -8,6 +8,7 @@ import torch
 
 import train
 from configs import preset, resolve_num_envs, validate
+from dist.errors import UsageError
 
 
 def cfg_with(**changes):
@@ -49,7 +50,7 @@ def test_global_env_budget_splits_across_ranks_or_fails():
 
 
 def test_resume_path_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--resume"):
+    with pytest.raises(UsageError, match="--resume .* does not exist"):
         train.main(cfg_with(resume=str(tmp_path / "missing.pt")))
     with pytest.raises(ValueError, match="directory"):
         train.main(cfg_with(resume=str(tmp_path)))

@@ -44,7 +44,7 @@ def test_ledger_after_training_equals_the_printed_plan(tmp_path, epochs, minibat
         if mode == "bucketed":
             assert expected["gradients"][0] > steps * iterations    # several buckets per optimizer step
         assert expected["gradients"][0] % (steps * iterations) == 0
-        assert scalars["Comm/metrics_calls"] == 1 and scalars["Comm/advantages_calls"] == 1
+        assert scalars["Comm/metrics_calls"] == 1 and scalars["Comm/advantages_calls"] == 2   # (n, sum), then dev^2
 
 
 class WithBuffers(nn.Module):

@@ -1,0 +1,64 @@
+"""Which checkpoint a run starts from, and whether it fits the config: decided before anything is built.
+
+Three ways to continue, all resolved here on every rank from the file system alone (no communication):
+- `--resume PATH`: that checkpoint, continued in a new run directory;
+- `--resume auto`: the newest checkpoint of this experiment, continued in its own run directory;
+- a torchrun restart (`--max-restarts`, TORCHELASTIC_RESTART_COUNT > 0): the last complete checkpoint
+  of the run directory the first attempt created (found by TORCHELASTIC_RUN_ID), continued in place.
+"""
+
+import os
+
+from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
+from dist.errors import UsageError
+
+# Fields that decide tensor shapes or which states a checkpoint holds: a mismatch fails before build.
+MUST_MATCH = {
+    "--env.name": ("env", "name"), "--env.task": ("env", "task"), "--env.num-envs": ("env", "num_envs"),
+    "--env.num-motions": ("env", "num_motions"), "--policy.actor-hidden": ("policy", "actor_hidden"),
+    "--policy.critic-hidden": ("policy", "critic_hidden"), "--policy.activation": ("policy", "activation"),
+    "--policy.normalize-actor-obs": ("policy", "normalize_actor_obs"),
+    "--policy.normalize-critic-obs": ("policy", "normalize_critic_obs"),
+    "--ppo.normalize-rewards": ("ppo", "normalize_rewards"),
+}
+
+
+def resolve_resume(cfg, experiment_dir: str) -> tuple[str, str | None]:
+    """(checkpoint to load or "", existing run directory to continue in, or None for a new one)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and run_id:
+        run_dir = find_run_dir(experiment_dir, run_id)
+        if run_dir is not None:
+            return latest_checkpoint(run_dir) or (cfg.resume if cfg.resume != "auto" else ""), run_dir
+    if cfg.resume == "auto":
+        run_dir = newest_run_with_checkpoint(experiment_dir)
+        if run_dir is None:
+            raise UsageError(f"--resume auto: no checkpoint under {experiment_dir!r}; check --log.root and "
+                             f"--log.experiment, or start without --resume")
+        return latest_checkpoint(run_dir), run_dir
+    return cfg.resume, None
+
+
+def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
+    """Raise UsageError naming the flag when the checkpoint cannot continue under `cfg`.
+
+    Returns False when a restarted job finds its run already complete (nothing left to train).
+    """
+    saved = state["config"]
+    for flag, (section, name) in MUST_MATCH.items():
+        ours, theirs = getattr(getattr(cfg, section), name), saved.get(section, {}).get(name)
+        if theirs is not None and tuple_or_value(ours) != tuple_or_value(theirs):
+            hint = " per rank (use --env.global-num-envs for a total)" if name == "num_envs" else ""
+            raise UsageError(f"{flag} {ours!r} does not match {theirs!r}{hint} in the checkpoint {path!r}; "
+                             f"pass {flag} {theirs!r} to resume it")
+    if state["iteration"] >= cfg.max_iterations:
+        if restarted:
+            return False
+        raise UsageError(f"--max-iterations {cfg.max_iterations}: {path!r} is already at iteration "
+                         f"{state['iteration']}; pass a larger --max-iterations to train further")
+    return True
+
+
+def tuple_or_value(x):
+    return tuple(x) if isinstance(x, (list, tuple)) else x
+

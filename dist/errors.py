@@ -1,0 +1,17 @@
+"""The two kinds of error the runner reports as one line instead of a traceback.
+
+- `UsageError`: the user asked for something that cannot work (a flag, a path, a checkpoint that does
+  not fit). The runner prints `error: <message>` once and exits with status 2, like a parse error.
+- `RunError`: training started and then met a condition outside the code (a write error, a
+  non-finite observation, the launcher gone). The rank that met it prints one line and exits 1.
+
+Anything else is a bug and keeps its traceback.
+"""
+
+
+class UsageError(ValueError):
+    """Bad input; the message starts with the flag to fix."""
+
+
+class RunError(RuntimeError):
+    """A run-time failure with a message that says what happened and what was kept."""
