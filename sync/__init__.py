@@ -5,23 +5,24 @@
     # sender (rank 0)                                   # receivers (ranks 1, 2)
     syncer.init_sender(model, trainable_keys(model))    syncer.init_receiver(model)
     syncer.sync(model, version=it)                      version = syncer.apply(model)
+    syncer.resync(model, version=it)                    syncer.resync(model)      # after a SyncIntegrityError
 
-See patch.py and bucket.py for the two strategies and syncer.py for the shared flow.
+patch.py and bucket.py each read top to bottom as their algorithm; link.py is what both share (roles,
+handshake, checks, non-blocking apply) and wire.py what travels (frames, buckets, the ledger purposes).
 """
 
 from .bucket import BucketSyncer
 from .config import BucketConfig, InitSyncConfig, PatchConfig, WeightSyncConfig
+from .link import trainable_keys
 from .patch import PatchSyncer
-from .syncer import SyncStats, WeightSyncer, trainable_keys
-from .transport import SyncIntegrityError
+from .wire import SyncIntegrityError, SyncStats
 
 __all__ = ["BucketConfig", "BucketSyncer", "InitSyncConfig", "PatchConfig", "PatchSyncer", "SyncIntegrityError",
-           "SyncStats", "WeightSyncConfig", "WeightSyncer", "make_weight_syncer", "trainable_keys"]
+           "SyncStats", "WeightSyncConfig", "make_weight_syncer", "trainable_keys"]
 
 
-def make_weight_syncer(cfg: WeightSyncConfig, src: int, dsts, group=None) -> WeightSyncer:
+def make_weight_syncer(cfg: WeightSyncConfig, src: int, dsts, group=None) -> PatchSyncer | BucketSyncer:
     """The syncer `cfg.type` names, between global rank `src` (sender) and ranks `dsts` (receivers) of `group`."""
     if not isinstance(cfg, WeightSyncConfig):
         raise TypeError(f"make_weight_syncer needs a WeightSyncConfig, got {type(cfg).__name__}")
-    syncer_class = {"patch": PatchSyncer, "bucket": BucketSyncer}[cfg.type]
-    return syncer_class(cfg, src, dsts, group)
+    return {"patch": PatchSyncer, "bucket": BucketSyncer}[cfg.type](cfg, src, dsts, group)

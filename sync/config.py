@@ -1,7 +1,7 @@
 """Weight-sync configuration: dataclasses whose fields mirror RLinf's `weight_syncer` YAML.
 
     type: patch | bucket
-    patch:  snapshot_device, transport_device, delta_encoding, compression, init_sync{enabled, prefixes, bucket_size}
+    patch:  snapshot_device, transport_device, compression, verify_every, init_sync{enabled, prefixes, bucket_size}
     bucket: bucket_size, bucket_dtype, bucket_device, load_instant
 
 Both sides of a transfer must build the same config: the handshake compares them and refuses a mismatch,
@@ -43,10 +43,10 @@ class PatchConfig:
     """where the sender keeps its snapshot (cpu: pinned host memory when CUDA exists, saves one model copy of GPU memory)"""
     transport_device: Literal["cpu", "cuda"] = "cpu"
     """where patches are staged for sending: cpu for gloo, cuda for NCCL"""
-    delta_encoding: bool = True
-    """send row/column deltas instead of absolute coordinates (smaller numbers, smaller index dtypes)"""
     compression: Literal["none", "zstd"] = "none"
     """lossless codec for the patch payload; zstd needs `pip install zstandard` and transport_device=cpu"""
+    verify_every: int = 100
+    """the receiver rescans every synced tensor against its checksum every K versions (0 = only verify() on demand)"""
     init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
     """one-off bucketed bootstrap before the first patch"""
 
@@ -54,6 +54,8 @@ class PatchConfig:
         _require_choice("patch.snapshot_device", self.snapshot_device, DEVICES)
         _require_choice("patch.transport_device", self.transport_device, DEVICES)
         _require_choice("patch.compression", self.compression, COMPRESSIONS)
+        if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 0:
+            raise ValueError(f"weight sync config: patch.verify_every must be an integer >= 0, got {self.verify_every!r}")
         if self.compression == "zstd" and self.transport_device != "cpu":
             raise ValueError("patch.compression=zstd runs on the host: set patch.transport_device=cpu")
 

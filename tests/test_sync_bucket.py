@@ -5,7 +5,7 @@ import torch
 
 from multirank import run_ranks
 from sync import BucketConfig, WeightSyncConfig, make_weight_syncer
-from sync.bucket_transfer import plan_buckets
+from sync.wire import plan_buckets
 from test_sync_common import bits_equal, cast_floats, make_state, random_update, snapshot
 
 # Bytes of make_state's tensors in fp32: scale, enc.bias, enc.weight, conv.weight, dec.weight, steps, mask.

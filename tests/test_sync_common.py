@@ -2,7 +2,7 @@
 
 import torch
 
-from sync.coo import as_bits
+from sync.patch import _bits as as_bits
 
 
 def make_state(seed: int, float_dtype=torch.float32) -> dict:

@@ -95,15 +95,15 @@ def _failed_send(rank, world_size):
         state, g = make_state(seed=0), torch.Generator().manual_seed(1)
         syncer.init_sender(state)
         random_update(state, g, 0.1)
-        real_isend_all = sync.patch.isend_all
+        real_send_frame = sync.patch.send_frame
 
         def broken_link(*args):
             raise ConnectionError("link down")
 
-        sync.patch.isend_all = broken_link
+        sync.patch.send_frame = broken_link
         with pytest.raises(ConnectionError):
             syncer.sync(state, 1)
-        sync.patch.isend_all = real_isend_all
+        sync.patch.send_frame = real_send_frame
         assert syncer.version == 0
         random_update(state, g, 0.1)
         stats = syncer.sync(state, 2)

@@ -5,7 +5,7 @@ import torch
 
 from multirank import run_ranks
 from sync import PatchConfig, WeightSyncConfig, make_weight_syncer
-from sync.coo import as_bits
+from sync.patch import _bits as as_bits
 from test_sync_common import bits_equal, cast_floats, make_state, random_update, snapshot
 
 DENSITIES = [0.0, 0.001, 0.1, 1.0, 0.1, 0.001, 0.0]
