@@ -1,24 +1,37 @@
-"""Full training loop throughput: syncppo vs RSL-RL on the same env, batch, network and PPO settings.
+"""Training throughput: syncppo vs RSL-RL, interleaved iteration by iteration, against the matmul limit.
 
-    python bench/bench_train.py [--preset tracking] [--iterations 30] [--num-envs 512]
+    python bench/bench_train.py            # small (512 envs, (128, 128)) and large (4096 envs, (512, 256, 128))
+    python bench/bench_train.py --quick    # fewer iterations (a few minutes)
 
-Runs, one after the other in this process (so the machine is the same for both):
-  1. syncppo `train.main` at world size 1;
-  2. RSL-RL's OnPolicyRunner (rsl-rl-lib, installed by `make bench`) at world size 1, wrapping the
-     same embedded env, with the same T, N, epochs, minibatches, network, LR schedule and losses;
-  3. syncppo at 2 ranks through torchrun (RSL-RL's multi-GPU path needs CUDA, so it has no CPU
-     counterpart), for the scaling column.
-Per-iteration collection and learning times are read back from each run's TensorBoard events and the
-first `--warmup` iterations are dropped. Prints env-steps/s, update time per iteration and ratios.
+Both learners run in this one process on the same `tracking` env settings, T, N, epochs, minibatches,
+networks, LR schedule and losses (RSL-RL: rsl-rl-lib, installed by `make bench`). They take turns one
+iteration at a time: syncppo's `train.main` in the main thread, RSL-RL's `OnPolicyRunner.learn` in a
+second thread, passing a baton at each iteration's logging call, so exactly one of them runs at any
+moment and load from other processes hits both alike. After every RSL-RL iteration the same thread
+times `torch.mm` for exactly the GEMM shapes of one update (forward, grad-input and grad-weight of
+every Linear layer at the minibatch size): that sum is the matmul limit of the update on this CPU,
+re-measured each round so it sees the same load. Ratios are medians of per-round ratios.
+
+What still differs between the two learners, and is printed rather than hidden:
+- RSL-RL counts its GAE (and the critic on the last observation) in the update time; syncppo counts
+  them in collection. Env-steps/s covers both phases, so it is the like-for-like number.
+- RSL-RL clips the actor's and the critic's gradients each to max_grad_norm; syncppo clips one global
+  norm over both (its distributed rule). Same FLOPs, slightly different step.
+- Time-out bootstrap: RSL-RL adds gamma * V(observation the step started from) using the value it
+  already computed; syncppo adds gamma * V(final observation before the reset), which needs a critic
+  forward on the envs that timed out.
+Both learners draw from the one global torch RNG in turn, so neither reproduces its standalone run.
+syncppo at 2 ranks (torchrun, small setting, full run only) is timed separately for the scaling row.
 """
 
 import argparse
 import contextlib
-import glob
 import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import torch
 
@@ -28,23 +41,57 @@ import train  # noqa: E402
 from configs import preset  # noqa: E402
 from envs import make_env  # noqa: E402
 
-
-def perf_from_events(log_dir: str, collect_tag: str, learn_tag: str, warmup: int) -> tuple[float, float]:
-    """Median collection and learning seconds per iteration from a TensorBoard run, after `warmup`."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    (events,) = glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)[:1]
-    acc = EventAccumulator(events)
-    acc.Reload()
-    collect = sorted(e.value for e in acc.Scalars(collect_tag)[warmup:])
-    learn = sorted(e.value for e in acc.Scalars(learn_tag)[warmup:])
-    return collect[len(collect) // 2], learn[len(learn) // 2]
+SETTINGS = {"small": (512, (128, 128)), "large": (4096, (512, 256, 128))}
 
 
-def run_syncppo(cfg, log_root: str, warmup: int) -> tuple[float, float]:
-    cfg.log.root, cfg.log.print_every, cfg.log.save_every = log_root, 10**6, 10**6
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        train.main(cfg)
-    return perf_from_events(log_root, "Perf/collection_time", "Perf/learning_time", warmup)
+class Baton:
+    """Strict alternation between named runners; a runner that finishes drops out of the rotation."""
+
+    def __init__(self, names: list[str]):
+        self.order, self.turn, self.cond = list(names), names[0], threading.Condition()
+
+    def wait_turn(self, name: str) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == name)
+
+    def pass_on(self, name: str, finished: bool = False) -> None:
+        with self.cond:
+            i = self.order.index(name)
+            nxt = self.order[(i + 1) % len(self.order)]
+            if finished:
+                self.order.remove(name)
+            self.turn = nxt if self.order else None
+            self.cond.notify_all()
+        if not finished:
+            self.wait_turn(name)
+
+
+def gemm_shapes(in_dims: dict[str, int], hidden: tuple[int, ...], num_actions: int, batch: int) -> list:
+    """(M, K, N) of every matmul in one minibatch step: per Linear layer the forward x @ W^T, the weight
+    gradient g^T @ x and (except the first layer, whose input needs no gradient) the input gradient g @ W."""
+    shapes = []
+    for net, out in (("policy", num_actions), ("critic", 1)):
+        dims = [in_dims[net], *hidden, out]
+        for layer, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
+            shapes += [(batch, d_in, d_out), (d_out, batch, d_in)]
+            if layer > 0:
+                shapes.append((batch, d_out, d_in))
+    return shapes
+
+
+def matmul_limit_seconds(shapes: list, repeats: int = 3) -> float:
+    """Seconds for one pass of torch.mm over `shapes` (best of `repeats` per shape), on this thread."""
+    total = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t)
+        total += best
+    return total
 
 
 class RslRlEnv:
@@ -67,9 +114,8 @@ class RslRlEnv:
         return self.get_observations(), reward, terminated | truncated, {"time_outs": truncated, "log": log}
 
 
-def run_rsl_rl(cfg, log_root: str, warmup: int) -> tuple[float, float]:
+def rsl_rl_runner(cfg, log_dir: str):
     from rsl_rl.runners import OnPolicyRunner
-    torch.manual_seed(cfg.seed)
     env = RslRlEnv(make_env(cfg.env, torch.device("cpu"), seed=cfg.seed, base_seed=cfg.seed))
     p, policy = cfg.ppo, cfg.policy
     train_cfg = {
@@ -84,53 +130,124 @@ def run_rsl_rl(cfg, log_root: str, warmup: int) -> tuple[float, float]:
         "critic": {"class_name": "MLPModel", "hidden_dims": list(policy.critic_hidden), "activation": policy.activation,
                    "obs_normalization": policy.normalize_critic_obs},
     }
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):   # RSL-RL prints a page per iteration
-        runner = OnPolicyRunner(env, train_cfg, log_dir=log_root, device="cpu")
-        runner.learn(cfg.max_iterations)
-    return perf_from_events(log_root, "Perf/collection_time", "Perf/learning_time", warmup)
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        return OnPolicyRunner(env, train_cfg, log_dir=log_dir, device="cpu")
 
 
-def run_syncppo_two_ranks(args, log_root: str, warmup: int) -> tuple[float, float]:
+def run_interleaved(cfg, tmp: str, limit_shapes: list) -> dict[str, list]:
+    """Per iteration: syncppo (collect, update) s, RSL-RL (collect, update) s and the matmul limit s."""
+    rows = {"syncppo": [], "rsl-rl": [], "limit": []}
+    baton = Baton(["syncppo", "rsl-rl"])
+    cfg.log.root, cfg.log.print_every, cfg.log.save_every = os.path.join(tmp, "syncppo"), 10**6, 10**6
+
+    class TimedLogger(train.RunLogger):          # train.main logs once per iteration on rank 0
+        def log(self, scalars, step):
+            super().log(scalars, step)
+            rows["syncppo"].append((scalars["Perf/collection_time"], scalars["Perf/learning_time"]))
+            baton.pass_on("syncppo")
+
+    torch.manual_seed(cfg.seed)
+    runner = rsl_rl_runner(cfg, os.path.join(tmp, "rsl"))
+    rsl_log = runner.logger.log
+
+    def timed_rsl_log(**kw):
+        rsl_log(**kw)
+        rows["rsl-rl"].append((kw["collect_time"], kw["learn_time"]))
+        rows["limit"].append(cfg.ppo.num_epochs * cfg.ppo.num_mini_batches * matmul_limit_seconds(limit_shapes))
+        baton.pass_on("rsl-rl")
+    runner.logger.log = timed_rsl_log
+
+    errors = []
+
+    def rsl_thread():
+        try:
+            baton.wait_turn("rsl-rl")
+            runner.learn(cfg.max_iterations)
+        except BaseException as exc:   # surfaced in the main thread below
+            errors.append(exc)
+        finally:
+            baton.pass_on("rsl-rl", finished=True)
+
+    original = train.RunLogger
+    train.RunLogger = TimedLogger
+    # One redirect for both threads (sys.stdout is process-wide): both learners print every iteration.
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        thread = threading.Thread(target=rsl_thread, daemon=True)
+        thread.start()
+        try:
+            train.main(cfg)
+        finally:
+            train.RunLogger = original
+            baton.pass_on("syncppo", finished=True)
+            thread.join()
+    if errors:
+        raise errors[0]
+    return rows
+
+
+def two_rank_rate(preset_name: str, num_envs: int, iterations: int, warmup: int, tmp: str) -> float:
+    """env-steps/s of syncppo at 2 ranks (torchrun), median over iterations after `warmup`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    root = os.path.join(tmp, "two-ranks")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "train.py", args.preset, "--max-iterations",
-           str(args.iterations), "--env.num-envs", str(args.num_envs), "--log.root", log_root,
-           "--log.print-every", str(10**6), "--log.save-every", str(10**6)]
-    subprocess.run(cmd, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                   stdout=subprocess.DEVNULL)
-    return perf_from_events(log_root, "Perf/collection_time", "Perf/learning_time", warmup)
+    subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py", preset_name, "--max-iterations",
+                    str(iterations), "--env.num-envs", str(num_envs), "--log.root", root, "--log.print-every",
+                    str(10**6), "--log.save-every", str(10**6)],
+                   check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=subprocess.DEVNULL)
+    events = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith("events.out")][0]
+    acc = EventAccumulator(events)
+    acc.Reload()
+    fps = sorted(e.value for e in acc.Scalars("Perf/total_fps")[warmup:])
+    return fps[len(fps) // 2]
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def report(name: str, cfg, rows: dict, warmup: int, limit_shapes: list) -> None:
+    n = min(len(rows["syncppo"]), len(rows["rsl-rl"]), len(rows["limit"]))
+    sp, rl, lim = rows["syncppo"][warmup:n], rows["rsl-rl"][warmup:n], rows["limit"][warmup:n]
+    per_it = cfg.env.num_envs * cfg.ppo.num_steps
+    flops = cfg.ppo.num_epochs * cfg.ppo.num_mini_batches * sum(2 * m * k * n for m, k, n in limit_shapes)
+    print(f"\n{name}: tracking, {cfg.env.num_envs} envs x {cfg.ppo.num_steps} steps, {cfg.ppo.num_epochs} epochs x "
+          f"{cfg.ppo.num_mini_batches} minibatches, MLP {cfg.policy.actor_hidden} (actor and critic), "
+          f"{len(sp)} interleaved rounds after {warmup} warm-up, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "
+          f"update GEMMs {flops / 1e9:.1f} GFLOP, matmul limit {flops / median(lim) / 1e9:.0f} GFLOP/s (torch.mm, same shapes)")
+    print("| learner | env-steps/s | collection s/it | update s/it | update GFLOP/s | % of matmul limit | "
+          "steps/s vs RSL-RL | update vs RSL-RL |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, mine in (("syncppo", sp), ("rsl-rl 5.5.1", rl)):
+        fps_ratio = median([(r[0] + r[1]) / (m[0] + m[1]) for m, r in zip(mine, rl)])
+        upd_ratio = median([m[1] / r[1] for m, r in zip(mine, rl)])
+        pct = median([limit / m[1] for m, limit in zip(mine, lim)])
+        print(f"| {label} | {median([per_it / (m[0] + m[1]) for m in mine]):,.0f} | {median([m[0] for m in mine]):.3f} | "
+              f"{median([m[1] for m in mine]):.3f} | {median([flops / m[1] for m in mine]) / 1e9:.1f} | {100 * pct:.0f}% | "
+              f"{fps_ratio:.2f}x | {upd_ratio:.2f}x |")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tracking")
-    parser.add_argument("--iterations", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3, help="first iterations dropped from the medians")
-    parser.add_argument("--num-envs", type=int, default=512, help="envs per rank")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations, no 2-rank row (a few minutes)")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-
-    def make_cfg():
-        cfg = preset(args.preset)
-        cfg.env.num_envs, cfg.max_iterations = args.num_envs, args.iterations
-        return cfg
-    cfg = make_cfg()
-    per_iteration = cfg.env.num_envs * cfg.ppo.num_steps
-    rows = []
+    iterations = {"small": (8, 2), "large": (3, 1)} if args.quick else {"small": (20, 3), "large": (6, 2)}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, world, fn in (("syncppo", 1, lambda d: run_syncppo(make_cfg(), d, args.warmup)),
-                                ("rsl-rl 5.5", 1, lambda d: run_rsl_rl(make_cfg(), d, args.warmup)),
-                                ("syncppo", 2, lambda d: run_syncppo_two_ranks(args, d, args.warmup))):
-            collect, learn = fn(os.path.join(tmp, f"{name}-{world}"))
-            rows.append((name, world, world * per_iteration / (collect + learn), collect, learn))
-    print(f"\n{args.preset}: {args.num_envs} envs/rank x {cfg.ppo.num_steps} steps, {cfg.ppo.num_epochs} epochs x "
-          f"{cfg.ppo.num_mini_batches} minibatches, MLP {cfg.policy.actor_hidden}, {args.iterations} iterations "
-          f"(medians after {args.warmup} warm-up), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    print("| learner | ranks | env-steps/s | collection s/it | update s/it | steps/s vs RSL-RL | update vs RSL-RL |")
-    print("|---|---|---|---|---|---|---|")
-    base = rows[1]
-    for name, world, fps, collect, learn in rows:
-        print(f"| {name} | {world} | {fps:,.0f} | {collect:.3f} | {learn:.3f} | {fps / base[2]:.2f}x | "
-              f"{learn / base[4]:.2f}x |")
+        for name in args.settings:
+            num_envs, hidden = SETTINGS[name]
+            cfg = preset("tracking")
+            cfg.env.num_envs, cfg.max_iterations = num_envs, iterations[name][0]
+            cfg.policy.actor_hidden = cfg.policy.critic_hidden = hidden
+            env = make_env(cfg.env, torch.device("cpu"), seed=cfg.seed, base_seed=cfg.seed)
+            batch = num_envs * cfg.ppo.num_steps // cfg.ppo.num_mini_batches
+            shapes = gemm_shapes(env.obs_dims, hidden, env.num_actions, batch)
+            rows = run_interleaved(cfg, os.path.join(tmp, name), shapes)
+            report(name, cfg, rows, iterations[name][1], shapes)
+            if name == "small" and not args.quick:
+                fps = two_rank_rate("tracking", num_envs, iterations[name][0], iterations[name][1], tmp)
+                print(f"| syncppo, 2 ranks (torchrun, run after the table) | {fps:,.0f} | | | | | | |")
 
 
 if __name__ == "__main__":

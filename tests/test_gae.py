@@ -33,3 +33,19 @@ def test_gae_with_lambda_one_and_no_dones_is_discounted_return_minus_value():
     for t in range(T):
         discounted = sum(gamma ** (k - t) * rewards[k] for k in range(t, T)) + gamma ** (T - t) * last
         torch.testing.assert_close(ret[t], discounted, rtol=1e-5, atol=1e-5)
+
+
+def test_time_out_bootstrap_on_timed_out_rows_equals_the_masked_full_forward():
+    from ppo.gae import bootstrap_time_outs
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ELU(), torch.nn.Linear(16, 1))
+    value = lambda obs: critic(obs).squeeze(-1)  # noqa: E731
+    reward, final_obs = torch.randn(64), torch.randn(64, 5)
+    truncated = torch.rand(64) < 0.2
+    with torch.no_grad():
+        full = reward + 0.99 * truncated * value(final_obs)
+        subset = bootstrap_time_outs(reward, truncated, final_obs, value, 0.99)
+        none = bootstrap_time_outs(reward, torch.zeros(64, dtype=torch.bool), final_obs, value, 0.99)
+    torch.testing.assert_close(subset, full, rtol=0, atol=1e-6)
+    assert torch.equal(subset[~truncated], reward[~truncated]) and not torch.equal(subset, reward)
+    assert torch.equal(none, reward)

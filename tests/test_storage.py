@@ -50,3 +50,23 @@ def test_transition_minibatches_cover_every_transition_once():
         # (step, env) of each transition, recovered from the stored values: obs = env + 100 * step.
         seen += (batch["actor_obs"][:, 0] - batch["values"]).div(100).long().mul(N).add(batch["values"].long()).tolist()
     assert sorted(seen) == list(range(T * N))
+
+
+def test_packed_fields_match_per_field_gathers_and_assignment_keeps_the_packing():
+    T, N = 4, 8
+    s = RolloutStorage(T, N, {"policy": 3, "critic": 5}, 2, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    reference = {f: torch.randn(getattr(s, f).shape, generator=g) for f in s.FIELDS}
+    for f, value in reference.items():
+        setattr(s, f, value)                     # assignment copies into the packed buffer
+        assert getattr(s, f).data_ptr() != value.data_ptr()
+        assert getattr(s, f)._base is s.data
+    assert torch.equal(s.advantages, reference["advantages"])
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(5))
+    for i, batch in enumerate(s.minibatches(2, torch.Generator().manual_seed(5))):
+        ids = perm[i * N // 2:(i + 1) * N // 2]
+        for f in s.FIELDS:                       # the old per-field advanced indexing, time-major order
+            assert torch.equal(batch[f], reference[f][:, ids].flatten(0, 1)), f
+    flat_perm = torch.randperm(T * N, generator=torch.Generator().manual_seed(6))
+    batch = next(s.minibatches(4, torch.Generator().manual_seed(6), unit="transition"))
+    assert torch.equal(batch["actor_obs"], reference["actor_obs"].flatten(0, 1)[flat_perm[:T * N // 4]])

@@ -1,0 +1,172 @@
+"""One minibatch step of the PPO update, and the same step with no host read (`--ppo.capture-step`).
+
+`backward_minibatch` is forward + loss + backward (in micro-batches) + gradient sync + clip; both
+paths of `ppo_update` call it. The host path then reads KL and norm (one host sync per step) to apply
+the adaptive-LR rule and skip a non-finite step in Python. `SyncFreeStep` does the same on the
+device, so that a GPU never waits for the host inside the update and the whole step can be captured
+once as a CUDA graph and replayed (one launch instead of hundreds of small kernels):
+
+- adaptive LR: `device_adaptive_lr`, the rule of ppo/kl_schedule.py on a float64 0-dim tensor (the
+  same comparisons and factors in the same precision, so the same LR sequence bit for bit);
+- non-finite skip: fused Adam's `found_inf` input skips the update of parameters and moments and
+  takes the step count back, exactly what the host path's `continue` does;
+- statistics: summed on the device in float64 in the host path's order, read once per update.
+
+Crosses ranks: nothing beyond what `backward_minibatch` does (one gradient all-reduce per step,
+KL sum and count riding in it); the rules above act on the synchronized values, so every rank makes
+the same decision.
+"""
+
+import weakref
+
+import torch
+
+from dist import comm
+from ppo.loss import gaussian_kl, ppo_loss
+
+CAPTURE_WARMUP_STEPS = 3    # eager steps on a side stream before capture (allocates Adam state, autograd buffers)
+
+
+def backward_minibatch(model, batch: dict, grad_sync, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one minibatch, synchronized and clipped. Returns (global KL (sum, count), gradient norm
+    before clipping, this rank's mean loss terms [surrogate, value, entropy]), all on the device.
+
+    Crosses ranks: the minibatch's one gradient all-reduce (GradSync), with the KL sum and count riding
+    in it. Micro-batches accumulate locally; only the last backward is armed.
+    """
+    q = cfg.num_micro_batches
+    grad_sync.zero_grad()
+    kl_sum = batch["actions"].new_zeros(())
+    terms_sum = batch["actions"].new_zeros(3)
+    for i, micro in enumerate(zip(*(v.chunk(q) for v in batch.values()))):
+        mb = dict(zip(batch.keys(), micro))
+        pi = model.distribution(mb["actor_obs"])
+        terms = ppo_loss(pi.log_prob(mb["actions"]).sum(-1), mb["log_probs"], mb["advantages"],
+                         model.value(mb["critic_obs"]), mb["values"], mb["returns"], pi.entropy().sum(-1),
+                         cfg.clip_param, cfg.clip_value_loss, cfg.value_loss_coef, cfg.entropy_coef)
+        with torch.no_grad():
+            kl_sum += gaussian_kl(mb["action_mean"], mb["action_std"], pi.mean, pi.stddev).sum()
+            terms_sum += torch.stack([terms["surrogate"], terms["value_function"], terms["entropy"]])
+        if i == q - 1:   # the boundary: KL (sum, count) rides in the gradient all-reduce
+            grad_sync.arm(torch.stack([kl_sum, kl_sum.new_full((), float(batch["actions"].shape[0]))]))
+        (terms["loss"] / q).backward()   # equal micro-batches: mean of means
+    kl_stats = grad_sync.synchronize()
+    return kl_stats, grad_sync.clip_(cfg.max_grad_norm), terms_sum / q
+
+
+def build_optimizer(params, cfg, device: torch.device) -> torch.optim.Adam:
+    """Adam as the update expects it: plain for the host path; with --ppo.capture-step fused, with the LR
+    a device tensor (float64 on CPU, where the fused kernel reads it as a double like a Python float;
+    float32 on CUDA, the precision the CUDA kernel computes in either way)."""
+    if not cfg.capture_step:
+        return torch.optim.Adam(params, lr=cfg.learning_rate)
+    dtype = torch.float64 if device.type == "cpu" else torch.float32
+    return torch.optim.Adam(params, lr=torch.tensor(cfg.learning_rate, dtype=dtype, device=device), fused=True)
+
+
+def device_adaptive_lr(lr: torch.Tensor, kl: torch.Tensor, desired_kl: float, lr_min: float,
+                       lr_max: float) -> torch.Tensor:
+    """ppo.kl_schedule.adaptive_lr on 0-dim tensors (lr float64), without a host read; a non-finite KL
+    leaves the LR unchanged, as the host path does."""
+    kl = kl.double()
+    new = torch.where(kl > 2.0 * desired_kl, lr / 1.5, torch.where(kl < 0.5 * desired_kl, lr * 1.5, lr))
+    return torch.where(torch.isfinite(kl), new.clamp(lr_min, lr_max), lr)
+
+
+class SyncFreeStep:
+    """The minibatch step with every decision on the device; on CUDA captured once and replayed.
+
+    Call `begin()` once per update, the step once per minibatch, `finish()` once at the end (the
+    update's single host read). The LR lives in `self.lr` (float64); an LR assigned to the optimizer
+    from outside (the linear schedule, a checkpoint load) is picked up by `begin()`.
+    """
+
+    def __init__(self, model, optimizer, grad_sync, cfg):
+        group = optimizer.param_groups[0]
+        if len(optimizer.param_groups) != 1 or not group.get("fused") or not isinstance(group["lr"], torch.Tensor):
+            raise ValueError("--ppo.capture-step needs the fused Adam with a tensor LR that "
+                             "ppo.minibatch_step.build_optimizer(params, cfg, device) returns")
+        self.model, self.optimizer, self.grad_sync, self.cfg = model, optimizer, grad_sync, cfg
+        self.opt_lr = group["lr"]                       # the tensor the fused kernel reads (graph-stable)
+        self.lr = self.opt_lr.detach().double().clone()
+        # surrogate, value, entropy, KL summed over taken steps; taken steps; skipped steps
+        self.sums = torch.zeros(6, dtype=torch.float64, device=self.opt_lr.device)
+        self.capture = self.opt_lr.device.type == "cuda"
+        self.graph, self.static, self.ledger_per_replay, self.eager_steps = None, None, {}, 0
+
+    def begin(self) -> None:
+        group = self.optimizer.param_groups[0]
+        if group["lr"] is not self.opt_lr:              # assigned from outside: adopt it, keep our tensor
+            self.lr.fill_(float(group["lr"]))
+            self.opt_lr.copy_(self.lr)
+            group["lr"] = self.opt_lr
+        self.sums.zero_()
+
+    def __call__(self, batch: dict) -> None:
+        if self.graph is not None:
+            for key, value in batch.items():
+                self.static[key].copy_(value)
+            self.graph.replay()
+            for purpose, (calls, nbytes) in self.ledger_per_replay.items():   # the replayed collectives
+                comm.LEDGER[purpose][0] += calls
+                comm.LEDGER[purpose][1] += nbytes
+        elif self.capture and self.eager_steps >= CAPTURE_WARMUP_STEPS:
+            self._capture(batch)
+        else:
+            self._eager(batch)
+
+    def _eager(self, batch: dict) -> None:
+        if not self.capture:
+            self._step(batch)
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step(batch)
+        torch.cuda.current_stream().wait_stream(side)
+        self.eager_steps += 1
+
+    def _capture(self, batch: dict) -> None:
+        """Record this step into a CUDA graph (nothing runs while recording), then replay it to take it."""
+        self.static = {key: value.clone() for key, value in batch.items()}
+        before = {k: list(v) for k, v in comm.LEDGER.items()}
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step(self.static)
+        self.ledger_per_replay = {k: (v[0] - before.get(k, [0, 0])[0], v[1] - before.get(k, [0, 0])[1])
+                                  for k, v in comm.LEDGER.items()}
+        for purpose, (calls, nbytes) in self.ledger_per_replay.items():   # recording is not issuing
+            comm.LEDGER[purpose][0] -= calls
+            comm.LEDGER[purpose][1] -= nbytes
+        self(batch)
+
+    def _step(self, batch: dict) -> None:
+        cfg = self.cfg
+        kl_stats, norm, terms = backward_minibatch(self.model, batch, self.grad_sync, cfg)
+        kl = kl_stats[0] / kl_stats[1]
+        if cfg.schedule == "adaptive":
+            self.lr.copy_(device_adaptive_lr(self.lr, kl, cfg.desired_kl, cfg.lr_min, cfg.lr_max))
+            self.opt_lr.copy_(self.lr)
+        finite = torch.isfinite(norm)
+        self.optimizer.found_inf = (~finite).float()   # fused Adam skips the whole update when it is 1
+        self.optimizer.step()
+        taken = torch.cat([terms.double(), kl.double().reshape(1), self.sums.new_ones(1)])
+        self.sums[:5] += torch.where(finite, taken, 0.0)
+        self.sums[5] += (~finite).double()
+
+    def finish(self) -> dict[str, float]:
+        """The update's statistics, as the host path reports them; the one host read of the update."""
+        *sums, taken, skipped, lr = torch.cat([self.sums, self.lr.reshape(1)]).tolist()
+        stats = {k: v / max(taken, 1) for k, v in zip(("surrogate", "value_function", "entropy", "kl"), sums)}
+        stats.update(learning_rate=lr, skipped_steps=skipped)
+        return stats
+
+
+_STEPS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, SyncFreeStep]" = weakref.WeakKeyDictionary()
+
+
+def sync_free_step(model, optimizer, grad_sync, cfg) -> SyncFreeStep:
+    """The optimizer's SyncFreeStep, created on first use and kept (with its CUDA graph) across updates."""
+    if optimizer not in _STEPS:
+        _STEPS[optimizer] = SyncFreeStep(model, optimizer, grad_sync, cfg)
+    return _STEPS[optimizer]

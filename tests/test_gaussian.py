@@ -1,0 +1,34 @@
+"""ppo.actor_critic.Gaussian gives torch.distributions.Normal's numbers, with the std terms on [A]."""
+
+import torch
+
+from ppo.actor_critic import Gaussian
+
+
+def test_gaussian_matches_torch_normal_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    mean, log_std = torch.randn(257, 6, generator=g), torch.randn(6, generator=g) * 0.5
+    actions = torch.randn(257, 6, generator=g)
+    ours, ref = Gaussian(mean, log_std), torch.distributions.Normal(mean, log_std.exp().expand_as(mean))
+    assert torch.equal(ours.log_prob(actions), ref.log_prob(actions))
+    assert torch.equal(ours.log_prob(actions).sum(-1), ref.log_prob(actions).sum(-1))
+    assert torch.equal(ours.entropy().sum(-1), ref.entropy().sum(-1))
+    assert torch.equal(ours.stddev, ref.stddev) and torch.equal(ours.mean, ref.mean)
+    torch.manual_seed(1)
+    a = ours.sample()
+    torch.manual_seed(1)
+    assert torch.equal(a, ref.sample())       # same call, same RNG stream as Normal.sample
+
+
+def test_gaussian_gradients_match_torch_normal():
+    g = torch.Generator().manual_seed(2)
+    actions = torch.randn(64, 3, generator=g)
+    grads = []
+    for make in (lambda m, s: Gaussian(m, s), lambda m, s: torch.distributions.Normal(m, s.exp().expand_as(m))):
+        mean = torch.randn(64, 3, generator=torch.Generator().manual_seed(3)).requires_grad_()
+        log_std = torch.full((3,), -0.3, requires_grad=True)
+        pi = make(mean, log_std)
+        (pi.log_prob(actions).sum(-1).mean() + 0.01 * pi.entropy().sum(-1).mean()).backward()
+        grads.append((mean.grad, log_std.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-6, atol=1e-7)   # summation order only

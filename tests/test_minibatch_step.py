@@ -1,0 +1,115 @@
+"""The sync-free minibatch step (--ppo.capture-step) decides exactly like the host path, on CPU.
+
+The CUDA-graph capture itself needs a GPU; what it replays is `SyncFreeStep._step`, tested here eagerly.
+"""
+
+import math
+
+import pytest
+import torch
+
+from dist.grad_sync import GradSync
+from ppo.kl_schedule import adaptive_lr
+from ppo.minibatch_step import SyncFreeStep, build_optimizer, device_adaptive_lr
+from ppo.storage import RolloutStorage
+from ppo.update import ppo_update
+from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
+
+
+def test_device_lr_rule_gives_the_host_rule_bit_for_bit():
+    desired, lr_min, lr_max = 0.01, 1e-5, 1e-2
+    g = torch.Generator().manual_seed(0)
+    kls = torch.cat([torch.rand(300, generator=g) * 0.04, torch.tensor([0.02, 0.005, 0.0, float("nan"), float("inf")])])
+    host, dev = 1e-3, torch.tensor(1e-3, dtype=torch.float64)
+    for kl in kls.tolist() * 3:
+        if math.isfinite(kl):
+            host = adaptive_lr(host, kl, desired, lr_min, lr_max)
+        dev = device_adaptive_lr(dev, torch.tensor(kl, dtype=torch.float32), desired, lr_min, lr_max)
+        assert dev.item() == host          # exact, including the clamps at lr_min / lr_max
+    assert {host} <= {lr_min, lr_max} or lr_min < host < lr_max
+
+
+def run_update(capture: bool, poison_minibatch: int | None = None, iterations: int = 2, **overrides):
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, torch.device("cpu"))
+    fill(storage, 0, model)
+    cfg = ppo_cfg(capture_step=capture, **overrides)
+    optimizer = build_optimizer(model.parameters(), ppo_cfg(capture_step=True), torch.device("cpu"))  # both fused
+    if not capture:    # the host path with the same fused kernel and a float LR
+        optimizer.param_groups[0]["lr"] = float(optimizer.param_groups[0]["lr"])
+    sync = GradSync(model.parameters(), num_extras=2)
+    if poison_minibatch is not None:   # a NaN loss on one minibatch: its step must be skipped
+        calls = {"n": 0}
+        value = model.value
+
+        def poisoned(obs):
+            calls["n"] += 1
+            out = value(obs)
+            return out * float("nan") if calls["n"] == poison_minibatch else out
+        model.value = poisoned
+    stats = []
+    advantages, returns = storage.advantages.clone(), storage.returns.clone()
+    for it in range(iterations):
+        storage.advantages, storage.returns = advantages, returns
+        stats.append(ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(7 + it)))
+    return model, optimizer, stats
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_micro_batches": 2, "schedule": "fixed"}, {"desired_kl": 1e-5}])
+def test_sync_free_update_equals_host_update_exactly(overrides):
+    host_model, host_opt, host_stats = run_update(False, **overrides)
+    dev_model, dev_opt, dev_stats = run_update(True, **overrides)
+    for (name, p), q in zip(host_model.named_parameters(), dev_model.parameters()):
+        assert torch.equal(p, q), name
+    for s_h, s_d in zip(host_opt.state.values(), dev_opt.state.values()):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(s_h[key], s_d[key]), key
+    assert dev_stats == host_stats          # LR, KL, loss means and skip counts, as floats
+    assert host_stats[-1]["learning_rate"] != 1e-3 or overrides.get("schedule") == "fixed"
+
+
+def test_non_finite_step_is_skipped_exactly_as_on_the_host():
+    host_model, host_opt, host_stats = run_update(False, poison_minibatch=3)
+    dev_model, dev_opt, dev_stats = run_update(True, poison_minibatch=3)
+    assert host_stats[0]["skipped_steps"] == dev_stats[0]["skipped_steps"] == 1.0
+    steps = ppo_cfg().num_epochs * ppo_cfg().num_mini_batches
+    assert all(s["step"].item() == 2 * steps - 1 for s in dev_opt.state.values())   # the skipped one not counted
+    for p, q in zip(host_model.parameters(), dev_model.parameters()):
+        assert torch.isfinite(q).all()
+        assert torch.equal(p, q)
+    assert dev_stats == host_stats
+
+
+def test_fused_adam_found_inf_leaves_parameters_and_state_untouched():
+    """The mechanism the skip relies on, checked directly against a copy."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(10))
+    opt = torch.optim.Adam([p], lr=torch.tensor(1e-2, dtype=torch.float64), fused=True)
+    p.grad = torch.randn(10)
+    opt.step()
+    before = p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+    p.grad = torch.full((10,), float("nan"))
+    opt.found_inf = torch.ones(())
+    opt.step()
+    assert torch.equal(p, before[0])
+    for key, value in opt.state[p].items():
+        assert torch.equal(value, before[1][key]), key
+
+
+def test_capture_step_rejects_a_plain_optimizer():
+    model = make_model()
+    with pytest.raises(ValueError, match="capture-step"):
+        SyncFreeStep(model, torch.optim.Adam(model.parameters()), GradSync(model.parameters(), num_extras=2),
+                     ppo_cfg(capture_step=True))
+
+
+def test_an_lr_assigned_from_outside_is_adopted():
+    """The linear schedule assigns a float to the param group before each update."""
+    model = make_model()
+    cfg = ppo_cfg(capture_step=True, schedule="fixed")
+    opt = build_optimizer(model.parameters(), cfg, torch.device("cpu"))
+    step = SyncFreeStep(model, opt, GradSync(model.parameters(), num_extras=2), cfg)
+    tensor = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = 3e-4
+    step.begin()
+    assert opt.param_groups[0]["lr"] is tensor and tensor.item() == 3e-4 and step.lr.item() == 3e-4
