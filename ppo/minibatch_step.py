@@ -59,9 +59,10 @@ def build_optimizer(params, cfg, device: torch.device) -> torch.optim.Adam:
     a device tensor (float64 on CPU, where the fused kernel reads it as a double like a Python float;
     float32 on CUDA, the precision the CUDA kernel computes in either way)."""
     if not cfg.capture_step:
-        return torch.optim.Adam(params, lr=cfg.learning_rate)
+        return torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.adam_eps)
     dtype = torch.float64 if device.type == "cpu" else torch.float32
-    return torch.optim.Adam(params, lr=torch.tensor(cfg.learning_rate, dtype=dtype, device=device), fused=True)
+    return torch.optim.Adam(params, lr=torch.tensor(cfg.learning_rate, dtype=dtype, device=device), eps=cfg.adam_eps,
+                            fused=True)
 
 
 def device_adaptive_lr(lr: torch.Tensor, kl: torch.Tensor, desired_kl: float, lr_min: float,

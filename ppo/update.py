@@ -16,7 +16,7 @@ import torch
 
 from dist.stats import global_mean_std
 from ppo.kl_schedule import adaptive_lr
-from ppo.loss import gaussian_kl, ppo_loss
+from ppo.minibatch_step import backward_minibatch, sync_free_step
 
 
 def normalize_advantages(storage, mode: str) -> None:
@@ -40,9 +40,11 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
     lr = optimizer.param_groups[0]["lr"]
     totals = {"surrogate": 0.0, "value_function": 0.0, "entropy": 0.0, "kl": 0.0}
     num_steps = skipped = 0
+    step = sync_free_step(model, optimizer, grad_sync, cfg) if cfg.capture_step else None
+    if step is not None:
+        step.begin()
     for _epoch in range(cfg.num_epochs):
         for batch in storage.minibatches(cfg.num_mini_batches, generator, cfg.minibatch_unit):
-            grad_sync.zero_grad()
             batch_size = batch["actions"].shape[0]
             if cfg.advantage_norm == "minibatch":   # CleanRL: this rank's minibatch alone, unbiased std
                 adv = batch["advantages"]
@@ -50,23 +52,10 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
             if batch_size % num_micro_batches:
                 raise ValueError(f"minibatch of {batch_size} transitions is not divisible by "
                                  f"--ppo.num-micro-batches {num_micro_batches}")
-            device = batch["actions"].device
-            kl_sum, terms_sum = torch.zeros((), device=device), torch.zeros(3, device=device)
-            micro_batches = list(zip(*(v.chunk(num_micro_batches) for v in batch.values())))
-            for i, micro in enumerate(micro_batches):
-                mb = dict(zip(batch.keys(), micro))
-                pi = model.distribution(mb["actor_obs"])
-                terms = ppo_loss(pi.log_prob(mb["actions"]).sum(-1), mb["log_probs"], mb["advantages"],
-                                 model.value(mb["critic_obs"]), mb["values"], mb["returns"], pi.entropy().sum(-1),
-                                 cfg.clip_param, cfg.clip_value_loss, cfg.value_loss_coef, cfg.entropy_coef)
-                with torch.no_grad():
-                    kl_sum += gaussian_kl(mb["action_mean"], mb["action_std"], pi.mean, pi.stddev).sum()
-                    terms_sum += torch.stack([terms["surrogate"], terms["value_function"], terms["entropy"]])
-                if i == num_micro_batches - 1:   # the boundary: KL (sum, count) rides in the gradient all-reduce
-                    grad_sync.arm(torch.stack([kl_sum, torch.tensor(float(batch_size), device=device)]))
-                (terms["loss"] / num_micro_batches).backward()   # equal micro-batches: mean of means
-            kl_stats = grad_sync.synchronize()
-            grad_norm = grad_sync.clip_(cfg.max_grad_norm)
+            if step is not None:     # --ppo.capture-step: the same step, decided on the device
+                step(batch)
+                continue
+            kl_stats, grad_norm, terms_mean = backward_minibatch(model, batch, grad_sync, cfg)
             kl, norm = torch.stack([kl_stats[0] / kl_stats[1], grad_norm]).tolist()  # one host sync per step
             if cfg.schedule == "adaptive" and math.isfinite(kl):
                 lr = adaptive_lr(lr, kl, cfg.desired_kl, cfg.lr_min, cfg.lr_max)
@@ -77,11 +66,13 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
                 continue
             optimizer.step()
             num_steps += 1
-            for key, value in zip(("surrogate", "value_function", "entropy"), (terms_sum / num_micro_batches).tolist()):
+            for key, value in zip(("surrogate", "value_function", "entropy"), terms_mean.tolist()):
                 totals[key] += value
             totals["kl"] += kl
     for storage_field, normalizer in model.normalizers().items():
         normalizer.update(getattr(storage, storage_field).flatten(0, 1))
+    if step is not None:
+        return step.finish()
     stats = {k: v / max(num_steps, 1) for k, v in totals.items()}
     stats.update(learning_rate=lr, skipped_steps=float(skipped))
     return stats
