@@ -5,7 +5,7 @@ import torch
 
 from multirank import run_ranks
 from sync import PatchConfig, WeightSyncConfig, make_weight_syncer
-from sync.patch import _bits as as_bits
+from sync.patch import BITMAP, DENSE, GAPS8, _bits as as_bits
 from test_sync_common import bits_equal, cast_floats, make_state, random_update, snapshot
 
 DENSITIES = [0.0, 0.001, 0.1, 1.0, 0.1, 0.001, 0.0]
@@ -61,35 +61,29 @@ def test_receiver_matches_sender_after_every_update(receiver_dtype):
 
 
 @pytest.mark.slow
-def test_delta_encoding_and_compression_agree_and_two_receivers_match():
-    settings = [{"delta_encoding": True}, {"delta_encoding": False}, {"compression": "zstd"},
-                {"compression": "zstd", "delta_encoding": False}]
+def test_compression_changes_only_the_wire_and_two_receivers_match():
+    settings = [{}, {"compression": "zstd"}]
     sender, *receivers = run_ranks(_run_updates, 3, args=(torch.float32, settings))
     for (history, stats), *received in zip(sender, *receivers):
         for copy in received:
             assert all(bits_equal(copy[i], history[i]) for i in range(len(DENSITIES)))
-    for (_, stats_a), (_, stats_b) in [(sender[0], sender[2]), (sender[1], sender[3])]:
-        # zstd only changes the bytes on the wire, never what they decode to.
-        assert [s.payload_bytes for s in stats_a] == [s.payload_bytes for s in stats_b]
-    changed = [[s.changed_elements for s in stats] for _, stats in sender]
-    assert changed[0] == changed[1] == changed[2] == changed[3]
-    # Delta encoding narrows the row indices of sparse matrices: never more bytes, fewer at 0.1% density.
-    delta_bytes, absolute_bytes = [[s.payload_bytes for s in stats] for _, stats in sender[:2]]
-    assert all(d <= a for d, a in zip(delta_bytes, absolute_bytes)) and delta_bytes[1] < absolute_bytes[1]
+    (_, plain), (_, packed) = sender
+    assert [s.payload_bytes for s in plain] == [s.payload_bytes for s in packed]
+    assert [s.changed_elements for s in plain] == [s.changed_elements for s in packed]
 
 
-def _hand_sized(rank, world_size, receiver_dtype, delta):
-    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(delta_encoding=delta))
+def _hand_sized(rank, world_size, receiver_dtype):
+    cfg = WeightSyncConfig(type="patch")
     cfg.patch.init_sync.bucket_size = 4000
     syncer = make_weight_syncer(cfg, src=0, dsts=[1])
-    state = {"dec.weight": torch.zeros(1000, 2), "vec": torch.zeros(10)}
+    state = {"dec.weight": torch.zeros(1000, 2), "vec": torch.zeros(10), "empty": torch.zeros(0, 3)}
     if rank == 0:
         syncer.init_sender(state)
         stats = [syncer.stats]
-        state["dec.weight"][[0, 200, 400, 600], 0] = 1.0  # rows 0..600: deltas fit uint8, absolutes need int16
+        state["dec.weight"][[0, 200, 400, 600], 0] = 1.0  # flat positions 0, 400, 800, 1200
         state["vec"][:6] = 1.0  # 6 of 10 changed
         stats.append(syncer.sync(state, 1))
-        state["vec"][:7] = 2.0  # 7 of 10 changed
+        state["vec"][:] = 2.0  # all 10 changed
         stats.append(syncer.sync(state, 2))
         return [(s.wire_bytes, s.payload_bytes, s.sparse_tensors, s.dense_tensors) for s in stats]
     model = cast_floats(state, receiver_dtype)
@@ -99,31 +93,25 @@ def _hand_sized(rank, world_size, receiver_dtype, delta):
         update = syncer.recv_update()
         tables.append(update.table[:, :4].tolist())
         syncer.apply_update(model, update)
-    return tables
+    return tables, model["vec"].tolist()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("receiver_dtype, delta", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
-def test_patch_bytes_index_dtypes_and_dense_fallback_by_hand(receiver_dtype, delta):
-    stats, tables = run_ranks(_hand_sized, 2, args=(receiver_dtype, delta))
-    value = receiver_dtype.itemsize
-    uint8, int16, dense = 0, 1, -1
+@pytest.mark.parametrize("receiver_dtype", [torch.float32, torch.bfloat16])
+def test_patch_bytes_and_encodings_by_hand(receiver_dtype):
+    stats, (tables, vec) = run_ranks(_hand_sized, 2, args=(receiver_dtype,))
+    v = receiver_dtype.itemsize
     header, table_row = 64, 5 * 8
-    # Bootstrap: dec.weight (8000 fp32 bytes, over the 4000-byte bucket) travels alone, then vec (40 bytes);
-    # bootstrap and patches travel in the receiver's dtype.
-    assert stats[0] == (2 * header + 2000 * value + 10 * value, 2000 * value + 10 * value, 0, 0)
-
-    # Patch 1, dec.weight: 4 changes at rows 0, 200, 400, 600, col 0. Rows as deltas (0, 200, 200, 200) fit
-    # uint8; absolute rows need int16. Each tensor picks its own index dtypes.
-    row_bytes = 1 if delta else 2
-    dec = 4 * (row_bytes + 1 + value)
-    # vec, viewed as (1, 10): 6 changes cost 6 * (1 + 1 + 4) = 36 < 40 bytes whole in fp32 (sparse), but
-    # 6 * (1 + 1 + 2) = 24 >= 20 bytes whole in bf16 (dense).
-    vec_sparse = 6 * (1 + 1 + value) < 10 * value
-    vec = 6 * (1 + 1 + value) if vec_sparse else 10 * value
-    assert stats[1] == (header + 2 * table_row + dec + vec, dec + vec, 1 + vec_sparse, 1 - vec_sparse)
-    assert tables[0] == [[0, 4, uint8 if delta else int16, uint8], [1, 6, uint8, uint8] if vec_sparse else [1, 10, dense, dense]]
-
-    # Patch 2: 7 of 10 changed: 7 * (1 + 1 + value) >= 10 * value in both dtypes, so vec goes whole.
-    assert stats[2] == (header + table_row + 10 * value, 10 * value, 0, 1)
-    assert tables[1] == [[1, 10, dense, dense]]
+    # Bootstrap: dec.weight fills the 4000-byte bucket (8000 bytes in fp32, exactly 4000 in bf16), then a
+    # second bucket with vec and the empty tensor.
+    assert stats[0] == (2 * header + 2010 * v, 2010 * v, 0, 0)
+    # Patch 1, dec.weight: gaps before each change 0, 399, 399, 399. In 1-byte symbols each 399 costs an
+    # escape (255) plus 144: 7 bytes, less than 4 two-byte symbols (8) or a 250-byte bitmap.
+    # vec: 6 adjacent changes of 10: a 2-byte bitmap beats 6 one-byte gaps and the whole vector.
+    dec, vec_bytes = 7 + 4 * v, 2 + 6 * v
+    assert stats[1] == (header + 2 * table_row + dec + vec_bytes, dec + vec_bytes, 2, 0)
+    assert tables[0] == [[0, 4, GAPS8, 7], [1, 6, BITMAP, 2]]
+    # Patch 2: every element of vec changed: dense, no positions.
+    assert stats[2] == (header + table_row + 10 * v, 10 * v, 0, 1)
+    assert tables[1] == [[1, 10, DENSE, 0]]
+    assert vec == [2.0] * 10
