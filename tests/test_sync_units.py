@@ -1,98 +1,135 @@
-"""Single-process pieces of sync/: COO view and index encoding, message layout, checksum, codec, key helpers."""
+"""Single-process pieces of sync/ and dist/checksum: encodings against sizes computed with numpy, frame
+layout, the checksum against a numpy reference, shifted writes, incremental updates, zstd, key helpers."""
+
+import math
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from dist.checksum import ROW, P, checksum, tensor_checksum, update_checksum, weights
 from sync import trainable_keys
-from sync.checksum import tensor_checksum
-from sync.compression import compress, decompress
-from sync.coo import changed_mask, decode, encode, shape_2d, smallest_index_dtype, view_2d
-from sync.transport import layout, pack, unpack
+from sync.patch import BITMAP, DENSE, GAP_DTYPES, _bits, _compress, _decode, _decompress, _encode
+from sync.wire import layout, pack, unpack
 
 
-@pytest.mark.parametrize("shape, expected", [((), (1, 1)), ((7,), (1, 7)), ((3, 4), (3, 4)), ((2, 3, 4, 5), (2, 60))])
-def test_2d_view(shape, expected):
-    assert tuple(view_2d(torch.zeros(shape)).shape) == expected == shape_2d(shape)
+def _numpy_sizes(positions: np.ndarray, n: int, v: int) -> dict:
+    """Exact payload bytes of every encoding, computed independently of sync/patch.py."""
+    gaps = np.diff(np.concatenate([[-1], positions])) - 1
+    sizes = {DENSE: n * v, BITMAP: math.ceil(n / 8) + len(positions) * v}
+    for code, width in zip(GAP_DTYPES, (1, 2, 4)):
+        escape = 2 ** (8 * width) - 1
+        sizes[code] = (len(positions) + int((gaps // escape).sum())) * width + len(positions) * v
+    return sizes
 
 
-def test_change_detection_is_on_bits():
-    old = torch.tensor([0.0, float("nan"), 1.0, -0.0, 2.0])
-    new = torch.tensor([-0.0, float("nan"), 1.0, 0.0, 3.0])
-    # 0.0 -> -0.0 and back are changes; NaN -> the same NaN is not (a float compare would say all NaNs differ).
-    assert changed_mask(new, old).flatten().tolist() == [True, False, False, True, True]
-
-
-def test_delta_encoding_by_hand():
-    rows = torch.tensor([0, 0, 0, 2, 2, 7])
-    cols = torch.tensor([1, 4, 9, 0, 3, 5])
-    sent_rows, sent_cols = encode(rows, cols, delta=True)
-    assert sent_rows.tolist() == [0, 0, 0, 2, 0, 5]  # steps between rows
-    assert sent_cols.tolist() == [1, 3, 5, 0, 3, 5]  # steps within a row, absolute at a row's first element
-    for delta in (True, False):
-        decoded = decode(*encode(rows, cols, delta), delta)
-        assert decoded[0].tolist() == rows.tolist() and decoded[1].tolist() == cols.tolist()
-
-
-def test_delta_encoding_round_trips_random_masks():
+@pytest.mark.parametrize("density", [0.0001, 0.001, 0.004, 0.03, 0.2, 0.6, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encoding_is_the_smallest_and_round_trips(density, dtype):
     g = torch.Generator().manual_seed(0)
-    for density in (0.001, 0.05, 0.5, 1.0):
-        mask = torch.rand(200, 300, generator=g) < density
-        rows, cols = mask.nonzero().unbind(1)
-        sent = encode(rows, cols, delta=True)
-        assert min(int(sent[0].min()), int(sent[1].min())) >= 0
-        narrow = [s.to(torch.uint8 if int(s.max()) < 256 else torch.int16) for s in sent]  # as sent on the wire
-        back_rows, back_cols = decode(*narrow, delta=True)
-        assert torch.equal(back_rows, rows) and torch.equal(back_cols, cols)
+    n = 200_003
+    current = torch.randn(n, generator=g).to(dtype)
+    mask = torch.rand(n, generator=g) < density
+    mask[-1] = density == 1.0 or bool(mask[-1])
+    positions = mask.nonzero().view(-1)
+    encoding, parts, _ = _encode(current, mask, positions.numel())
+    sizes = _numpy_sizes(positions.numpy(), n, current.element_size())
+    assert sum(p.numel() * p.element_size() for p in parts) == min(sizes.values())
+    assert sizes[encoding] == min(sizes.values())
+    if encoding != DENSE:
+        index, flags = _decode(parts[0], encoding, n)
+        assert torch.equal(index, positions) and not any(bool(f) for f in flags)
+        assert torch.equal(_bits(parts[1]), _bits(current[positions]))
 
 
-@pytest.mark.parametrize("largest, code", [(0, 0), (255, 0), (256, 1), (32767, 1), (32768, 2), (2**31, 3)])
-def test_smallest_index_dtype(largest, code):
-    assert smallest_index_dtype(largest) == code
+def test_gap_escapes_by_hand():
+    mask = torch.zeros(70_000, dtype=torch.bool)
+    mask[[3, 300, 70_000 - 1]] = True  # gaps 3, 296, 69698
+    encoding, parts, _ = _encode(torch.zeros(70_000), mask, 3)
+    # 1-byte symbols: 3 | 255 41 | 255 x 273, 83 -> 277 bytes; 2-byte: 3, 296, 65535, 4163 -> 8 bytes.
+    assert encoding == 1 and parts[0].numel() == 4
+    index, _ = _decode(parts[0], encoding, 70_000)
+    assert index.tolist() == [3, 300, 69_999]
+    _, flags = _decode(parts[0], encoding, 69_999)  # the last position is outside a shorter tensor
+    assert any(bool(f) for f in flags)
 
 
 def test_layout_puts_wider_elements_first_so_views_are_aligned():
     specs = [(torch.uint8, 3), (torch.float32, 2), (torch.int16, 1), (torch.float64, 1)]
     offsets, total = layout(specs)
-    assert offsets == [18, 8, 16, 0] and total == 21  # float64 at 0, float32 at 8..16, int16 at 16, uint8 at 18
+    assert offsets == [18, 8, 16, 0] and total == 21
     segments = [torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([1.5, -2.0]),
                 torch.tensor([-7], dtype=torch.int16), torch.tensor([3.25], dtype=torch.float64)]
     payload = pack(segments, "cpu")
-    assert payload.numel() == total
     for original, view in zip(segments, unpack(payload, specs)):
         assert view.dtype == original.dtype and torch.equal(view, original)
 
 
-def test_checksum_matches_a_reference_written_with_numpy():
-    t = torch.randn(1000)
-    lanes = t.numpy().view(np.int16).astype(np.int64)  # one slab: sum of lane * (position + 1), mod 2**31 - 1
-    expected = int((lanes * np.arange(1, lanes.size + 1)).sum() % (2**31 - 1))
-    assert int(tensor_checksum(t)) == expected
+def _numpy_checksum(t: torch.Tensor) -> int:
+    raw = t.contiguous().view(-1).view(torch.uint8).numpy()  # the bytes, whatever the dtype
+    lanes = (raw if t.element_size() == 1 else raw.view(np.int16)).astype(np.int64)
+    rows = -(-lanes.size // ROW)
+    w, h = weights(ROW, 24), weights(rows, 31, offset=1 << 40)
+    parts = []
+    for k in range(2):
+        total = 0
+        for r in range(rows):
+            part = lanes[r * ROW:(r + 1) * ROW]
+            total = (total + int((part * w[:part.size, k]).sum()) % P * int(h[r, k])) % P
+        parts.append(total)
+    return parts[0] * 2**31 + parts[1]
 
 
-def test_checksum_sees_swaps_signed_zeros_and_every_slab():
-    t = torch.randn(3 * 2**20 + 5)
+@pytest.mark.parametrize("t", [torch.randn(3 * ROW + 5), torch.randn(7).bfloat16(), torch.rand(33) < 0.5,
+                               torch.randint(-9, 9, (5, 4))], ids=["fp32", "bf16", "bool", "int64"])
+def test_checksum_matches_a_numpy_reference(t):
+    assert int(tensor_checksum(t)) == _numpy_checksum(t)
+
+
+def test_checksum_catches_shifted_and_permuted_writes():
+    a, b = torch.zeros(50, dtype=torch.bool), torch.zeros(50, dtype=torch.bool)
+    a[[5, 12]], b[[7, 10]] = True, True  # equal under linear position weights (5 + 12 == 7 + 10)
+    assert int(tensor_checksum(a)) != int(tensor_checksum(b))
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(5000, generator=g)
     base = int(tensor_checksum(t))
-    swapped = t.clone()
-    swapped[[10, 2**20 + 10]] = t[[2**20 + 10, 10]]  # same values, other places
-    zero = t.clone()
-    zero[-1] = 0.0
-    negative_zero = t.clone()
-    negative_zero[-1] = -0.0
-    assert int(tensor_checksum(swapped)) != base
+    seen = {base}
+    for shift in range(1, 20):  # a block of values written shift places off
+        moved = t.clone()
+        moved[100 + shift:200 + shift] = t[100:200]
+        seen.add(int(tensor_checksum(moved)))
+    for _ in range(20):
+        seen.add(int(tensor_checksum(t[torch.randperm(5000, generator=g)])))
+    assert len(seen) == 40
+    zero, negative_zero = t.clone(), t.clone()
+    zero[-1], negative_zero[-1] = 0.0, -0.0
     assert int(tensor_checksum(zero)) != int(tensor_checksum(negative_zero))
-    assert int(tensor_checksum(t.clone())) == base
-    assert int(tensor_checksum(torch.tensor([True, False]))) != int(tensor_checksum(torch.tensor([False, True])))
+
+
+def test_checksum_updates_from_changed_elements_alone():
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.int64):
+        old = (torch.randn(5 * ROW, generator=g) > 0) if dtype == torch.bool else torch.randn(5 * ROW, generator=g).to(dtype)
+        index = torch.randperm(old.numel(), generator=g)[:300].sort().values
+        new = old.clone()
+        new[index] = ~old[index] if dtype == torch.bool else (old[index] + 1).to(dtype)
+        assert int(update_checksum(tensor_checksum(old), index, old[index], new[index])) == int(tensor_checksum(new))
+
+
+def test_checksum_of_many_tensors_is_order_sensitive():
+    a, b = torch.randn(10), torch.randn(10)
+    assert int(checksum([a, b])) != int(checksum([b, a]))
+    assert int(checksum([a, b])) == int(checksum([a.clone(), b.clone()]))
+    assert int(tensor_checksum(torch.zeros(0, 3))) == 0
 
 
 def test_zstd_round_trip_and_damage():
     payload = torch.arange(10_000, dtype=torch.int32).view(torch.uint8)
-    packed = compress("zstd", payload)
-    assert packed.numel() < payload.numel() and torch.equal(decompress("zstd", packed, payload.numel()), payload)
+    packed = _compress("zstd", payload)
+    assert packed.numel() < payload.numel() and torch.equal(_decompress("zstd", packed, payload.numel()), payload)
     with pytest.raises(ValueError, match="header announced|could not decompress"):
-        decompress("zstd", packed, payload.numel() - 1)
-    assert compress("none", payload) is payload
+        _decompress("zstd", packed, payload.numel() - 1)
 
 
 def test_trainable_keys_leave_out_frozen_parameters_only():
