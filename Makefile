@@ -16,7 +16,7 @@ ISAACLAB_VENV    ?= .venv-isaaclab
 ISAACSIM         ?= 0
 ISAACSIM_VERSION ?= 6.2.0.0
 
-.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-mujoco setup-mujoco setup-isaaclab tensorboard clean
+.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-mujoco setup-mujoco setup-isaaclab export tensorboard clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -72,6 +72,10 @@ setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv
 		--extra-index-url https://pypi.nvidia.com; fi
 	. $(CURDIR)/$(ISAACLAB_VENV)/bin/activate && cd $(ISAACLAB_DIR) && ./isaaclab.sh --install
 	$(ISAACLAB_VENV)/bin/pip install -q -r requirements.txt
+
+export: $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.pt as TorchScript (+ ONNX if onnx, onnxscript are installed)
+	@[ -n "$(CKPT)" ] || { echo "make export needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2; }
+	$(BIN)/python -m ppo.export $(CKPT) $(ARGS)
 
 tensorboard: $(VENV)/.runtime  ## serve runs/ on port 6006
 	$(BIN)/tensorboard --logdir runs --port 6006

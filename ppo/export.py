@@ -1,0 +1,118 @@
+"""Export a checkpoint's policy to run without this repository (on a robot, in a C++ stack): the
+deterministic actor (the action mean) with its observation normalizer folded in, so it takes raw
+observations. Writes TorchScript (loadable by libtorch) and, when the `onnx` and `onnxscript` packages
+are installed, ONNX.
+
+    make export CKPT=runs/mujoco/2026-01-01_12-00-00/model_488.pt
+    python -m ppo.export runs/mujoco/.../model_488.pt --out exported/
+
+Output: DIR/STEM.policy.pt and DIR/STEM.policy.onnx (DIR defaults to the checkpoint's folder), mapping
+`obs` [batch, actor obs dim] float32 to `actions` [batch, actions] float32. The actions are the policy's,
+before the env adapter's --env.action-scale / --env.action-clip (and gymnasium's clip to the action
+space), which the deployment applies as the simulator did; the export prints them when they are set.
+"""
+
+import argparse
+import copy
+import importlib.util
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from configs.config import PolicyConfig
+from ppo.actor_critic import ActorCritic, build_actor_critic
+from ppo.normalizer import ObsNormalizer
+
+
+class DeterministicActor(nn.Module):
+    """obs -> clamp((obs - mean) / (std + eps), -clip, clip) -> actor MLP: the mean action. Without an actor
+    normalizer, mean 0, divisor 1 and clip inf leave the observation exactly as it is."""
+
+    def __init__(self, model: ActorCritic):
+        super().__init__()
+        self.actor = copy.deepcopy(model.actor)
+        norm = model.actor_normalizer
+        dim = self.actor[0].in_features
+        normalized = isinstance(norm, ObsNormalizer)
+        # The same float32 values the training forward pass computes, so actions match bit for bit.
+        self.register_buffer("obs_mean", norm.mean.clone() if normalized else torch.zeros(dim))
+        self.register_buffer("obs_divisor", norm.std + norm.eps if normalized else torch.ones(dim))
+        self.obs_clip = float(norm.clip) if normalized else float("inf")
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.actor(((obs - self.obs_mean) / self.obs_divisor).clamp(-self.obs_clip, self.obs_clip))
+
+
+def load_policy(path: str) -> tuple[ActorCritic, dict]:
+    """The checkpoint's actor-critic (on the CPU, eval mode) and its run config (a dict)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        raise ValueError(f"CKPT {path!r} is not a readable torch checkpoint ({type(exc).__name__})") from None
+    if not isinstance(state, dict) or "model" not in state or "config" not in state:
+        raise ValueError(f"CKPT {path!r} is not a train.py checkpoint (it needs 'model' and 'config' entries)")
+    config, weights = state["config"], state["model"]
+    policy_cfg = PolicyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in config["policy"].items()})
+    # Sizes come from the weights: the first layer of each MLP reads the observation, the actor's last writes actions.
+    obs_dims = {"policy": weights["actor.0.weight"].shape[1], "critic": weights["critic.0.weight"].shape[1]}
+    model = build_actor_critic(policy_cfg, obs_dims, weights["log_std"].shape[0])
+    model.load_state_dict(weights)
+    return model.eval(), config
+
+
+def onnx_missing() -> str:
+    """Why ONNX cannot be written here ("" when it can)."""
+    missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
+    return f"not installed: {', '.join(missing)} (pip install onnx onnxscript)" if missing else ""
+
+
+def export(path: str, out_dir: str = "") -> dict[str, str]:
+    """Write the TorchScript (and, if possible, ONNX) policy of checkpoint `path`; return {format: file}."""
+    if not os.path.isfile(path):
+        raise ValueError(f"CKPT {path!r}: no such checkpoint file")
+    model, config = load_policy(path)
+    policy = DeterministicActor(model).eval()
+    out_dir = out_dir or os.path.dirname(os.path.abspath(path))
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, os.path.splitext(os.path.basename(path))[0] + ".policy")
+    example = torch.zeros(1, policy.actor[0].in_features)
+    written = {}
+    with warnings.catch_warnings():
+        # TorchScript is deprecated in favour of torch.export, but it is what libtorch (C++) loads today.
+        warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+        torch.jit.script(policy).save(stem + ".pt")
+    written["torchscript"] = stem + ".pt"
+    if not onnx_missing():
+        torch.onnx.export(policy, (example,), stem + ".onnx", input_names=["obs"], output_names=["actions"],
+                          dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True, external_data=False,
+                          verbose=False)
+        written["onnx"] = stem + ".onnx"
+    env = config.get("env", {})
+    scale, clip = env.get("action_scale", 1.0), env.get("action_clip")
+    print(f"[export] {path}: obs dim {example.shape[1]} -> {policy.actor[-1].out_features} actions "
+          f"({'with' if policy.obs_clip != float('inf') else 'no'} observation normalizer)")
+    for fmt, file in written.items():
+        print(f"[export] {fmt}: {file}")
+    if "onnx" not in written:
+        print(f"[export] ONNX skipped, {onnx_missing()}")
+    if scale != 1.0 or clip is not None:
+        print(f"[export] note: the run scaled actions by {scale} and clipped them to {clip} before the simulator; "
+              f"the exported policy outputs them unscaled")
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpt", help="a checkpoint written by train.py (model_<iteration>.pt)")
+    parser.add_argument("--out", default="", help="output folder (default: the checkpoint's folder)")
+    args = parser.parse_args()
+    try:
+        export(args.ckpt, args.out)
+    except ValueError as exc:
+        parser.exit(2, f"export: {exc}\n")
+
+
+if __name__ == "__main__":
+    main()

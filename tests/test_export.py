@@ -1,0 +1,88 @@
+"""`make export`: the exported deterministic actor gives the checkpoint's model's mean actions on raw
+observations, as TorchScript and ONNX, for checkpoints of two presets (one with an actor observation
+normalizer, one without)."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from configs import preset
+from configs.config import PolicyConfig
+from ppo import export
+from ppo.actor_critic import build_actor_critic
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def checkpoint(tmp_path, name: str) -> str:
+    """A real train.py checkpoint of preset `name` after one short iteration."""
+    cfg = preset(name)
+    cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 64, 4, 1
+    cfg.env.num_envs = 2 if name == "mujoco" else 8
+    cfg.log.root, cfg.log.print_every = str(tmp_path / "runs"), 100
+    train.main(cfg)
+    (path,) = glob.glob(str(tmp_path / "runs" / "*" / "*" / "model_1.pt"))
+    return path
+
+
+def reference_actions(path: str, obs: torch.Tensor) -> torch.Tensor:
+    """The mean action of the model rebuilt here from the checkpoint, through the training forward pass."""
+    state = torch.load(path, weights_only=True)
+    weights = state["model"]
+    model = build_actor_critic(PolicyConfig(**state["config"]["policy"]),
+                               {"policy": weights["actor.0.weight"].shape[1], "critic": weights["critic.0.weight"].shape[1]},
+                               weights["log_std"].shape[0])
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        return model.distribution(obs).mean
+
+
+@pytest.mark.parametrize("name", ["mujoco", "cartpole"])
+def test_exported_policy_acts_like_the_checkpoint(tmp_path, name):
+    path = checkpoint(tmp_path, name)
+    written = export.export(path, str(tmp_path / "exported"))
+    assert set(written) == {"torchscript", "onnx"}
+    assert sorted(os.listdir(tmp_path / "exported")) == ["model_1.policy.onnx", "model_1.policy.pt"]   # one file each
+    scripted = torch.jit.load(written["torchscript"])
+    dim = torch.load(path, weights_only=True)["model"]["actor.0.weight"].shape[1]
+    # Raw observations, wide enough that the normalizer's clip at 10 is hit (mujoco) as well as not.
+    obs = torch.randn(64, dim, generator=torch.Generator().manual_seed(0)) * torch.logspace(-1, 2, 64)[:, None]
+    expected = reference_actions(path, obs)
+    normalizer_std = torch.load(path, weights_only=True)["model"].get("actor_normalizer.std")
+    assert (normalizer_std is not None) == (name == "mujoco")       # one preset with, one without a normalizer
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(obs), expected, rtol=0, atol=0)
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    graph = onnx.load(written["onnx"])
+    onnx.checker.check_model(graph)
+    (onnx_actions,) = ReferenceEvaluator(graph).run(None, {"obs": obs.numpy()})
+    np.testing.assert_allclose(onnx_actions, expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_without_onnx_it_writes_torchscript_and_says_why(tmp_path, monkeypatch, capsys):
+    path = checkpoint(tmp_path, "cartpole")
+    real_find_spec = export.importlib.util.find_spec
+    monkeypatch.setattr(export.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "onnxscript" else real_find_spec(name, *a))
+    written = export.export(path, str(tmp_path / "exported"))
+    assert list(written) == ["torchscript"] and os.path.isfile(written["torchscript"])
+    assert not glob.glob(str(tmp_path / "exported" / "*.onnx"))
+    assert "ONNX skipped, not installed: onnxscript (pip install onnx onnxscript)" in capsys.readouterr().out
+
+
+def test_bad_checkpoint_path_is_one_line_and_status_2(tmp_path):
+    not_a_checkpoint = tmp_path / "notes.txt"
+    not_a_checkpoint.write_text("hello")
+    for path, message in ((tmp_path / "missing.pt", "no such checkpoint file"),
+                          (not_a_checkpoint, "not a readable torch checkpoint")):
+        result = subprocess.run([sys.executable, "-m", "ppo.export", str(path)], cwd=REPO, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
