@@ -13,8 +13,13 @@ import torch
 import envs.gymnasium
 import train
 from configs import preset, validate
+from dist.grad_sync import GradSync
 from envs.gymnasium import GymnasiumEnv
+from ppo.normalizer import RewardNormalizer
+from ppo.storage import RolloutStorage
+from ppo.update import ppo_update
 from tests.multirank import run_ranks
+from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is out of date:DeprecationWarning")
 
@@ -141,6 +146,8 @@ def test_mujoco_preset_is_cleanrl_ppo_continuous_action():
     assert (cfg.ppo.entropy_coef, cfg.ppo.max_grad_norm) == (0.0, 0.5)
     assert cfg.ppo.value_loss_coef == 0.25                     # CleanRL's 0.5 x its inner 0.5
     assert cfg.ppo.normalize_rewards and not cfg.ppo.bootstrap_time_outs
+    assert (cfg.ppo.adam_eps, cfg.ppo.reward_clip, cfg.ppo.advantage_norm) == (1e-5, 10.0, "minibatch")
+    assert cfg.log.episode_returns                             # CleanRL's statistic needs every episode's return
     assert (cfg.policy.actor_hidden, cfg.policy.critic_hidden, cfg.policy.activation) == ((64, 64), (64, 64), "tanh")
     assert cfg.policy.orthogonal_init and cfg.policy.normalize_actor_obs and cfg.policy.normalize_critic_obs
     validate(cfg)
@@ -158,7 +165,65 @@ def test_trains_end_to_end_on_hopper(tmp_path):
     assert model.actor[0].in_features == 11 and model.actor[-1].out_features == 3
     assert model.critic_normalizer.count.item() == 3 * 64          # every observation reached the normalizer
     assert np.isfinite(scalars["Train/mean_reward"]) and scalars["Train/mean_episode_length"] > 0
-    assert glob.glob(os.path.join(tmp_path, "mujoco", "*", "model_3.pt"))
+    (path,) = glob.glob(os.path.join(tmp_path, "mujoco", "*", "model_3.pt"))
+    assert torch.load(path, weights_only=True)["optimizer"]["param_groups"][0]["eps"] == 1e-5   # CleanRL's Adam
+    # Every finished episode's return, logged one by one: per iteration they average to Train/mean_reward,
+    # which comes from the separate (sum, count) metric path.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = glob.glob(os.path.join(tmp_path, "mujoco", "*", "events.out.tfevents.*"))
+    accumulator = EventAccumulator(events, size_guidance={"scalars": 0})
+    accumulator.Reload()
+    episodes: dict[int, list[float]] = {}
+    for event in accumulator.Scalars("Episode/return"):
+        episodes.setdefault(event.step, []).append(event.value)
+    assert sorted(episodes) and set(episodes) <= {1, 2, 3}              # tagged with their iteration
+    for event in accumulator.Scalars("Train/mean_reward"):
+        if event.step in episodes:
+            assert np.mean(episodes[event.step]) == pytest.approx(event.value, rel=1e-5)
+
+
+def test_reward_normalizer_clips_after_scaling():
+    normalizer = RewardNormalizer(num_envs=3, gamma=0.9, clip=10.0)
+    not_done = torch.zeros(3, dtype=torch.bool)
+    first, second = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.5, 1.0, -1.0])
+    normalizer(first, not_done)
+    normalizer(second, not_done)
+    normalizer.update()
+    std = np.concatenate([first.numpy(), 0.9 * first.numpy() + second.numpy()]).astype(np.float64).std()
+    reward = torch.tensor([1000.0, -1000.0, 0.1])
+    expected = np.clip(reward.numpy() / (std + 1e-8), -10.0, 10.0)
+    np.testing.assert_allclose(normalizer(reward, not_done).numpy(), expected, rtol=1e-6)
+    assert expected[0] == 10.0 and expected[1] == -10.0 and abs(expected[2]) < 10.0
+
+
+def update_with(advantage_norm: str, prepare=lambda storage: None) -> dict:
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, torch.device("cpu"))
+    fill(storage, 0, model)
+    prepare(storage)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    cfg = ppo_cfg(num_epochs=1, num_mini_batches=2, minibatch_unit="transition", advantage_norm=advantage_norm)
+    ppo_update(model, optimizer, storage, GradSync(list(model.parameters()), num_extras=2), cfg,
+               generator=torch.Generator().manual_seed(7))
+    return model.state_dict()
+
+
+def test_minibatch_advantage_normalization_is_cleanrls():
+    def normalize_each_minibatch_by_hand(storage):
+        # The same permutation the update draws; each half normalized in numpy with torch.std's ddof 1.
+        perm = torch.randperm(T * N, generator=torch.Generator().manual_seed(7)).numpy()
+        adv = storage.advantages.flatten().numpy().astype(np.float64)
+        for ids in np.split(perm, 2):
+            adv[ids] = (adv[ids] - adv[ids].mean()) / (adv[ids].std(ddof=1) + 1e-8)
+        storage.advantages = torch.tensor(adv, dtype=torch.float32).view(T, N)
+
+    state = update_with("minibatch")
+    oracle = update_with("none", normalize_each_minibatch_by_hand)
+    for key in state:
+        torch.testing.assert_close(state[key], oracle[key], rtol=1e-5, atol=1e-6, msg=key)
+    rollout_wide = update_with("local")        # guards the oracle: normalizing the whole rollout differs
+    assert max((state[k] - rollout_wide[k]).abs().max().item() for k in state if k.startswith("actor.")) > 1e-5
 
 
 def rank_body(rank, world_size, root):
