@@ -29,12 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, init_group):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Serialized to bytes: tensors sent through the queue as-is would live in this process's shared
         # memory, which is gone once it exits.
@@ -48,12 +49,15 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> list:
-    """Spawn `world_size` gloo processes running `fn(rank, world_size, *args)`; return their results by rank."""
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, init_group: bool = True) -> list:
+    """Spawn `world_size` gloo processes running `fn(rank, world_size, *args)`; return their results by rank.
+
+    With `init_group=False` the process group is left to `fn` (torchrun's environment variables are set).
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, init_group)) for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = [None] * world_size, []

@@ -1,0 +1,144 @@
+"""Failing well: stop on a signal with a checkpoint, restart in place, never hang, never orphan.
+
+The torchrun tests start real `torchrun ... train.py cartpole` jobs (2 gloo ranks) and poke them the
+way a cluster does: SIGTERM to one rank, kill -9 of a rank or of the launcher.
+"""
+
+import glob
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import train
+from configs import preset
+from dist import comm
+from dist.checkpoint import create_run_dir, save_checkpoint
+from dist.errors import RunError
+from dist.setup import init_distributed
+from dist.stop import StopRequests
+from tests.multirank import run_ranks
+from tests.torchrun_job import Job, alive
+
+
+def tb_steps(run_dir: str, tag: str = "Perf/total_fps") -> list[int]:
+    """Steps of `tag` as TensorBoard shows them (events an earlier attempt logged past a restart purged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def cartpole_args(root, iterations=100000, save_every=1000):
+    return ["cartpole", "--max-iterations", str(iterations), "--log.save-every", str(save_every),
+            "--log.root", str(root)]
+
+
+@pytest.mark.slow
+def test_restarts_continue_the_same_run_directory_and_curves(tmp_path):
+    job = Job(cartpole_args(tmp_path, iterations=20, save_every=4), max_restarts=3)
+    for _ in range(3):                      # three restarts in a row: the process group must re-form each time
+        job.wait_for(r"saved .*model_\d+\.pt")
+        os.kill(job.workers()[-1], signal.SIGKILL)
+    assert job.finish(240) == 0, job.output()
+    assert job.output().count("[syncppo] resumed") == 3
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "cartpole", "*"))
+    assert os.path.exists(os.path.join(run_dir, "model_20.pt"))
+    assert tb_steps(run_dir) == list(range(1, 21))          # each iteration once, k + 1 following k
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_after_a_checkpoint(tmp_path):
+    job = Job(cartpole_args(tmp_path))
+    job.wait_for(r"^it +3/")
+    os.kill(job.workers()[1], signal.SIGTERM)          # rank 1 only: the flag rides in the metrics all-reduce
+    assert job.finish(120) == 0, job.output()
+    stopped = job.wait_for(r"stopped on request .* after iteration (\d+); saved (\S+);")
+    k, path = int(stopped.group(1)), stopped.group(2)
+    assert k >= 3 and path.endswith(f"model_{k}.pt")
+    assert torch.load(path, weights_only=True)["iteration"] == k
+    assert "Traceback" not in job.output()
+
+
+@pytest.mark.slow
+def test_killed_launcher_leaves_no_orphans(tmp_path):
+    job = Job(cartpole_args(tmp_path))
+    job.wait_for(r"^it +2/")
+    workers = job.workers()
+    os.kill(job.proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        assert not any(alive(p) for p in workers), "workers outlived their launcher"
+        job.wait_for(r"launcher \(torchrun\) is gone: stopped after iteration \d+ without saving", timeout=5)
+        assert not glob.glob(os.path.join(tmp_path, "cartpole", "*", "model_*.pt"))   # orphans wrote nothing
+    finally:
+        job.kill_all()
+
+
+def test_ctrl_c_saves_and_resume_auto_continues_in_place(tmp_path):
+    job = Job(cartpole_args(tmp_path), python=True)
+    job.wait_for(r"^it +2/")
+    job.signal(signal.SIGINT)
+    assert job.finish(60) == 0, job.output()
+    k, path = (lambda m: (int(m.group(1)), m.group(2)))(job.wait_for(r"after iteration (\d+); saved (\S+);"))
+    run_dir = os.path.dirname(path)
+    open(os.path.join(run_dir, f"model_{k + 5}.pt.tmp-999-deadbeef"), "wb").write(b"half a checkpoint")
+    cfg = preset("cartpole")
+    cfg.log.root, cfg.resume, cfg.max_iterations, cfg.log.print_every = str(tmp_path), "auto", k + 2, 100
+    train.main(cfg)
+    assert sorted(os.listdir(run_dir)) == sorted([f"model_{k}.pt", f"model_{k + 2}.pt"] +
+                                                 [f for f in os.listdir(run_dir) if f.startswith("events")])
+    assert tb_steps(run_dir) == list(range(1, k + 3))
+
+
+def test_second_ctrl_c_interrupts_at_once_but_a_forwarded_duplicate_does_not():
+    stop = StopRequests(watch_launcher=False)
+    try:
+        stop._on_signal(signal.SIGINT, None)
+        stop._on_signal(signal.SIGINT, None)          # torchrun's forwarded copy, within the second: ignored
+        assert stop.signal_name == "SIGINT"
+        stop._first_sigint -= 2.0
+        with pytest.raises(KeyboardInterrupt):
+            stop._on_signal(signal.SIGINT, None)
+    finally:
+        stop.restore_default_handlers()
+
+
+def stalled_body(rank, world_size):
+    init_distributed("gloo", "cpu", timeout_s=2.0)
+    if rank == 1:
+        time.sleep(6.0)                                 # stalls past the 2 s timeout
+        return "stalled"
+    try:
+        comm.all_reduce(torch.ones(3), "metrics")
+    except comm.CollectiveError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_fails_the_others_naming_the_collective():
+    message, _ = run_ranks(stalled_body, 2, init_group=False)
+    assert "all_reduce for 'metrics' failed on rank 0" in message and "--dist.timeout-s" in message
+    assert "Timed out waiting 2000ms" in message            # --dist.timeout-s reached the backend
+
+
+def test_two_runs_in_the_same_second_get_their_own_directories(tmp_path):
+    first, second = create_run_dir(str(tmp_path), None), create_run_dir(str(tmp_path), "job-7")
+    assert first != second and os.path.isdir(first) and os.path.isdir(second)
+    assert open(os.path.join(second, "run_id")).read() == "job-7"
+
+
+def test_write_error_names_the_path_and_leaves_no_temporary(tmp_path, monkeypatch):
+    def disk_full(obj, f):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", disk_full)
+    path = str(tmp_path / "model_3.pt")
+    with pytest.raises(RunError, match=f"could not write checkpoint {path}: No space left on device"):
+        save_checkpoint(path, {"iteration": 3})
+    assert os.listdir(tmp_path) == []
