@@ -32,6 +32,8 @@ def fake(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setitem(gymnasium.registry, TASK, spec(record))
     monkeypatch.setattr(envs.isaaclab, "simulation_device", lambda device: "cuda:0")
+    for name in ("last_exc", "last_value"):    # pytest records a failed test's exception there
+        monkeypatch.delattr(sys, name, raising=False)
     return record
 
 
