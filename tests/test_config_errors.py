@@ -1,5 +1,7 @@
 """Bad input fails before anything is built, with a message naming the flag to fix."""
 
+import glob
+import os
 import subprocess
 import sys
 
@@ -8,7 +10,9 @@ import torch
 
 import train
 from configs import preset, resolve_num_envs, validate
-from dist.errors import UsageError
+from dist.errors import RunError, UsageError
+from ppo.logger import RunLogger
+from ppo.normalizer import ObsNormalizer
 
 
 def cfg_with(**changes):
@@ -77,3 +81,108 @@ def test_cli_unknown_preset_and_help():
     assert "environments per rank" in help_text                                 # field help strings are shown
     typo = run_cli("tracking", "--ppo.num-epoch", "3")
     assert typo.returncode != 0 and "num-epochs" in typo.stderr + typo.stdout
+
+
+@pytest.mark.parametrize("changes, flag", [
+    ({"ppo__entropy_coef": float("nan")}, "--ppo.entropy-coef"),
+    ({"ppo__value_loss_coef": float("inf")}, "--ppo.value-loss-coef"),
+    ({"policy__init_noise_std": float("inf")}, "--policy.init-noise-std"),
+    ({"ppo__clip_param": float("inf")}, "--ppo.clip-param"),
+    ({"ppo__desired_kl": float("inf")}, "--ppo.desired-kl"),
+    ({"ppo__lr_max": float("inf")}, "--ppo.lr-max"),
+    ({"env__episode_length_s": float("inf")}, "--env.episode-length-s"),
+    ({"env__episode_length_s": 1e-9}, "--env.episode-length-s"),
+    ({"seed": -1}, "--seed"),
+    ({"seed": 18446744073709551616}, "--seed"),
+    ({"log__experiment": "../../x"}, "--log.experiment"),
+    ({"log__experiment": ".."}, "--log.experiment"),
+    ({"dist__timeout_s": 0.0}, "--dist.timeout-s"),
+])
+def test_inputs_that_used_to_train_for_hours_or_crash_name_the_flag(changes, flag):
+    with pytest.raises(UsageError, match=flag.replace(".", r"\.")):
+        validate(cfg_with(**changes))
+
+
+def test_seed_range_is_said_for_the_world_size():
+    with pytest.raises(UsageError, match=r"\[0, 4294967294\] with 2 rank"):
+        validate(cfg_with(seed=2**32 - 1), world_size=2)
+    validate(cfg_with(seed=2**32 - 2), world_size=2)
+
+
+def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path):
+    root = tmp_path / "runs"
+    for args in (["--ppo.entropy-coef", "nan"], ["--seed", "-1"], ["--log.experiment", "../../x"],
+                 ["--resume", str(tmp_path / "missing.pt")]):
+        out = run_cli("tracking", "--log.root", str(root), *args)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.startswith(f"error: {args[0]}") and out.stderr.count("\n") == 1, out.stderr
+        assert "Traceback" not in out.stderr and out.stdout == ""
+    assert not root.exists()
+
+
+def test_log_root_that_is_a_file_fails_before_the_env_is_built(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setattr(train, "make_env", lambda *a, **k: pytest.fail("env built before the check"))
+    with pytest.raises(UsageError, match="--log.root .* is a file"):
+        train.main(cfg_with(log__root=str(blocker / "runs")))
+
+
+def saved_run(tmp_path, iterations=2, **changes):
+    cfg = cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=iterations, log__root=str(tmp_path / "a"),
+                   log__print_every=100, **changes)
+    train.main(cfg)
+    (ckpt,) = glob.glob(str(tmp_path / "a" / "tracking" / "*" / f"model_{iterations}.pt"))
+    return ckpt
+
+
+def test_checkpoint_that_does_not_fit_fails_before_the_env_is_built(tmp_path, monkeypatch):
+    ckpt = saved_run(tmp_path)
+    monkeypatch.setattr(train, "make_env", lambda *a, **k: pytest.fail("env built before the check"))
+    new_root = str(tmp_path / "b")
+    with pytest.raises(UsageError, match=r"--env.num-envs 32 does not match 16 per rank"):
+        train.main(cfg_with(env__num_envs=32, ppo__num_steps=8, resume=ckpt, log__root=new_root))
+    with pytest.raises(UsageError, match=r"--policy.actor-hidden \(64, 64\) does not match"):
+        train.main(cfg_with(env__num_envs=16, ppo__num_steps=8, resume=ckpt, log__root=new_root,
+                            policy__actor_hidden=(64, 64)))
+    with pytest.raises(UsageError, match=r"--max-iterations 2: .* is already at iteration 2"):
+        train.main(cfg_with(env__num_envs=16, ppo__num_steps=8, resume=ckpt, log__root=new_root, max_iterations=2))
+    assert not os.path.exists(new_root)
+
+
+class NaNAfter:
+    """Wraps an env; from step `at` on, feature 2 of env 3 in the critic group is NaN."""
+
+    def __init__(self, env, at):
+        self.env, self.at, self.steps = env, at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, extras = self.env.step(actions)
+        self.steps += 1
+        if self.steps >= self.at:
+            obs["critic"] = obs["critic"].clone()
+            obs["critic"][3, 2] = float("nan")
+        return obs, reward, terminated, truncated, extras
+
+
+def test_non_finite_observation_names_env_group_and_feature_before_the_normalizer(tmp_path, monkeypatch):
+    make_env = train.make_env
+    monkeypatch.setattr(train, "make_env", lambda *a, **k: NaNAfter(make_env(*a, **k), at=12))
+    cfg = cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=3, log__root=str(tmp_path))
+    seen = []
+    monkeypatch.setattr(ObsNormalizer, "update", lambda self, batch: seen.append(batch))
+    with pytest.raises(RunError, match=r"env 'tracking' produced nan in observation group 'critic' feature 2 "
+                                       r"at step 4 of env 3 on rank 0"):   # obs of env step 12 = step 4 of iteration 2
+        train.main(cfg)
+    assert len(seen) == 1            # iteration 1 was clean; iteration 2's NaN never reached a normalizer
+
+
+def test_console_prints_a_dash_when_no_episode_ended(tmp_path, capsys):
+    logger = RunLogger(str(tmp_path), 10, 0)
+    logger.print_line(0, {"Perf/total_fps": 1.0, "Policy/kl": 0.0, "Loss/learning_rate": 1e-3})
+    line = capsys.readouterr().out
+    assert "reward        -  ep_len      -" in line and "nan" not in line
+    logger.close()

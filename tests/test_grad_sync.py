@@ -143,3 +143,16 @@ def test_grads_stay_views_into_the_buckets_across_steps():
     for bucket in sync.buckets:
         for p in bucket.params:
             assert p.grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+def test_a_second_backward_after_arm_is_an_error(mode):
+    net = Net()
+    sync = GradSync(net.body.parameters(), mode, bucket_mb=0.001)
+    sync.zero_grad()
+    x, y = data(0)
+    loss_fn(net, x, y).backward()              # accumulating before arm() is what micro-batches do: fine
+    sync.arm()
+    loss_fn(net, x, y).backward()
+    with pytest.raises(RuntimeError, match=r"a second backward after arm\(\)"):
+        loss_fn(net, x, y).backward()

@@ -62,3 +62,27 @@ def metrics_body(rank, world_size):
 def test_reduce_metrics_is_count_weighted_and_drops_empty_keys():
     for out in run_ranks(metrics_body, world_size=2):
         assert out == {"a": (10 + 20) / (1 + 2)}
+
+
+@pytest.mark.parametrize("offset, scale", [(1e6, 1.0), (5.0, 1e-6)])
+def test_first_merge_and_global_std_stay_exact_when_the_mean_dominates(offset, scale):
+    g = torch.Generator().manual_seed(0)
+    x = (offset + scale * torch.randn(4096, 2, generator=g, dtype=torch.float64)).float()
+    reference = x.double().numpy().std(0)                 # numpy float64 over the same float32 values
+
+    def first_merge_std(shift: bool) -> np.ndarray:
+        norm = ObsNormalizer(2)
+        if shift:
+            norm.set_first_shift(x[:64])                 # what the runner does with the reset observations
+        norm.update(x)
+        return (norm.m2 / norm.count).sqrt().numpy()
+
+    assert np.allclose(first_merge_std(shift=True), reference, rtol=1e-9, atol=0)
+    assert not np.allclose(first_merge_std(shift=False), reference, rtol=1e-6, atol=0)   # the old first merge
+
+    x64 = x.double()[:, 0]
+    mean, std = global_mean_std(x64)
+    assert abs(std.item() - reference[0]) <= 1e-9 * reference[0]
+    assert abs(mean.item() - x64.numpy().mean()) <= 1e-12 * abs(offset)
+    one_pass = (x64.square().mean() - x64.mean().square()).clamp_min(0).sqrt().item()   # (n, sum, sum sq)
+    assert abs(one_pass - reference[0]) > 1e-6 * reference[0]

@@ -141,3 +141,10 @@ def test_nonfinite_gradient_on_one_rank_is_skipped_by_every_rank():
     for key in state0:
         assert torch.isfinite(state0[key]).all(), key
         assert torch.equal(state0[key], state1[key]), key
+
+
+def test_mean_rule_on_an_integer_buffer_is_a_start_up_error():
+    bn = nn.BatchNorm1d(3)
+    with pytest.raises(ValueError, match=r"\['num_batches_tracked'\] are integer but declared `mean`"):
+        resolve_buffer_policy(bn, {"running_*": "mean", "num_batches_tracked": "mean"})
+    resolve_buffer_policy(bn, {"running_*": "mean", "num_batches_tracked": "broadcast"})
