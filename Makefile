@@ -58,7 +58,7 @@ bench-grad: $(VENV)/.runtime  ## gradient sync: flat | bucketed vs DDP vs a raw 
 bench-sync: $(VENV)/.dev  ## weight sync: patch vs bucket vs naive dist.send (a few minutes; ARGS=--quick for seconds)
 	$(BIN)/python bench/bench_sync.py $(ARGS)
 
-bench-mujoco: setup-mujoco  ## mujoco preset vs CleanRL: 3 tasks x 3 seeds x {1,2} ranks, 1M steps (hours); ARGS="--tasks Hopper-v4 --seeds 1"
+bench-mujoco: setup-mujoco  ## mujoco preset vs CleanRL: 3 tasks x 3 seeds x {1,2} ranks, 1M steps (hours); ARGS="--tasks Hopper-v4 --jobs 2"
 	$(BIN)/python bench/bench_mujoco.py $(ARGS)
 
 setup-mujoco: $(VENV)/.runtime  ## gymnasium + MuJoCo into .venv for the gymnasium adapter (make test installs them too)
