@@ -35,8 +35,9 @@ from dist.stop import STOP_KEYS, StopRequests
 from dist.verify import verify_plan_rows, verify_replicas
 from envs import make_env
 from ppo.actor_critic import build_actor_critic
-from ppo.gae import compute_gae
+from ppo.gae import bootstrap_time_outs, compute_gae
 from ppo.logger import RunLogger
+from ppo.minibatch_step import build_optimizer
 from ppo.normalizer import RewardNormalizer
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update, update_plan_rows
@@ -71,7 +72,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     except ValueError as exc:     # the adapters name the --env flag that does not fit the simulator
         raise UsageError(str(exc)) from exc
     model = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.ppo.learning_rate, eps=cfg.ppo.adam_eps)
+    optimizer = build_optimizer(model.parameters(), cfg.ppo, device)   # fused, device LR with --ppo.capture-step
     grad_sync = GradSync(model.parameters(), cfg.dist.grad_sync, cfg.dist.bucket_mb, num_extras=2,  # KL sum, count
                          unused=cfg.dist.unused_params)
     buffer_rules = resolve_buffer_policy(model, model.BUFFER_POLICY)
@@ -128,10 +129,9 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
                 next_obs, raw_reward, terminated, truncated, extras = env.step(actions)
                 done = terminated | truncated
                 reward = reward_normalizer(raw_reward, done) if reward_normalizer is not None else raw_reward
-                if cfg.ppo.bootstrap_time_outs and truncated.any():   # a time-out is not a failure:
-                    timed_out = truncated.nonzero().squeeze(-1)          # add gamma * V(obs before the reset)
-                    reward = reward.index_add(0, timed_out, cfg.ppo.gamma * model.value(
-                        extras["final_obs"]["critic"].index_select(0, timed_out)))
+                if cfg.ppo.bootstrap_time_outs:   # a time-out is not a failure: add gamma * V(obs before reset)
+                    reward = bootstrap_time_outs(reward, truncated, extras["final_obs"]["critic"], model.value,
+                                                 cfg.ppo.gamma)
                 storage.add(obs["policy"], obs["critic"], actions, pi.mean, pi.stddev, pi.log_prob(actions).sum(-1),
                             reward, values, done)
                 episode_return += raw_reward

@@ -1,7 +1,7 @@
 """One PPO update over a filled rollout: E epochs x M minibatches x q micro-batches.
 
 Reads top to bottom as the algorithm. What crosses ranks, per iteration:
-  - advantages: one all-reduce of 3 float64 (global mean/std), when advantage_norm == "global";
+  - advantages: two all-reduces (count, sum; then squared deviations), when advantage_norm == "global";
   - per minibatch: one gradient all-reduce that also carries (KL sum, KL count), so every rank sees
     the global KL and applies the same LR; clipping and the non-finite check use the synchronized
     gradient, so all ranks take (or skip) the same step;
@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from dist.stats import global_mean_std
+from dist.plan import PlanRow
+from dist.stats import global_mean_std, mean_std_plan_rows
 from ppo.kl_schedule import adaptive_lr
 from ppo.minibatch_step import backward_minibatch, sync_free_step
 
@@ -77,3 +78,16 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
     stats.update(learning_rate=lr, skipped_steps=float(skipped))
     return stats
 
+
+
+def update_plan_rows(model, grad_sync, cfg) -> list[PlanRow]:
+    """The sync-plan rows of one ppo_update per iteration, declared next to the code that communicates."""
+    rows = grad_sync.plan_rows(cfg.num_epochs * cfg.num_mini_batches)
+    rows += [PlanRow("kl", "global mean (sum, count)", "in gradients"),
+             PlanRow("nonfinite", "norm of synced gradient", "-"),
+             PlanRow("optimizer", "local, same by construction", "-")]
+    if cfg.advantage_norm == "global":
+        rows += mean_std_plan_rows("advantages")
+    for normalizer in model.normalizers().values():
+        rows += normalizer.plan_rows()
+    return rows
