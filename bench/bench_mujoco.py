@@ -56,7 +56,8 @@ def train_command(task: str, ranks: int, seed: int, iterations: int, root: str) 
 def final_returns(root: str, last_episodes: int, last_iterations: int) -> dict:
     """CleanRL's statistic (mean of the last `last_episodes` episodic returns) and the mean of the
     per-iteration mean return over the last `last_iterations` iterations, from the run's TensorBoard file."""
-    (events,) = glob.glob(os.path.join(root, "mujoco", "*", "events.out.tfevents.*"))
+    # The newest run directory: an interrupted earlier attempt of the same run may have left its own.
+    events = sorted(glob.glob(os.path.join(root, "mujoco", "*", "events.out.tfevents.*")))[-1]
     accumulator = EventAccumulator(events, size_guidance={"scalars": 0})   # 0: keep every value
     accumulator.Reload()
     episodes = [event.value for event in accumulator.Scalars("Episode/return")]   # in the order they ended
