@@ -99,3 +99,26 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, capsys):
     assert scalars == {} and not os.path.exists(tmp_path / "tracking")
     assert "sync plan" in out and "1 ranks x 16 envs x 8 steps = 128 transitions per iteration" in out
     assert {row.purpose for row in plan} >= {"params", "gradients", "advantages", "normalizer", "metrics"}
+
+
+def test_resume_restarts_per_env_state_declared_local(tmp_path, monkeypatch):
+    cfg = small_tracking(tmp_path / "a", iterations=2)
+    cfg.ppo.normalize_rewards = True
+    train.main(cfg)
+    (ckpt,) = glob.glob(os.path.join(tmp_path, "a", "tracking", "*", "model_2.pt"))
+    saved = torch.load(ckpt, weights_only=True)["reward_normalizer"]
+    assert saved["returns"].abs().sum() > 0 and saved["count"] > 0      # running returns were saved mid-episode
+
+    loaded = {}
+    original = train.restore
+    def spy(state, path, stateful, *args):
+        iteration = original(state, path, stateful, *args)
+        loaded.update({k: v.clone() for k, v in stateful["reward_normalizer"].state_dict().items()})
+        return iteration
+    monkeypatch.setattr(train, "restore", spy)
+    resumed = small_tracking(tmp_path / "b", iterations=3, resume=ckpt)
+    resumed.ppo.normalize_rewards = True
+    train.main(resumed)
+    assert torch.equal(loaded["returns"], torch.zeros_like(saved["returns"]))   # envs restart, so do their returns
+    for key in ("count", "mean64", "m2", "std"):                                # merged statistics are restored
+        assert torch.equal(loaded[key], saved[key]), key

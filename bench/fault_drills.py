@@ -1,0 +1,109 @@
+"""Fault drills under torchrun (2 gloo ranks, cartpole): what a cluster does to a job, and what survives.
+
+    .venv/bin/python bench/fault_drills.py          # about 2-3 minutes on 2 cores; prints a table
+
+Each drill starts a fresh `torchrun ... train.py cartpole` job, waits until it trains, does one thing to
+it, and measures the seconds from that act until every process is gone, the exit status, and what is
+on disk afterwards (checkpoints, half-written temporaries, TensorBoard steps).
+"""
+
+import glob
+import os
+import signal
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.test_faults import tb_steps  # noqa: E402
+from tests.torchrun_job import Job, alive  # noqa: E402
+
+
+def kept(root) -> str:
+    ckpts = sorted(glob.glob(os.path.join(root, "cartpole", "*", "model_*.pt")),
+                   key=lambda p: int(p.rsplit("_", 1)[1][:-3]))
+    temps = glob.glob(os.path.join(root, "cartpole", "*", "*.tmp-*"))
+    runs = glob.glob(os.path.join(root, "cartpole", "*"))
+    last = os.path.basename(ckpts[-1]) if ckpts else "none"
+    return f"{len(runs)} run dir, {len(ckpts)} checkpoints (last {last}), {len(temps)} temporaries"
+
+
+def drill(name: str, act, restarts: int = 0, iterations: int = 100000, save_every: int = 5, extra=()) -> tuple:
+    """Start a job, wait for iteration 7, `act` on it, time until the launcher and every rank are gone."""
+    root = tempfile.mkdtemp(prefix="drill-")
+    job = Job(["cartpole", "--max-iterations", str(iterations), "--log.save-every", str(save_every),
+               "--log.root", root, *extra], max_restarts=restarts)
+    try:
+        job.wait_for(r"^it +7/")
+        workers = job.workers()
+        t0 = time.monotonic()
+        note = act(job, root) or ""
+        while (job.proc.poll() is None or any(alive(p) for p in job.workers() + workers)) \
+                and time.monotonic() - t0 < 300:
+            time.sleep(0.05)
+        code = job.proc.returncode if job.proc.returncode is not None else "-"
+        if code == -signal.SIGKILL:
+            code = "killed"
+        return name, code, f"{time.monotonic() - t0:.1f}", kept(root) + note
+    finally:
+        job.kill_all()
+
+
+def kill_rank(job, root):
+    os.kill(job.workers()[1], signal.SIGKILL)
+
+
+def kill_launcher(job, root):
+    os.kill(job.proc.pid, signal.SIGKILL)
+
+
+def kill_during_save(job, root):
+    deadline = time.monotonic() + 60
+    while not glob.glob(os.path.join(root, "cartpole", "*", "*.tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    os.kill(job.workers()[0], signal.SIGKILL)        # rank 0 is the writer
+
+
+def ctrl_c(job, root):
+    os.killpg(job.proc.pid, signal.SIGINT)           # a terminal's Ctrl-C reaches the launcher and every rank
+
+
+def sigterm_launcher(job, root):
+    os.kill(job.proc.pid, signal.SIGTERM)            # what a scheduler sends on preemption
+
+
+def stall_rank(job, root):
+    os.kill(job.workers()[1], signal.SIGSTOP)        # alive but making no progress
+
+
+def restart_three_times(job, root):
+    for _ in range(3):
+        os.kill(job.workers()[-1], signal.SIGKILL)
+        job.wait_for(r"^\[syncppo\] resumed")
+        job.wait_for(r"^it ")
+    job.proc.wait(300)
+    (run_dir,) = glob.glob(os.path.join(root, "cartpole", "*"))
+    steps = tb_steps(run_dir)
+    return f"; {job.output().count('[syncppo] resumed')} resumes; TensorBoard steps 1..{max(steps)}, " \
+           f"{'each once' if steps == list(range(1, max(steps) + 1)) else 'NOT contiguous'}"
+
+
+def main():
+    rows = [
+        drill("kill -9 one rank", kill_rank),
+        drill("kill -9 the launcher", kill_launcher),
+        drill("kill -9 rank 0 during a save (big model)", kill_during_save, save_every=1,
+              extra=("--policy.actor-hidden", "1024", "1024", "--policy.critic-hidden", "1024", "1024")),
+        drill("Ctrl-C (SIGINT to the process group)", ctrl_c),
+        drill("SIGTERM to the launcher", sigterm_launcher),
+        drill("stalled rank (SIGSTOP), --dist.timeout-s 10", stall_rank, extra=("--dist.timeout-s", "10")),
+        drill("kill -9 a rank 3x under --max-restarts 3 (run to 40 it)", restart_three_times, restarts=3,
+              iterations=40),
+    ]
+    print(f"| drill | exit status | seconds to exit | kept |\n|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+
+
+if __name__ == "__main__":
+    main()
