@@ -1,5 +1,6 @@
-"""What every strategy needs and none of them varies: roles, the init handshake, strict key checks,
-the start check, versions, the reader lock and the background receive of a non-blocking apply.
+"""What both strategies share and neither varies: roles, the init handshake, strict key checks, the
+start check, versions, the reader lock, the background receive of a non-blocking apply, draining queued
+updates before a resync, and the setup rows of the sync plan.
 
 `Link` holds that state and offers it as plain methods (nothing to override); patch.py and bucket.py
 each write their own init/sync/apply/resync on top of it, top to bottom.
@@ -16,8 +17,10 @@ import torch.distributed as dist
 
 from dist import comm
 from dist.checksum import tensor_checksum
+from dist.plan import PlanRow
 from .config import WeightSyncConfig
-from .wire import SETUP, SyncIntegrityError, SyncStats, recv_frame, recv_json, send_json, wait_all
+from .wire import (KIND_RESYNC, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats, frame_messages, plan_buckets, recv_frame,
+                   recv_json, send_json)
 
 
 class Link:
@@ -42,6 +45,7 @@ class Link:
         self.version: Optional[int] = None  # None until init; then the version in place (receiver) or sent (sender)
         self.lock = threading.Lock()  # readers of the receiver's model hold it to never see a half-applied update
         self.stats: Optional[SyncStats] = None
+        self.staging = [torch.empty(0, dtype=torch.uint8, device=self.device)]  # receive buffer, reused
         self._inflight: Optional[Future] = None
         self._broken: Optional[str] = None
 
@@ -60,36 +64,39 @@ class Link:
             problems.append("the list of keys to sync is empty")
         metas = [recv_json(dst, self.group, self.device) for dst in self.dsts]
         mine = _describe(state, self.cfg)
-        for dst, meta in zip(self.dsts, metas):
+        for dst, (meta, _) in zip(self.dsts, metas):
             problems += [f"receiver rank {dst}: {p}" for p in _compare(mine, meta)]
-            if any(meta[field] != metas[0][field] for field in ("keys", "shapes", "dtypes", "ties")):
+            if any(meta[field] != metas[0][0][field] for field in ("keys", "shapes", "dtypes", "ties")):
                 problems.append(f"receiver rank {dst} differs from receiver rank {self.dsts[0]} in key order, shapes, "
                                 "dtypes or tied keys; one syncer serves identical receivers (use one per kind)")
         reply = {"error": "; ".join(problems) or None, "version": version, "keys": [k for k in mine["keys"] if k in keys]}
-        for dst in self.dsts:
-            send_json(reply, dst, self.group, self.device)
+        replied = [send_json(reply, dst, self.group, self.device) for dst in self.dsts]
         if problems:
             raise ValueError("weight sync init: " + "; ".join(problems))
-        self._adopt(metas[0], reply["keys"])
+        self._adopt(metas[0][0], reply["keys"], [(n, r) for (_, n), r in zip(metas, replied)])
         self.sender_shapes = {k: tuple(t.shape) for k, t in state.items()}
 
     def agree_as_receiver(self, tensors: dict) -> int:
         """The receiver's half of `agree_as_sender`; returns the starting version."""
         meta = _describe(tensors, self.cfg)
-        send_json(meta, self.src, self.group, self.device)
-        reply = recv_json(self.src, self.group, self.device)
+        sent = send_json(meta, self.src, self.group, self.device)
+        reply, received = recv_json(self.src, self.group, self.device)
         if reply["error"]:
             raise ValueError("weight sync init: " + reply["error"])
-        self._adopt(meta, reply["keys"])
+        self._adopt(meta, reply["keys"], [(sent, received)])
         return reply["version"]
 
-    def _adopt(self, meta: dict, synced: list[str]) -> None:
+    def _adopt(self, meta: dict, synced: list[str], documents: list[tuple[int, int]]) -> None:
         """Layout both sides agree on: receiver keys, shapes and dtypes; synced keys with ties sent once."""
         self.keys = meta["keys"]
         self.shapes = {k: tuple(s) for k, s in zip(meta["keys"], meta["shapes"])}
         self.dtypes = {k: _dtype(d) for k, d in zip(meta["keys"], meta["dtypes"])}
+        self.ordinal = {k: i for i, k in enumerate(self.keys)}
+        self.numels = [int(torch.Size(self.shapes[k]).numel()) for k in self.keys]
         self._tie_of = {k: tuple(group) for group in meta["ties"] for k in group}
         self.synced = self.once_per_tie(synced)
+        self._documents = documents  # (metadata, reply) JSON bytes per receiver, for plan_rows
+        self._checked: list[str] = []  # keys compared at init by verify_same_start
 
     def once_per_tie(self, keys: Sequence[str]) -> list[str]:
         """Keep only the first of several keys that are one tensor (tied weights travel once)."""
@@ -105,15 +112,17 @@ class Link:
         """Updates assume the receivers hold the sender's weights for `keys` (never sent by updates, or not
         bootstrapped): check that once, and raise on both sides naming the keys that differ.
 
-        Crosses ranks at init and resync: one int64 checksum per key, each receiver -> sender, sender -> each.
+        Crosses ranks at init: one int64 checksum per key, each receiver -> sender, sender -> each.
         """
+        self._checked = keys
         if not keys:
             return
         mine = torch.stack([tensor_checksum(tensors[k].detach().to(self.dtypes[k]).contiguous()) for k in keys])
         mine = mine.to(self.device)
         if self.is_sender:
             theirs = {dst: comm.recv(torch.empty_like(mine), SETUP, dst, self.group) for dst in self.dsts}
-            wait_all([comm.isend(mine, SETUP, dst, self.group) for dst in self.dsts])
+            for work in [comm.isend(mine, SETUP, dst, self.group) for dst in self.dsts]:
+                work.wait()
         else:
             comm.send(mine, SETUP, self.src, self.group)
             theirs = {self.src: comm.recv(torch.empty_like(mine), SETUP, self.src, self.group)}
@@ -122,6 +131,25 @@ class Link:
         if differ:
             raise SyncIntegrityError(f"weight sync: {why} must start equal on sender and receivers, but these differ "
                                      f"(by receiver rank): {differ}; load the same weights on both sides")
+
+    def setup_plan_rows(self, bootstrap: Sequence[str], bucket_size: int) -> list[PlanRow]:
+        """This rank's init traffic (see agree_as_sender, send_buckets, verify_same_start) as sync-plan rows."""
+        n = len(self.dsts) if self.is_sender else 1
+        out, back = ("send", "recv") if self.is_sender else ("recv", "send")
+        boot = bucket_messages([self.numels[self.ordinal[k]] * self.dtypes[k].itemsize for k in bootstrap], bucket_size)
+        rows = [PlanRow(SETUP, "handshake: metadata (JSON)", back, "setup", [b for m, _ in self._documents for b in (8, m)]),
+                PlanRow(SETUP, "handshake: reply (JSON)", out, "setup", [b for _, r in self._documents for b in (8, r)])]
+        if bootstrap:
+            rows.append(PlanRow(SETUP, "init bootstrap, whole tensors", out, "setup", boot * n))
+        if self._checked:
+            for collective in ("send", "recv"):
+                rows.append(PlanRow(SETUP, "start check: checksum per key", collective, "setup", [8 * len(self._checked)] * n))
+        return rows
+
+    def update_plan_row(self, rule: str, messages: list[int]) -> PlanRow:
+        """One sync's frames (`messages`: bytes of each message to one receiver) as this rank's plan row."""
+        return PlanRow(UPDATE, rule, "send" if self.is_sender else "recv", "iteration",
+                       messages * (len(self.dsts) if self.is_sender else 1))
 
     # ----- strict checks on every call ----------------------------------------------------------------------
 
@@ -170,28 +198,42 @@ class Link:
     def write_update(self, tensors: dict, update, write: Callable) -> int:
         """Apply one received update under the lock; once an update failed after writing, refuse every
         later one until resync()."""
-        if self._broken:
-            raise SyncIntegrityError(f"weight sync: receiver needs resync() after: {self._broken}")
-        with self.lock:
-            try:
-                write(tensors, update)
-            except SyncIntegrityError as error:
-                if error.model_written:
-                    self._broken = str(error)
-                raise
-            self.version = update.version
+        try:
+            if self._broken:
+                raise SyncIntegrityError(f"weight sync: receiver needs resync() after: {self._broken}")
+            with self.lock:
+                try:
+                    write(tensors, update)
+                except SyncIntegrityError as error:
+                    if error.model_written:
+                        self._broken = str(error)
+                    raise
+                self.version = update.version
+        finally:
+            if isinstance(update, Frame):  # a refused frame is still received whole: the stream stays in step
+                update.wait()
         return self.version
 
-    def drain_until_resync(self, kind: int) -> tuple:
-        """Resync on the receiver: discard queued updates (any number of them, whatever their kind) until the
-        first frame of the resync arrives, and return it. Crosses ranks: receives those frames."""
+    def drain_until_resync(self, update_dtypes: Sequence[torch.dtype]):
+        """Resync on the receiver: discard queued updates (any number, counted under the purpose the sender
+        sent them with) until the first frame of the resync arrives, and return it. Crosses ranks: receives
+        those frames. `update_dtypes`: the value dtype per ordinal in updates (resync frames: the receiver's)."""
         if self._inflight is not None:
             raise RuntimeError("weight sync: a non-blocking apply is still receiving; finish it with apply(model) "
                                "before resync()")
+        receiver = [self.dtypes[k] for k in self.keys]
         while True:
-            frame = recv_frame(self.src, self.group, self.device, SETUP)
-            if frame[0].kind == kind:
+            frame = recv_frame(self.src, self.group, self.device, lambda kind: SETUP if kind == KIND_RESYNC else UPDATE,
+                               self.numels, lambda kind: receiver if kind == KIND_RESYNC else update_dtypes, self.staging)
+            if frame.kind == KIND_RESYNC:
                 return frame
+            frame.wait()
+
+
+def bucket_messages(nbytes: Sequence[int], bucket_size: int) -> list[int]:
+    """Bytes of each message that send_buckets sends one receiver for tensors of these sizes."""
+    return [b for members in plan_buckets(nbytes, bucket_size)
+            for b in frame_messages(len(members), [nbytes[i] for i in members if nbytes[i]])]
 
 
 def trainable_keys(module: torch.nn.Module) -> list[str]:

@@ -1,54 +1,37 @@
 """patch strategy: send only the elements whose bits changed since the last sync.
 
 The sender keeps a snapshot of what the receivers hold (in the receivers' dtypes) and a checksum of each
-snapshot tensor. Each sync compares the current weights with the snapshot bit for bit, and sends one frame:
+snapshot tensor. Each sync compares the current weights with the snapshot bit for bit and sends one frame
+(see wire.py) with a table row per changed tensor, and each changed tensor takes the smallest of these
+encodings, by exact size:
 
-    header  8 x int64: kind, version, base version, table rows, payload bytes (wire, raw), check
-    table   [rows, 5] int64: ordinal, values sent, encoding, index symbols, checksum after the update
-    payload per touched tensor: its positions (encoded) and its new values, see wire.layout
-
-Each changed tensor takes the smallest of these encodings, by exact size:
     gaps8 / gaps16 / gaps32  the gap before each change (0 = adjacent), one symbol each in 1, 2 or 4
                              bytes; a longer gap spends escape symbols (the largest value: "skip that many")
     bitmap                   one bit per element (wins above about 1 change in 8)
-    dense                    every value, no positions
+    dense                    every value, no positions (sent straight from the weights' memory)
 Positions decoded from gaps or a bitmap are strictly increasing by construction, so no position repeats.
 
-Both sides update a tensor's checksum from the changed elements alone (old and new values at the changed
-positions) when few changed, and recompute it when many did. The receiver checks the header, the table and
-every sparse tensor's new checksum before writing anything; a dense-ish tensor is checked right after it is
-written (then a mismatch leaves the receiver refusing everything until resync()). Every
-`patch.verify_every` versions the receiver rescans all synced tensors against their checksums.
-The sender commits the snapshot only after every receiver has the frame.
+The frame's trailer carries each changed tensor's checksum after the update. Both sides update it from the
+changed elements alone (old and new values at the changed positions) below 1/16 density and rescan the
+tensor above. The receiver checks the header, the table, every dense tensor and every sparse one under
+1/16 density before writing anything; a denser sparse tensor is checked right after it is written (then a
+mismatch leaves the receiver refusing everything until resync()). Every `patch.verify_every` versions the
+receiver rescans all synced tensors against their checksums. The sender commits the snapshot only after
+every receiver has the frame.
 """
-
-from dataclasses import dataclass
 
 import torch
 
 from dist.checksum import tensor_checksum, update_checksum
+from dist.plan import PlanRow
 from .config import WeightSyncConfig
-from .link import Link, tensors_of
-from .wire import (HEADER_BYTES, KIND_BUCKET, KIND_PATCH, KIND_RESYNC, SETUP, UPDATE, Header, SyncIntegrityError,
-                   SyncStats, copy_into, expect, recv_buckets, recv_frame, send_buckets, send_frame, unpack, wait_all)
+from .link import Link, bucket_messages, tensors_of
+from .wire import (BITMAP, DENSE, GAPS8, GAPS16, GAPS32, KIND_BUCKET, KIND_PATCH, KIND_RESYNC, SETUP, SYMBOL_DTYPES,
+                   UPDATE, Frame, SyncIntegrityError, SyncStats, expect, frame_messages, recv_buckets, recv_frame,
+                   send_buckets, send_frame)
 
-GAPS8, GAPS16, GAPS32, BITMAP, DENSE = range(5)
-GAP_DTYPES = {GAPS8: torch.uint8, GAPS16: torch.int16, GAPS32: torch.int32}
+GAP_DTYPES = {code: SYMBOL_DTYPES[code] for code in (GAPS8, GAPS16, GAPS32)}
 INCREMENTAL_BELOW = 1 / 16  # changed fraction under which updating a checksum beats recomputing it
-
-
-@dataclass
-class PatchUpdate:
-    version: int
-    base_version: int
-    table: torch.Tensor  # [rows, 5] int64 on the host
-    payload: torch.Tensor  # uint8, still compressed when compression is on
-    raw_bytes: int
-    check: int  # the header's check word
-
-    def header(self) -> Header:
-        return Header(KIND_PATCH, self.version, self.base_version, self.table.shape[0], self.payload.numel(),
-                      self.raw_bytes, self.check)
 
 
 class PatchSyncer(Link):
@@ -60,7 +43,7 @@ class PatchSyncer(Link):
             raise ValueError("weight sync: patch.snapshot_device=cuda but CUDA is not available; use cpu")
         self.snapshot: dict[str, torch.Tensor] = {}
         self.checksums: dict[str, torch.Tensor] = {}  # of the snapshot (sender) or of the model (receiver)
-        self._staging = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._mask = torch.empty(0, dtype=torch.bool)  # change mask, reused (a fresh one costs page faults)
 
     # ----- init: handshake, bootstrap, start check ----------------------------------------------------------
 
@@ -74,9 +57,7 @@ class PatchSyncer(Link):
         self.version = version
         bootstrap = self.once_per_tie(self._bootstrap_keys())
         if bootstrap:
-            wire, payload = send_buckets([(state[k], self.dtypes[k]) for k in bootstrap], self.cfg.patch.init_sync.bucket_size,
-                                         version, KIND_BUCKET, self.dsts, self.group, self.device, SETUP)
-            self.stats = SyncStats(wire, payload, sum(state[k].numel() for k in bootstrap))
+            self.stats = self._send_whole(state, bootstrap, version, KIND_BUCKET)
         self._verify_unbootstrapped(state, bootstrap)
         self._take_snapshot(state)
 
@@ -88,8 +69,7 @@ class PatchSyncer(Link):
         bootstrap = self.once_per_tie(self._bootstrap_keys())
         with self.lock:
             if bootstrap:
-                recv_buckets([(k, self.shapes[k], self.dtypes[k]) for k in bootstrap], self.cfg.patch.init_sync.bucket_size,
-                             KIND_BUCKET, self.src, self.group, self.device, SETUP, lambda pairs: copy_into(tensors, pairs))
+                self._recv_whole(tensors, bootstrap, KIND_BUCKET)
             self._verify_unbootstrapped(tensors, bootstrap)
             self.checksums = {k: tensor_checksum(tensors[k]) for k in self.synced}
             self.version = version
@@ -112,6 +92,22 @@ class PatchSyncer(Link):
         rest = [k for k in self.once_per_tie(self.keys) if k not in bootstrap]
         self.verify_same_start(tensors, rest, "keys outside the init bootstrap (patch.init_sync)")
 
+    def _send_whole(self, state: dict, keys: list[str], version: int, kind: int) -> SyncStats:
+        """Bootstrap and resync: these keys whole, in the receivers' dtypes (wire.send_buckets, under SETUP)."""
+        wire, payload = send_buckets([(self.ordinal[k], state[k], self.dtypes[k]) for k in keys],
+                                     self.cfg.patch.init_sync.bucket_size, version, kind, self.dsts, self.group,
+                                     self.device, SETUP)
+        return SyncStats(wire, payload, sum(state[k].numel() for k in keys))
+
+    def _recv_whole(self, tensors: dict, keys: list[str], kind: int, first: Frame | None = None) -> int:
+        def write(pairs):
+            with torch.no_grad():
+                for ordinal, value in pairs:
+                    tensors[self.keys[ordinal]].view(-1).copy_(value)
+        return recv_buckets([self.ordinal[k] for k in keys], self.numels, [self.dtypes[k] for k in self.keys],
+                            self.cfg.patch.init_sync.bucket_size, kind, self.src, self.group, self.device, SETUP,
+                            write, first, self.staging)
+
     def _take_snapshot(self, state: dict) -> None:
         pinned = self.cfg.patch.snapshot_device == "cpu" and torch.cuda.is_available()
         self.snapshot, self.checksums = {}, {}
@@ -121,77 +117,70 @@ class PatchSyncer(Link):
             self.snapshot[key] = copy.copy_(value)
             self.checksums[key] = tensor_checksum(self.snapshot[key])
 
+    def plan_rows(self) -> list[PlanRow]:
+        """This rank's sync-plan rows (after init): the init traffic, then one frame per sync(). A patch's
+        size depends on what changed; the row gives its bound, every synced tensor changed (dense)."""
+        nbytes = [self.numels[self.ordinal[k]] * self.dtypes[k].itemsize for k in self.synced]
+        dense = frame_messages(sum(1 for n in nbytes if n), [n for n in nbytes if n])
+        bootstrap = self.once_per_tie(self._bootstrap_keys())
+        return self.setup_plan_rows(bootstrap, self.cfg.patch.init_sync.bucket_size) + \
+            [self.update_plan_row("patch: changed elements (bytes: all changed)", dense)]
+
     # ----- sender ------------------------------------------------------------------------------------------
 
     def sync(self, state_dict, version: int) -> SyncStats:
         """Send what changed since the last sync as patch `version` to every receiver, then commit it.
 
-        Crosses ranks once per call (typically once per training iteration): one frame to each receiver
-        (isend to all, then wait). Host syncs: one or two per tensor (its change count; its escape counts).
+        Crosses ranks once per call (typically once per training iteration): one frame to each receiver.
+        Host syncs: one or two per tensor (its change count; its escape counts).
         """
         self.require(sender=True)
         if version <= self.version:
             raise ValueError(f"weight sync: version must increase, last sent {self.version}, got {version}")
         state = self.sender_tensors(state_dict)
-        rows, segments, commits = [], [], []
-        changed = dense = 0
-        synced = set(self.synced)
-        for ordinal, key in enumerate(self.keys):
-            if key not in synced:
-                continue
-            snapshot = self.snapshot[key].view(-1)
+        rows, segments, changes, changed = [], [], [], 0
+        for key in sorted(self.synced, key=self.ordinal.get):  # table rows in the receivers' key order
             current = state[key].detach().reshape(-1).to(self.dtypes[key])
-            old = snapshot.to(current.device, non_blocking=True)
-            mask = torch.ne(_bits(current), _bits(old))
+            old = self.snapshot[key].view(-1).to(current.device, non_blocking=True)
+            if self._mask.numel() < current.numel() or self._mask.device != current.device:
+                self._mask = torch.empty(current.numel(), dtype=torch.bool, device=current.device)
+            mask = torch.ne(_bits(current), _bits(old), out=self._mask[:current.numel()])
             count = int(torch.count_nonzero(mask))
             if count == 0:
                 continue
             encoding, parts, index = _encode(current, mask, count)
-            values = parts[-1]
-            if index is not None and count < INCREMENTAL_BELOW * current.numel():
-                checksum = update_checksum(self.checksums[key], index, old[index], values)
-            else:
-                checksum = tensor_checksum(current)
-            rows.append([ordinal, values.numel(), encoding, parts[0].numel() if encoding != DENSE else 0, checksum])
+            rows.append([self.ordinal[key], parts[-1].numel(), encoding, parts[0].numel() if encoding != DENSE else 0])
             segments += parts
-            commits.append((key, index, values if index is not None else current, checksum))
+            changes.append((key, current, old, index, parts[-1]))
             changed += count
-            dense += encoding == DENSE
 
-        payload = self._pack(segments)
-        wire_payload = _compress(self.cfg.patch.compression, payload)
-        table = torch.tensor([r[:4] for r in rows], dtype=torch.int64).view(-1, 4)
-        table = torch.cat([table, torch.stack([r[4].cpu() for r in rows]).view(-1, 1) if rows
-                           else torch.empty(0, 1, dtype=torch.int64)], dim=1)
-        header = Header(KIND_PATCH, version, self.version, len(rows), wire_payload.numel(), payload.numel())
-        works, alive = send_frame(header.sealed(table, None), table, wire_payload, self.dsts, self.group, self.device, UPDATE)
-        wait_all(works)
+        sums = []
+
+        def checksums_after():  # runs while the payload is in flight
+            for key, current, old, index, values in changes:
+                incremental = index is not None and index.numel() < INCREMENTAL_BELOW * current.numel()
+                sums.append(update_checksum(self.checksums[key], index, old[index], values) if incremental
+                            else tensor_checksum(current))
+            return sums
+
+        table = torch.tensor(rows, dtype=torch.int64).view(-1, 4)
+        compress = None if self.cfg.patch.compression == "none" else _compress
+        wire, raw = send_frame(KIND_PATCH, version, self.version, table, segments, checksums_after, self.dsts,
+                               self.group, self.device, UPDATE, compress)
 
         # Only now do all receivers hold the patch: a failed send above leaves the snapshot (and version)
         # as they were, so the next patch still carries these changes against the old base.
-        for key, index, values, checksum in commits:
+        for (key, current, _, index, values), checksum in zip(changes, sums):
             snapshot = self.snapshot[key].view(-1)
             if index is None:
-                snapshot.copy_(values)
+                snapshot.copy_(current)
             else:
                 snapshot[index.to(snapshot.device)] = values.to(snapshot.device)
             self.checksums[key] = checksum
         self.version = version
-        self.stats = SyncStats(HEADER_BYTES + table.numel() * 8 + wire_payload.numel(), payload.numel(), changed,
-                               len(rows) - dense, dense)
+        dense = sum(row[2] == DENSE for row in rows)
+        self.stats = SyncStats(wire, raw, changed, len(rows) - dense, dense)
         return self.stats
-
-    def _pack(self, segments: list) -> torch.Tensor:
-        """The segments in one staging buffer, reused across syncs (a fresh one per sync costs page faults)."""
-        order = sorted(range(len(segments)), key=lambda i: -segments[i].dtype.itemsize)
-        flat = [segments[i].reshape(-1).view(torch.uint8) for i in order]
-        total = sum(f.numel() for f in flat)
-        if self._staging.numel() < total:
-            self._staging = torch.empty(total, dtype=torch.uint8, device=self.device)
-        payload = self._staging[:total]
-        if flat:
-            torch.cat([f.to(self.device) for f in flat], out=payload)
-        return payload
 
     # ----- receiver ----------------------------------------------------------------------------------------
 
@@ -199,79 +188,84 @@ class PatchSyncer(Link):
         """Receive the next patch and apply it to `model`; returns the version now in place. Crosses ranks:
         receives the frame the sender's matching sync() sent. blocking=False: see Link.receive."""
         self.require(sender=False)
-        return self.receive(self.receiver_tensors(model), blocking, self.recv_update, self._write)
+        return self.receive(self.receiver_tensors(model), blocking, lambda: self._recv(self.staging), self._write)
 
-    def recv_update(self) -> PatchUpdate:
+    def recv_update(self) -> Frame:
         """Receive the next patch without applying it (one frame from the sender, once per sync())."""
-        header, table, payload = recv_frame(self.src, self.group, self.device, UPDATE)
-        expect(header, KIND_PATCH)
-        return PatchUpdate(header.version, header.base_version, table, payload, header.raw_bytes, header.check)
+        self.require(sender=False)
+        frame = self._recv(None)
+        frame.sums()  # all of it has arrived: the caller may hold several
+        return frame
 
-    def apply_update(self, model, update: PatchUpdate) -> int:
+    def _recv(self, staging) -> Frame:
+        frame = recv_frame(self.src, self.group, self.device, UPDATE, self.numels, [self.dtypes[k] for k in self.keys],
+                           staging, None if self.cfg.patch.compression == "none" else _decompress)
+        expect(frame, KIND_PATCH)
+        return frame
+
+    def apply_update(self, model, update: Frame) -> int:
         """Apply an update returned by `recv_update()`; returns the new version (see _write for what is refused)."""
         self.require(sender=False)
         return self.write_update(self.receiver_tensors(model), update, self._write)
 
-    def _write(self, tensors: dict, update: PatchUpdate) -> None:
+    def _write(self, tensors: dict, frame: Frame) -> None:
         """Check, decode and apply a patch. Host syncs: a few per patch and one per sparse tensor (its positions)."""
-        update.header().verify(update.table, None)
-        if update.base_version != self.version:
+        frame.check_header()
+        if frame.base != self.version:
             raise SyncIntegrityError(
-                f"weight sync: patch {update.version} applies to version {update.base_version} but this receiver "
+                f"weight sync: patch {frame.version} applies to version {frame.base} but this receiver "
                 f"holds version {self.version}: a patch was lost or reordered; call resync() on sender and receivers")
-        keys, specs = self._check_table(update.table)
-        try:
-            payload = _decompress(self.cfg.patch.compression, update.payload, update.raw_bytes)
-            views = iter(unpack(payload, [spec for spec_list in specs for spec in spec_list]))
-        except ValueError as error:
-            raise SyncIntegrityError(f"weight sync: patch {update.version} payload is corrupted: {error}") from error
+        synced = {self.ordinal[k] for k in self.synced}
+        if not set(frame.table[:, 0].tolist()) <= synced:
+            raise SyncIntegrityError(f"weight sync: patch {frame.version} touches tensors this syncer does not sync: "
+                                     f"{sorted(set(frame.table[:, 0].tolist()) - synced)}; call resync()")
 
-        # Decode every tensor and check it before anything is written: positions inside the tensor, the
-        # announced number of changes, bools stored as 0 or 1, and the new checksum of each sparse tensor.
-        writes, bad, sums, expected = [], [], [], []
-        for key, (_, values_sent, encoding, _, checksum) in zip(keys, update.table.tolist()):
+        # Decode and check every tensor, each as soon as it arrived, before anything is written: positions
+        # inside the tensor, the announced number of changes, bools stored as 0 or 1, and the checksum after.
+        writes, bad, checks = [], [], []
+        for r, (ordinal, values_sent, encoding, _) in enumerate(frame.table.tolist()):
+            key = self.keys[ordinal]
             target = tensors[key].view(-1)
+            positions, values = frame.row(r)
             index = None
             if encoding != DENSE:
-                positions = next(views).to(target.device)
-                index, flags = _decode(positions, encoding, target.numel())
+                index, flags = _decode(positions.to(target.device), encoding, target.numel())
                 bad += flags + [torch.tensor(index.numel() != values_sent)]
-            values = next(views).to(target.device)
+            values = values.to(target.device)
             if values.dtype == torch.bool:
                 bad.append((values.view(torch.uint8) > 1).any())
-            incremental = index is not None and index.numel() == values_sent and \
-                values_sent < INCREMENTAL_BELOW * target.numel()
-            if incremental:
-                sums.append(update_checksum(self.checksums[key], index, target[index], values))
-                expected.append(checksum)
-            writes.append((key, target, index, values, checksum, incremental))
+            if index is None:
+                checks.append((r, tensor_checksum(values)))
+            elif index.numel() == values_sent and values_sent < INCREMENTAL_BELOW * target.numel():
+                checks.append((r, update_checksum(self.checksums[key], index, target[index], values)))
+            writes.append((key, target, index, values))
+        sums = frame.sums()
         if bad and bool(torch.stack([f.cpu() for f in bad]).any()):
-            raise SyncIntegrityError(f"weight sync: patch {update.version} has positions outside their tensors, a "
+            raise SyncIntegrityError(f"weight sync: patch {frame.version} has positions outside their tensors, a "
                                      "wrong number of changes or invalid bools: the payload is corrupted; call "
                                      "resync() on sender and receivers")
-        if sums and not torch.equal(torch.stack(sums).cpu(), torch.tensor(expected)):
-            raise SyncIntegrityError(f"weight sync: patch {update.version} does not produce the sender's values "
+        if checks and torch.stack([c for _, c in checks]).cpu().tolist() != [sums[r] for r, _ in checks]:
+            raise SyncIntegrityError(f"weight sync: patch {frame.version} does not produce the sender's values "
                                      "(corrupted payload or diverged receiver); model untouched; call resync() on "
                                      "sender and receivers")
 
         with torch.no_grad():
-            for _, target, index, values, _, _ in writes:
+            for _, target, index, values in writes:
                 if index is None:
                     target.copy_(values)
                 else:
                     target[index] = values
-        rescanned = [(key, tensor_checksum(target), checksum) for key, target, _, _, checksum, inc in writes if not inc]
-        if rescanned:
-            actual = torch.stack([c for _, c, _ in rescanned]).cpu().tolist()
-            wrong = [key for (key, _, want), got in zip(rescanned, actual) if got != want]
-            if wrong:
-                raise SyncIntegrityError(f"weight sync: after applying patch {update.version}, {wrong} differ from the "
-                                         "sender's values (corrupted payload or diverged receiver); call resync() on "
-                                         "sender and receivers", model_written=True)
-        for key, _, _, _, checksum, _ in writes:
+        checked = {r for r, _ in checks}
+        rescan = [(r, key, tensor_checksum(target)) for r, (key, target, _, _) in enumerate(writes) if r not in checked]
+        wrong = [key for r, key, got in rescan if int(got) != sums[r]]
+        if wrong:
+            raise SyncIntegrityError(f"weight sync: after applying patch {frame.version}, {wrong} differ from the "
+                                     "sender's values (corrupted payload or diverged receiver); call resync() on "
+                                     "sender and receivers", model_written=True)
+        for (key, _, _, _), checksum in zip(writes, sums):
             self.checksums[key] = torch.tensor(checksum)
         every = self.cfg.patch.verify_every
-        if every and update.version // every != update.base_version // every:
+        if every and frame.version // every != frame.base // every:
             self._verify(tensors)
 
     def verify(self, model) -> None:
@@ -291,26 +285,6 @@ class PatchSyncer(Link):
             raise SyncIntegrityError(f"weight sync: verification found {wrong} changed on the receiver since the "
                                      "patches that wrote them; call resync() on sender and receivers", model_written=True)
 
-    def _check_table(self, table: torch.Tensor) -> tuple[list[str], list[list[tuple[torch.dtype, int]]]]:
-        """Keys the table touches and the payload segments it announces; refuses anything malformed."""
-        keys, specs, last = [], [], -1
-        synced = set(self.synced)
-        for ordinal, values_sent, encoding, symbols, _ in table.tolist():
-            key = self.keys[ordinal] if 0 <= ordinal < len(self.keys) else None
-            numel = int(torch.Size(self.shapes[key]).numel()) if key else 0
-            ok = {DENSE: values_sent == numel and symbols == 0,
-                  BITMAP: 0 < values_sent < numel and symbols == (numel + 7) // 8}.get(
-                encoding, encoding in GAP_DTYPES and 0 < values_sent < numel and symbols >= values_sent)
-            if key not in synced or ordinal <= last or not ok:
-                raise SyncIntegrityError(f"weight sync: malformed patch table row {[ordinal, values_sent, encoding, symbols]} "
-                                         "(unknown or repeated tensor, or impossible sizes)")
-            last = ordinal
-            keys.append(key)
-            value = (self.dtypes[key], values_sent)
-            specs.append([value] if encoding == DENSE else
-                         [(GAP_DTYPES.get(encoding, torch.uint8), symbols), value])
-        return keys, specs
-
     # ----- resync ------------------------------------------------------------------------------------------
 
     def resync(self, state_dict_or_model, version=None) -> int:
@@ -323,23 +297,18 @@ class PatchSyncer(Link):
         self.require(sender=self.is_sender)
         wanted = set(self.synced) | set(self._bootstrap_keys())
         keys = self.once_per_tie([k for k in self.keys if k in wanted])
-        items = [(k, self.shapes[k], self.dtypes[k]) for k in keys]
-        size = self.cfg.patch.init_sync.bucket_size
         if self.is_sender:
             if version is None:
                 raise ValueError("weight sync: the sender's resync needs the version to restart from")
             state = self.sender_tensors(state_dict_or_model)
-            wire, payload = send_buckets([(state[k], self.dtypes[k]) for k in keys], size, version, KIND_RESYNC,
-                                         self.dsts, self.group, self.device, SETUP)
-            self.stats = SyncStats(wire, payload, sum(state[k].numel() for k in keys))
+            self.stats = self._send_whole(state, keys, version, KIND_RESYNC)
             self._take_snapshot(state)
             self.version = version
             return version
-        first = self.drain_until_resync(KIND_RESYNC)
+        first = self.drain_until_resync([self.dtypes[k] for k in self.keys])
         tensors = self.receiver_tensors(state_dict_or_model)
         with self.lock:
-            self.version = recv_buckets(items, size, KIND_RESYNC, self.src, self.group, self.device, SETUP,
-                                        lambda pairs: copy_into(tensors, pairs), first=first)
+            self.version = self._recv_whole(tensors, keys, KIND_RESYNC, first)
             self.checksums = {k: tensor_checksum(tensors[k]) for k in self.synced}
             self._broken = None
         return self.version
@@ -412,21 +381,17 @@ def _under(key: str, prefix: str) -> bool:
 
 # ----- optional lossless compression of the payload (host side) ------------------------------------------------
 
-def _compress(name: str, payload: torch.Tensor) -> torch.Tensor:
-    if name == "none":
-        return payload
-    return _as_tensor(_zstd().ZstdCompressor(level=3).compress(payload.numpy().tobytes()))
+def _compress(payload: torch.Tensor) -> torch.Tensor:
+    return _as_tensor(_zstd().ZstdCompressor(level=3).compress(payload.cpu().numpy().tobytes()))
 
 
-def _decompress(name: str, data: torch.Tensor, raw_bytes: int) -> torch.Tensor:
-    if name == "none":
-        return data
+def _decompress(data: torch.Tensor, raw_bytes: int) -> torch.Tensor:
     try:
         raw = _zstd().ZstdDecompressor().decompress(data.cpu().numpy().tobytes(), max_output_size=raw_bytes)
     except Exception as error:  # zstandard raises its own ZstdError
-        raise ValueError(f"zstd could not decompress the patch payload: {error}") from error
+        raise SyncIntegrityError(f"weight sync: zstd could not decompress the patch payload: {error}") from error
     if len(raw) != raw_bytes:
-        raise ValueError(f"zstd produced {len(raw)} bytes, the header announced {raw_bytes}")
+        raise SyncIntegrityError(f"weight sync: zstd produced {len(raw)} bytes, the header announced {raw_bytes}")
     return _as_tensor(raw)
 
 

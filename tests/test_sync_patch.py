@@ -101,17 +101,22 @@ def _hand_sized(rank, world_size, receiver_dtype):
 def test_patch_bytes_and_encodings_by_hand(receiver_dtype):
     stats, (tables, vec) = run_ranks(_hand_sized, 2, args=(receiver_dtype,))
     v = receiver_dtype.itemsize
-    header, table_row = 64, 5 * 8
+    header, table_row = 64, 4 * 8
+
+    def trailer(rows):  # each row's checksum after the update, then the trailer's own check
+        return (rows + 1) * 8
+
     # Bootstrap: dec.weight fills the 4000-byte bucket (8000 bytes in fp32, exactly 4000 in bf16), then a
-    # second bucket with vec and the empty tensor.
-    assert stats[0] == (2 * header + 2010 * v, 2010 * v, 0, 0)
+    # second bucket with vec and the empty tensor: two frames of 1 and 2 dense rows.
+    frames = header + table_row + trailer(1) + header + 2 * table_row + trailer(2)
+    assert stats[0] == (frames + 2010 * v, 2010 * v, 0, 0)
     # Patch 1, dec.weight: gaps before each change 0, 399, 399, 399. In 1-byte symbols each 399 costs an
     # escape (255) plus 144: 7 bytes, less than 4 two-byte symbols (8) or a 250-byte bitmap.
     # vec: 6 adjacent changes of 10: a 2-byte bitmap beats 6 one-byte gaps and the whole vector.
     dec, vec_bytes = 7 + 4 * v, 2 + 6 * v
-    assert stats[1] == (header + 2 * table_row + dec + vec_bytes, dec + vec_bytes, 2, 0)
+    assert stats[1] == (header + 2 * table_row + trailer(2) + dec + vec_bytes, dec + vec_bytes, 2, 0)
     assert tables[0] == [[0, 4, GAPS8, 7], [1, 6, BITMAP, 2]]
     # Patch 2: every element of vec changed: dense, no positions.
-    assert stats[2] == (header + table_row + 10 * v, 10 * v, 0, 1)
+    assert stats[2] == (header + table_row + trailer(1) + 10 * v, 10 * v, 0, 1)
     assert tables[1] == [[1, 10, DENSE, 0]]
     assert vec == [2.0] * 10

@@ -37,12 +37,13 @@ def _queued_then_resync(rank, world_size, mode):
         real = sync.wire.recv_frame
 
         def damaged(*args):  # a bucket payload byte flipped on the way
-            header, table, payload = real(*args)
-            payload[len(payload) // 2] ^= 0x10
-            return header, table, payload
+            frame = real(*args)
+            frame.wait()
+            frame.payload[len(frame.payload) // 2] ^= 0x10
+            return frame
 
         sync.wire.recv_frame = damaged
-        with pytest.raises(SyncIntegrityError, match="failed its checksum"):
+        with pytest.raises(SyncIntegrityError, match="does not match its checksums"):
             syncer.apply(model)
         sync.wire.recv_frame = real
     assert syncer.resync(model) == 4
@@ -86,7 +87,8 @@ def _verify_and_ledger(rank, world_size):
         wire = []
         for version in (1, 2, 3, 4):
             random_update(state, g, 0.01)
-            wire.append(syncer.sync(state, version).wire_bytes)
+            stats = syncer.sync(state, version)
+            wire.append((stats.wire_bytes, stats.sparse_tensors, stats.dense_tensors))
         return {k: list(v) for k, v in comm.LEDGER.items()}, wire
     model = make_state(seed=5)
     syncer.init_receiver(model)
@@ -109,7 +111,11 @@ def test_periodic_verification_and_every_message_in_the_ledger():
     assert errors_2 == []
     assert "verification found ['enc.weight'] changed" in errors_1[0]
     assert all("needs resync" in e for e in errors_1[1:]) and len(errors_1) == 3
-    # Each receiver received every byte the sender sent it: 4 frames of header, table and payload.
-    assert sender_ledger["weight_sync"] == [2 * 4 * 3, 2 * sum(wire)]
-    assert ledger_2["weight_sync"] == [4 * 3, sum(wire)]
+    # Each receiver received every byte the sender sent it: 4 frames of header, table, payload segments
+    # (positions and values of each sparse tensor, values of each dense one) and trailer.
+    calls = sum(3 + 2 * sparse + dense for _, sparse, dense in wire)
+    total = sum(w for w, _, _ in wire)
+    assert all(sparse + dense for _, sparse, dense in wire)
+    assert sender_ledger["weight_sync"] == [2 * calls, 2 * total]
+    assert ledger_2["weight_sync"] == ledger_1["weight_sync"] == [calls, total]
     assert "weight_sync_setup" in sender_ledger
