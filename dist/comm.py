@@ -18,6 +18,9 @@ import torch.distributed as torch_dist
 LEDGER: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 # Where collective tensors must live: cuda:LOCAL_RANK under NCCL, cpu under gloo. Set by dist.setup.
 _DEVICE = torch.device("cpu")
+# The group every collective below runs in: the whole world, or the learners only when rollout ranks
+# exist (they never join the learners' collectives). Set by `use_group`.
+_GROUP = None
 
 
 class CollectiveError(RuntimeError):
@@ -33,8 +36,15 @@ def device() -> torch.device:
     return _DEVICE
 
 
+def use_group(group) -> None:
+    """Run every collective of this module in `group` (None = the default group of all ranks)."""
+    global _GROUP
+    _GROUP = group
+
+
 def world_size() -> int:
-    return torch_dist.get_world_size() if torch_dist.is_available() and torch_dist.is_initialized() else 1
+    """Ranks taking part in this module's collectives (1 without a process group)."""
+    return torch_dist.get_world_size(_GROUP) if torch_dist.is_available() and torch_dist.is_initialized() else 1
 
 
 def _count(purpose: str, tensor: torch.Tensor) -> None:
@@ -73,19 +83,19 @@ def all_reduce(tensor: torch.Tensor, purpose: str, op: str = "sum", async_op: bo
     reduce_op = {"sum": torch_dist.ReduceOp.SUM, "avg": torch_dist.ReduceOp.AVG, "max": torch_dist.ReduceOp.MAX,
                  "min": torch_dist.ReduceOp.MIN}[op]
     try:
-        work = torch_dist.all_reduce(tensor, op=reduce_op, async_op=async_op)
+        work = torch_dist.all_reduce(tensor, op=reduce_op, group=_GROUP, async_op=async_op)
     except Exception as exc:  # noqa: BLE001
         raise _failed("all_reduce", purpose, exc) from exc
     return _Work(work, "all_reduce", purpose) if async_op else tensor
 
 
 def broadcast(tensor: torch.Tensor, purpose: str, src: int = 0) -> torch.Tensor:
-    """In-place broadcast of `tensor` from rank `src` to all ranks."""
+    """In-place broadcast of `tensor` from global rank `src` (a member of the group) to all ranks."""
     if world_size() == 1:
         return tensor
     _count(purpose, tensor)
     try:
-        torch_dist.broadcast(tensor, src=src)
+        torch_dist.broadcast(tensor, src=src, group=_GROUP)
     except Exception as exc:  # noqa: BLE001
         raise _failed("broadcast", purpose, exc) from exc
     return tensor
@@ -98,7 +108,7 @@ def all_gather(tensor: torch.Tensor, purpose: str) -> torch.Tensor:
     _count(purpose, tensor)
     out = [torch.empty_like(tensor) for _ in range(world_size())]
     try:
-        torch_dist.all_gather(out, tensor)
+        torch_dist.all_gather(out, tensor, group=_GROUP)
     except Exception as exc:  # noqa: BLE001
         raise _failed("all_gather", purpose, exc) from exc
     return torch.stack(out)
@@ -146,3 +156,14 @@ def irecv(tensor: torch.Tensor, purpose: str, src: int, group=None):
         return _Work(torch_dist.irecv(tensor, src=src, group=group), "irecv", purpose)
     except Exception as exc:  # noqa: BLE001
         raise _failed("irecv", purpose, exc) from exc
+
+
+def recv_then_count(tensor: torch.Tensor, purpose_of, src: int, group=None) -> torch.Tensor:
+    """Blocking receive into `tensor` from global rank `src`, counted under `purpose_of(tensor)`: for a header
+    that names what it starts (a receiver draining queued updates counts them as the sender did)."""
+    try:
+        torch_dist.recv(tensor, src=src, group=group)
+    except Exception as exc:  # noqa: BLE001
+        raise _failed("recv", "a message header", exc) from exc
+    _count(purpose_of(tensor), tensor)
+    return tensor
