@@ -1,0 +1,53 @@
+"""The sync plan of a run that uses sync/ equals the ledger: init traffic and a few syncs, both modes, every
+rank; and the bytes of a plan row checked by hand."""
+
+import pytest
+import torch
+
+from dist import comm
+from dist.plan import expected_ledger
+from multirank import run_ranks
+from sync import BucketConfig, WeightSyncConfig, make_weight_syncer
+from test_sync_common import make_state, snapshot
+
+SYNCS = 3
+
+
+def _plan_and_ledger(rank, world_size, mode, frozen):
+    cfg = WeightSyncConfig(type=mode, bucket=BucketConfig(bucket_size=50_000))
+    cfg.patch.init_sync.bucket_size = 50_000
+    syncer = make_weight_syncer(cfg, src=0, dsts=list(range(1, world_size)))
+    state = {**make_state(seed=0), "empty": torch.zeros(0, 3)}
+    keys = [k for k in state if k not in frozen]
+    comm.reset_ledger()
+    if rank == 0:
+        syncer.init_sender(state, keys=keys)
+        for version in range(1, SYNCS + 1):
+            for k in keys:  # every element changes: a patch is then exactly the plan's bound
+                state[k].copy_(~state[k] if state[k].dtype == torch.bool else state[k] + 1)
+            syncer.sync(state, version)
+    else:
+        syncer.init_receiver(state)
+        for version in range(1, SYNCS + 1):
+            assert syncer.apply(state) == version
+    return syncer.plan_rows(), {k: list(v) for k, v in comm.LEDGER.items()}, snapshot(state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, frozen", [("patch", ()), ("bucket", ("steps",))])
+def test_plan_equals_ledger_for_setup_and_syncs(mode, frozen):
+    results = run_ranks(_plan_and_ledger, 3, args=(mode, frozen))
+    for rank, (rows, ledger, state) in enumerate(results):
+        assert {r.purpose for r in rows} == {"weight_sync", "weight_sync_setup"}
+        assert {r.collective for r in rows} == {"send", "recv"}
+        assert expected_ledger(rows, SYNCS) == ledger, f"rank {rank}"
+        assert torch.equal(state["enc.weight"], results[0][2]["enc.weight"])
+    sender_update = [r for r in results[0][0] if r.purpose == "weight_sync"]
+    receiver_update = [r for r in results[1][0] if r.purpose == "weight_sync"]
+    # The sender sends each receiver what that receiver receives.
+    assert sender_update[0].call_bytes == receiver_update[0].call_bytes * 2
+    if mode == "bucket":
+        # By hand: buckets of at most 50,000 bytes over make_state's 7 synced tensors + the empty one, fp32:
+        # [scale, enc.bias] | [enc.weight (84,000 bytes)] | [conv.weight, dec.weight, mask, empty] (steps frozen)
+        frames = [[64, 2 * 32, 148, 4, 3 * 8], [64, 32, 84_000, 16], [64, 4 * 32, 1200, 8000, 6, 5 * 8]]
+        assert sorted(receiver_update[0].call_bytes) == sorted(b for f in frames for b in f)
