@@ -35,10 +35,10 @@ from dist.stop import STOP_KEYS, StopRequests
 from dist.verify import verify_plan_rows, verify_replicas
 from envs import make_env
 from ppo.actor_critic import build_actor_critic
-from ppo.gae import bootstrap_time_outs, compute_gae
 from ppo.logger import RunLogger
 from ppo.minibatch_step import build_optimizer
 from ppo.normalizer import RewardNormalizer
+from ppo.rollout import EpisodeStats, check_finite, collect_rollout, fill_storage
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update, update_plan_rows
 
@@ -111,46 +111,17 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
         logger = RunLogger(run_dir, cfg.max_iterations, start_iteration)   # continues the curves at start + 1
         print(f"[syncppo] writing to {run_dir}", flush=True)
 
-    episode_return, episode_length = torch.zeros(N, device=device), torch.zeros(N, device=device)
+    episodes = EpisodeStats(N, metric_keys, device)
     ledger_before = {k: list(v) for k, v in comm.LEDGER.items()}
     scalars: dict[str, float] = {}
     for iteration in range(start_iteration, cfg.max_iterations):
         # ---- rollout: T steps of every local env, no communication --------------------------------
         t0 = time.time()
-        sums = {k: torch.zeros((), device=device) for k in metric_keys}
-        counts = {k: torch.zeros((), device=device) for k in metric_keys}
-        storage.clear()
-        ended = []   # rank 0, --log.episode-returns: [N] per step, the return of each env that finished, else NaN
-        with torch.inference_mode():
-            for _ in range(T):
-                pi = model.distribution(obs["policy"])
-                actions = pi.sample()
-                values = model.value(obs["critic"])
-                next_obs, raw_reward, terminated, truncated, extras = env.step(actions)
-                done = terminated | truncated
-                reward = reward_normalizer(raw_reward, done) if reward_normalizer is not None else raw_reward
-                if cfg.ppo.bootstrap_time_outs:   # a time-out is not a failure: add gamma * V(obs before reset)
-                    reward = bootstrap_time_outs(reward, truncated, extras["final_obs"]["critic"], model.value,
-                                                 cfg.ppo.gamma)
-                storage.add(obs["policy"], obs["critic"], actions, pi.mean, pi.stddev, pi.log_prob(actions).sum(-1),
-                            reward, values, done)
-                episode_return += raw_reward
-                episode_length += 1
-                for key, value in (("Train/mean_reward", episode_return), ("Train/mean_episode_length", episode_length)):
-                    sums[key] += (value * done).sum()
-                    counts[key] += done.sum()
-                if cfg.log.episode_returns and is_main:
-                    ended.append(torch.where(done, episode_return, torch.nan))
-                episode_return *= ~done
-                episode_length *= ~done
-                for key, value in extras["log"].items():
-                    sums[key] += value
-                    counts[key] += 1
-                obs = next_obs
-            last_values = model.value(obs["critic"])
-        check_finite_rollout(storage, cfg.env.task or cfg.env.name, rank)   # before anything enters a normalizer
-        storage.advantages, storage.returns = compute_gae(storage.rewards, storage.values, storage.dones,
-                                                          last_values, cfg.ppo.gamma, cfg.ppo.lam)
+        episodes.start_iteration()
+        batch, obs = collect_rollout(model, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, episodes,
+                                     record_returns=cfg.log.episode_returns and is_main)
+        check_finite(batch, cfg.env.task or cfg.env.name, rank)    # before anything enters a normalizer
+        fill_storage(storage, batch, model, reward_normalizer, cfg.ppo.gamma, cfg.ppo.lam)
         collection_time = time.time() - t0
 
         # ---- update: E x M synchronized steps, then the once-per-iteration state syncs ------------
@@ -169,10 +140,9 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
         learning_time = time.time() - t1
 
         # ---- metrics + the stop flags: one packed all-reduce of (sum, count) pairs; rank 0 writes --
-        for key, value in (("Loss/surrogate", stats["surrogate"]), ("Loss/value_function", stats["value_function"]),
-                           ("Loss/entropy", stats["entropy"])):
-            sums[key] += value
-            counts[key] += 1
+        for key in ("surrogate", "value_function", "entropy"):
+            episodes.add(f"Loss/{key}", stats[key], 1)
+        sums, counts = dict(zip(metric_keys, episodes.sums)), dict(zip(metric_keys, episodes.counts))
         for key, (flag, one) in stop.local_flags(device).items():
             sums[key], counts[key] = flag, one
         scalars = reduce_metrics(sums, counts)
@@ -188,7 +158,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
         ledger_before = {k: list(v) for k, v in comm.LEDGER.items()}
         if is_main:
             logger.log(scalars, step=iteration + 1)
-            returns = torch.stack(ended).flatten().cpu() if ended else torch.zeros(0)   # in the order they ended
+            returns = torch.stack(episodes.ended).flatten().cpu() if episodes.ended else torch.zeros(0)  # in end order
             for value in returns[~returns.isnan()].tolist():
                 logger.writer.add_scalar("Episode/return", value, iteration + 1)
             if (iteration + 1) % cfg.log.print_every == 0 or iteration + 1 == cfg.max_iterations:
@@ -241,19 +211,6 @@ def rng_states(env, shuffle: torch.Generator) -> dict[str, torch.Tensor]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
-
-
-def check_finite_rollout(storage, env_name: str, rank: int) -> None:
-    """Raise naming the env, observation group and feature of the first NaN/inf the env produced."""
-    for field, what in (("actor_obs", "observation group 'policy'"), ("critic_obs", "observation group 'critic'"),
-                        ("rewards", "reward (or the time-out bootstrap value of extras['final_obs'])")):
-        data = getattr(storage, field)
-        bad = ~torch.isfinite(data)
-        if bad.any():
-            t, n, *feature = (int(i) for i in bad.nonzero()[0])
-            where = f" feature {feature[0]}" if feature else ""
-            raise RunError(f"env {env_name!r} produced {data[bad][0].item()} in {what}{where} at step {t} of env {n} "
-                           f"on rank {rank}; stopped before it reached a normalizer (fix the env or its config)")
 
 
 def restore(state: dict, path: str, stateful: dict, shuffle, rank: int, world: int) -> int:

@@ -1,4 +1,4 @@
-from configs.config import Config, DistConfig, EnvConfig, LogConfig, PolicyConfig, PPOConfig, resolve_num_envs, validate
+from configs.config import Config, DistConfig, EnvConfig, LogConfig, PolicyConfig, PPOConfig, RolloutConfig, resolve_num_envs, validate
 from configs.presets import PRESETS, preset
 
-__all__ = ["Config", "DistConfig", "EnvConfig", "LogConfig", "PolicyConfig", "PPOConfig", "resolve_num_envs", "validate", "PRESETS", "preset"]
+__all__ = ["Config", "DistConfig", "EnvConfig", "LogConfig", "PolicyConfig", "PPOConfig", "RolloutConfig", "resolve_num_envs", "validate", "PRESETS", "preset"]

@@ -146,12 +146,29 @@ class LogConfig:
 
 
 @dataclass
+class RolloutConfig:
+    ranks: int = 0
+    """rollout ranks K that run the envs and a policy copy; the other W - K ranks learn (0 = every rank does both)"""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: collect iteration k with the weights after update k - 1 (on-policy); async: collect while the learners update"""
+    max_staleness: int = 1
+    """async: a batch may be collected with weights at most this many versions older than the iteration"""
+    sync: Literal["patch", "bucket"] = "patch"
+    """how weights travel to the rollout ranks: patch (changed elements only) or bucket (whole tensors); see sync/"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """precision of the rollout ranks' policy copy"""
+    recompute: bool | None = None
+    """recompute old log-probs and values with the learner's weights before the update (default: on for bfloat16)"""
+
+
+@dataclass
 class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     max_iterations: int = 150
     """PPO iterations to run (rollout + update each)"""
     seed: int = 1
@@ -218,6 +235,27 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if any(h <= 0 for h in (*cfg.policy.actor_hidden, *cfg.policy.critic_hidden)):
         raise UsageError("--policy.actor-hidden and --policy.critic-hidden sizes must be positive")
     validate_simulator_env(cfg)
+    validate_rollout(cfg, world_size)
+
+
+def validate_rollout(cfg: Config, world_size: int) -> None:
+    """The learner/rollout split must leave at least one learner and give every learner the same share."""
+    k = cfg.rollout.ranks
+    if k < 0:
+        raise UsageError(f"--rollout.ranks must be >= 0, got {k}")
+    if cfg.rollout.max_staleness < 1:
+        raise UsageError(f"--rollout.max-staleness must be >= 1 (0 is --rollout.mode sync), got {cfg.rollout.max_staleness}")
+    if k == 0:
+        return
+    learners = world_size - k
+    if learners < 1:
+        raise UsageError(f"--rollout.ranks {k} leaves no learner among {world_size} rank(s); start more ranks "
+                         f"(torchrun --nproc-per-node) or use fewer rollout ranks")
+    if k % learners:
+        raise UsageError(f"--rollout.ranks {k} is not a multiple of the {learners} learner(s) left of {world_size} "
+                         f"ranks; each learner owns the same number of rollout ranks")
+    if cfg.env.global_num_envs:
+        raise UsageError("--env.global-num-envs with --rollout.ranks: give --env.num-envs per rollout rank instead")
 
 
 EMBEDDED_STEP_S = 0.02    # control step of both embedded envs (cartpole: dt; tracking: 4 x 5 ms substeps)

@@ -1,0 +1,116 @@
+"""Collect one iteration's [T, N] batch with a policy, and turn a batch into the storage the update reads.
+
+The two halves are apart on purpose: a colocated rank runs both; with rollout ranks, a rollout rank
+runs `collect_rollout` with its policy copy and sends the batch, and its learner runs `fill_storage` on
+the batches of its rollout ranks concatenated along the env axis. Rewards travel raw (the reward
+normalizer's per-env running returns follow the batch's envs on the learner) with the time-out
+bootstrap term beside them, so both layouts compute the stored rewards with the same operations.
+"""
+
+import torch
+
+from dist.errors import RunError
+from ppo.gae import bootstrap_time_outs, compute_gae
+
+BATCH_FIELDS = ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values", "rewards",
+                "bootstrap", "dones")
+
+
+class EpisodeStats:
+    """Per-env running episode return and length, and this iteration's (sum, count) of every metric."""
+
+    def __init__(self, num_envs: int, keys: tuple[str, ...], device):
+        self.keys, self.device = keys, device
+        self.episode_return = torch.zeros(num_envs, device=device)
+        self.episode_length = torch.zeros(num_envs, device=device)
+        self.start_iteration()
+
+    def start_iteration(self) -> None:
+        self.sums = torch.zeros(len(self.keys), dtype=torch.float64, device=self.device)
+        self.counts = torch.zeros(len(self.keys), dtype=torch.float64, device=self.device)
+        self.ended = []           # [N] per step: the return of each env whose episode ended, else NaN
+
+    def add(self, key: str, total, count) -> None:
+        i = self.keys.index(key)
+        self.sums[i] += total
+        self.counts[i] += count
+
+    def step(self, raw_reward: torch.Tensor, done: torch.Tensor, log: dict, record_returns: bool) -> None:
+        self.episode_return += raw_reward
+        self.episode_length += 1
+        ended = done.sum()
+        self.add("Train/mean_reward", (self.episode_return * done).sum(), ended)
+        self.add("Train/mean_episode_length", (self.episode_length * done).sum(), ended)
+        if record_returns:
+            self.ended.append(torch.where(done, self.episode_return, torch.nan))
+        self.episode_return *= ~done
+        self.episode_length *= ~done
+        for key, value in log.items():
+            self.add(key, value, 1)
+
+
+@torch.inference_mode()
+def collect_rollout(model, env, obs: dict, num_steps: int, gamma: float, bootstrap: bool, stats: EpisodeStats,
+                    record_returns: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """T steps of every env with `model`; returns the batch ([T, N, ...] fields + `last_critic_obs`) and the
+    observation to continue from. No communication."""
+    steps = {name: [] for name in BATCH_FIELDS}
+    for _ in range(num_steps):
+        pi = model.distribution(obs["policy"])
+        actions = pi.sample()
+        values = model.value(obs["critic"])
+        next_obs, raw_reward, terminated, truncated, extras = env.step(actions)
+        done = terminated | truncated
+        bootstrap_term = torch.zeros_like(raw_reward)
+        if bootstrap:   # a time-out is not a failure: gamma * V(obs before the reset), added to the reward later
+            bootstrap_term = bootstrap_time_outs(bootstrap_term, truncated, extras["final_obs"]["critic"], model.value,
+                                                 gamma)
+        for name, value in zip(BATCH_FIELDS, (obs["policy"], obs["critic"], actions, pi.mean, pi.stddev,
+                                              pi.log_prob(actions).sum(-1), values, raw_reward, bootstrap_term, done)):
+            steps[name].append(value)
+        stats.step(raw_reward, done, extras["log"], record_returns)
+        obs = next_obs
+    batch = {name: torch.stack(values) for name, values in steps.items()}
+    batch["last_critic_obs"] = obs["critic"]
+    return batch, obs
+
+
+def check_finite(batch: dict[str, torch.Tensor], env_name: str, rank: int) -> None:
+    """Raise naming the env, observation group and feature of the first NaN/inf the env produced."""
+    for field, what in (("actor_obs", "observation group 'policy'"), ("critic_obs", "observation group 'critic'"),
+                        ("rewards", "reward"), ("bootstrap", "time-out bootstrap value of extras['final_obs']")):
+        data = batch[field]
+        bad = ~torch.isfinite(data)
+        if bad.any():
+            t, n, *feature = (int(i) for i in bad.nonzero()[0])
+            where = f" feature {feature[0]}" if feature else ""
+            raise RunError(f"env {env_name!r} produced {data[bad][0].item()} in {what}{where} at step {t} of env "
+                             f"{n} on rank {rank}; stopped before it reached a normalizer (fix the env or its config)")
+
+
+@torch.inference_mode()
+def fill_storage(storage, batch: dict[str, torch.Tensor], model, reward_normalizer, gamma: float, lam: float,
+                 recompute: bool = False) -> None:
+    """Write `batch` into `storage`: rewards normalized then bootstrapped, GAE with `model`'s critic.
+
+    `recompute`: old log-probs, action mean/std and values from `model` rather than from the policy copy
+    that collected the batch (a lower-precision copy would otherwise bias the PPO ratio and the KL).
+    """
+    storage.clear()
+    for name in ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values"):
+        setattr(storage, name, batch[name])
+    if recompute:
+        pi = model.distribution(batch["actor_obs"])
+        storage.action_mean, storage.action_std = pi.mean, pi.stddev
+        storage.log_probs = pi.log_prob(batch["actions"]).sum(-1)
+        storage.values = model.value(batch["critic_obs"])
+    dones = batch["dones"].bool()
+    for t in range(batch["rewards"].shape[0]):
+        reward = batch["rewards"][t]
+        if reward_normalizer is not None:
+            reward = reward_normalizer(reward, dones[t])
+        storage.rewards[t] = reward + batch["bootstrap"][t]
+    storage.dones.copy_(dones)
+    storage.step = storage.num_steps
+    storage.advantages, storage.returns = compute_gae(storage.rewards, storage.values, storage.dones,
+                                                      model.value(batch["last_critic_obs"]), gamma, lam)
