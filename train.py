@@ -29,6 +29,7 @@ from dist.errors import RunError, UsageError
 from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows
 from dist.plan import PlanRow, format_plan
+from dist.roles import assign_roles
 from dist.setup import init_distributed, resolve_device, seed_everything, shutdown
 from dist.stats import metrics_plan_rows, reduce_metrics
 from dist.stop import STOP_KEYS, StopRequests
@@ -38,11 +39,11 @@ from ppo.actor_critic import build_actor_critic
 from ppo.logger import RunLogger
 from ppo.minibatch_step import build_optimizer
 from ppo.normalizer import RewardNormalizer
-from ppo.rollout import EpisodeStats, check_finite, collect_rollout, fill_storage
+from ppo.rollout import TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout, fill_storage
+from rollout_ranks import LearnerTeam, restore_team_states, run_rollout_rank
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update, update_plan_rows
 
-TRAIN_KEYS = ("Train/mean_reward", "Train/mean_episode_length", "Loss/surrogate", "Loss/value_function", "Loss/entropy")
 OBS_GROUP = {"actor_obs": "policy", "critic_obs": "critic"}   # storage field -> observation group
 
 
@@ -63,44 +64,66 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
             print(f"[syncppo] {resume_path} already reached --max-iterations {cfg.max_iterations}: done", flush=True)
         return None, {}, []
 
-    # ---- distributed set-up and build: env, model, optimizer, gradient sync, buffer rules ---------
+    # ---- distributed set-up and roles; rollout ranks (--rollout.ranks) go their own way ------------
     info = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
     device, is_main = info.device, rank == 0
+    roles = assign_roles(rank, world, cfg.rollout.ranks)
+    start_iteration = checkpoint["iteration"] if checkpoint else 0
+    if not roles.is_learner:
+        copy, plan = run_rollout_rank(cfg, roles, device, checkpoint, start_iteration)
+        shutdown()
+        return copy, {}, plan
+    comm.use_group(roles.learner_group)           # None (all ranks) when colocated
+
+    # ---- build: env (or the rollout ranks' spec), model, optimizer, gradient sync, buffer rules -----
     seed_everything(cfg.seed + rank)
-    try:
-        env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=cfg.seed)
-    except ValueError as exc:     # the adapters name the --env flag that does not fit the simulator
-        raise UsageError(str(exc)) from exc
-    model = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions).to(device)
+    env = team = None
+    if roles.colocated:
+        try:
+            env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=cfg.seed)
+        except ValueError as exc:     # the adapters name the --env flag that does not fit the simulator
+            raise UsageError(str(exc)) from exc
+        obs_dims, num_actions, N, log_keys = env.obs_dims, env.num_actions, env.num_envs, tuple(env.log_keys)
+    else:
+        team = LearnerTeam(cfg, roles, device, start_iteration)
+        obs_dims, num_actions, N, log_keys = (team.spec["obs_dims"], team.spec["num_actions"], team.num_envs,
+                                              team.spec["log_keys"])
+    model = build_actor_critic(cfg.policy, obs_dims, num_actions).to(device)
     optimizer = build_optimizer(model.parameters(), cfg.ppo, device)   # fused, device LR with --ppo.capture-step
     grad_sync = GradSync(model.parameters(), cfg.dist.grad_sync, cfg.dist.bucket_mb, num_extras=2,  # KL sum, count
                          unused=cfg.dist.unused_params)
     buffer_rules = resolve_buffer_policy(model, model.BUFFER_POLICY)
-    reward_normalizer = (RewardNormalizer(env.num_envs, cfg.ppo.gamma, cfg.ppo.reward_clip).to(device)
+    reward_normalizer = (RewardNormalizer(N, cfg.ppo.gamma, cfg.ppo.reward_clip).to(device)
                          if cfg.ppo.normalize_rewards else None)
     if reward_normalizer is not None:
         resolve_buffer_policy(reward_normalizer, reward_normalizer.BUFFER_POLICY)   # all merge/local
-    storage = RolloutStorage(cfg.ppo.num_steps, env.num_envs, env.obs_dims, env.num_actions, device)
+    storage = RolloutStorage(cfg.ppo.num_steps, N, obs_dims, num_actions, device)
     shuffle = torch.Generator().manual_seed(cfg.seed + rank)
     stateful = {"model": model, "optimizer": optimizer, "env": env, "reward_normalizer": reward_normalizer}
-    start_iteration = restore(checkpoint, resume_path, stateful, shuffle, rank, world) if checkpoint else 0
-    obs, _ = env.reset()
+    if checkpoint is not None:
+        restore(checkpoint, resume_path, stateful, shuffle, roles)
+    obs = env.reset()[0] if env is not None else None
+    first = {f: obs[g] for f, g in OBS_GROUP.items()} if env is not None else team.spec["reset_obs"]
     for storage_field, normalizer in model.normalizers().items():
-        normalizer.set_first_shift(obs[OBS_GROUP[storage_field]])   # rank 0's shift wins in the broadcast
+        normalizer.set_first_shift(first[storage_field].to(device))   # rank 0's shift wins in the broadcast
     broadcast_module(model)                       # same start everywhere (after a load too)
     if checkpoint is not None:
         verify_replicas(model, "parameters after checkpoint load")
+    if team is not None:
+        team.start(model, start_iteration)        # the rollout ranks' copies start from these weights
 
-    T, N = cfg.ppo.num_steps, env.num_envs
-    metric_keys = TRAIN_KEYS + tuple(env.log_keys)
+    T, learners = cfg.ppo.num_steps, roles.num_learners
+    metric_keys = TRAIN_KEYS + log_keys
     plan = [*broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
             *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
             *sampler_plan_rows(env, cfg), *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS)),
+            *(team.plan_rows() if team else []),
             *verify_plan_rows(cfg.dist.verify_every, checkpoint is not None),
             rng_plan_row(rng_states(env, shuffle), cfg.log.save_every)]
     if is_main:
         print(f"[syncppo] world size {world}, backend {info.backend}, device {device} (one per rank); {envs_scope}\n"
-              f"[syncppo] {world} ranks x {N} envs x {T} steps = {world * N * T} transitions per iteration\n"
+              f"[syncppo] {roles.describe()}\n"
+              f"[syncppo] {learners} learner(s) x {N} envs x {T} steps = {learners * N * T} transitions per iteration\n"
               f"{format_plan(plan, world)}", flush=True)
     if cfg.dry_run:
         shutdown()
@@ -115,13 +138,20 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     ledger_before = {k: list(v) for k, v in comm.LEDGER.items()}
     scalars: dict[str, float] = {}
     for iteration in range(start_iteration, cfg.max_iterations):
-        # ---- rollout: T steps of every local env, no communication --------------------------------
+        # ---- rollout: T steps of every local env (no communication), or the rollout ranks' batches ----
         t0 = time.time()
         episodes.start_iteration()
-        batch, obs = collect_rollout(model, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, episodes,
-                                     record_returns=cfg.log.episode_returns and is_main)
-        check_finite(batch, cfg.env.task or cfg.env.name, rank)    # before anything enters a normalizer
-        fill_storage(storage, batch, model, reward_normalizer, cfg.ppo.gamma, cfg.ppo.lam)
+        if team is None:
+            batch, obs = collect_rollout(model, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, episodes,
+                                         record_returns=cfg.log.episode_returns and is_main)
+            check_finite(batch, cfg.env.task or cfg.env.name, rank)    # before anything enters a normalizer
+        else:
+            batch, remote = team.receive(iteration)
+            episodes.sums += remote["sums"].to(device)
+            episodes.counts += remote["counts"].to(device)
+            episodes.ended = list(batch.pop("episode_returns", torch.zeros(0, N)))
+        fill_storage(storage, batch, model, reward_normalizer, cfg.ppo.gamma, cfg.ppo.lam,
+                     recompute=team is not None and team.recompute)
         collection_time = time.time() - t0
 
         # ---- update: E x M synchronized steps, then the once-per-iteration state syncs ------------
@@ -133,7 +163,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
         sync_buffers(model, buffer_rules)
         if reward_normalizer is not None:
             reward_normalizer.update()
-        if env.sampler is not None and (iteration + 1) % cfg.dist.sampler_sync_every == 0:
+        if env is not None and env.sampler is not None and (iteration + 1) % cfg.dist.sampler_sync_every == 0:
             sync_sampler(env.sampler)
         if cfg.dist.verify_every and (iteration + 1) % cfg.dist.verify_every == 0:
             verify_replicas(model)
@@ -144,14 +174,16 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
             episodes.add(f"Loss/{key}", stats[key], 1)
         sums, counts = dict(zip(metric_keys, episodes.sums)), dict(zip(metric_keys, episodes.counts))
         for key, (flag, one) in stop.local_flags(device).items():
-            sums[key], counts[key] = flag, one
+            sums[key], counts[key] = flag + (remote[key[len("Control/"):]] if team else 0), one
         scalars = reduce_metrics(sums, counts)
         stop_signal, launcher_gone = (scalars.pop(key) > 0 for key in STOP_KEYS)
         scalars.update({"Loss/learning_rate": stats["learning_rate"], "Policy/kl": stats["kl"],
                         "Policy/mean_noise_std": model.log_std.exp().mean().item(),
-                        "Perf/total_fps": world * N * T / (collection_time + learning_time),
+                        "Perf/total_fps": learners * N * T / (collection_time + learning_time),
                         "Perf/collection_time": collection_time, "Perf/learning_time": learning_time,
                         "Train/nonfinite_skipped_steps": stats["skipped_steps"]})
+        if team is not None:
+            scalars["Perf/policy_lag"] = remote["lag"]
         for purpose, (calls, nbytes) in comm.LEDGER.items():
             before = ledger_before.get(purpose, [0, 0])
             scalars[f"Comm/{purpose}_calls"], scalars[f"Comm/{purpose}_bytes"] = calls - before[0], nbytes - before[1]
@@ -164,20 +196,26 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
             if (iteration + 1) % cfg.log.print_every == 0 or iteration + 1 == cfg.max_iterations:
                 logger.print_line(iteration, scalars)
         if launcher_gone:     # orphans: no launcher is left to restart or collect the job, so write nothing
+            if team is not None:
+                team.finish(model, iteration, stop=True, save=False)
             raise RunError(f"the launcher (torchrun) is gone: stopped after iteration {iteration + 1} without saving; "
                            f"the last periodic checkpoint is kept")
 
         # ---- checkpoint: sampler counts summed, every rank's RNG gathered, rank 0 writes ----------
         last = iteration + 1 == cfg.max_iterations
-        if (iteration + 1) % cfg.log.save_every == 0 or last or stop_signal:
-            if env.sampler is not None:
+        save = (iteration + 1) % cfg.log.save_every == 0 or last or stop_signal
+        team_states = team.finish(model, iteration, stop_signal, save) if team is not None else None
+        if save:
+            if env is not None and env.sampler is not None:
                 sync_sampler(env.sampler)
             rngs = gather_rng_states(rng_states(env, shuffle))
+            extra = {"env": env.state_dict(), "layout": [world, 0]} if team is None else \
+                team_checkpoint(comm.all_gather(team_states, "checkpoint"), team.spec, roles)
             if is_main:
                 path = os.path.join(run_dir, f"model_{iteration + 1}.pt")
                 save_checkpoint(path, {**{k: v.state_dict() for k, v in stateful.items() if v is not None},
                                        "iteration": iteration + 1, "learning_rate": optimizer.param_groups[0]["lr"],
-                                       "config": dataclasses.asdict(cfg), "rng": rngs})
+                                       "config": dataclasses.asdict(cfg), "rng": rngs, **extra})
                 print(f"[syncppo] saved {path}", flush=True)
         if stop_signal and not last:
             if is_main:
@@ -198,7 +236,7 @@ def sync_sampler(sampler) -> None:
 
 
 def sampler_plan_rows(env, cfg: Config) -> list[PlanRow]:
-    if env.sampler is None:
+    if env is None or env.sampler is None:
         return []
     nbytes = [env.sampler.local_counts.numel() * 8]
     return [PlanRow("sampler", "sum of counts", "all_reduce", "every", nbytes, every=cfg.dist.sampler_sync_every),
@@ -207,14 +245,16 @@ def sampler_plan_rows(env, cfg: Config) -> list[PlanRow]:
 
 
 def rng_states(env, shuffle: torch.Generator) -> dict[str, torch.Tensor]:
-    state = {"torch": torch.get_rng_state(), "env": env.generator.get_state(), "shuffle": shuffle.get_state()}
+    state = {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state()}
+    if env is not None:
+        state["env"] = env.generator.get_state()
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def restore(state: dict, path: str, stateful: dict, shuffle, rank: int, world: int) -> int:
-    """Load a checkpoint into the built objects; RNG states are restored per rank when the world size matches.
+def restore(state: dict, path: str, stateful: dict, shuffle, roles) -> None:
+    """Load a checkpoint into the built objects; RNG states are restored per rank when the layout matches.
 
     Buffers declared `local` (per-env running state such as the reward normalizer's running returns)
     keep their fresh values: envs restart their episodes, so that state restarts too.
@@ -233,18 +273,26 @@ def restore(state: dict, path: str, stateful: dict, shuffle, rank: int, world: i
         except (RuntimeError, ValueError, KeyError) as exc:
             raise UsageError(f"--resume {path!r}: its {key} does not fit this run (other env or --policy.* "
                              f"sizes?): {str(exc).splitlines()[0]}") from None
-    env = stateful["env"]
-    if len(state["rng"]) == world:
-        rng = state["rng"][rank]
+    saved_layout = state.get("layout", [len(state["rng"]), 0])
+    if saved_layout == [roles.num_learners, roles.num_rollouts]:
+        rng = state["rng"][roles.rank]
         torch.set_rng_state(rng["torch"].cpu())
-        env.generator.set_state(rng["env"].cpu())
         shuffle.set_state(rng["shuffle"].cpu())
-    elif rank == 0:
-        print(f"[syncppo] resuming a {len(state['rng'])}-rank checkpoint on {world} ranks: RNG streams restart "
-              f"from --seed + rank; everything else is restored", flush=True)
-    if rank == 0:
+        if stateful["env"] is not None:
+            stateful["env"].generator.set_state(rng["env"].cpu())
+    elif roles.rank == 0:
+        print(f"[syncppo] resuming a checkpoint of {saved_layout[0]} learner(s) + {saved_layout[1]} rollout rank(s) "
+              f"on {roles.num_learners} + {roles.num_rollouts}: RNG streams restart from --seed + rank; "
+              f"everything else is restored", flush=True)
+    if roles.rank == 0:
         print(f"[syncppo] resumed {path} at iteration {state['iteration']}", flush=True)
-    return state["iteration"]
+
+
+def team_checkpoint(gathered: torch.Tensor, spec: dict, roles) -> dict:
+    """The checkpoint entries of the rollout ranks: every one's RNG, and the env state (identical on all
+    of them after the sampler sum) from the first."""
+    rollout_rngs, env_state = restore_team_states(gathered.cpu().flatten(), spec)
+    return {"env": env_state, "rollout_rng": rollout_rngs, "layout": [roles.num_learners, roles.num_rollouts]}
 
 
 def cli(cfg: Config) -> int:

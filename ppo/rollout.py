@@ -12,6 +12,7 @@ import torch
 from dist.errors import RunError
 from ppo.gae import bootstrap_time_outs, compute_gae
 
+TRAIN_KEYS = ("Train/mean_reward", "Train/mean_episode_length", "Loss/surrogate", "Loss/value_function", "Loss/entropy")
 BATCH_FIELDS = ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values", "rewards",
                 "bootstrap", "dones")
 

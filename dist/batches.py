@@ -1,0 +1,174 @@
+"""A learner and its rollout ranks: typed point-to-point messages for batches, decisions and checkpoint state.
+
+Layouts are agreed once at start-up (each rollout rank sends one pickled description to its learner);
+after that only flat tensors travel, counted in the ledger:
+
+- `batches` (rollout -> learner, every iteration): the [T, N] batch as one float32 message plus one
+  float64 message (weight version, stop flags, metric sums and counts);
+- `control` (learner -> rollout, every iteration): the learners' agreed (stop, save) for that iteration;
+- `checkpoint` (rollout -> learner, at saves): the rollout rank's RNG and env state as raw bytes.
+
+All of it runs in the team's own group (`Roles.batches_group`); weights travel in another (sync/).
+"""
+
+import pickle
+from dataclasses import dataclass
+
+import torch
+
+from dist import comm
+from dist.plan import PlanRow
+
+SMALL = torch.float64     # fields of this dtype travel in the float64 message, everything else as float32
+
+
+@dataclass
+class Layout:
+    """name -> (shape, dtype) of every tensor of a message pair, in a fixed order."""
+    fields: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+    def wire(self, dtype: torch.dtype) -> torch.dtype:
+        return SMALL if dtype == SMALL else torch.float32
+
+    def sizes(self) -> dict[torch.dtype, int]:
+        out = {torch.float32: 0, SMALL: 0}
+        for shape, dtype in self.fields.values():
+            out[self.wire(dtype)] += int(torch.Size(shape).numel())
+        return out
+
+    def pack(self, tensors: dict[str, torch.Tensor], out: dict[torch.dtype, torch.Tensor]) -> None:
+        offsets = dict.fromkeys(out, 0)
+        for name, (shape, dtype) in self.fields.items():
+            wire, n = self.wire(dtype), int(torch.Size(shape).numel())
+            out[wire][offsets[wire]:offsets[wire] + n].copy_(tensors[name].reshape(-1))
+            offsets[wire] += n
+
+    def unpack(self, buffers: dict[torch.dtype, torch.Tensor]) -> dict[str, torch.Tensor]:
+        offsets, out = dict.fromkeys(buffers, 0), {}
+        for name, (shape, dtype) in self.fields.items():
+            wire, n = self.wire(dtype), int(torch.Size(shape).numel())
+            out[name] = buffers[wire][offsets[wire]:offsets[wire] + n].view(shape).to(dtype)
+            offsets[wire] += n
+        return out
+
+    def buffers(self, device) -> dict[torch.dtype, torch.Tensor]:
+        return {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in self.sizes().items()}
+
+
+def describe(tensors: dict[str, torch.Tensor]) -> Layout:
+    return Layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
+
+
+def send_object(obj, dst: int, group, purpose: str) -> int:
+    """Crosses ranks once at start-up: a pickled description (size, then bytes), never per iteration.
+    Returns the pickled size (for the plan row)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    comm.send(torch.tensor([data.numel()], dtype=torch.int64), purpose, dst, group)
+    comm.send(data, purpose, dst, group)
+    return data.numel()
+
+
+def recv_object(src: int, group, purpose: str) -> tuple[object, int]:
+    size = int(comm.recv(torch.empty(1, dtype=torch.int64), purpose, src, group))
+    data = comm.recv(torch.empty(size, dtype=torch.uint8), purpose, src, group)
+    return pickle.loads(data.numpy().tobytes()), size
+
+
+def setup_plan_row(sizes: list[int], collective: str) -> PlanRow:
+    return PlanRow("setup", "layouts and env spec (pickled once)", collective, "setup",
+                   [b for size in sizes for b in (8, size)])
+
+
+class BatchSender:
+    """A rollout rank's end: its batches up, the learners' decisions down, its state up at saves."""
+
+    def __init__(self, learner: int, group, layout: Layout, state_bytes: int, device):
+        self.learner, self.group, self.layout, self.device = learner, group, layout, device
+        self.out = layout.buffers(device)
+        self.state_bytes = state_bytes
+
+    def send(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Crosses ranks: 2 sends per iteration (float32 batch, float64 extras) to this rank's learner."""
+        self.layout.pack(tensors, self.out)
+        for buffer in self.out.values():
+            comm.send(buffer, "batches", self.learner, self.group)
+
+    def decision(self) -> tuple[bool, bool]:
+        """Crosses ranks: 1 receive per iteration, the learners' agreed (stop, save) for it."""
+        try:
+            stop, save = comm.recv(torch.empty(2, dtype=torch.float64), "control", self.learner, self.group).tolist()
+        except comm.CollectiveError as exc:
+            raise comm.CollectiveError(f"learner rank {self.learner} sent no decision (it died or stalled): "
+                                       f"{exc}") from exc
+        return bool(stop), bool(save)
+
+    def send_state(self, blob: torch.Tensor) -> None:
+        """Crosses ranks at saves: this rank's RNG and env state (uint8) to its learner."""
+        comm.send(blob, "checkpoint", self.learner, self.group)
+
+    def plan_rows(self, save_every: int) -> list[PlanRow]:
+        sizes = [n * (8 if dtype == SMALL else 4) for dtype, n in self.layout.sizes().items()]
+        return [PlanRow("batches", "[T, N] batch to the learner", "send", "iteration", sizes),
+                PlanRow("control", "stop/save from the learners", "recv", "iteration", [16]),
+                PlanRow("checkpoint", "RNG + env state to the learner", "send", "checkpoint", [self.state_bytes],
+                        every=save_every)]
+
+
+class BatchReceiver:
+    """A learner's end. Keeps `depth` receives posted per rollout rank, so a rollout rank that runs ahead
+    (async mode) can hand over its next batches while the learner is still updating."""
+
+    def __init__(self, rollouts: list[int], group, layout: Layout, state_bytes: int, depth: int, start: int, end: int,
+                 device):
+        self.rollouts, self.group, self.layout, self.depth = rollouts, group, layout, depth
+        self.state_bytes, self.device = state_bytes, device
+        self.next_posted, self.end = start, end               # never post for an iteration past the run
+        self.slots: list[list] = [[] for _ in rollouts]      # per rollout rank: (buffers, works) in order
+
+    def post(self) -> None:
+        """Crosses ranks: 2 receives per rollout rank, posted ahead; completed by `take`."""
+        for i, src in enumerate(self.rollouts):
+            buffers = self.layout.buffers(self.device)
+            works = [comm.irecv(b, "batches", src, self.group) for b in buffers.values()]
+            self.slots[i].append((buffers, works))
+        self.next_posted += 1
+
+    def take(self) -> list[dict[str, torch.Tensor]]:
+        """The oldest posted batch of every rollout rank (waits for it), topping the posted receives up."""
+        while len(self.slots[0]) < self.depth and self.next_posted < self.end:
+            self.post()
+        batches = []
+        for i, src in enumerate(self.rollouts):
+            buffers, works = self.slots[i].pop(0)
+            try:
+                for work in works:
+                    work.wait()
+            except comm.CollectiveError as exc:
+                raise comm.CollectiveError(f"rollout rank {src} sent no batch (it died or stalled): {exc}") from exc
+            batches.append(self.layout.unpack(buffers))
+        return batches
+
+    def decide(self, stop: bool, save: bool) -> None:
+        """Crosses ranks: 1 send per rollout rank per iteration."""
+        for dst in self.rollouts:
+            comm.send(torch.tensor([float(stop), float(save)], dtype=torch.float64), "control", dst, self.group)
+
+    def states(self) -> torch.Tensor:
+        """At a save: every rollout rank's state blob, concatenated in rank order."""
+        return torch.cat([comm.recv(torch.empty(self.state_bytes, dtype=torch.uint8), "checkpoint", src, self.group)
+                          for src in self.rollouts])
+
+    def plan_rows(self, save_every: int) -> list[PlanRow]:
+        sizes = [n * (8 if dtype == SMALL else 4) for dtype, n in self.layout.sizes().items()]
+        return [PlanRow("batches", "[T, N] batch from each rollout rank", "recv", "iteration",
+                        sizes * len(self.rollouts)),
+                PlanRow("control", "stop/save to each rollout rank", "send", "iteration", [16] * len(self.rollouts)),
+                PlanRow("checkpoint", "RNG + env state of each rollout rank", "recv", "checkpoint",
+                        [self.state_bytes] * len(self.rollouts), every=save_every)]
+
+
+def concat_batches(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Join rollout ranks' batches along the env axis (dim 1 of [T, N, ...], dim 0 of [N, ...])."""
+    if len(batches) == 1:
+        return batches[0]
+    return {k: torch.cat([b[k] for b in batches], dim=0 if k == "last_critic_obs" else 1) for k in batches[0]}

@@ -1,0 +1,219 @@
+"""Rollout ranks (`--rollout.ranks K`): envs and a policy copy on K ranks, learning on the other L.
+
+    torchrun --standalone --nproc-per-node 2 train.py tracking --rollout.ranks 1                  # 1 + 1, on-policy
+    torchrun --standalone --nproc-per-node 5 train.py mujoco --rollout.ranks 4 --rollout.mode async
+
+Each iteration a rollout rank collects its [T, N] batch with its copy of the policy and sends it to its
+learner (dist/batches.py); the learner concatenates its rollout ranks' batches along the env axis, runs
+the unchanged PPO update, and sends the new weights back through sync/ (patch or bucket), the
+observation normalizers' statistics included (they are buffers of the model).
+
+- `sync` mode: batch k is collected with the weights after update k - 1, exactly what a colocated rank
+  would use; with an fp32 copy and K = L the run is bit-identical to the colocated one.
+- `async` mode: a rollout rank collects batch k + 1 while its learner updates on batch k, up to
+  `--rollout.max-staleness S` versions behind. Every batch carries the version it was collected with;
+  the learner logs `Perf/policy_lag` and refuses a batch older than S. The learner keeps S + 1 receives
+  posted, so a rollout rank that runs ahead never blocks on its sends.
+
+Per iteration, in order: batches up; the learners' agreed (stop, save) down; at saves, each rollout
+rank's RNG and env state up; then the weights of the next version down (unless the run ends).
+"""
+
+import os
+
+import torch
+
+from configs import Config
+from dist import comm
+from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, recv_object, send_object,
+                          setup_plan_row)
+from dist.checkpoint import flatten_state, from_bytes, to_bytes, unflatten_state
+from dist.errors import RunError, UsageError
+from dist.plan import PlanRow
+from dist.setup import seed_everything
+from dist.stop import StopRequests
+from envs import make_env
+from ppo.actor_critic import build_actor_critic
+from ppo.rollout import TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout
+from sync import WeightSyncConfig, make_weight_syncer
+
+FLAGS = ("version", "stop_signal", "launcher_gone")
+
+
+def batch_layout(T: int, N: int, obs_dims: dict, num_actions: int, num_keys: int, episode_returns: bool) -> Layout:
+    f32, a = torch.float32, num_actions
+    fields = {"actor_obs": ((T, N, obs_dims["policy"]), f32), "critic_obs": ((T, N, obs_dims["critic"]), f32),
+              "actions": ((T, N, a), f32), "action_mean": ((T, N, a), f32), "action_std": ((T, N, a), f32),
+              "log_probs": ((T, N), f32), "values": ((T, N), f32), "rewards": ((T, N), f32),
+              "bootstrap": ((T, N), f32), "dones": ((T, N), torch.bool), "last_critic_obs": ((N, obs_dims["critic"]), f32),
+              "flags": ((len(FLAGS),), torch.float64), "sums": ((num_keys,), torch.float64),
+              "counts": ((num_keys,), torch.float64)}
+    if episode_returns:
+        fields["episode_returns"] = ((T, N), f32)
+    return Layout(fields)
+
+
+def weight_sync_config(cfg: Config) -> WeightSyncConfig:
+    return WeightSyncConfig(type=cfg.rollout.sync)
+
+
+class LearnerTeam:
+    """A learner's side of its rollout ranks: their batches in, decisions and weights out."""
+
+    def __init__(self, cfg: Config, roles, device, start_iteration: int):
+        self.cfg, self.roles, self.rollouts = cfg, roles, roles.team[1:]
+        received = [recv_object(src, roles.batches_group, "setup") for src in self.rollouts]
+        specs, self.spec_sizes = [spec for spec, _ in received], [size for _, size in received]
+        for src, spec in zip(self.rollouts[1:], specs[1:]):
+            if {k: spec[k] for k in ("obs_dims", "num_actions", "num_envs", "log_keys")} != \
+                    {k: specs[0][k] for k in ("obs_dims", "num_actions", "num_envs", "log_keys")}:
+                raise RunError(f"rollout rank {src} built a different env than rollout rank {self.rollouts[0]}")
+        self.spec = specs[0]
+        self.num_envs = len(self.rollouts) * self.spec["num_envs"]
+        depth = 1 if cfg.rollout.mode == "sync" else cfg.rollout.max_staleness + 1
+        self.receiver = BatchReceiver(self.rollouts, roles.batches_group, self.spec["layout"], self.spec["state_bytes"],
+                                      depth, start_iteration, cfg.max_iterations, device)
+        self.syncer = make_weight_syncer(weight_sync_config(cfg), roles.rank, self.rollouts, roles.weights_group)
+        self.recompute = cfg.rollout.dtype != "float32" if cfg.rollout.recompute is None else cfg.rollout.recompute
+
+    def start(self, model, version: int) -> None:
+        """Crosses ranks once: sync/'s init handshake and bootstrap of the rollout ranks' copies."""
+        self.syncer.init_sender(model.state_dict(), None, version)
+
+    def receive(self, iteration: int) -> tuple[dict, dict]:
+        """Batch `iteration` of every rollout rank, joined along the env axis, and what rode with it."""
+        batches = self.receiver.take()
+        flags = torch.stack([b.pop("flags") for b in batches])
+        versions, signal, gone = flags[:, 0], flags[:, 1].max().item(), flags[:, 2].max().item()
+        lag = iteration - int(versions.min())
+        if lag > (self.cfg.rollout.max_staleness if self.cfg.rollout.mode == "async" else 0):
+            raise RunError(f"batch {iteration} from rollout ranks {self.rollouts} was collected with weights "
+                           f"{lag} versions old, more than --rollout.max-staleness allows")
+        sums = sum(b.pop("sums") for b in batches)
+        counts = sum(b.pop("counts") for b in batches)
+        return concat_batches(batches), {"lag": lag, "stop_signal": signal, "launcher_gone": gone,
+                                         "sums": sums, "counts": counts}
+
+    def finish(self, model, iteration: int, stop: bool, save: bool) -> torch.Tensor | None:
+        """Tell the rollout ranks the decision, take their state at a save, then send the next weights."""
+        self.receiver.decide(stop, save)
+        states = self.receiver.states() if save else None
+        if not stop and iteration + 1 < self.cfg.max_iterations:
+            self.syncer.sync(model.state_dict(), iteration + 1)
+        return states
+
+    def plan_rows(self) -> list[PlanRow]:
+        return [setup_plan_row(self.spec_sizes, "recv"), *self.receiver.plan_rows(self.cfg.log.save_every),
+                *self.syncer.plan_rows()]
+
+
+def rollout_rng(env) -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state(), "env": env.generator.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_iteration: int) -> tuple:
+    """A rollout rank's whole life: build, agree layouts with its learner, then collect until told to stop.
+
+    Returns the policy copy and this rank's sync-plan rows."""
+    j, learner = roles.rollout_index, roles.team[0]
+    seed_everything(cfg.seed + j)                 # the seeds colocated rank j would use
+    try:
+        env = make_env(cfg.env, device, seed=cfg.seed + j, base_seed=cfg.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    copy = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions).to(device)
+    low_precision = cfg.rollout.dtype != "float32"
+    if low_precision:
+        for p in copy.parameters():
+            p.data = p.data.to(getattr(torch, cfg.rollout.dtype))
+    if checkpoint is not None:
+        env.load_state_dict(checkpoint["env"])
+        if checkpoint.get("layout") == [roles.num_learners, roles.num_rollouts]:
+            rng = checkpoint["rollout_rng"][j]
+            torch.set_rng_state(rng["torch"].cpu())
+            env.generator.set_state(rng["env"].cpu())
+    obs, _ = env.reset()
+    T, N = cfg.ppo.num_steps, env.num_envs
+    keys = TRAIN_KEYS + tuple(env.log_keys)
+    layout = batch_layout(T, N, env.obs_dims, env.num_actions, len(keys), cfg.log.episode_returns)
+    state_layout = {f"rng/{k}": (tuple(v.shape), v.dtype) for k, v in rollout_rng(env).items()}
+    state_layout.update({f"env/{k}": (tuple(v.shape), v.dtype) for k, v in flatten_state(env.state_dict()).items()})
+    state_bytes = sum(int(torch.Size(s).numel()) * d.itemsize for s, d in state_layout.values())
+    spec_size = send_object({"obs_dims": env.obs_dims, "num_actions": env.num_actions, "num_envs": N, "log_keys": tuple(env.log_keys),
+                 "layout": layout, "state_layout": state_layout, "state_bytes": state_bytes,
+                 "reset_obs": {"actor_obs": obs["policy"].cpu(), "critic_obs": obs["critic"].cpu()}},
+                learner, roles.batches_group, "setup")
+    syncer = make_weight_syncer(weight_sync_config(cfg), learner, roles.team[1:], roles.weights_group)
+    version = syncer.init_receiver(copy)
+    sender = BatchSender(learner, roles.batches_group, layout, state_bytes, torch.device("cpu"))
+    comm.use_group(roles.rollout_group)
+    stop = StopRequests(watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
+    stats = EpisodeStats(N, keys, device)
+    lag = 0 if cfg.rollout.mode == "sync" else cfg.rollout.max_staleness
+    decided = start_iteration - 1               # the last iteration whose (stop, save) this rank has read
+    autocast = torch.autocast(device.type, dtype=getattr(torch, cfg.rollout.dtype), enabled=low_precision)
+
+    def read_decision() -> bool:
+        """The learners' (stop, save) for the next undecided iteration, then the weights it produced."""
+        nonlocal decided, version
+        must_stop, save = sender.decision()
+        decided += 1
+        if save:
+            if env.sampler is not None:
+                sync_rollout_sampler(env.sampler)
+            sender.send_state(to_bytes({**{f"rng/{k}": v for k, v in rollout_rng(env).items()},
+                                        **{f"env/{k}": v for k, v in flatten_state(env.state_dict()).items()}}))
+        if must_stop or decided + 1 >= cfg.max_iterations:
+            return True
+        version = syncer.apply(copy)
+        return False
+
+    plan = [setup_plan_row([spec_size], "send"), *sender.plan_rows(cfg.log.save_every), *syncer.plan_rows()]
+    if env.sampler is not None:
+        nbytes = [env.sampler.local_counts.numel() * 8]
+        plan += [PlanRow("sampler", "sum of counts over rollout ranks", "all_reduce", "every", nbytes,
+                         every=cfg.dist.sampler_sync_every),
+                 PlanRow("sampler", "sum of counts before save", "all_reduce", "checkpoint", nbytes,
+                         every=cfg.log.save_every)]
+    for iteration in range(start_iteration, cfg.max_iterations):
+        while decided < iteration - 1 - lag:    # sync: the weights after update k - 1; async: up to S older
+            if read_decision():
+                stop.restore_default_handlers()
+                return copy, plan
+        stats.start_iteration()
+        with autocast:
+            batch, obs = collect_rollout(copy, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, stats,
+                                         record_returns=cfg.log.episode_returns)
+        check_finite(batch, cfg.env.task or cfg.env.name, roles.rank)
+        batch["flags"] = torch.tensor([version, stop.signal_name is not None, stop.launcher_gone()], dtype=torch.float64)
+        batch["sums"], batch["counts"] = stats.sums, stats.counts
+        if cfg.log.episode_returns:
+            batch["episode_returns"] = torch.stack(stats.ended)
+        sender.send({k: v.cpu() for k, v in batch.items()})
+        if env.sampler is not None and (iteration + 1) % cfg.dist.sampler_sync_every == 0:
+            sync_rollout_sampler(env.sampler)
+    while decided < cfg.max_iterations - 1:
+        if read_decision():
+            break
+    stop.restore_default_handlers()
+    return copy, plan
+
+
+def sync_rollout_sampler(sampler) -> None:
+    """Crosses ranks: one all-reduce (sum) of the local visit/failure counts among the rollout ranks."""
+    sampler.commit_global(comm.all_reduce(sampler.local_counts.clone().to(comm.device()), "sampler").to(
+        sampler.local_counts.device))
+
+
+def restore_team_states(states: torch.Tensor, spec: dict) -> tuple[list[dict], dict]:
+    """Every rollout rank's (RNG, env state) from the gathered blobs, in rollout-rank order."""
+    per = spec["state_bytes"]
+    out = []
+    for i in range(states.numel() // per):
+        flat = from_bytes(states[i * per:(i + 1) * per], spec["state_layout"])
+        out.append({"rng": {k[4:]: v for k, v in flat.items() if k.startswith("rng/")},
+                    "env": unflatten_state({k[4:]: v for k, v in flat.items() if k.startswith("env/")})})
+    return [o["rng"] for o in out], out[0]["env"]
