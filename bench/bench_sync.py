@@ -1,21 +1,27 @@
 """Weight sync side by side: patch vs bucket vs a naive per-tensor dist.send of the state_dict.
 
-Two gloo ranks on CPU (rank 0 sends, rank 1 receives). For each model size, patch runs at several
-densities (the fraction of elements changed since the last sync); bucket and naive send everything
-whatever changed. Then the density a real PPO iteration of the `tracking` preset produces, from
-consecutive checkpoints of train.py, with fp32 and bf16 receivers.
+Two gloo ranks on CPU (rank 0 sends, rank 1 receives). patch runs at several densities (the fraction of
+elements changed since the last sync); bucket and naive send everything whatever changed. A second table
+gives patch's bytes against the information limit for fp32 and bf16 receivers. Optionally, the density a
+real PPO iteration of the `tracking` preset produces, from consecutive checkpoints of train.py.
 
-    python bench/bench_sync.py              # ~10M and ~100M parameters, a few minutes on 2 cores
-    python bench/bench_sync.py --quick      # ~1M parameters, two densities, no PPO part: seconds
+    python bench/bench_sync.py              # ~10M parameters: time and bytes tables, about a minute
+    python bench/bench_sync.py --quick      # ~1M parameters, three densities: seconds
+    python bench/bench_sync.py --ppo        # also train 3 iterations of `tracking` and sync its checkpoints
     python bench/bench_sync.py --checkpoints a/model_1.pt a/model_2.pt a/model_3.pt   # PPO part from these
 
 Times are wall clock from a barrier before the sender's sync() / receiver's apply() to a barrier after
-both returned, best of --repeats. Ratios are against naive in the same run.
+both returned. Each ratio is the median over pairs (naive, then the mode right after it) in one run.
+Bytes are against the information limit: for k changed elements out of n, k value bytes plus
+log2(C(n, k)) / 8 bytes for the positions, per tensor, in the receiver's dtype.
 """
 
 import argparse
 import glob
+import math
 import os
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,9 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sync import BucketConfig, PatchConfig, WeightSyncConfig, make_weight_syncer  # noqa: E402
+from sync import BucketConfig, WeightSyncConfig, make_weight_syncer  # noqa: E402
 from sync.patch import _bits as as_bits  # noqa: E402
-import math  # noqa: E402
 
 BUCKET_SIZE = 128 * 2**20
 
@@ -65,17 +70,14 @@ def information_limit(before: dict, after: dict) -> float:
     return total
 
 
-def timed(fn, repeats: int, prepare=lambda: None) -> float:
-    """Best wall time of fn over repeats, measured between barriers so it covers both ranks."""
-    best = float("inf")
-    for _ in range(repeats):
-        prepare()
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        best = min(best, time.perf_counter() - start)
-    return best
+def timed(fn, prepare=lambda: None) -> float:
+    """Wall time of fn, measured between barriers so it covers both ranks."""
+    prepare()
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
 
 
 def naive_send(state: dict, rank: int) -> None:
@@ -84,41 +86,64 @@ def naive_send(state: dict, rank: int) -> None:
         dist.send(value, dst=1) if rank == 0 else dist.recv(value, src=0)
 
 
-def bench_model(rank: int, name: str, densities: list, repeats: int) -> list:
-    width, layers = SIZES[name]
-    state = mlp_state(width, layers, seed=rank)
+def versions():
+    return iter(range(1, 10**9))
+
+
+def bench_time(rank: int, name: str, densities: list, repeats: int) -> list:
+    """Time of bucket and of patch at each density against naive, fp32 on both sides. Each measurement is a
+    pair (naive, then the mode right after it): the ratio is the median over `repeats` pairs, so load from
+    other processes, which drifts slowly, cancels."""
+    state = mlp_state(*SIZES[name], seed=rank)
     numel = sum(v.numel() for v in state.values())
-    full_bytes = sum(v.numel() * v.element_size() for v in state.values())
-    rows, g = [], torch.Generator().manual_seed(1)
-
-    naive_time = timed(lambda: naive_send(state, rank), repeats)
-    rows.append(dict(model=name, params=numel, mode="naive", changed=numel, wire=full_bytes,
-                     seconds=naive_time))
-
-    bucket = make_weight_syncer(WeightSyncConfig(type="bucket", bucket=BucketConfig(bucket_size=BUCKET_SIZE)), 0, [1])
-    bucket.init_sender(state) if rank == 0 else bucket.init_receiver(state)
-    version = iter(range(1, 10**6))
-    bucket_time = timed(lambda: bucket.sync(state, next(version)) if rank == 0 else bucket.apply(state), repeats)
-    rows.append(dict(model=name, params=numel, mode="bucket", changed=numel,
-                     wire=bucket.stats.wire_bytes if rank == 0 else 0, seconds=bucket_time))
-
-    patch = make_weight_syncer(WeightSyncConfig(type="patch", patch=PatchConfig()), 0, [1])
-    patch.init_sender(state) if rank == 0 else patch.init_receiver(state)
-    for density in densities:
-        limits = []
+    g, version = torch.Generator().manual_seed(1), versions()
+    syncers = {}
+    for mode in ("bucket", "patch"):
+        syncers[mode] = make_weight_syncer(WeightSyncConfig(type=mode, bucket=BucketConfig(bucket_size=BUCKET_SIZE)), 0, [1])
+        syncers[mode].init_sender(state) if rank == 0 else syncers[mode].init_receiver(state)
+    rows = []
+    for mode, density in [("bucket", 1.0)] + [("patch", d) for d in densities]:
+        syncer = syncers[mode]
+        changed = []
 
         def prepare():
-            if rank == 0:
-                before = {k: v.clone() for k, v in state.items()}
+            if rank == 0 and mode == "patch":
                 perturb(state, density, g)
-                limits.append(information_limit(before, state))
-        # Interleaved with naive (A, B, A, B) so that load from other processes cancels in the ratio.
-        naive_again = timed(lambda: naive_send(state, rank), repeats)
-        seconds = timed(lambda: patch.sync(state, next(version)) if rank == 0 else patch.apply(state), 1, prepare)
-        stats = patch.stats
-        rows.append(dict(model=name, params=numel, mode="patch", naive=naive_again,
-                         changed=stats.changed_elements if rank == 0 else 0, limit=limits[-1] if limits else 0,
-                         wire=stats.wire_bytes if rank == 0 else 0, seconds=seconds))
+
+        def run():
+            if rank == 0:
+                changed.append(syncer.sync(state, next(version)).changed_elements)
+            else:
+                syncer.apply(state)
+        pairs = [(timed(lambda: naive_send(state, rank)), timed(run, prepare)) for _ in range(repeats)]
+        ratios = sorted(b / a for a, b in pairs)
+        rows.append(dict(model=name, mode=mode, density=(sum(changed) / len(changed) / numel) if changed else 0,
+                         naive=statistics.median(a for a, _ in pairs), seconds=statistics.median(b for _, b in pairs),
+                         ratio=statistics.median(ratios), low=ratios[0], high=ratios[-1]))
+    return rows
+
+
+def bench_bytes(rank: int, name: str, densities: list) -> list:
+    """Wire bytes of patch against the information limit, per density and receiver dtype (fp32 sender)."""
+    rows = []
+    for receiver_dtype in (torch.float32, torch.bfloat16):
+        state = mlp_state(*SIZES[name], seed=0)
+        model = {k: v.to(receiver_dtype, copy=True) for k, v in state.items()}
+        syncer = make_weight_syncer(WeightSyncConfig(type="patch"), 0, [1])
+        syncer.init_sender(state) if rank == 0 else syncer.init_receiver(model)
+        g, version = torch.Generator().manual_seed(2), versions()
+        for density in densities:
+            if rank == 0:
+                before = {k: v.to(receiver_dtype, copy=True) for k, v in state.items()}
+                perturb(state, density, g)
+                stats = syncer.sync(state, next(version))
+                limit = information_limit(before, {k: v.to(receiver_dtype) for k, v in state.items()})
+                numel = sum(v.numel() for v in state.values())
+                rows.append(dict(model=name, receiver=str(receiver_dtype)[6:], nominal=density,
+                                 density=stats.changed_elements / numel,
+                                 wire=stats.wire_bytes, limit=limit, ratio=stats.wire_bytes / limit))
+            else:
+                syncer.apply(model)
     return rows
 
 
@@ -134,14 +159,13 @@ def bench_checkpoints(rank: int, paths: list) -> list:
             syncer = make_weight_syncer(WeightSyncConfig(type=mode), 0, [1])
             syncer.init_sender(sender_state) if rank == 0 else syncer.init_receiver(receiver_state)
             for version, state in enumerate(states[1:], start=1):
-                seconds = timed(lambda: syncer.sync(state, version) if rank == 0 else syncer.apply(receiver_state), 1)
+                seconds = timed(lambda: syncer.sync(state, version) if rank == 0 else syncer.apply(receiver_state))
                 if rank == 1:
                     expected = {k: v.to(receiver_dtype) if v.dtype == torch.float32 else v for k, v in state.items()}
                     assert all(torch.equal(as_bits(receiver_state[k]), as_bits(expected[k])) for k in expected)
                 numel = sum(v.numel() for v in state.values())
-                rows.append(dict(model=f"tracking {str(receiver_dtype)[6:]} it{version}->{version + 1}", params=numel,
-                                 mode=mode,
-                                 changed=syncer.stats.changed_elements if rank == 0 else 0,
+                rows.append(dict(step=f"{str(receiver_dtype)[6:]} it{version}->{version + 1}", mode=mode,
+                                 density=syncer.stats.changed_elements / numel if rank == 0 else 0,
                                  wire=syncer.stats.wire_bytes if rank == 0 else 0, seconds=seconds))
     return rows
 
@@ -150,13 +174,12 @@ def worker(rank: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    rows = []
-    for name in args.sizes:
-        rows += bench_model(rank, name, args.densities, args.repeats)
+    tables = {"time": bench_time(rank, args.size, args.densities, args.repeats),
+              "bytes": bench_bytes(rank, args.size, [d for d in args.densities if d < 1.0])}
     if args.checkpoints:
-        rows += bench_checkpoints(rank, args.checkpoints)
+        tables["ppo"] = bench_checkpoints(rank, args.checkpoints)
     if rank == 0:
-        queue.put(rows)
+        queue.put(tables)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -171,51 +194,62 @@ def ppo_checkpoints(iterations: int = 3) -> list:
                   key=lambda p: int(p.rsplit("_", 1)[1].split(".")[0]))
 
 
-def print_table(rows: list) -> None:
-    naive = {r["model"]: r for r in rows if r["mode"] == "naive"}
-    print("| model | mode | density | changed elements | wire bytes | bytes vs limit | sync+apply s | bytes vs naive | time vs naive |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        base = naive.get(r["model"])
-        density = f"{r['changed'] / r['params']:.1%}"  # measured: what actually changed since the last sync
-        per_changed = f"{r['wire'] / r['limit']:.3f}" if r.get("limit") else "-"
-        vs_bytes = f"{r['wire'] / base['wire']:.3f}" if base else "-"
-        vs_time = f"{r['seconds'] / r.get('naive', base['seconds'] if base else 0):.2f}" if base else "-"
-        print(f"| {r['model']} | {r['mode']} | {density} | {r['changed']:,} | {r['wire']:,} | {per_changed} | "
-              f"{r['seconds']:.3f} | {vs_bytes} | {vs_time} |")
+def print_tables(tables: dict, args) -> None:
+    print(f"\nTime: {args.size} fp32 parameters, fp32 receiver; median of {args.repeats} (naive, mode) pairs")
+    print("| mode | density | naive s | mode s | time vs naive (median) | min-max |")
+    print("|---|---|---|---|---|---|")
+    for r in tables["time"]:
+        print(f"| {r['mode']} | {r['density']:.2%} | {r['naive']:.3f} | {r['seconds']:.3f} | {r['ratio']:.2f} | "
+              f"{r['low']:.2f}-{r['high']:.2f} |")
+    print(f"\nBytes: patch wire bytes (headers, tables, trailers included) against the information limit, "
+          f"{args.size} fp32 parameters")
+    print("| receiver | density perturbed | changed in receiver dtype | wire bytes | limit bytes | bytes vs limit |")
+    print("|---|---|---|---|---|---|")
+    for r in tables["bytes"]:
+        print(f"| {r['receiver']} | {r['nominal']:.2%} | {r['density']:.3%} | {r['wire']:,} | {r['limit']:,.0f} | "
+              f"{r['ratio']:.3f} |")
+    if "ppo" in tables:
+        print("\nPPO checkpoints (tracking preset, consecutive iterations)")
+        print("| step | mode | density | wire bytes | sync+apply s |")
+        print("|---|---|---|---|---|")
+        for r in tables["ppo"]:
+            print(f"| {r['step']} | {r['mode']} | {r['density']:.1%} | {r['wire']:,} | {r['seconds']:.3f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="~1M parameters, two densities, no PPO part")
-    parser.add_argument("--sizes", nargs="+", default=["10M", "100M"], choices=sorted(SIZES))
+    parser.add_argument("--quick", action="store_true", help="~1M parameters, three densities, 3 pairs: seconds")
+    parser.add_argument("--size", default="10M", choices=sorted(SIZES))
     parser.add_argument("--densities", nargs="+", type=float, default=[0.0001, 0.001, 0.01, 0.1, 0.3, 1.0])
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--checkpoints", nargs="*", default=None,
-                        help="consecutive train.py checkpoints for the PPO part (default: train 3 tracking iterations)")
+    parser.add_argument("--repeats", type=int, default=7, help="(naive, mode) pairs per row")
+    parser.add_argument("--ppo", action="store_true", help="also sync 3 consecutive checkpoints of the tracking preset")
+    parser.add_argument("--checkpoints", nargs="*", default=None, help="consecutive train.py checkpoints to sync")
     args = parser.parse_args()
     if args.quick:
-        args.sizes, args.densities, args.repeats = ["1M"], [0.001, 0.01, 0.3, 1.0], 1
-        args.checkpoints = args.checkpoints or []
-    if args.checkpoints is None:
+        args.size, args.densities, args.repeats = "1M", [0.001, 0.3, 1.0], 3
+    if args.ppo and not args.checkpoints:
         args.checkpoints = ppo_checkpoints()
-    if len(args.checkpoints) == 1:
+    if args.checkpoints is not None and len(args.checkpoints) < 2:
         parser.error("--checkpoints needs at least two consecutive checkpoints")
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    with __import__("socket").socket() as s:
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [ctx.Process(target=worker, args=(rank, port, args, queue)) for rank in range(2)]
     for p in procs:
         p.start()
-    rows = queue.get()
+    while queue.empty():  # a rank that died must not leave this waiting forever
+        if any(p.exitcode not in (None, 0) for p in procs):
+            sys.exit("bench_sync: a rank failed (its traceback is above)")
+        time.sleep(0.2)
+    tables = queue.get()
     for p in procs:
         p.join()
-    print(f"weight sync, 2 gloo ranks on CPU, torch {torch.__version__}, {torch.get_num_threads()} thread(s)/rank, "
-          f"bucket_size {BUCKET_SIZE // 2**20} MiB, best of {args.repeats}")
-    print_table(rows)
+    print(f"weight sync, 2 gloo ranks on CPU, torch {torch.__version__}, 1 thread per rank, "
+          f"bucket_size {BUCKET_SIZE // 2**20} MiB")
+    print_tables(tables, args)
 
 
 if __name__ == "__main__":
