@@ -16,16 +16,17 @@ observation normalizers' statistics included (they are buffers of the model).
   posted, so a rollout rank that runs ahead never blocks on its sends.
 
 Per iteration, in order: batches up; the learners' agreed (stop, save) down; at saves, each rollout
-rank's RNG and env state up; then the weights of the next version down (unless the run ends).
+rank's RNG and env state up; then the weights of the next version down (unless the run stops early).
 """
 
+import dataclasses
 import os
 
 import torch
 
 from configs import Config
 from dist import comm
-from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, recv_object, send_object,
+from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, naming, recv_object, send_object,
                           setup_plan_row)
 from dist.checkpoint import flatten_state, from_bytes, to_bytes, unflatten_state
 from dist.errors import RunError, UsageError
@@ -77,8 +78,10 @@ class LearnerTeam:
         self.recompute = cfg.rollout.dtype != "float32" if cfg.rollout.recompute is None else cfg.rollout.recompute
 
     def start(self, model, version: int) -> None:
-        """Crosses ranks once: sync/'s init handshake and bootstrap of the rollout ranks' copies."""
-        self.syncer.init_sender(model.state_dict(), None, version)
+        """Crosses ranks once: sync/'s init handshake (as version - 1), then the weights of `version`, so the
+        copies start from the learners' weights whatever sync/ bootstraps (bucket mode sends nothing at init)."""
+        self.syncer.init_sender(model.state_dict(), None, version - 1)
+        self.syncer.sync(model.state_dict(), version)
 
     def receive(self, iteration: int) -> tuple[dict, dict]:
         """Batch `iteration` of every rollout rank, joined along the env axis, and what rode with it."""
@@ -98,13 +101,23 @@ class LearnerTeam:
         """Tell the rollout ranks the decision, take their state at a save, then send the next weights."""
         self.receiver.decide(stop, save)
         states = self.receiver.states() if save else None
-        if not stop and iteration + 1 < self.cfg.max_iterations:
-            self.syncer.sync(model.state_dict(), iteration + 1)
+        if not stop:          # after the last iteration too: the copies end with the final weights
+            with naming(self.rollouts):
+                self.syncer.sync(model.state_dict(), iteration + 1)
         return states
 
     def plan_rows(self) -> list[PlanRow]:
-        return [setup_plan_row(self.spec_sizes, "recv"), *self.receiver.plan_rows(self.cfg.log.save_every),
-                *self.syncer.plan_rows()]
+        gathered = PlanRow("checkpoint", "rollout states of every team", "all_gather", "checkpoint",
+                           [self.spec["state_bytes"] * len(self.rollouts)], every=self.cfg.log.save_every)
+        return [setup_plan_row(self.spec_sizes, "recv"), *self.receiver.plan_rows(self.cfg.log.save_every), gathered,
+                *weight_plan_rows(self.syncer)]
+
+
+def weight_plan_rows(syncer) -> list[PlanRow]:
+    """sync/'s rows, plus the one update at start-up that gives the copies their first weights."""
+    rows = syncer.plan_rows()
+    first = [dataclasses.replace(r, cadence="setup", rule="first weights") for r in rows if r.cadence == "iteration"]
+    return rows + first
 
 
 def rollout_rng(env) -> dict[str, torch.Tensor]:
@@ -147,7 +160,8 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
                  "reset_obs": {"actor_obs": obs["policy"].cpu(), "critic_obs": obs["critic"].cpu()}},
                 learner, roles.batches_group, "setup")
     syncer = make_weight_syncer(weight_sync_config(cfg), learner, roles.team[1:], roles.weights_group)
-    version = syncer.init_receiver(copy)
+    syncer.init_receiver(copy)
+    version = syncer.apply(copy)              # the learners' weights (see LearnerTeam.start)
     sender = BatchSender(learner, roles.batches_group, layout, state_bytes, torch.device("cpu"))
     comm.use_group(roles.rollout_group)
     stop = StopRequests(watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
@@ -166,12 +180,13 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
                 sync_rollout_sampler(env.sampler)
             sender.send_state(to_bytes({**{f"rng/{k}": v for k, v in rollout_rng(env).items()},
                                         **{f"env/{k}": v for k, v in flatten_state(env.state_dict()).items()}}))
-        if must_stop or decided + 1 >= cfg.max_iterations:
+        if must_stop:
             return True
-        version = syncer.apply(copy)
-        return False
+        with naming(learner, "learner"):
+            version = syncer.apply(copy)
+        return decided + 1 >= cfg.max_iterations
 
-    plan = [setup_plan_row([spec_size], "send"), *sender.plan_rows(cfg.log.save_every), *syncer.plan_rows()]
+    plan = [setup_plan_row([spec_size], "send"), *sender.plan_rows(cfg.log.save_every), *weight_plan_rows(syncer)]
     if env.sampler is not None:
         nbytes = [env.sampler.local_counts.numel() * 8]
         plan += [PlanRow("sampler", "sum of counts over rollout ranks", "all_reduce", "every", nbytes,

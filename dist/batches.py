@@ -11,6 +11,7 @@ after that only flat tensors travel, counted in the ledger:
 All of it runs in the team's own group (`Roles.batches_group`); weights travel in another (sync/).
 """
 
+import contextlib
 import pickle
 from dataclasses import dataclass
 
@@ -79,6 +80,17 @@ def setup_plan_row(sizes: list[int], collective: str) -> PlanRow:
                    [b for size in sizes for b in (8, size)])
 
 
+@contextlib.contextmanager
+def naming(peers, role: str = "rollout"):
+    """A failed message names the peer rank(s) (one died or stalled), not only the purpose."""
+    try:
+        yield
+    except comm.CollectiveError as exc:
+        who = f"{role} rank {peers}" if isinstance(peers, int) else \
+            f"{role} rank {peers[0]}" if len(peers) == 1 else f"one of {role} ranks {peers}"
+        raise comm.CollectiveError(f"{who} died or stalled: {exc}") from exc
+
+
 class BatchSender:
     """A rollout rank's end: its batches up, the learners' decisions down, its state up at saves."""
 
@@ -90,21 +102,20 @@ class BatchSender:
     def send(self, tensors: dict[str, torch.Tensor]) -> None:
         """Crosses ranks: 2 sends per iteration (float32 batch, float64 extras) to this rank's learner."""
         self.layout.pack(tensors, self.out)
-        for buffer in self.out.values():
-            comm.send(buffer, "batches", self.learner, self.group)
+        with naming(self.learner, "learner"):
+            for buffer in self.out.values():
+                comm.send(buffer, "batches", self.learner, self.group)
 
     def decision(self) -> tuple[bool, bool]:
         """Crosses ranks: 1 receive per iteration, the learners' agreed (stop, save) for it."""
-        try:
+        with naming(self.learner, "learner"):
             stop, save = comm.recv(torch.empty(2, dtype=torch.float64), "control", self.learner, self.group).tolist()
-        except comm.CollectiveError as exc:
-            raise comm.CollectiveError(f"learner rank {self.learner} sent no decision (it died or stalled): "
-                                       f"{exc}") from exc
         return bool(stop), bool(save)
 
     def send_state(self, blob: torch.Tensor) -> None:
         """Crosses ranks at saves: this rank's RNG and env state (uint8) to its learner."""
-        comm.send(blob, "checkpoint", self.learner, self.group)
+        with naming(self.learner, "learner"):
+            comm.send(blob, "checkpoint", self.learner, self.group)
 
     def plan_rows(self, save_every: int) -> list[PlanRow]:
         sizes = [n * (8 if dtype == SMALL else 4) for dtype, n in self.layout.sizes().items()]
@@ -140,23 +151,25 @@ class BatchReceiver:
         batches = []
         for i, src in enumerate(self.rollouts):
             buffers, works = self.slots[i].pop(0)
-            try:
+            with naming(src):
                 for work in works:
                     work.wait()
-            except comm.CollectiveError as exc:
-                raise comm.CollectiveError(f"rollout rank {src} sent no batch (it died or stalled): {exc}") from exc
             batches.append(self.layout.unpack(buffers))
         return batches
 
     def decide(self, stop: bool, save: bool) -> None:
         """Crosses ranks: 1 send per rollout rank per iteration."""
         for dst in self.rollouts:
-            comm.send(torch.tensor([float(stop), float(save)], dtype=torch.float64), "control", dst, self.group)
+            with naming(dst):
+                comm.send(torch.tensor([float(stop), float(save)], dtype=torch.float64), "control", dst, self.group)
 
     def states(self) -> torch.Tensor:
         """At a save: every rollout rank's state blob, concatenated in rank order."""
-        return torch.cat([comm.recv(torch.empty(self.state_bytes, dtype=torch.uint8), "checkpoint", src, self.group)
-                          for src in self.rollouts])
+        blobs = []
+        for src in self.rollouts:
+            with naming(src):
+                blobs.append(comm.recv(torch.empty(self.state_bytes, dtype=torch.uint8), "checkpoint", src, self.group))
+        return torch.cat(blobs)
 
     def plan_rows(self, save_every: int) -> list[PlanRow]:
         sizes = [n * (8 if dtype == SMALL else 4) for dtype, n in self.layout.sizes().items()]

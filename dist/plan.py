@@ -38,10 +38,19 @@ class PlanRow:
         return 0
 
 
-def expected_ledger(rows: list[PlanRow], iterations: int, final_iteration: int | None = None) -> dict[str, list[int]]:
-    """{purpose: [calls, bytes]} the plan predicts after the set-up and `iterations` iterations."""
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather")
+
+
+def expected_ledger(rows: list[PlanRow], iterations: int, final_iteration: int | None = None,
+                    collectives: bool = True) -> dict[str, list[int]]:
+    """{purpose: [calls, bytes]} the plan predicts after the set-up and `iterations` iterations.
+
+    `collectives=False` for a rank whose collective group has one member: they are no-ops there, while
+    its point-to-point messages still cross."""
     out: dict[str, list[int]] = {}
     for row in rows:
+        if not collectives and row.collective in COLLECTIVES:
+            continue
         n = row.occurrences(iterations, final_iteration)
         if n and row.calls:
             entry = out.setdefault(row.purpose, [0, 0])

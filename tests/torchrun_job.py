@@ -41,11 +41,12 @@ def alive(pid: int) -> bool:
 
 
 class Job:
-    def __init__(self, args: list[str], nproc: int = 2, max_restarts: int = 0, python: bool = False):
+    def __init__(self, args: list[str], nproc: int = 2, max_restarts: int = 0, python: bool = False,
+                 env: dict | None = None):
         cmd = ([sys.executable, "train.py"] if python else
                [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
                 "--monitor-interval=0.2", "train.py"])
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd + args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, start_new_session=True)

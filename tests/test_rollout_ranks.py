@@ -1,0 +1,115 @@
+"""Rollout ranks: sync mode reproduces the colocated run bit for bit, async mode keeps its staleness bound,
+plan == ledger on every rank, checkpoints resume across layouts, a dead rollout rank is named."""
+
+import glob
+import os
+import signal
+
+import pytest
+import torch
+
+import train
+from configs import preset
+from dist import comm
+from dist.plan import expected_ledger
+from tests.multirank import free_port, run_ranks
+from tests.torchrun_job import Job
+
+
+def small(root, iterations=4, **rollout):
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 16, 8, iterations
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (32, 32)
+    cfg.log.root, cfg.log.save_every, cfg.log.print_every = str(root), 2, 100
+    cfg.dist.sampler_sync_every, cfg.dist.device = 2, "cpu"
+    for key, value in rollout.items():
+        setattr(cfg.rollout, key, value)
+    return cfg
+
+
+def body(rank, world_size, cfg, iterations):
+    comm.reset_ledger()
+    model, scalars, plan = train.main(cfg)
+    k = cfg.rollout.ranks                  # this rank's collective group: the learners or the rollout ranks
+    single = (k if rank >= world_size - k else world_size - k) == 1
+    return ({k: v.clone() for k, v in model.state_dict().items()}, scalars, {k: list(v) for k, v in comm.LEDGER.items()},
+            expected_ledger(plan, iterations, final_iteration=iterations, collectives=not single))
+
+
+def learner_state(results):
+    return results[0][0], results[0][1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["patch", "bucket"])
+def test_sync_mode_is_bit_identical_to_the_colocated_run(tmp_path, weights):
+    colocated = train.main(small(tmp_path / "colocated"))[0].state_dict()
+    split = run_ranks(body, 2, args=(small(tmp_path / "split", ranks=1, sync=weights), 4))
+    learner, scalars = learner_state(split)
+    for key, value in colocated.items():
+        assert torch.equal(learner[key], value), key      # parameters and normalizer statistics
+    copy = split[1][0]
+    for key, value in learner.items():                     # the copy ends with the final weights
+        assert torch.equal(copy[key], value), key
+    for rank, (_, _, ledger, expected) in enumerate(split):
+        if weights == "patch":            # a patch's messages and bytes depend on what changed: the plan bounds them
+            assert ledger.pop("weight_sync")[1] <= expected.pop("weight_sync")[1]
+        assert ledger == expected, f"rank {rank}"
+    checkpoint = torch.load(glob.glob(str(tmp_path / "split" / "tracking" / "*" / "model_4.pt"))[0], weights_only=True)
+    assert checkpoint["layout"] == [1, 1] and len(checkpoint["rollout_rng"]) == 1
+
+
+@pytest.mark.slow
+def test_two_learners_with_two_rollout_ranks_match_two_colocated_ranks(tmp_path):
+    colocated = run_ranks(body, 2, args=(small(tmp_path / "c", iterations=3), 3))
+    split = run_ranks(body, 4, args=(small(tmp_path / "s", iterations=3, ranks=2, sync="bucket"), 3))
+    for key, value in colocated[0][0].items():
+        assert torch.equal(split[0][0][key], value) and torch.equal(split[1][0][key], value), key
+    assert split[0][1]["Loss/learning_rate"] == colocated[0][1]["Loss/learning_rate"]
+    for rank, (_, _, ledger, expected) in enumerate(split):
+        assert ledger == expected, f"rank {rank}"
+
+
+@pytest.mark.slow
+def test_async_mode_trains_within_its_staleness_bound(tmp_path):
+    cfg = small(tmp_path, iterations=6, ranks=1, mode="async", sync="bucket", max_staleness=2)
+    results = run_ranks(body, 2, args=(cfg, 6))
+    learner, scalars = learner_state(results)
+    assert 1 <= scalars["Perf/policy_lag"] <= 2            # collected while the learner updated
+    for rank, (_, _, ledger, expected) in enumerate(results):
+        assert ledger == expected, f"rank {rank}"
+    assert all(torch.isfinite(v).all() for v in learner.values() if v.is_floating_point())
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_across_layouts(tmp_path):
+    train.main(small(tmp_path / "a", iterations=2))                       # colocated, 1 rank
+    (colocated_ckpt,) = glob.glob(str(tmp_path / "a" / "tracking" / "*" / "model_2.pt"))
+    split = run_ranks(body, 2, args=(small(tmp_path / "b", iterations=4, ranks=1, resume=colocated_ckpt), 4))
+    (split_ckpt,) = glob.glob(str(tmp_path / "b" / "tracking" / "*" / "model_4.pt"))
+    saved = torch.load(split_ckpt, weights_only=True)
+    assert saved["iteration"] == 4 and saved["layout"] == [1, 1]
+    assert saved["env"]["sampler"]["global_counts"].sum() > 0             # the rollout rank's sampler state
+    back = train.main(small(tmp_path / "c", iterations=5, resume=split_ckpt))[0]     # and back to colocated
+    assert torch.load(glob.glob(str(tmp_path / "c" / "tracking" / "*" / "model_5.pt"))[0],
+                      weights_only=True)["iteration"] == 5
+    assert back is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dies, survivor, named", [(1, 0, "rollout rank 1"), (0, 1, "learner rank 0")])
+def test_a_dead_rank_stops_its_partner_naming_it(tmp_path, dies, survivor, named):
+    # Two plain processes with torchrun's variables, so no launcher kills the learner before it notices.
+    port = str(free_port())
+    ranks = [Job(["cartpole", "--max-iterations", "100000", "--log.root", str(tmp_path), "--rollout.ranks", "1",
+                  "--dist.timeout-s", "20"], python=True,
+                 env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in (0, 1)]
+    try:
+        ranks[0].wait_for(r"^it +3/")
+        os.kill(ranks[dies].proc.pid, signal.SIGKILL)
+        assert ranks[survivor].finish(60) == 1
+        ranks[survivor].wait_for(rf"^error: .*{named} died or stalled", timeout=1)
+    finally:
+        for job in ranks:
+            job.kill_all()
