@@ -186,3 +186,15 @@ def test_console_prints_a_dash_when_no_episode_ended(tmp_path, capsys):
     line = capsys.readouterr().out
     assert "reward        -  ep_len      -" in line and "nan" not in line
     logger.close()
+
+
+@pytest.mark.parametrize("world, ranks, message", [
+    (2, 2, r"--rollout.ranks 2 leaves no learner among 2 rank"),
+    (5, 3, r"--rollout.ranks 3 is not a multiple of the 2 learner"),
+    (2, -1, r"--rollout.ranks must be >= 0"),
+])
+def test_impossible_rollout_layouts_name_the_flag(world, ranks, message):
+    cfg = cfg_with()
+    cfg.rollout.ranks = ranks
+    with pytest.raises(UsageError, match=message):
+        validate(cfg, world_size=world)

@@ -96,15 +96,35 @@ def test_checkpoints_resume_across_layouts(tmp_path):
     assert back is not None
 
 
+def plain_ranks(tmp_path, *args):
+    """Two `python train.py` processes with torchrun's variables: no launcher to kill or signal them."""
+    port = str(free_port())
+    return [Job(["cartpole", "--max-iterations", "100000", "--log.root", str(tmp_path), "--rollout.ranks", "1",
+                 "--dist.timeout-s", "20", *args], python=True,
+                env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_on_a_rollout_rank_stops_both_after_a_checkpoint(tmp_path, mode):
+    ranks = plain_ranks(tmp_path, "--rollout.mode", mode)
+    try:
+        ranks[0].wait_for(r"^it +3/")
+        os.kill(ranks[1].proc.pid, signal.SIGTERM)          # the flag rides in the rollout rank's next batch
+        assert [job.finish(60) for job in ranks] == [0, 0], ranks[0].output() + ranks[1].output()
+        k, path = (lambda m: (int(m.group(1)), m.group(2)))(ranks[0].wait_for(r"after iteration (\d+); saved (\S+);"))
+        saved = torch.load(path, weights_only=True)
+        assert saved["iteration"] == k and saved["layout"] == [1, 1] and len(saved["rollout_rng"]) == 1
+    finally:
+        for job in ranks:
+            job.kill_all()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dies, survivor, named", [(1, 0, "rollout rank 1"), (0, 1, "learner rank 0")])
 def test_a_dead_rank_stops_its_partner_naming_it(tmp_path, dies, survivor, named):
-    # Two plain processes with torchrun's variables, so no launcher kills the learner before it notices.
-    port = str(free_port())
-    ranks = [Job(["cartpole", "--max-iterations", "100000", "--log.root", str(tmp_path), "--rollout.ranks", "1",
-                  "--dist.timeout-s", "20"], python=True,
-                 env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in (0, 1)]
+    ranks = plain_ranks(tmp_path)       # without torchrun, so no launcher kills the survivor before it notices
     try:
         ranks[0].wait_for(r"^it +3/")
         os.kill(ranks[dies].proc.pid, signal.SIGKILL)

@@ -70,3 +70,23 @@ def test_packed_fields_match_per_field_gathers_and_assignment_keeps_the_packing(
     flat_perm = torch.randperm(T * N, generator=torch.Generator().manual_seed(6))
     batch = next(s.minibatches(4, torch.Generator().manual_seed(6), unit="transition"))
     assert torch.equal(batch["actor_obs"], reference["actor_obs"].flatten(0, 1)[flat_perm[:T * N // 4]])
+
+
+def test_fill_storage_recomputes_old_policy_outputs_with_the_learners_model():
+    from ppo.actor_critic import ActorCritic
+    from ppo.rollout import fill_storage
+    torch.manual_seed(0)
+    T, N, A = 3, 4, 2
+    model = ActorCritic(5, 6, A)
+    batch = {"actor_obs": torch.randn(T, N, 5), "critic_obs": torch.randn(T, N, 6), "actions": torch.randn(T, N, A),
+             "action_mean": torch.zeros(T, N, A), "action_std": torch.ones(T, N, A), "log_probs": torch.zeros(T, N),
+             "values": torch.zeros(T, N), "rewards": torch.randn(T, N), "bootstrap": torch.zeros(T, N),
+             "dones": torch.zeros(T, N, dtype=torch.bool), "last_critic_obs": torch.randn(N, 6)}
+    storage = RolloutStorage(T, N, {"policy": 5, "critic": 6}, A, torch.device("cpu"))
+    fill_storage(storage, batch, model, None, 0.99, 0.95, recompute=True)
+    with torch.no_grad():
+        pi = model.distribution(batch["actor_obs"])
+        assert torch.equal(storage.log_probs, pi.log_prob(batch["actions"]).sum(-1))
+        assert torch.equal(storage.action_mean, pi.mean) and torch.equal(storage.values, model.value(batch["critic_obs"]))
+    fill_storage(storage, batch, model, None, 0.99, 0.95, recompute=False)
+    assert torch.equal(storage.log_probs, batch["log_probs"])       # the copy's numbers, as sent
