@@ -174,8 +174,13 @@ def main() -> None:
                       f"{result['wall_s'] / 60:.1f} min", flush=True)
 
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            for future in [pool.submit(run_and_record, *job) for job in todo]:
-                future.result()
+            futures = [pool.submit(run_and_record, *job) for job in todo]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:       # a failed run stops the bench instead of starting the queued ones
+                pool.shutdown(cancel_futures=True)
+                raise
     print(table(list(results.values()), args.last_episodes, args.last_iterations))
 
 
