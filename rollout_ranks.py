@@ -32,6 +32,7 @@ from dist.checkpoint import flatten_state, from_bytes, to_bytes, unflatten_state
 from dist.errors import RunError, UsageError
 from dist.plan import PlanRow
 from dist.setup import seed_everything
+from dist.stats import sum_counts, sum_counts_plan_rows
 from dist.stop import StopRequests
 from envs import make_env
 from ppo.actor_critic import build_actor_critic
@@ -46,7 +47,8 @@ def batch_layout(T: int, N: int, obs_dims: dict, num_actions: int, num_keys: int
     fields = {"actor_obs": ((T, N, obs_dims["policy"]), f32), "critic_obs": ((T, N, obs_dims["critic"]), f32),
               "actions": ((T, N, a), f32), "action_mean": ((T, N, a), f32), "action_std": ((T, N, a), f32),
               "log_probs": ((T, N), f32), "values": ((T, N), f32), "rewards": ((T, N), f32),
-              "bootstrap": ((T, N), f32), "dones": ((T, N), torch.bool), "last_critic_obs": ((N, obs_dims["critic"]), f32),
+              "bootstrap": ((T, N), f32), "dones": ((T, N), torch.bool),
+              "last_critic_obs": ((N, obs_dims["critic"]), f32),
               "flags": ((len(FLAGS),), torch.float64), "sums": ((num_keys,), torch.float64),
               "counts": ((num_keys,), torch.float64)}
     if episode_returns:
@@ -155,10 +157,10 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     state_layout = {f"rng/{k}": (tuple(v.shape), v.dtype) for k, v in rollout_rng(env).items()}
     state_layout.update({f"env/{k}": (tuple(v.shape), v.dtype) for k, v in flatten_state(env.state_dict()).items()})
     state_bytes = sum(int(torch.Size(s).numel()) * d.itemsize for s, d in state_layout.values())
-    spec_size = send_object({"obs_dims": env.obs_dims, "num_actions": env.num_actions, "num_envs": N, "log_keys": tuple(env.log_keys),
-                 "layout": layout, "state_layout": state_layout, "state_bytes": state_bytes,
-                 "reset_obs": {"actor_obs": obs["policy"].cpu(), "critic_obs": obs["critic"].cpu()}},
-                learner, roles.batches_group, "setup")
+    spec = {"obs_dims": env.obs_dims, "num_actions": env.num_actions, "num_envs": N, "log_keys": tuple(env.log_keys),
+            "layout": layout, "state_layout": state_layout, "state_bytes": state_bytes,
+            "reset_obs": {"actor_obs": obs["policy"].cpu(), "critic_obs": obs["critic"].cpu()}}
+    spec_size = send_object(spec, learner, roles.batches_group, "setup")
     syncer = make_weight_syncer(weight_sync_config(cfg), learner, roles.team[1:], roles.weights_group)
     syncer.init_receiver(copy)
     version = syncer.apply(copy)              # the learners' weights (see LearnerTeam.start)
@@ -177,7 +179,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
         decided += 1
         if save:
             if env.sampler is not None:
-                sync_rollout_sampler(env.sampler)
+                sum_counts(env.sampler)
             sender.send_state(to_bytes({**{f"rng/{k}": v for k, v in rollout_rng(env).items()},
                                         **{f"env/{k}": v for k, v in flatten_state(env.state_dict()).items()}}))
         if must_stop:
@@ -187,12 +189,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
         return decided + 1 >= cfg.max_iterations
 
     plan = [setup_plan_row([spec_size], "send"), *sender.plan_rows(cfg.log.save_every), *weight_plan_rows(syncer)]
-    if env.sampler is not None:
-        nbytes = [env.sampler.local_counts.numel() * 8]
-        plan += [PlanRow("sampler", "sum of counts over rollout ranks", "all_reduce", "every", nbytes,
-                         every=cfg.dist.sampler_sync_every),
-                 PlanRow("sampler", "sum of counts before save", "all_reduce", "checkpoint", nbytes,
-                         every=cfg.log.save_every)]
+    plan += sum_counts_plan_rows(env.sampler, cfg.dist.sampler_sync_every, cfg.log.save_every)   # rollout group
     for iteration in range(start_iteration, cfg.max_iterations):
         while decided < iteration - 1 - lag:    # sync: the weights after update k - 1; async: up to S older
             if read_decision():
@@ -203,24 +200,19 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
             batch, obs = collect_rollout(copy, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, stats,
                                          record_returns=cfg.log.episode_returns)
         check_finite(batch, cfg.env.task or cfg.env.name, roles.rank)
-        batch["flags"] = torch.tensor([version, stop.signal_name is not None, stop.launcher_gone()], dtype=torch.float64)
+        batch["flags"] = torch.tensor([version, stop.signal_name is not None, stop.launcher_gone()],
+                                      dtype=torch.float64)
         batch["sums"], batch["counts"] = stats.sums, stats.counts
         if cfg.log.episode_returns:
             batch["episode_returns"] = torch.stack(stats.ended)
         sender.send({k: v.cpu() for k, v in batch.items()})
         if env.sampler is not None and (iteration + 1) % cfg.dist.sampler_sync_every == 0:
-            sync_rollout_sampler(env.sampler)
+            sum_counts(env.sampler)
     while decided < cfg.max_iterations - 1:
         if read_decision():
             break
     stop.restore_default_handlers()
     return copy, plan
-
-
-def sync_rollout_sampler(sampler) -> None:
-    """Crosses ranks: one all-reduce (sum) of the local visit/failure counts among the rollout ranks."""
-    sampler.commit_global(comm.all_reduce(sampler.local_counts.clone().to(comm.device()), "sampler").to(
-        sampler.local_counts.device))
 
 
 def restore_team_states(states: torch.Tensor, spec: dict) -> tuple[list[dict], dict]:

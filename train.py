@@ -28,10 +28,10 @@ from dist.checkpoint import (check_writable_root, gather_rng_states, load_checkp
 from dist.errors import RunError, UsageError
 from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows
-from dist.plan import PlanRow, format_plan
+from dist.plan import format_plan
 from dist.roles import assign_roles
 from dist.setup import init_distributed, resolve_device, seed_everything, shutdown
-from dist.stats import metrics_plan_rows, reduce_metrics
+from dist.stats import metrics_plan_rows, reduce_metrics, sum_counts, sum_counts_plan_rows
 from dist.stop import STOP_KEYS, StopRequests
 from dist.verify import verify_plan_rows, verify_replicas
 from envs import make_env
@@ -77,13 +77,14 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
 
     # ---- build: env (or the rollout ranks' spec), model, optimizer, gradient sync, buffer rules -----
     seed_everything(cfg.seed + rank)
-    env = team = None
+    env = team = sampler = None
     if roles.colocated:
         try:
             env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=cfg.seed)
         except ValueError as exc:     # the adapters name the --env flag that does not fit the simulator
             raise UsageError(str(exc)) from exc
         obs_dims, num_actions, N, log_keys = env.obs_dims, env.num_actions, env.num_envs, tuple(env.log_keys)
+        sampler = env.sampler         # with rollout ranks the sampler lives there (summed in their group)
     else:
         team = LearnerTeam(cfg, roles, device, start_iteration)
         obs_dims, num_actions, N, log_keys = (team.spec["obs_dims"], team.spec["num_actions"], team.num_envs,
@@ -116,7 +117,8 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     metric_keys = TRAIN_KEYS + log_keys
     plan = [*broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
             *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
-            *sampler_plan_rows(env, cfg), *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS)),
+            *sum_counts_plan_rows(sampler, cfg.dist.sampler_sync_every, cfg.log.save_every),
+            *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS)),
             *(team.plan_rows() if team else []),
             *verify_plan_rows(cfg.dist.verify_every, checkpoint is not None),
             rng_plan_row(rng_states(env, shuffle), cfg.log.save_every)]
@@ -163,8 +165,8 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
         sync_buffers(model, buffer_rules)
         if reward_normalizer is not None:
             reward_normalizer.update()
-        if env is not None and env.sampler is not None and (iteration + 1) % cfg.dist.sampler_sync_every == 0:
-            sync_sampler(env.sampler)
+        if sampler is not None and (iteration + 1) % cfg.dist.sampler_sync_every == 0:
+            sum_counts(sampler)
         if cfg.dist.verify_every and (iteration + 1) % cfg.dist.verify_every == 0:
             verify_replicas(model)
         learning_time = time.time() - t1
@@ -206,8 +208,8 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
         save = (iteration + 1) % cfg.log.save_every == 0 or last or stop_signal
         team_states = team.finish(model, iteration, stop_signal, save) if team is not None else None
         if save:
-            if env is not None and env.sampler is not None:
-                sync_sampler(env.sampler)
+            if sampler is not None:
+                sum_counts(sampler)
             rngs = gather_rng_states(rng_states(env, shuffle))
             extra = {"env": env.state_dict(), "layout": [world, 0]} if team is None else \
                 team_checkpoint(comm.all_gather(team_states, "checkpoint"), team.spec, roles)
@@ -227,21 +229,6 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     stop.restore_default_handlers()
     shutdown()
     return model, scalars, plan
-
-
-def sync_sampler(sampler) -> None:
-    """Crosses ranks: one all-reduce (sum, not mean) of the local visit/failure counts, 2 x motions float64."""
-    sampler.commit_global(comm.all_reduce(sampler.local_counts.clone().to(comm.device()), "sampler").to(
-        sampler.local_counts.device))
-
-
-def sampler_plan_rows(env, cfg: Config) -> list[PlanRow]:
-    if env is None or env.sampler is None:
-        return []
-    nbytes = [env.sampler.local_counts.numel() * 8]
-    return [PlanRow("sampler", "sum of counts", "all_reduce", "every", nbytes, every=cfg.dist.sampler_sync_every),
-            PlanRow("sampler", "sum of counts before save", "all_reduce", "checkpoint", nbytes,
-                    every=cfg.log.save_every)]
 
 
 def rng_states(env, shuffle: torch.Generator) -> dict[str, torch.Tensor]:

@@ -150,7 +150,7 @@ class RolloutConfig:
     ranks: int = 0
     """rollout ranks K that run the envs and a policy copy; the other W - K ranks learn (0 = every rank does both)"""
     mode: Literal["sync", "async"] = "sync"
-    """sync: collect iteration k with the weights after update k - 1 (on-policy); async: collect while the learners update"""
+    """sync: batch k is collected with the weights after update k - 1 (on-policy); async: while the learners update"""
     max_staleness: int = 1
     """async: a batch may be collected with weights at most this many versions older than the iteration"""
     sync: Literal["patch", "bucket"] = "patch"
@@ -244,7 +244,8 @@ def validate_rollout(cfg: Config, world_size: int) -> None:
     if k < 0:
         raise UsageError(f"--rollout.ranks must be >= 0, got {k}")
     if cfg.rollout.max_staleness < 1:
-        raise UsageError(f"--rollout.max-staleness must be >= 1 (0 is --rollout.mode sync), got {cfg.rollout.max_staleness}")
+        raise UsageError(f"--rollout.max-staleness must be >= 1 (0 is --rollout.mode sync), "
+                         f"got {cfg.rollout.max_staleness}")
     if k == 0:
         return
     learners = world_size - k

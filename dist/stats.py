@@ -1,8 +1,9 @@
 """Exact cross-rank statistics from sufficient statistics: small float64 all-reduces.
 
 None of these gathers samples: ranks exchange counts, sums and sums of squared deviations from a
-value every rank already shares (a running mean, or a global mean computed first), so the bytes are O(dim), independent of batch size and world size, and the result equals
-the statistic over the union of all ranks' samples (up to float64 summation order).
+value every rank already shares (a running mean, or a global mean computed first), so the bytes are
+O(dim), independent of batch size and world size, and the result equals the statistic over the union
+of all ranks' samples (up to float64 summation order).
 """
 
 import torch
@@ -82,3 +83,21 @@ def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor
 
 def metrics_plan_rows(num_keys: int, purpose: str = "metrics") -> list[PlanRow]:
     return [PlanRow(purpose, "count-weighted mean", "all_reduce", "iteration", [16 * num_keys])]
+
+
+def sum_counts(sampler) -> None:
+    """Sampler/curriculum counts: sum (not mean) of every rank's local counts, committed as the new global ones.
+
+    Crosses ranks: one all-reduce of the counts (float64) every --dist.sampler-sync-every iterations and
+    before every checkpoint; see `sum_counts_plan_rows`.
+    """
+    sampler.commit_global(comm.all_reduce(sampler.local_counts.clone().to(comm.device()), "sampler").to(
+        sampler.local_counts.device))
+
+
+def sum_counts_plan_rows(sampler, every: int, save_every: int) -> list[PlanRow]:
+    if sampler is None:
+        return []
+    nbytes = [sampler.local_counts.numel() * 8]
+    return [PlanRow("sampler", "sum of counts", "all_reduce", "every", nbytes, every=every),
+            PlanRow("sampler", "sum of counts before save", "all_reduce", "checkpoint", nbytes, every=save_every)]
