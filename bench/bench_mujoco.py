@@ -161,10 +161,16 @@ def main() -> None:
         os.makedirs(args.root, exist_ok=True)
         todo = [(task, ranks, seed) for task in args.tasks for ranks in args.ranks for seed in args.seeds
                 if run_key(task, ranks, seed, args.total_steps) not in results]
-        lock = threading.Lock()
+        lock, failed = threading.Lock(), threading.Event()
 
         def run_and_record(task, ranks, seed):
-            result = run(task, ranks, seed, args.total_steps, args)
+            if failed.is_set():         # a run failed: start no queued one
+                return
+            try:
+                result = run(task, ranks, seed, args.total_steps, args)
+            except BaseException:
+                failed.set()
+                raise
             with lock:
                 results[result["key"]] = result
                 with open(results_path, "a") as f:
@@ -174,13 +180,8 @@ def main() -> None:
                       f"{result['wall_s'] / 60:.1f} min", flush=True)
 
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            futures = [pool.submit(run_and_record, *job) for job in todo]
-            try:
-                for future in futures:
-                    future.result()
-            except BaseException:       # a failed run stops the bench instead of starting the queued ones
-                pool.shutdown(cancel_futures=True)
-                raise
+            for future in [pool.submit(run_and_record, *job) for job in todo]:
+                future.result()
     print(table(list(results.values()), args.last_episodes, args.last_iterations))
 
 
