@@ -165,6 +165,8 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     syncer.init_receiver(copy)
     version = syncer.apply(copy)              # the learners' weights (see LearnerTeam.start)
     sender = BatchSender(learner, roles.batches_group, layout, state_bytes, torch.device("cpu"))
+    if cfg.dry_run:           # the learner prints the plan once the layouts and the first weights are agreed
+        return copy, []
     comm.use_group(roles.rollout_group)
     stop = StopRequests(watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
     stats = EpisodeStats(N, keys, device)
