@@ -16,7 +16,7 @@ ISAACLAB_VENV    ?= .venv-isaaclab
 ISAACSIM         ?= 0
 ISAACSIM_VERSION ?= 6.2.0.0
 
-.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-mujoco setup-mujoco setup-isaaclab export tensorboard clean
+.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco setup-mujoco setup-isaaclab export tensorboard clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -47,16 +47,20 @@ test: $(VENV)/.dev  ## run the whole test suite
 test-fast: $(VENV)/.dev  ## run the quick subset (no slow multi-rank or learning tests)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-bench: $(VENV)/.dev  ## training throughput vs RSL-RL (installs rsl-rl-lib into .venv), then bench-grad
+bench: $(VENV)/.dev  ## training throughput vs RSL-RL (installs rsl-rl-lib into .venv), then bench-grad and bench-rollout
 	$(BIN)/pip install -q rsl-rl-lib==5.5.1
 	$(BIN)/python bench/bench_train.py
 	$(MAKE) bench-grad
+	$(MAKE) bench-rollout
 
 bench-grad: $(VENV)/.runtime  ## gradient sync: flat | bucketed vs DDP vs a raw all-reduce, 2 gloo ranks (ARGS=--quick)
 	$(BIN)/python bench/bench_grad_sync.py $(ARGS)
 
 bench-sync: $(VENV)/.dev  ## weight sync: patch vs bucket vs naive dist.send (a few minutes; ARGS=--quick for seconds)
 	$(BIN)/python bench/bench_sync.py $(ARGS)
+
+bench-rollout: $(VENV)/.dev  ## rollout ranks: colocated vs 1 + 1 sync/async, weight-sync bytes, learning (~45 min; ARGS=--quick)
+	$(BIN)/python bench/bench_rollout.py $(ARGS)
 
 bench-mujoco: setup-mujoco  ## mujoco preset vs CleanRL: 3 tasks x 3 seeds x {1,2} ranks, 1M steps (hours); ARGS="--tasks Hopper-v4 --jobs 2"
 	$(BIN)/python bench/bench_mujoco.py $(ARGS)
