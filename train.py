@@ -125,7 +125,8 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     if is_main:
         print(f"[syncppo] world size {world}, backend {info.backend}, device {device} (one per rank); {envs_scope}\n"
               f"[syncppo] {roles.describe()}\n"
-              f"[syncppo] {learners} learner(s) x {N} envs x {T} steps = {learners * N * T} transitions per iteration\n"
+              f"[syncppo] {learners} {'ranks' if roles.colocated else 'learner(s)'} x {N} envs x {T} steps = "
+              f"{learners * N * T} transitions per iteration\n"
               f"{format_plan(plan, world)}", flush=True)
     if cfg.dry_run:
         shutdown()
