@@ -43,6 +43,8 @@ def reference_actions(path: str, obs: torch.Tensor) -> torch.Tensor:
         return model.distribution(obs).mean
 
 
+# onnx's reference ELU evaluates expm1 on both branches of its where(): large inputs overflow the unused one.
+@pytest.mark.filterwarnings("ignore:overflow encountered in expm1:RuntimeWarning")
 @pytest.mark.parametrize("name", ["mujoco", "cartpole"])
 def test_exported_policy_acts_like_the_checkpoint(tmp_path, name):
     path = checkpoint(tmp_path, name)
