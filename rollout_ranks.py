@@ -75,7 +75,8 @@ class LearnerTeam:
         self.num_envs = len(self.rollouts) * self.spec["num_envs"]
         depth = 1 if cfg.rollout.mode == "sync" else cfg.rollout.max_staleness + 1
         self.receiver = BatchReceiver(self.rollouts, roles.batches_group, self.spec["layout"], self.spec["state_bytes"],
-                                      depth, start_iteration, cfg.max_iterations, device)
+                                      depth, start_iteration, cfg.max_iterations, torch.device("cpu"))
+        self.device = device
         self.syncer = make_weight_syncer(weight_sync_config(cfg), roles.rank, self.rollouts, roles.weights_group)
         self.recompute = cfg.rollout.dtype != "float32" if cfg.rollout.recompute is None else cfg.rollout.recompute
 
@@ -96,7 +97,8 @@ class LearnerTeam:
                            f"{lag} versions old, more than --rollout.max-staleness allows")
         sums = sum(b.pop("sums") for b in batches)
         counts = sum(b.pop("counts") for b in batches)
-        return concat_batches(batches), {"lag": lag, "stop_signal": signal, "launcher_gone": gone,
+        batch = {k: v.to(self.device) for k, v in concat_batches(batches).items()}   # staged on the host (gloo)
+        return batch, {"lag": lag, "stop_signal": signal, "launcher_gone": gone,
                                          "sums": sums, "counts": counts}
 
     def finish(self, model, iteration: int, stop: bool, save: bool) -> torch.Tensor | None:
