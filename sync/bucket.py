@@ -1,25 +1,18 @@
 """bucket strategy: every sync sends the synced tensors whole, one frame of dense rows per size-capped bucket.
 
 No sender snapshot and no assumption about sparsity; the simplest semantics and the most bytes. A tensor
-already in its wire dtype travels from its own memory, and each frame's checksums are computed on both
-sides while its values are in flight (see wire.py). Keys that no sync carries (frozen weights) must
-start equal on both sides: init checks them, as the patch strategy does.
+already in its wire dtype travels from its own memory (and, with load_instant, arrives straight in the
+receiver's model); each frame's checksums are computed on both sides while its values are in flight (see
+Link.send_whole and Link.recv_whole). Keys that no sync carries (frozen weights) must start equal on both
+sides: init checks them, as the patch strategy does.
 """
-
-from dataclasses import dataclass
 
 import torch
 
 from dist.plan import PlanRow
 from .config import BUCKET_DTYPES, WeightSyncConfig
-from .link import Link, bucket_messages, tensors_of
-from .wire import KIND_BUCKET, KIND_RESYNC, SETUP, UPDATE, SyncIntegrityError, SyncStats, recv_buckets, send_buckets
-
-
-@dataclass
-class BucketUpdate:
-    version: int
-    pairs: list  # (ordinal, flat typed view of the received bytes), all buckets of one update
+from .link import Link, tensors_of
+from .wire import KIND_BUCKET, UPDATE, SyncStats, bucket_messages
 
 
 class BucketSyncer(Link):
@@ -27,116 +20,75 @@ class BucketSyncer(Link):
         super().__init__(cfg, src, dsts, group, device=cfg.bucket.bucket_device)
 
     def init_sender(self, state_dict, keys=None, version: int = 0) -> None:
-        """Handshake (Link.agree_as_sender), then check that the keys no sync carries start equal
-        (Link.verify_same_start). `keys`: what every sync carries (None = all)."""
+        """Handshake (Link.agree), then check that the keys no sync carries start equal (Link.verify_same_start).
+        `keys`: what every sync carries (None = all)."""
         self.require(sender=True, initialized=False)
-        state = tensors_of(state_dict)
-        self.agree_as_sender(state, keys, version, [])
-        self._verify_frozen(state)
-        self.version = version
+        self._start(tensors_of(state_dict), keys, version)
 
     def init_receiver(self, model) -> int:
         self.require(sender=False, initialized=False)
-        tensors = tensors_of(model)
-        version = self.agree_as_receiver(tensors)
-        self._verify_frozen(tensors)
-        self.version = version
-        return version
+        return self._start(tensors_of(model))
 
-    def _verify_frozen(self, tensors: dict) -> None:
+    def _start(self, tensors: dict, keys=None, version: int = 0) -> int:
+        self.version = self.agree(tensors, keys, version)
         frozen = [k for k in self.once_per_tie(self.keys) if k not in self.synced]
         self.verify_same_start(tensors, frozen, "keys that no sync carries (frozen weights)")
+        return self.version
 
-    def _wire_dtypes(self, kind: int = KIND_BUCKET) -> list[torch.dtype]:
+    def _wire_dtypes(self) -> list[torch.dtype]:
         """Per ordinal: bucket_dtype for floating tensors when set, else the receiver's dtype (exact, and half
-        the bytes of an fp32 sender when the receiver is bf16). Ints, bools and resyncs keep the receiver's."""
+        the bytes of an fp32 sender when the receiver is bf16). Ints and bools keep the receiver's."""
         name = self.cfg.bucket.bucket_dtype
-        return [BUCKET_DTYPES[name] if name and kind == KIND_BUCKET and self.dtypes[k].is_floating_point
-                else self.dtypes[k] for k in self.keys]
-
-    def _send(self, state_dict, version: int, kind: int, purpose: str) -> SyncStats:
-        state = self.sender_tensors(state_dict)
-        dtypes = self._wire_dtypes(kind)
-        wire, payload = send_buckets([(self.ordinal[k], state[k], dtypes[self.ordinal[k]]) for k in self.synced],
-                                     self.cfg.bucket.bucket_size, version, kind, self.dsts, self.group, self.device,
-                                     purpose)
-        self.version = version
-        self.stats = SyncStats(wire, payload, sum(state[k].numel() for k in self.synced), dense_tensors=len(self.synced))
-        return self.stats
-
-    def _recv(self, kind: int, purpose: str, on_bucket, first=None, staging=None) -> int:
-        return recv_buckets([self.ordinal[k] for k in self.synced], self.numels, self._wire_dtypes(kind),
-                            self.cfg.bucket.bucket_size, kind, self.src, self.group, self.device, purpose, on_bucket,
-                            first, staging)
-
-    def _write(self, tensors: dict, pairs) -> None:
-        with torch.no_grad():
-            for ordinal, value in pairs:
-                tensors[self.keys[ordinal]].view(-1).copy_(value)
+        return [BUCKET_DTYPES[name] if name and self.dtypes[k].is_floating_point else self.dtypes[k] for k in self.keys]
 
     def plan_rows(self) -> list[PlanRow]:
         """This rank's sync-plan rows (after init): the init traffic, then the buckets of each sync()."""
         dtypes = self._wire_dtypes()
         nbytes = [self.numels[self.ordinal[k]] * dtypes[self.ordinal[k]].itemsize for k in self.synced]
-        return self.setup_plan_rows([], 1) + \
-            [self.update_plan_row("bucket: synced tensors whole", bucket_messages(nbytes, self.cfg.bucket.bucket_size))]
+        return self.plan([], "bucket: synced tensors whole", bucket_messages(nbytes, self.cfg.bucket.bucket_size))
 
     def sync(self, state_dict, version: int) -> SyncStats:
         """Send every synced tensor whole as update `version`. Crosses ranks once per call: one frame per
-        bucket to each receiver (see wire.send_buckets)."""
-        self.require(sender=True)
-        if version <= self.version:
-            raise ValueError(f"weight sync: version must increase, last sent {self.version}, got {version}")
-        return self._send(state_dict, version, KIND_BUCKET, UPDATE)
+        bucket to each receiver (see Link.send_whole)."""
+        self.require(sender=True, version=version)
+        self.stats = self.send_whole(self.tensors(state_dict), self.synced, self._wire_dtypes(),
+                                     self.cfg.bucket.bucket_size, version, KIND_BUCKET, UPDATE)
+        self.version = version
+        return self.stats
 
     def apply(self, model, blocking: bool = True) -> int:
         """Receive the next update and write it; returns the version now in place. With load_instant each
-        bucket is written as soon as it arrived and was checked (readers are kept out by the lock until the
-        last one lands)."""
+        bucket lands as it arrives, checked (readers are kept out by the lock until the last one lands);
+        otherwise all buckets are staged first (blocking=False: see Link.receive), then written."""
         self.require(sender=False)
-        tensors = self.receiver_tensors(model)
+        tensors = self.tensors(model)
         if not self.cfg.bucket.load_instant:
-            return self.receive(tensors, blocking, self.recv_update, lambda t, update: self._write(t, update.pairs))
+            return self.receive(blocking, self.recv_update, lambda update: self._write(tensors, update))
         if not blocking:
             raise ValueError("weight sync: bucket.load_instant=true writes buckets as they arrive, which a "
                              "non-blocking apply would expose half-done; set bucket.load_instant=false for "
                              "apply(model, blocking=False)")
-        if self._broken:
-            raise SyncIntegrityError(f"weight sync: receiver needs resync() after: {self._broken}")
-        written = []
+        return self.write_update(lambda: self._recv(tensors))
 
-        def write(pairs):
-            self._write(tensors, pairs)
-            written.append(len(pairs))
+    def _recv(self, tensors: dict, staged=None) -> int:
+        return self.recv_whole(tensors, self.synced, self._wire_dtypes(), self.cfg.bucket.bucket_size, KIND_BUCKET,
+                               UPDATE, staged)
 
-        with self.lock:
-            try:
-                self.version = self._recv(KIND_BUCKET, UPDATE, write, staging=self.staging)
-            except SyncIntegrityError as error:
-                if written:  # earlier buckets of this update are already in the model
-                    self._broken = str(error)
-                    raise SyncIntegrityError(str(error), model_written=True) from error
-                raise
-        return self.version
-
-    def recv_update(self) -> BucketUpdate:
-        """Receive all buckets of the next update and keep them staged (one buffer each); nothing is written."""
+    def recv_update(self) -> tuple[int, list]:
+        """Receive all buckets of the next update and keep them staged (a buffer each): (version, [(ordinal,
+        values)]); nothing is written."""
         staged = []
-        return BucketUpdate(self._recv(KIND_BUCKET, UPDATE, staged.extend), staged)
+        return self._recv({}, staged), staged
+
+    def _write(self, tensors: dict, update: tuple[int, list]) -> int:
+        with torch.no_grad():
+            for ordinal, values in update[1]:
+                tensors[self.keys[ordinal]].view(-1).copy_(values)
+        return update[0]
 
     def resync(self, state_dict_or_model, version=None) -> int:
         """Send everything again, in the receivers' dtypes, and restart from `version` (sender
         resync(state_dict, version), receivers resync(model)); queued updates are dropped first.
-        Crosses ranks: the synced keys whole, once, under the setup purpose."""
-        self.require(sender=self.is_sender)
-        if self.is_sender:
-            if version is None:
-                raise ValueError("weight sync: the sender's resync needs the version to restart from")
-            self._send(state_dict_or_model, version, KIND_RESYNC, SETUP)
-            return version
-        first = self.drain_until_resync(self._wire_dtypes())
-        tensors = self.receiver_tensors(state_dict_or_model)
-        with self.lock:
-            self.version = self._recv(KIND_RESYNC, SETUP, lambda pairs: self._write(tensors, pairs), first, self.staging)
-            self._broken = None
+        Crosses ranks: the synced keys whole, once, under the setup purpose (see Link.resync_whole)."""
+        self.resync_whole(state_dict_or_model, version, self.synced, self.cfg.bucket.bucket_size, self._wire_dtypes())
         return self.version

@@ -1,12 +1,5 @@
-"""Weight-sync configuration: dataclasses whose fields mirror RLinf's `weight_syncer` YAML.
-
-    type: patch | bucket
-    patch:  snapshot_device, transport_device, compression, verify_every, init_sync{enabled, prefixes, bucket_size}
-    bucket: bucket_size, bucket_dtype, bucket_device, load_instant
-
-Both sides of a transfer must build the same config: the handshake compares them and refuses a mismatch,
-because the wire format depends on it.
-"""
+"""Weight-sync configuration: dataclasses whose fields mirror RLinf's `weight_syncer` YAML. Both sides of a
+transfer must build the same config: the handshake compares them, because the wire format depends on it."""
 
 from dataclasses import dataclass, field
 from typing import Literal, Optional

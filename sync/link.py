@@ -1,6 +1,6 @@
-"""What both strategies share and neither varies: roles, the init handshake, strict key checks, the
-start check, versions, the reader lock, the background receive of a non-blocking apply, draining queued
-updates before a resync, and the setup rows of the sync plan.
+"""What both strategies share: roles, the init handshake, strict key checks, the start check, whole tensors
+in buckets (bucket syncs, the patch bootstrap, every resync), resync, the reader lock, the background
+receive of a non-blocking apply, and the sync plan.
 
 `Link` holds that state and offers it as plain methods (nothing to override); patch.py and bucket.py
 each write their own init/sync/apply/resync on top of it, top to bottom.
@@ -19,8 +19,8 @@ from dist import comm
 from dist.checksum import tensor_checksum
 from dist.plan import PlanRow
 from .config import WeightSyncConfig
-from .wire import (KIND_RESYNC, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats, frame_messages, plan_buckets, recv_frame,
-                   recv_json, send_json)
+from .wire import (DENSE, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats, check_kind,
+                   plan_buckets, recv_frame, recv_json, send_frame, send_json)
 
 
 class Link:
@@ -40,30 +40,37 @@ class Link:
         if (backend == "nccl") != (device == "cuda"):
             raise ValueError(f"weight sync: the {backend} backend cannot send from device {device!r}; "
                              "use cpu with gloo and cuda with nccl")
-        self.is_sender = rank == src
-        self.device = torch.device(device)
+        self.is_sender, self.device = rank == src, torch.device(device)
         self.version: Optional[int] = None  # None until init; then the version in place (receiver) or sent (sender)
         self.lock = threading.Lock()  # readers of the receiver's model hold it to never see a half-applied update
         self.stats: Optional[SyncStats] = None
         self.staging = [torch.empty(0, dtype=torch.uint8, device=self.device)]  # receive buffer, reused
         self._inflight: Optional[Future] = None
-        self._broken: Optional[str] = None
+        self._broken: Optional[str] = None  # why the receiver refuses every update until resync()
 
-    # ----- init handshake -------------------------------------------------------------------------------
+    # ----- init -----------------------------------------------------------------------------------------------
 
-    def agree_as_sender(self, state: dict, keys: Optional[Sequence[str]], version: int, problems: list[str]) -> None:
-        """Check every receiver's metadata against `state`; both sides raise the same error on a mismatch.
+    def agree(self, tensors: dict, keys: Optional[Sequence[str]] = None, version: int = 0, problems=()) -> int:
+        """The init handshake: each receiver sends its metadata; the sender checks it against its own state
+        and replies; on a mismatch both sides raise the same error. Returns the starting version.
 
-        Crosses ranks once at init: one JSON document from each receiver, one reply to each.
-        `keys`: the keys every update carries (None = all); `problems`: the strategy's own config errors.
+        Crosses ranks once at init: one JSON document from each receiver, one reply to each. Sender: `keys`
+        are those every update carries (None = all), `problems` the strategy's own config errors.
         """
-        keys = list(state) if keys is None else list(keys)
-        if set(keys) - set(state):
-            problems.append(f"keys to sync not in the sender's state_dict: {sorted(set(keys) - set(state))}")
+        mine = _describe(tensors, self.cfg)
+        if not self.is_sender:
+            sent = send_json(mine, self.src, self.group, self.device)
+            reply, received = recv_json(self.src, self.group, self.device)
+            if reply["error"]:
+                raise ValueError("weight sync init: " + reply["error"])
+            self._adopt(mine, reply["keys"], [(sent, received)])
+            return reply["version"]
+        problems, keys = list(problems), list(tensors) if keys is None else list(keys)
+        if set(keys) - set(tensors):
+            problems.append(f"keys to sync not in the sender's state_dict: {sorted(set(keys) - set(tensors))}")
         if not keys:
             problems.append("the list of keys to sync is empty")
         metas = [recv_json(dst, self.group, self.device) for dst in self.dsts]
-        mine = _describe(state, self.cfg)
         for dst, (meta, _) in zip(self.dsts, metas):
             problems += [f"receiver rank {dst}: {p}" for p in _compare(mine, meta)]
             if any(meta[field] != metas[0][0][field] for field in ("keys", "shapes", "dtypes", "ties")):
@@ -74,37 +81,28 @@ class Link:
         if problems:
             raise ValueError("weight sync init: " + "; ".join(problems))
         self._adopt(metas[0][0], reply["keys"], [(n, r) for (_, n), r in zip(metas, replied)])
-        self.sender_shapes = {k: tuple(t.shape) for k, t in state.items()}
-
-    def agree_as_receiver(self, tensors: dict) -> int:
-        """The receiver's half of `agree_as_sender`; returns the starting version."""
-        meta = _describe(tensors, self.cfg)
-        sent = send_json(meta, self.src, self.group, self.device)
-        reply, received = recv_json(self.src, self.group, self.device)
-        if reply["error"]:
-            raise ValueError("weight sync init: " + reply["error"])
-        self._adopt(meta, reply["keys"], [(sent, received)])
-        return reply["version"]
+        self.sender_shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+        return version
 
     def _adopt(self, meta: dict, synced: list[str], documents: list[tuple[int, int]]) -> None:
-        """Layout both sides agree on: receiver keys, shapes and dtypes; synced keys with ties sent once."""
+        """Layout both sides agree on: the receivers' keys (their order gives each tensor its ordinal), shapes
+        and dtypes; the synced keys in that order, tied keys once."""
         self.keys = meta["keys"]
-        self.shapes = {k: tuple(s) for k, s in zip(meta["keys"], meta["shapes"])}
-        self.dtypes = {k: _dtype(d) for k, d in zip(meta["keys"], meta["dtypes"])}
+        self.shapes = {k: tuple(s) for k, s in zip(self.keys, meta["shapes"])}
+        self.dtypes = {k: _dtype(d) for k, d in zip(self.keys, meta["dtypes"])}
         self.ordinal = {k: i for i, k in enumerate(self.keys)}
         self.numels = [int(torch.Size(self.shapes[k]).numel()) for k in self.keys]
         self._tie_of = {k: tuple(group) for group in meta["ties"] for k in group}
-        self.synced = self.once_per_tie(synced)
-        self._documents = documents  # (metadata, reply) JSON bytes per receiver, for plan_rows
+        self.synced = self.once_per_tie([k for k in self.keys if k in set(synced)])
+        self._documents = documents  # (metadata, reply) JSON bytes per receiver, for plan()
         self._checked: list[str] = []  # keys compared at init by verify_same_start
 
     def once_per_tie(self, keys: Sequence[str]) -> list[str]:
         """Keep only the first of several keys that are one tensor (tied weights travel once)."""
         seen, unique = set(), []
         for key in keys:
-            tie = self._tie_of.get(key, key)
-            if tie not in seen:
-                seen.add(tie)
+            if self._tie_of.get(key, key) not in seen:
+                seen.add(self._tie_of.get(key, key))
                 unique.append(key)
         return unique
 
@@ -127,113 +125,178 @@ class Link:
             comm.send(mine, SETUP, self.src, self.group)
             theirs = {self.src: comm.recv(torch.empty_like(mine), SETUP, self.src, self.group)}
         differ = {rank: [keys[i] for i in (other != mine).nonzero().flatten().tolist()] for rank, other in theirs.items()}
-        differ = {rank: names for rank, names in differ.items() if names}
-        if differ:
+        if any(differ.values()):
             raise SyncIntegrityError(f"weight sync: {why} must start equal on sender and receivers, but these differ "
-                                     f"(by receiver rank): {differ}; load the same weights on both sides")
+                                     f"(by receiver rank): { {r: n for r, n in differ.items() if n} }; load the same "
+                                     "weights on both sides")
 
-    def setup_plan_rows(self, bootstrap: Sequence[str], bucket_size: int) -> list[PlanRow]:
-        """This rank's init traffic (see agree_as_sender, send_buckets, verify_same_start) as sync-plan rows."""
+    def plan(self, bootstrap: list[int], rule: str, update: list[int]) -> list[PlanRow]:
+        """This rank's rows of the sync plan: the init traffic (handshake, the `bootstrap` messages, the start
+        check) and one sync's messages `update` (bytes of each message to one receiver)."""
         n = len(self.dsts) if self.is_sender else 1
         out, back = ("send", "recv") if self.is_sender else ("recv", "send")
-        boot = bucket_messages([self.numels[self.ordinal[k]] * self.dtypes[k].itemsize for k in bootstrap], bucket_size)
         rows = [PlanRow(SETUP, "handshake: metadata (JSON)", back, "setup", [b for m, _ in self._documents for b in (8, m)]),
                 PlanRow(SETUP, "handshake: reply (JSON)", out, "setup", [b for _, r in self._documents for b in (8, r)])]
         if bootstrap:
-            rows.append(PlanRow(SETUP, "init bootstrap, whole tensors", out, "setup", boot * n))
-        if self._checked:
-            for collective in ("send", "recv"):
-                rows.append(PlanRow(SETUP, "start check: checksum per key", collective, "setup", [8 * len(self._checked)] * n))
-        return rows
+            rows.append(PlanRow(SETUP, "init bootstrap, whole tensors", out, "setup", bootstrap * n))
+        rows += [PlanRow(SETUP, "start check: checksum per key", c, "setup", [8 * len(self._checked)] * n)
+                 for c in ("send", "recv") if self._checked]
+        return rows + [PlanRow(UPDATE, rule, out, "iteration", update * n)]
 
-    def update_plan_row(self, rule: str, messages: list[int]) -> PlanRow:
-        """One sync's frames (`messages`: bytes of each message to one receiver) as this rank's plan row."""
-        return PlanRow(UPDATE, rule, "send" if self.is_sender else "recv", "iteration",
-                       messages * (len(self.dsts) if self.is_sender else 1))
+    # ----- strict checks on every call ------------------------------------------------------------------------
 
-    # ----- strict checks on every call ----------------------------------------------------------------------
-
-    def require(self, sender: bool, initialized: bool = True) -> None:
+    def require(self, sender: bool, initialized: bool = True, version: Optional[int] = None) -> None:
         if sender != self.is_sender:
             role = "sender" if self.is_sender else "receiver"
             raise RuntimeError(f"weight sync: rank {dist.get_rank()} is the {role}; call the {role} methods")
         if initialized and self.version is None:
             raise RuntimeError("weight sync: call init_sender/init_receiver first")
+        if version is not None and version <= self.version:
+            raise ValueError(f"weight sync: version must increase, last sent {self.version}, got {version}")
 
-    def sender_tensors(self, state_dict) -> dict:
-        state = tensors_of(state_dict)
-        _check_keys(state.keys(), self.sender_shapes.keys(), "sender state_dict", "init_sender")
-        bad = [k for k, t in state.items() if tuple(t.shape) != self.sender_shapes[k]]
-        if bad:
-            raise ValueError(f"weight sync: shapes changed since init_sender for {bad}")
-        return state
-
-    def receiver_tensors(self, model) -> dict:
+    def tensors(self, model) -> dict:
+        """The state_dict `model` (sender: a state_dict or module) with the keys and shapes (receiver: and
+        dtypes) of init; a KeyError lists missing and unexpected keys."""
         tensors = tensors_of(model)
-        _check_keys(tensors.keys(), self.keys, "receiver model", "init_receiver")
-        bad = [k for k, t in tensors.items() if tuple(t.shape) != self.shapes[k] or t.dtype != self.dtypes[k]]
+        expected = list(self.sender_shapes) if self.is_sender else self.keys
+        missing, unexpected = [k for k in expected if k not in tensors], [k for k in tensors if k not in set(expected)]
+        if missing or unexpected:
+            what = "sender state_dict keys differ from init_sender" if self.is_sender else \
+                "receiver model keys differ from init_receiver"
+            raise KeyError(f"weight sync: {what}: missing {missing}, unexpected {unexpected}")
+        bad = [k for k, t in tensors.items() if tuple(t.shape) != (self.sender_shapes[k] if self.is_sender else self.shapes[k])
+               or not self.is_sender and t.dtype != self.dtypes[k]]
         if bad:
-            raise ValueError(f"weight sync: shape or dtype changed since init_receiver for {bad}")
+            raise ValueError(f"weight sync: shape or dtype changed since init for {bad}")
         return tensors
+
+    # ----- whole tensors in size-capped buckets -----------------------------------------------------------------
+
+    def send_whole(self, state: dict, keys: Sequence[str], dtypes: Sequence[torch.dtype], bucket_size: int,
+                   version: int, kind: int, purpose: str) -> SyncStats:
+        """Send `keys` whole in `dtypes` (per ordinal), one frame of dense rows per bucket, to every receiver.
+
+        Crosses ranks: one frame per bucket of at most `bucket_size` bytes to each receiver, once per bucket
+        sync, bootstrap or resync. A tensor already in its wire dtype travels from its own memory; the
+        checksums that end each frame are computed while its values are in flight.
+        """
+        ordinals = [self.ordinal[k] for k in keys]
+        wire = raw = 0
+        for members in plan_buckets([self.numels[o] * dtypes[o].itemsize for o in ordinals], bucket_size):
+            values = [state[keys[i]].detach().reshape(-1).to(dtypes[ordinals[i]]) for i in members]
+            table = torch.tensor([[ordinals[i], v.numel(), DENSE, 0] for i, v in zip(members, values)],
+                                 dtype=torch.int64).view(-1, 4)
+            sent = send_frame(kind, version, -1, table, values, lambda: [tensor_checksum(v) for v in values],
+                              self.dsts, self.group, self.device, purpose)
+            wire, raw = wire + sent[0], raw + sent[1]
+        return SyncStats(wire, raw, sum(self.numels[o] for o in ordinals), dense_tensors=len(keys))
+
+    def recv_whole(self, tensors: dict, keys: Sequence[str], dtypes: Sequence[torch.dtype], bucket_size: int,
+                   kind: int, purpose: str, staged: Optional[list] = None, drop: Optional[Sequence] = None) -> int:
+        """Receive what send_whole sent and write it into `tensors`, or, given a list `staged`, append its
+        (ordinal, values) there (a fresh buffer per bucket); returns the version.
+
+        Crosses ranks: one frame per bucket from the sender; with `drop` (a resync: the value dtype per
+        ordinal of updates) first any number of queued update frames, received whole and dropped, counted
+        under the purpose they were sent with. Every tensor is checked against the trailer's checksums as soon
+        as it arrived. When writing, values already in the receiver's dtype arrive straight in the model, so
+        a failed check leaves it written (`model_written`: the receiver then refuses updates until resync()).
+        """
+        ordinals = [self.ordinal[k] for k in keys]
+        flat = {self.ordinal[k]: tensors[k].view(-1) for k in keys} if staged is None else {}
+        into = None if staged is not None else (lambda o: flat[o] if o in flat and flat[o].dtype == dtypes[o] else None)
+        plan = plan_buckets([self.numels[o] * dtypes[o].itemsize for o in ordinals], bucket_size)
+        version = None
+        for index, members in enumerate(plan):
+            frame = None
+            while frame is None or index == 0 and drop and frame.kind != kind:
+                if frame is not None:
+                    frame.wait()
+                frame = recv_frame(self.src, self.group, self.device, self.numels, lambda k: (purpose, dtypes, into)
+                                   if k == kind or not drop else (UPDATE, drop, None), self.staging if staged is None else None)
+            check_kind(frame, kind)
+            if frame.table[:, 0].tolist() != [ordinals[i] for i in members] or version not in (None, frame.version):
+                raise SyncIntegrityError(
+                    f"weight sync: bucket {index} of {len(plan)} at version {frame.version} carries tensors "
+                    f"{frame.table[:, 0].tolist()}, expected {[ordinals[i] for i in members]} at version {version}; "
+                    "sender and receiver disagree on the bucket plan", model_written=staged is None)
+            got = [tensor_checksum(frame.row(r)[1]) for r in range(len(members))]  # each as soon as it arrived
+            if (torch.stack(got).tolist() if got else []) != frame.sums():
+                raise SyncIntegrityError(f"weight sync: bucket {index} at version {frame.version} does not match its "
+                                         f"checksums (corrupted on the way); {RESYNC_HINT}", model_written=staged is None)
+            pairs = [(ordinal, values) for ordinal, (_, values) in zip(frame.table[:, 0].tolist(), frame.segments)]
+            if staged is None:
+                with torch.no_grad():
+                    for ordinal, values in pairs:
+                        if values.data_ptr() != flat[ordinal].data_ptr():
+                            flat[ordinal].copy_(values)
+            else:
+                staged += pairs
+            version = frame.version
+        return version
 
     # ----- receiving ------------------------------------------------------------------------------------------
 
-    def receive(self, tensors: dict, blocking: bool, recv_update: Callable, write: Callable) -> int:
-        """apply(): receive the next update with `recv_update()` and apply it with `write(tensors, update)`.
+    def receive(self, blocking: bool, recv: Callable, write: Callable) -> int:
+        """apply(): receive the next update with `recv()` and apply it with `write(update)` (returns its version).
 
-        blocking=False never waits: the first call starts `recv_update` in a background thread and returns
-        the current version; a later call applies the update once it fully arrived (on the caller's thread,
+        blocking=False never waits: the first call starts `recv` in a background thread and returns the
+        current version; a later call applies the update once it fully arrived (on the caller's thread,
         under `self.lock`) and returns the new version.
         """
+        if self._inflight is None and not blocking:
+            self._inflight = _in_background(recv)
         if self._inflight is None:
-            if blocking:
-                return self.write_update(tensors, recv_update(), write)
-            self._inflight = _in_background(recv_update)
+            update = recv()
+        elif blocking or self._inflight.done():
+            future, self._inflight = self._inflight, None
+            update = future.result()
+        else:
             return self.version
-        if not blocking and not self._inflight.done():
-            return self.version
-        future, self._inflight = self._inflight, None
-        return self.write_update(tensors, future.result(), write)
+        return self.write_update(lambda: write(update), update)
 
-    def write_update(self, tensors: dict, update, write: Callable) -> int:
-        """Apply one received update under the lock; once an update failed after writing, refuse every
-        later one until resync()."""
+    def write_update(self, write: Callable[[], int], update=None) -> int:
+        """Run `write()` (it writes one update into the model and returns its version) under the lock; once an
+        update failed after writing, refuse every later one until resync()."""
         try:
             if self._broken:
                 raise SyncIntegrityError(f"weight sync: receiver needs resync() after: {self._broken}")
             with self.lock:
                 try:
-                    write(tensors, update)
+                    self.version = write()
                 except SyncIntegrityError as error:
                     if error.model_written:
                         self._broken = str(error)
                     raise
-                self.version = update.version
         finally:
             if isinstance(update, Frame):  # a refused frame is still received whole: the stream stays in step
                 update.wait()
         return self.version
 
-    def drain_until_resync(self, update_dtypes: Sequence[torch.dtype]):
-        """Resync on the receiver: discard queued updates (any number, counted under the purpose the sender
-        sent them with) until the first frame of the resync arrives, and return it. Crosses ranks: receives
-        those frames. `update_dtypes`: the value dtype per ordinal in updates (resync frames: the receiver's)."""
+    def resync_whole(self, state_dict_or_model, version: Optional[int], keys: Sequence[str], bucket_size: int,
+                     update_dtypes: Sequence[torch.dtype]) -> dict:
+        """Both strategies' resync: the sender sends `keys` whole in the receivers' dtypes and both continue
+        from `version`; a receiver first drops the updates still queued for it (any number, counted under
+        the purpose they were sent with; `update_dtypes`: their value dtype per ordinal). Returns the tensors.
+
+        Crosses ranks: the queued update frames, then one frame per bucket of `bucket_size`, under the setup
+        purpose.
+        """
+        self.require(sender=self.is_sender)
+        receiver = [self.dtypes[k] for k in self.keys]
+        tensors = self.tensors(state_dict_or_model)
+        if self.is_sender:
+            if version is None:
+                raise ValueError("weight sync: the sender's resync needs the version to restart from")
+            self.stats = self.send_whole(tensors, keys, receiver, bucket_size, version, KIND_RESYNC, SETUP)
+            self.version = version
+            return tensors
         if self._inflight is not None:
             raise RuntimeError("weight sync: a non-blocking apply is still receiving; finish it with apply(model) "
                                "before resync()")
-        receiver = [self.dtypes[k] for k in self.keys]
-        while True:
-            frame = recv_frame(self.src, self.group, self.device, lambda kind: SETUP if kind == KIND_RESYNC else UPDATE,
-                               self.numels, lambda kind: receiver if kind == KIND_RESYNC else update_dtypes, self.staging)
-            if frame.kind == KIND_RESYNC:
-                return frame
-            frame.wait()
-
-
-def bucket_messages(nbytes: Sequence[int], bucket_size: int) -> list[int]:
-    """Bytes of each message that send_buckets sends one receiver for tensors of these sizes."""
-    return [b for members in plan_buckets(nbytes, bucket_size)
-            for b in frame_messages(len(members), [nbytes[i] for i in members if nbytes[i]])]
+        self._broken = None
+        self.write_update(lambda: self.recv_whole(tensors, keys, receiver, bucket_size, KIND_RESYNC, SETUP, drop=update_dtypes))
+        return tensors
 
 
 def trainable_keys(module: torch.nn.Module) -> list[str]:
@@ -253,12 +316,17 @@ def tensors_of(model) -> dict:
 def _describe(tensors: dict, cfg: WeightSyncConfig) -> dict:
     """The handshake document: everything both sides must agree on for the wire format to line up."""
     not_tensors = [k for k, t in tensors.items() if not isinstance(t, torch.Tensor)]
+    groups: dict = {}  # tied weights: keys whose tensors are the same memory
+    for key, t in tensors.items():
+        if key not in not_tensors and t.numel():
+            place = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            groups.setdefault(place, []).append(key)
     return {
         "config": json.loads(json.dumps(asdict(cfg))),
         "keys": list(tensors),
         "shapes": [list(t.shape) if isinstance(t, torch.Tensor) else [] for t in tensors.values()],
         "dtypes": [str(t.dtype) if isinstance(t, torch.Tensor) else "?" for t in tensors.values()],
-        "ties": _tie_groups(tensors),
+        "ties": [g for g in groups.values() if len(g) > 1],
         "not_tensors": not_tensors,
         "not_contiguous": [k for k, t in tensors.items() if k not in not_tensors and not t.is_contiguous()],
     }
@@ -267,45 +335,25 @@ def _describe(tensors: dict, cfg: WeightSyncConfig) -> dict:
 def _compare(sender: dict, receiver: dict) -> list[str]:
     """Reasons the receiver's metadata cannot take the sender's updates (empty when it can)."""
     if receiver["config"] != sender["config"]:
-        diff = {k: (sender["config"][k], receiver["config"][k]) for k in sender["config"]
-                if sender["config"][k] != receiver["config"][k]}
+        diff = {k: (v, receiver["config"][k]) for k, v in sender["config"].items() if v != receiver["config"][k]}
         return [f"weight sync config differs from the sender's (sender, receiver): {diff}"]
     problems = [f"{what} on the {side}: {meta[what]}" for side, meta in (("sender", sender), ("receiver", receiver))
                 for what in ("not_tensors", "not_contiguous") if meta[what]]
     missing = [k for k in sender["keys"] if k not in receiver["keys"]]
     unexpected = [k for k in receiver["keys"] if k not in sender["keys"]]
     if missing or unexpected:
-        problems.append(f"state_dict keys differ: missing on the receiver {missing}, unexpected on the receiver {unexpected}")
-        return problems
+        return problems + [f"state_dict keys differ: missing on the receiver {missing}, unexpected on the receiver "
+                           f"{unexpected}"]
     mine = dict(zip(sender["keys"], zip(sender["shapes"], sender["dtypes"])))
     for key, shape, dtype in zip(receiver["keys"], receiver["shapes"], receiver["dtypes"]):
-        sender_shape, sender_dtype = mine[key]
-        if shape != sender_shape:
-            problems.append(f"{key!r} has shape {shape} on the receiver and {sender_shape} on the sender")
-        elif dtype != sender_dtype and not (_dtype(dtype).is_floating_point and _dtype(sender_dtype).is_floating_point):
-            problems.append(f"{key!r} is {dtype} on the receiver and {sender_dtype} on the sender "
+        if shape != mine[key][0]:
+            problems.append(f"{key!r} has shape {shape} on the receiver and {mine[key][0]} on the sender")
+        elif dtype != mine[key][1] and not (_dtype(dtype).is_floating_point and _dtype(mine[key][1]).is_floating_point):
+            problems.append(f"{key!r} is {dtype} on the receiver and {mine[key][1]} on the sender "
                             "(only floating dtypes may differ)")
     if sorted(receiver["ties"]) != sorted(sender["ties"]):
         problems.append(f"tied keys differ: sender {sender['ties']}, receiver {receiver['ties']}")
     return problems
-
-
-def _tie_groups(tensors: dict) -> list[list[str]]:
-    """Keys whose tensors are the same memory (tied weights): sent once, under the first key."""
-    groups: dict = {}
-    for key, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.numel():
-            place = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-            groups.setdefault(place, []).append(key)
-    return [g for g in groups.values() if len(g) > 1]
-
-
-def _check_keys(actual, expected, what: str, where: str) -> None:
-    actual, expected = list(actual), list(expected)
-    missing = [k for k in expected if k not in set(actual)]
-    unexpected = [k for k in actual if k not in set(expected)]
-    if missing or unexpected:
-        raise KeyError(f"weight sync: {what} keys differ from {where}: missing {missing}, unexpected {unexpected}")
 
 
 def _dtype(name: str) -> torch.dtype:

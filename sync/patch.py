@@ -2,8 +2,7 @@
 
 The sender keeps a snapshot of what the receivers hold (in the receivers' dtypes) and a checksum of each
 snapshot tensor. Each sync compares the current weights with the snapshot bit for bit and sends one frame
-(see wire.py) with a table row per changed tensor, and each changed tensor takes the smallest of these
-encodings, by exact size:
+(see wire.py) with a table row per changed tensor, each in the smallest of these encodings by exact size:
 
     gaps8 / gaps16 / gaps32  the gap before each change (0 = adjacent), one symbol each in 1, 2 or 4
                              bytes; a longer gap spends escape symbols (the largest value: "skip that many")
@@ -16,8 +15,7 @@ changed elements alone (old and new values at the changed positions) below 1/16 
 tensor above. The receiver checks the header, the table, every dense tensor and every sparse one under
 1/16 density before writing anything; a denser sparse tensor is checked right after it is written (then a
 mismatch leaves the receiver refusing everything until resync()). Every `patch.verify_every` versions the
-receiver rescans all synced tensors against their checksums. The sender commits the snapshot only after
-every receiver has the frame.
+receiver rescans all synced tensors. The sender commits the snapshot only after every receiver has the frame.
 """
 
 import torch
@@ -25,10 +23,10 @@ import torch
 from dist.checksum import tensor_checksum, update_checksum
 from dist.plan import PlanRow
 from .config import WeightSyncConfig
-from .link import Link, bucket_messages, tensors_of
-from .wire import (BITMAP, DENSE, GAPS8, GAPS16, GAPS32, KIND_BUCKET, KIND_PATCH, KIND_RESYNC, SETUP, SYMBOL_DTYPES,
-                   UPDATE, Frame, SyncIntegrityError, SyncStats, expect, frame_messages, recv_buckets, recv_frame,
-                   send_buckets, send_frame)
+from .link import Link, tensors_of
+from .wire import (BITMAP, DENSE, GAPS8, GAPS16, GAPS32, KIND_BUCKET, KIND_PATCH, RESYNC_HINT, SETUP, SYMBOL_DTYPES,
+                   UPDATE, Frame, SyncIntegrityError, SyncStats, bucket_messages, check_kind, frame_messages,
+                   recv_frame, send_frame)
 
 GAP_DTYPES = {code: SYMBOL_DTYPES[code] for code in (GAPS8, GAPS16, GAPS32)}
 INCREMENTAL_BELOW = 1 / 16  # changed fraction under which updating a checksum beats recomputing it
@@ -49,64 +47,43 @@ class PatchSyncer(Link):
 
     def init_sender(self, state_dict, keys=None, version: int = 0) -> None:
         """Handshake, bootstrap the receivers, check that what was not bootstrapped starts equal, then take
-        the snapshot. Crosses ranks once: see Link.agree_as_sender, wire.send_buckets, Link.verify_same_start.
+        the snapshot. Crosses ranks once: see Link.agree, Link.send_whole, Link.verify_same_start.
         `keys`: what every patch carries (None = all), e.g. `trainable_keys(model)`."""
         self.require(sender=True, initialized=False)
-        state = tensors_of(state_dict)
-        self.agree_as_sender(state, keys, version, self._config_problems(state))
+        state, init = tensors_of(state_dict), self.cfg.patch.init_sync
+        unmatched = [p for p in init.prefixes or () if init.enabled and not any(_under(k, p) for k in state)]
+        self.agree(state, keys, version, [f"patch.init_sync.prefixes {unmatched} match no state_dict key"] * bool(unmatched))
         self.version = version
-        bootstrap = self.once_per_tie(self._bootstrap_keys())
+        bootstrap = self._bootstrap_keys()
         if bootstrap:
-            self.stats = self._send_whole(state, bootstrap, version, KIND_BUCKET)
-        self._verify_unbootstrapped(state, bootstrap)
+            self.stats = self.send_whole(state, bootstrap, [self.dtypes[k] for k in self.keys], init.bucket_size,
+                                         version, KIND_BUCKET, SETUP)
+        self._verify_rest(state, bootstrap)
         self._take_snapshot(state)
 
     def init_receiver(self, model) -> int:
         """The receiver's half of init_sender; returns the starting version."""
         self.require(sender=False, initialized=False)
         tensors = tensors_of(model)
-        version = self.agree_as_receiver(tensors)
-        bootstrap = self.once_per_tie(self._bootstrap_keys())
+        version = self.agree(tensors)
+        bootstrap = self._bootstrap_keys()
         with self.lock:
             if bootstrap:
-                self._recv_whole(tensors, bootstrap, KIND_BUCKET)
-            self._verify_unbootstrapped(tensors, bootstrap)
+                self.recv_whole(tensors, bootstrap, [self.dtypes[k] for k in self.keys],
+                                self.cfg.patch.init_sync.bucket_size, KIND_BUCKET, SETUP)
+            self._verify_rest(tensors, bootstrap)
             self.checksums = {k: tensor_checksum(tensors[k]) for k in self.synced}
             self.version = version
         return version
 
-    def _config_problems(self, state: dict) -> list[str]:
-        init = self.cfg.patch.init_sync
-        if not init.enabled or init.prefixes is None:
-            return []
-        unmatched = [p for p in init.prefixes if not any(_under(k, p) for k in state)]
-        return [f"patch.init_sync.prefixes {unmatched} match no state_dict key"] if unmatched else []
-
     def _bootstrap_keys(self) -> list[str]:
         init = self.cfg.patch.init_sync
-        if not init.enabled:
-            return []
-        return [k for k in self.keys if init.prefixes is None or any(_under(k, p) for p in init.prefixes)]
+        return self.once_per_tie([k for k in self.keys if init.enabled and (
+            init.prefixes is None or any(_under(k, p) for p in init.prefixes))])
 
-    def _verify_unbootstrapped(self, tensors: dict, bootstrap: list[str]) -> None:
+    def _verify_rest(self, tensors: dict, bootstrap: list[str]) -> None:
         rest = [k for k in self.once_per_tie(self.keys) if k not in bootstrap]
         self.verify_same_start(tensors, rest, "keys outside the init bootstrap (patch.init_sync)")
-
-    def _send_whole(self, state: dict, keys: list[str], version: int, kind: int) -> SyncStats:
-        """Bootstrap and resync: these keys whole, in the receivers' dtypes (wire.send_buckets, under SETUP)."""
-        wire, payload = send_buckets([(self.ordinal[k], state[k], self.dtypes[k]) for k in keys],
-                                     self.cfg.patch.init_sync.bucket_size, version, kind, self.dsts, self.group,
-                                     self.device, SETUP)
-        return SyncStats(wire, payload, sum(state[k].numel() for k in keys))
-
-    def _recv_whole(self, tensors: dict, keys: list[str], kind: int, first: Frame | None = None) -> int:
-        def write(pairs):
-            with torch.no_grad():
-                for ordinal, value in pairs:
-                    tensors[self.keys[ordinal]].view(-1).copy_(value)
-        return recv_buckets([self.ordinal[k] for k in keys], self.numels, [self.dtypes[k] for k in self.keys],
-                            self.cfg.patch.init_sync.bucket_size, kind, self.src, self.group, self.device, SETUP,
-                            write, first, self.staging)
 
     def _take_snapshot(self, state: dict) -> None:
         pinned = self.cfg.patch.snapshot_device == "cpu" and torch.cuda.is_available()
@@ -120,11 +97,10 @@ class PatchSyncer(Link):
     def plan_rows(self) -> list[PlanRow]:
         """This rank's sync-plan rows (after init): the init traffic, then one frame per sync(). A patch's
         size depends on what changed; the row gives its bound, every synced tensor changed (dense)."""
-        nbytes = [self.numels[self.ordinal[k]] * self.dtypes[k].itemsize for k in self.synced]
-        dense = frame_messages(sum(1 for n in nbytes if n), [n for n in nbytes if n])
-        bootstrap = self.once_per_tie(self._bootstrap_keys())
-        return self.setup_plan_rows(bootstrap, self.cfg.patch.init_sync.bucket_size) + \
-            [self.update_plan_row("patch: changed elements (bytes: all changed)", dense)]
+        nbytes = [n for n in (self.numels[self.ordinal[k]] * self.dtypes[k].itemsize for k in self.synced) if n]
+        boot = [self.numels[self.ordinal[k]] * self.dtypes[k].itemsize for k in self._bootstrap_keys()]
+        return self.plan(bucket_messages(boot, self.cfg.patch.init_sync.bucket_size) if boot else [],
+                         "patch: changed elements (bytes: all changed)", frame_messages(len(nbytes), nbytes))
 
     # ----- sender ------------------------------------------------------------------------------------------
 
@@ -134,52 +110,40 @@ class PatchSyncer(Link):
         Crosses ranks once per call (typically once per training iteration): one frame to each receiver.
         Host syncs: one or two per tensor (its change count; its escape counts).
         """
-        self.require(sender=True)
-        if version <= self.version:
-            raise ValueError(f"weight sync: version must increase, last sent {self.version}, got {version}")
-        state = self.sender_tensors(state_dict)
-        rows, segments, changes, changed = [], [], [], 0
-        for key in sorted(self.synced, key=self.ordinal.get):  # table rows in the receivers' key order
+        self.require(sender=True, version=version)
+        state = self.tensors(state_dict)
+        rows, segments, changes = [], [], []
+        for key in self.synced:  # in ordinal order: the table's rows must be
             current = state[key].detach().reshape(-1).to(self.dtypes[key])
             old = self.snapshot[key].view(-1).to(current.device, non_blocking=True)
             if self._mask.numel() < current.numel() or self._mask.device != current.device:
                 self._mask = torch.empty(current.numel(), dtype=torch.bool, device=current.device)
             mask = torch.ne(_bits(current), _bits(old), out=self._mask[:current.numel()])
             count = int(torch.count_nonzero(mask))
-            if count == 0:
-                continue
-            encoding, parts, index = _encode(current, mask, count)
-            rows.append([self.ordinal[key], parts[-1].numel(), encoding, parts[0].numel() if encoding != DENSE else 0])
-            segments += parts
-            changes.append((key, current, old, index, parts[-1]))
-            changed += count
-
-        sums = []
+            if count:
+                encoding, parts, index = _encode(current, mask, count)
+                rows.append([self.ordinal[key], parts[-1].numel(), encoding, parts[0].numel() if encoding != DENSE else 0])
+                segments += parts
+                changes.append((key, current, old, index, parts[-1], count))
 
         def checksums_after():  # runs while the payload is in flight
-            for key, current, old, index, values in changes:
-                incremental = index is not None and index.numel() < INCREMENTAL_BELOW * current.numel()
-                sums.append(update_checksum(self.checksums[key], index, old[index], values) if incremental
-                            else tensor_checksum(current))
-            return sums
+            return [update_checksum(self.checksums[key], index, old[index], values) if _incremental(index, current)
+                    else tensor_checksum(current) for key, current, old, index, values, _ in changes]
 
-        table = torch.tensor(rows, dtype=torch.int64).view(-1, 4)
-        compress = None if self.cfg.patch.compression == "none" else _compress
-        wire, raw = send_frame(KIND_PATCH, version, self.version, table, segments, checksums_after, self.dsts,
-                               self.group, self.device, UPDATE, compress)
-
+        wire, raw, sums = send_frame(KIND_PATCH, version, self.version, torch.tensor(rows, dtype=torch.int64).view(-1, 4),
+                                     segments, checksums_after, self.dsts, self.group, self.device, UPDATE,
+                                     None if self.cfg.patch.compression == "none" else _compress)
         # Only now do all receivers hold the patch: a failed send above leaves the snapshot (and version)
         # as they were, so the next patch still carries these changes against the old base.
-        for (key, current, _, index, values), checksum in zip(changes, sums):
-            snapshot = self.snapshot[key].view(-1)
+        for (key, current, _, index, values, _), checksum in zip(changes, sums):
             if index is None:
-                snapshot.copy_(current)
+                self.snapshot[key].view(-1).copy_(current)
             else:
-                snapshot[index.to(snapshot.device)] = values.to(snapshot.device)
+                self.snapshot[key].view(-1)[index.to(self.snapshot[key].device)] = values.to(self.snapshot[key].device)
             self.checksums[key] = checksum
         self.version = version
         dense = sum(row[2] == DENSE for row in rows)
-        self.stats = SyncStats(wire, raw, changed, len(rows) - dense, dense)
+        self.stats = SyncStats(wire, raw, sum(c[5] for c in changes), len(rows) - dense, dense)
         return self.stats
 
     # ----- receiver ----------------------------------------------------------------------------------------
@@ -188,7 +152,8 @@ class PatchSyncer(Link):
         """Receive the next patch and apply it to `model`; returns the version now in place. Crosses ranks:
         receives the frame the sender's matching sync() sent. blocking=False: see Link.receive."""
         self.require(sender=False)
-        return self.receive(self.receiver_tensors(model), blocking, lambda: self._recv(self.staging), self._write)
+        tensors = self.tensors(model)
+        return self.receive(blocking, lambda: self._recv(self.staging), lambda frame: self._write(tensors, frame))
 
     def recv_update(self) -> Frame:
         """Receive the next patch without applying it (one frame from the sender, once per sync())."""
@@ -197,57 +162,56 @@ class PatchSyncer(Link):
         frame.sums()  # all of it has arrived: the caller may hold several
         return frame
 
-    def _recv(self, staging) -> Frame:
-        frame = recv_frame(self.src, self.group, self.device, UPDATE, self.numels, [self.dtypes[k] for k in self.keys],
-                           staging, None if self.cfg.patch.compression == "none" else _decompress)
-        expect(frame, KIND_PATCH)
-        return frame
-
     def apply_update(self, model, update: Frame) -> int:
         """Apply an update returned by `recv_update()`; returns the new version (see _write for what is refused)."""
         self.require(sender=False)
-        return self.write_update(self.receiver_tensors(model), update, self._write)
+        tensors = self.tensors(model)
+        return self.write_update(lambda: self._write(tensors, update), update)
 
-    def _write(self, tensors: dict, frame: Frame) -> None:
-        """Check, decode and apply a patch. Host syncs: a few per patch and one per sparse tensor (its positions)."""
+    def _recv(self, staging) -> Frame:
+        dtypes = [self.dtypes[k] for k in self.keys]
+        frame = recv_frame(self.src, self.group, self.device, self.numels, lambda kind: (UPDATE, dtypes, None), staging,
+                           None if self.cfg.patch.compression == "none" else _decompress)
+        check_kind(frame, KIND_PATCH)
+        return frame
+
+    def _write(self, tensors: dict, frame: Frame) -> int:
+        """Check, decode and apply a patch; returns its version. Host syncs: a few per patch and one per
+        sparse tensor (its positions)."""
         frame.check_header()
         if frame.base != self.version:
-            raise SyncIntegrityError(
-                f"weight sync: patch {frame.version} applies to version {frame.base} but this receiver "
-                f"holds version {self.version}: a patch was lost or reordered; call resync() on sender and receivers")
-        synced = {self.ordinal[k] for k in self.synced}
-        if not set(frame.table[:, 0].tolist()) <= synced:
+            raise SyncIntegrityError(f"weight sync: patch {frame.version} applies to version {frame.base} but this "
+                                     f"receiver holds version {self.version}: a patch was lost or reordered; {RESYNC_HINT}")
+        foreign = set(frame.table[:, 0].tolist()) - {self.ordinal[k] for k in self.synced}
+        if foreign:
             raise SyncIntegrityError(f"weight sync: patch {frame.version} touches tensors this syncer does not sync: "
-                                     f"{sorted(set(frame.table[:, 0].tolist()) - synced)}; call resync()")
+                                     f"{sorted(foreign)}; {RESYNC_HINT}")
 
         # Decode and check every tensor, each as soon as it arrived, before anything is written: positions
         # inside the tensor, the announced number of changes, bools stored as 0 or 1, and the checksum after.
-        writes, bad, checks = [], [], []
+        writes, bad, checks = [], [], {}
         for r, (ordinal, values_sent, encoding, _) in enumerate(frame.table.tolist()):
             key = self.keys[ordinal]
             target = tensors[key].view(-1)
             positions, values = frame.row(r)
-            index = None
-            if encoding != DENSE:
+            values, index = values.to(target.device), None
+            if encoding == DENSE:
+                checks[r] = tensor_checksum(values)
+            else:
                 index, flags = _decode(positions.to(target.device), encoding, target.numel())
                 bad += flags + [torch.tensor(index.numel() != values_sent)]
-            values = values.to(target.device)
+                if index.numel() == values_sent and _incremental(index, target):
+                    checks[r] = update_checksum(self.checksums[key], index, target[index], values)
             if values.dtype == torch.bool:
                 bad.append((values.view(torch.uint8) > 1).any())
-            if index is None:
-                checks.append((r, tensor_checksum(values)))
-            elif index.numel() == values_sent and values_sent < INCREMENTAL_BELOW * target.numel():
-                checks.append((r, update_checksum(self.checksums[key], index, target[index], values)))
             writes.append((key, target, index, values))
         sums = frame.sums()
         if bad and bool(torch.stack([f.cpu() for f in bad]).any()):
             raise SyncIntegrityError(f"weight sync: patch {frame.version} has positions outside their tensors, a "
-                                     "wrong number of changes or invalid bools: the payload is corrupted; call "
-                                     "resync() on sender and receivers")
-        if checks and torch.stack([c for _, c in checks]).cpu().tolist() != [sums[r] for r, _ in checks]:
+                                     f"wrong number of changes or invalid bools: the payload is corrupted; {RESYNC_HINT}")
+        if checks and torch.stack([c.cpu() for c in checks.values()]).tolist() != [sums[r] for r in checks]:
             raise SyncIntegrityError(f"weight sync: patch {frame.version} does not produce the sender's values "
-                                     "(corrupted payload or diverged receiver); model untouched; call resync() on "
-                                     "sender and receivers")
+                                     f"(corrupted payload or diverged receiver); model untouched; {RESYNC_HINT}")
 
         with torch.no_grad():
             for _, target, index, values in writes:
@@ -255,62 +219,47 @@ class PatchSyncer(Link):
                     target.copy_(values)
                 else:
                     target[index] = values
-        checked = {r for r, _ in checks}
-        rescan = [(r, key, tensor_checksum(target)) for r, (key, target, _, _) in enumerate(writes) if r not in checked]
-        wrong = [key for r, key, got in rescan if int(got) != sums[r]]
+        wrong = [key for r, (key, target, _, _) in enumerate(writes)
+                 if r not in checks and int(tensor_checksum(target)) != sums[r]]
         if wrong:
             raise SyncIntegrityError(f"weight sync: after applying patch {frame.version}, {wrong} differ from the "
-                                     "sender's values (corrupted payload or diverged receiver); call resync() on "
-                                     "sender and receivers", model_written=True)
+                                     f"sender's values (corrupted payload or diverged receiver); {RESYNC_HINT}",
+                                     model_written=True)
         for (key, _, _, _), checksum in zip(writes, sums):
             self.checksums[key] = torch.tensor(checksum)
         every = self.cfg.patch.verify_every
         if every and frame.version // every != frame.base // every:
             self._verify(tensors)
+        return frame.version
 
     def verify(self, model) -> None:
         """Rescan every synced tensor of `model` against the checksums the patches left (receiver, on demand;
         also every `patch.verify_every` versions). Raises SyncIntegrityError when the model was changed."""
         self.require(sender=False)
-        tensors = self.receiver_tensors(model)
+        tensors = self.tensors(model)
         with self.lock:
             self._verify(tensors)
 
     def _verify(self, tensors: dict) -> None:
-        actual = torch.stack([tensor_checksum(tensors[k]) for k in self.synced]).cpu()
-        wanted = torch.stack([self.checksums[k].cpu() for k in self.synced])
-        wrong = [k for k, same in zip(self.synced, (actual == wanted).tolist()) if not same]
+        actual = torch.stack([tensor_checksum(tensors[k]).cpu() for k in self.synced])
+        wrong = [k for k, a in zip(self.synced, actual.tolist()) if a != int(self.checksums[k])]
         if wrong:
             self._broken = f"{wrong} changed on the receiver since the patches that wrote them"
-            raise SyncIntegrityError(f"weight sync: verification found {wrong} changed on the receiver since the "
-                                     "patches that wrote them; call resync() on sender and receivers", model_written=True)
+            raise SyncIntegrityError(f"weight sync: verification found {self._broken}; {RESYNC_HINT}", model_written=True)
 
     # ----- resync ------------------------------------------------------------------------------------------
 
     def resync(self, state_dict_or_model, version=None) -> int:
         """Re-bootstrap every receiver and start again from `version`: sender resync(state_dict, version),
         receivers resync(model). Any patches still queued for a receiver are received and dropped first.
-
-        Crosses ranks: the synced and bootstrap keys whole, in the receivers' dtypes (buckets of
-        patch.init_sync.bucket_size, checksummed).
-        """
-        self.require(sender=self.is_sender)
+        Crosses ranks: the synced and bootstrap keys whole (see Link.resync_whole)."""
         wanted = set(self.synced) | set(self._bootstrap_keys())
-        keys = self.once_per_tie([k for k in self.keys if k in wanted])
+        tensors = self.resync_whole(state_dict_or_model, version, self.once_per_tie([k for k in self.keys if k in wanted]),
+                                    self.cfg.patch.init_sync.bucket_size, [self.dtypes[k] for k in self.keys])
         if self.is_sender:
-            if version is None:
-                raise ValueError("weight sync: the sender's resync needs the version to restart from")
-            state = self.sender_tensors(state_dict_or_model)
-            self.stats = self._send_whole(state, keys, version, KIND_RESYNC)
-            self._take_snapshot(state)
-            self.version = version
-            return version
-        first = self.drain_until_resync([self.dtypes[k] for k in self.keys])
-        tensors = self.receiver_tensors(state_dict_or_model)
-        with self.lock:
-            self.version = self._recv_whole(tensors, keys, KIND_RESYNC, first)
+            self._take_snapshot(tensors)
+        else:
             self.checksums = {k: tensor_checksum(tensors[k]) for k in self.synced}
-            self._broken = None
         return self.version
 
 
@@ -319,6 +268,10 @@ class PatchSyncer(Link):
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of the same memory: equal bits compare equal, so NaN == NaN and -0.0 != 0.0."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _incremental(index, tensor: torch.Tensor) -> bool:
+    return index is not None and index.numel() < INCREMENTAL_BELOW * tensor.numel()
 
 
 def _encode(current: torch.Tensor, mask: torch.Tensor, count: int):
@@ -362,17 +315,13 @@ def _escape(code: int) -> int:
 
 def _narrow(symbols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Unsigned symbols into a (signed) wire dtype of the same width, bit for bit."""
-    if dtype == torch.uint8:
-        return symbols.to(dtype)
     half = 2 ** (8 * dtype.itemsize - 1)
-    return torch.where(symbols >= half, symbols - 2 * half, symbols).to(dtype)
+    return symbols.to(dtype) if dtype == torch.uint8 else torch.where(symbols >= half, symbols - 2 * half, symbols).to(dtype)
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    pad = (-mask.numel()) % 8
-    bits = torch.cat([mask, mask.new_zeros(pad)]) if pad else mask
-    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
-    return (bits.view(-1, 8).to(torch.uint8) << shifts).sum(1, dtype=torch.uint8)
+    bits = torch.cat([mask, mask.new_zeros((-mask.numel()) % 8)])
+    return (bits.view(-1, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=mask.device)).sum(1, dtype=torch.uint8)
 
 
 def _under(key: str, prefix: str) -> bool:

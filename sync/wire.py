@@ -1,9 +1,8 @@
-"""What travels between one sender rank and its receivers: frames, whole tensors in buckets, JSON.
+"""What travels between the sender and its receivers: frames, and two JSON documents at init.
 
-Every message goes through dist.comm's counted wrappers: updates under the purpose "weight_sync",
-init, bootstrap, start checks and resync under "weight_sync_setup", so the ledger sees every byte.
-
-After init, everything is a frame (patch, bucket, bootstrap and resync alike):
+Every message goes through dist.comm's counted wrappers, under "weight_sync" (updates) or
+"weight_sync_setup" (handshake, bootstrap, start checks, resync), so the ledger sees every byte.
+After init everything is a frame (patch, bucket, bootstrap and resync alike):
 
     header   8 x int64: magic, kind, version, base version (-1 for whole tensors), rows,
              payload bytes on the wire and raw, check (of the other words and the table)
@@ -12,10 +11,9 @@ After init, everything is a frame (patch, bucket, bootstrap and resync alike):
              each is an aligned view of one buffer; a single zstd blob instead when compressed
     trailer  rows + 1 int64: each row's tensor checksum after the update, then a check of them all
 
-Header and table are known before the payload is sent, and the trailer's checksums are computed while
-the payload is in flight, so the sender's checksum work overlaps the transfer. All sizes are in the
-header and the table: a receiver refuses a malformed frame before allocating anything, and can drain
-frames it does not want (queued updates before a resync). Nothing is pickled.
+The sender computes the trailer while the payload is in flight. All sizes are in the header and table:
+a receiver refuses a malformed frame before allocating anything and can drain frames it does not want
+(queued updates before a resync). Nothing is pickled.
 """
 
 import json
@@ -25,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from dist import comm
-from dist.checksum import checksum, tensor_checksum
+from dist.checksum import checksum
 
 MAGIC = 0x53594E43  # "SYNC": a receiver reading a stray message fails loudly instead of decoding garbage
 KIND_BUCKET, KIND_PATCH, KIND_RESYNC = 1, 2, 3
@@ -33,14 +31,15 @@ UPDATE, SETUP = "weight_sync", "weight_sync_setup"  # ledger purposes
 GAPS8, GAPS16, GAPS32, BITMAP, DENSE = range(5)  # how a row's positions travel (see patch.py)
 SYMBOL_DTYPES = {GAPS8: torch.uint8, GAPS16: torch.int16, GAPS32: torch.int32, BITMAP: torch.uint8}
 HEADER_BYTES, ROW_BYTES = 8 * 8, 4 * 8
+RESYNC_HINT = "call resync() on sender and receivers"
 
 
 class SyncIntegrityError(RuntimeError):
     """An update was refused: lost, reordered or corrupted. Recover with resync() on both sides.
 
-    `model_written` says whether the refusal came after the model was written (a dense-ish sparse write
-    whose checksum did not match, a bucket after earlier buckets landed, or a periodic verification that
-    found the model changed): the receiver then refuses every update until resync().
+    `model_written`: the refusal came after the model was written (a whole tensor received in place, a
+    dense-ish sparse write, or a periodic verification that found the model changed): the receiver then
+    refuses every update until resync().
     """
 
     def __init__(self, message: str, model_written: bool = False):
@@ -75,13 +74,12 @@ def layout(specs: Sequence[tuple[torch.dtype, int]]) -> tuple[list[int], list[in
 
 def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments: Sequence[torch.Tensor],
                sums: Callable[[], list], dsts: Sequence[int], group, device, purpose: str,
-               compress: Optional[Callable] = None) -> tuple[int, int]:
-    """Send one frame to every receiver; returns its (wire, raw payload) bytes per receiver.
+               compress: Optional[Callable] = None) -> tuple[int, int, list]:
+    """Send one frame to every receiver; returns its (wire, raw payload) bytes per receiver and `sums()`.
 
     Crosses ranks: header, table, each payload segment (or one compressed blob) and the trailer, to each
     receiver, all non-blocking; `sums()` (each row's checksum after the update) runs while the payload is
-    in flight. Messages between two ranks arrive in the order they were sent. Returns once every send
-    completed, so that the caller may then commit what it sent.
+    in flight. Returns once every send completed, so that the caller may then commit what it sent.
     """
     order, _, raw = layout([(s.dtype, s.numel()) for s in segments])
     payload = [segments[i].reshape(-1) for i in order if segments[i].numel()]
@@ -92,13 +90,14 @@ def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments
     words = torch.tensor([MAGIC, kind, version, base, len(table), wire, raw], dtype=torch.int64)
     head = [torch.cat([words, checksum([words, table]).view(1)]).to(device)] + ([table.to(device)] if len(table) else [])
     works = [comm.isend(t, purpose, dst, group) for t in head + payload for dst in dsts]
+    after = sums() if len(table) else []
     if len(table):
-        trailer = torch.stack([torch.as_tensor(s).cpu() for s in sums()])
+        trailer = torch.stack([torch.as_tensor(s).cpu() for s in after])
         trailer = torch.cat([trailer, checksum([words, trailer]).view(1)]).to(device)
         works += [comm.isend(trailer, purpose, dst, group) for dst in dsts]
     for work in works:
         work.wait()
-    return HEADER_BYTES + (len(table) * ROW_BYTES + wire + (len(table) + 1) * 8 if len(table) else 0), raw
+    return HEADER_BYTES + (len(table) * ROW_BYTES + wire + (len(table) + 1) * 8 if len(table) else 0), raw, after
 
 
 @dataclass
@@ -109,106 +108,110 @@ class Frame:
     version: int
     base: int
     table: torch.Tensor  # [rows, 4] int64 on the host
-    wire_bytes: int
-    raw_bytes: int
+    sizes: tuple  # payload bytes on the wire and raw
     check: int
-    payload: torch.Tensor  # uint8, raw_bytes: every segment is a typed view of it
-    segments: list  # in row order: positions (unless dense), values
-    works: list  # per segment: its receive while still pending, else None
+    payload: torch.Tensor  # the staged bytes (uint8): segments not received in place are views of it
+    segments: list  # per row: (positions or None, values)
+    works: dict  # pending receives: (row, 0 positions / 1 values / -1 trailer) -> work
     trailer: Optional[torch.Tensor]
-    trailer_work: object = None
 
     def words(self) -> torch.Tensor:
-        return torch.tensor([MAGIC, self.kind, self.version, self.base, len(self.table), self.wire_bytes,
-                             self.raw_bytes], dtype=torch.int64)
+        return torch.tensor([MAGIC, self.kind, self.version, self.base, len(self.table), *self.sizes], dtype=torch.int64)
 
     def check_header(self) -> None:
         if int(checksum([self.words(), self.table])) != self.check:
             raise SyncIntegrityError(f"weight sync: frame header {self.words().tolist()} or its table failed its "
-                                     "checksum (corrupted); call resync() on sender and receivers")
+                                     f"checksum (corrupted); {RESYNC_HINT}")
 
     def row(self, r: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-        first = r + int((self.table[:r, 2] != DENSE).sum())  # earlier rows with a positions segment
-        if int(self.table[r, 2]) == DENSE:
-            return None, self._ready(first)
-        return self._ready(first), self._ready(first + 1)
-
-    def _ready(self, i: int) -> torch.Tensor:
-        if self.works[i] is not None:
-            self.works[i].wait()
-            self.works[i] = None
-        return self.segments[i]
+        for part in (0, 1):
+            work = self.works.pop((r, part), None)
+            if work is not None:
+                work.wait()
+        return self.segments[r]
 
     def wait(self) -> None:
-        for i in range(len(self.segments)):
-            self._ready(i)
-        if self.trailer_work is not None:
-            self.trailer_work.wait()
-            self.trailer_work = None
+        for key in list(self.works):
+            self.works.pop(key).wait()
 
     def sums(self) -> list[int]:
-        """Wait for everything; the sender's checksum of each row's tensor after the update, checked."""
         self.wait()
         if self.trailer is None:
             return []
         sums = self.trailer[:-1].cpu()
         if int(checksum([self.words(), sums])) != int(self.trailer[-1]):
             raise SyncIntegrityError(f"weight sync: the checksums of frame version {self.version} failed their "
-                                     "check (trailer corrupted); call resync() on sender and receivers")
+                                     f"check (trailer corrupted); {RESYNC_HINT}")
         return sums.tolist()
 
 
-def recv_frame(src: int, group, device, purpose: str | Callable[[int], str], numels: Sequence[int],
-               value_dtypes: Sequence[torch.dtype] | Callable, staging: Optional[list] = None,
-               decompress: Optional[Callable] = None) -> Frame:
+def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[[int], tuple],
+               staging: Optional[list] = None, decompress: Optional[Callable] = None) -> Frame:
     """Receive the next frame from `src`: header and table (checked, blocking), then start receiving the
-    payload and trailer (see Frame). `purpose`: the ledger purpose, or a function of the frame's kind
-    (resync drains queued updates under the purpose they were sent with). `numels`, `value_dtypes`: per
-    tensor ordinal (dtypes: or a function of the kind). `staging`: [buffer] reused across frames (grown when too small), else a fresh buffer.
+    payload and trailer (see Frame).
+
+    `expect(kind)`: for a frame of that kind, (ledger purpose, value dtype per tensor ordinal, `into` or
+    None), where `into(ordinal)` gives a tensor to receive that row's whole values straight into (no staging
+    copy) or None (a resync drains queued updates under the purpose they were sent with). `staging`:
+    [buffer] reused across frames (grown when too small), else a fresh buffer.
     """
-    purpose_of = purpose if callable(purpose) else (lambda kind: purpose)
     head = comm.recv_then_count(torch.empty(8, dtype=torch.int64, device=device),
-                                lambda h: purpose_of(int(h[1])), src, group).cpu()
-    words = head[:7]
-    magic, kind, version, base, rows, wire, raw = words.tolist()
+                                lambda h: expect(int(h[1]))[0], src, group).cpu()
+    magic, kind, version, base, rows, wire, raw = head[:7].tolist()
     if magic != MAGIC:
         raise RuntimeError(f"weight sync: received a message without the sync header (magic {magic:#x}); "
                            "sender and receiver are out of step or share the group with other traffic")
-    purpose = purpose_of(kind)
-    value_dtypes = value_dtypes(kind) if callable(value_dtypes) else value_dtypes
+    purpose, dtypes, into = expect(kind)
     if not 0 <= rows <= len(numels):
-        raise SyncIntegrityError(f"weight sync: frame header {words.tolist()} announces {rows} table rows")
-    table = torch.empty(rows, 4, dtype=torch.int64, device=device)
-    table = comm.recv(table, purpose, src, group).cpu() if rows else table.cpu()
-    if int(checksum([words, table])) != int(head[7]):
-        raise SyncIntegrityError(f"weight sync: frame header {words.tolist()} or its table failed its checksum "
-                                 "(corrupted); call resync() on sender and receivers")
-    check_table(table, numels)
-    specs = [spec for ordinal, values, encoding, symbols in table.tolist()
-             for spec in ([] if encoding == DENSE else [(SYMBOL_DTYPES[encoding], symbols)]) + [(value_dtypes[ordinal], values)]]
-    order, offsets, total = layout(specs)
+        raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces {rows} table rows")
+    table = torch.zeros(rows, 4, dtype=torch.int64, device=device)
+    frame = Frame(kind, version, base, (comm.recv(table, purpose, src, group) if rows else table).cpu(), (wire, raw),
+                  int(head[7]), None, [], {}, None)
+    frame.check_header()
+    _check_table(frame.table, numels)
+    specs, places = [], []  # (dtype, count) per segment; (row, part) per segment
+    for r, (ordinal, values, encoding, symbols) in enumerate(frame.table.tolist()):
+        if encoding != DENSE:
+            specs.append((SYMBOL_DTYPES[encoding], symbols))
+            places.append((r, 0))
+        specs.append((dtypes[ordinal], values))
+        places.append((r, 1))
+    order, _, total = layout(specs)
+    target = [into(frame.table[r, 0].item()) if into and part else None for r, part in places]
+    _, offsets, staged = layout([(d, 0 if t is not None else n) for (d, n), t in zip(specs, target)])
     if total != raw or (decompress is None and wire != raw):
-        raise SyncIntegrityError(f"weight sync: frame header {words.tolist()} announces payload sizes its table "
-                                 f"does not ({total} bytes); call resync() on sender and receivers")
+        raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces payload sizes its table "
+                                 f"does not ({total} bytes); {RESYNC_HINT}")
     buffer = staging[0] if staging and staging[0].device == torch.device(device) else None
-    if buffer is None or buffer.numel() < raw:
-        buffer = torch.empty(raw, dtype=torch.uint8, device=device)
+    if buffer is None or buffer.numel() < staged:
+        buffer = torch.empty(staged, dtype=torch.uint8, device=device)
         if staging is not None:
             staging[:] = [buffer]
-    segments = [buffer[off:off + dtype.itemsize * n].view(dtype) for off, (dtype, n) in zip(offsets, specs)]
-    works = [None] * len(specs)
+    frame.payload = buffer[:staged]
+    parts = [t if t is not None else buffer[off:off + d.itemsize * n].view(d)
+             for (d, n), t, off in zip(specs, target, offsets)]
+    frame.segments = [[None, None] for _ in range(rows)]
+    for (r, part), segment in zip(places, parts):
+        frame.segments[r][part] = segment
     if decompress is not None and wire:
-        blob = comm.recv(torch.empty(wire, dtype=torch.uint8, device=device), purpose, src, group)
-        buffer[:raw].copy_(decompress(blob, raw))
+        buffer[:raw].copy_(decompress(comm.recv(torch.empty(wire, dtype=torch.uint8, device=device), purpose, src, group), raw))
     elif decompress is None:
         for i in order:  # in send order: messages between two ranks match in the order they were posted
-            works[i] = comm.irecv(segments[i], purpose, src, group) if specs[i][1] else None
-    trailer = torch.empty(rows + 1, dtype=torch.int64, device=device) if rows else None
-    trailer_work = comm.irecv(trailer, purpose, src, group) if rows else None
-    return Frame(kind, version, base, table, wire, raw, int(head[7]), buffer[:raw], segments, works, trailer, trailer_work)
+            if specs[i][1]:
+                frame.works[places[i]] = comm.irecv(parts[i], purpose, src, group)
+    if rows:
+        frame.trailer = torch.empty(rows + 1, dtype=torch.int64, device=device)
+        frame.works[(-1, -1)] = comm.irecv(frame.trailer, purpose, src, group)
+    return frame
 
 
-def check_table(table: torch.Tensor, numels: Sequence[int]) -> None:
+def check_kind(frame: Frame, kind: int) -> None:
+    if frame.kind != kind:
+        raise RuntimeError(f"weight sync: expected a message of kind {kind}, got kind {frame.kind}; sender and "
+                           "receiver disagree on which call comes next (sync/resync/apply)")
+
+
+def _check_table(table: torch.Tensor, numels: Sequence[int]) -> None:
     """Refuse rows that name no tensor or repeat one, or whose sizes are impossible for their encoding."""
     last = -1
     for row in table.tolist():
@@ -219,17 +222,9 @@ def check_table(table: torch.Tensor, numels: Sequence[int]) -> None:
             encoding, encoding in SYMBOL_DTYPES and 0 < values < numel and values <= symbols < 2**40)
         if not ok:
             raise SyncIntegrityError(f"weight sync: malformed table row {row} (unknown or repeated tensor, or "
-                                     "impossible sizes); call resync() on sender and receivers")
+                                     f"impossible sizes); {RESYNC_HINT}")
         last = ordinal
 
-
-def expect(frame: Frame, kind: int) -> None:
-    if frame.kind != kind:
-        raise RuntimeError(f"weight sync: expected a message of kind {kind}, got kind {frame.kind}; sender and "
-                           "receiver disagree on which call comes next (sync/resync/apply)")
-
-
-# ----- whole tensors in size-capped buckets: the bucket strategy, the patch bootstrap and every resync -----
 
 def plan_buckets(nbytes: Sequence[int], bucket_size: int) -> list[list[int]]:
     """Consecutive runs of tensor indices, each at most `bucket_size` bytes unless a single tensor is larger.
@@ -241,59 +236,13 @@ def plan_buckets(nbytes: Sequence[int], bucket_size: int) -> list[list[int]]:
             current, size = [], 0
         current.append(index)
         size += n
-    if current or not buckets:
-        buckets.append(current)
-    return buckets
+    return buckets + [current] if current or not buckets else buckets
 
 
-def send_buckets(items: Sequence[tuple[int, torch.Tensor, torch.dtype]], bucket_size: int, version: int, kind: int,
-                 dsts: Sequence[int], group, device, purpose: str) -> tuple[int, int]:
-    """Send each (ordinal, tensor, wire dtype) whole, one frame of dense rows per bucket, to every receiver;
-    returns (wire, payload) bytes per receiver.
-
-    Crosses ranks: one frame per bucket to each receiver, once per bucket sync, bootstrap or resync. A
-    tensor already in its wire dtype travels from its own memory (no packing copy); the checksums that
-    end each frame are computed while its values are in flight.
-    """
-    plan = plan_buckets([t.numel() * dtype.itemsize for _, t, dtype in items], bucket_size)
-    wire = payload = 0
-    for members in plan:
-        values = [items[i][1].detach().reshape(-1).to(items[i][2]) for i in members]
-        table = torch.tensor([[items[i][0], v.numel(), DENSE, 0] for i, v in zip(members, values)],
-                             dtype=torch.int64).view(-1, 4)
-        sent = send_frame(kind, version, -1, table, values, lambda: [tensor_checksum(v) for v in values],
-                          dsts, group, device, purpose)
-        wire, payload = wire + sent[0], payload + sent[1]
-    return wire, payload
-
-
-def recv_buckets(ordinals: Sequence[int], numels: Sequence[int], wire_dtypes: Sequence[torch.dtype],
-                 bucket_size: int, kind: int, src: int, group, device, purpose: str,
-                 on_bucket: Callable[[list[tuple[int, torch.Tensor]]], None], first: Optional[Frame] = None,
-                 staging: Optional[list] = None) -> int:
-    """Receive the buckets `send_buckets` sent for these tensor ordinals; returns the version.
-
-    Crosses ranks: one frame per bucket from `src`. `first`: an already received first frame (resync finds
-    it while draining). Each bucket is checked (plan, values against the trailer's checksums, checksummed
-    as they arrive) before `on_bucket([(ordinal, flat typed view), ...])` sees it.
-    """
-    plan = plan_buckets([numels[o] * wire_dtypes[o].itemsize for o in ordinals], bucket_size)
-    version = None
-    for index, members in enumerate(plan):
-        frame = first if (index == 0 and first) else recv_frame(src, group, device, purpose, numels, wire_dtypes, staging)
-        expect(frame, kind)
-        if frame.table[:, 0].tolist() != [ordinals[i] for i in members] or version not in (None, frame.version):
-            raise SyncIntegrityError(
-                f"weight sync: bucket {index} of {len(plan)} at version {frame.version} carries tensors "
-                f"{frame.table[:, 0].tolist()}, expected {[ordinals[i] for i in members]} at version {version}; "
-                "sender and receiver disagree on the bucket plan")
-        got = [tensor_checksum(frame.row(r)[1]) for r in range(len(members))]  # each as soon as it arrived
-        if (torch.stack(got).tolist() if got else []) != frame.sums():
-            raise SyncIntegrityError(f"weight sync: bucket {index} at version {frame.version} does not match its "
-                                     "checksums (corrupted on the way); call resync() on sender and receivers")
-        on_bucket(list(zip(frame.table[:, 0].tolist(), frame.segments)))
-        version = frame.version
-    return version
+def bucket_messages(nbytes: Sequence[int], bucket_size: int) -> list[int]:
+    """Bytes of each message that whole tensors of these sizes take, in buckets, to one receiver."""
+    return [b for members in plan_buckets(nbytes, bucket_size)
+            for b in frame_messages(len(members), [nbytes[i] for i in members if nbytes[i]])]
 
 
 def send_json(obj, dst: int, group, device) -> int:

@@ -107,9 +107,9 @@ def test_patch_bytes_and_encodings_by_hand(receiver_dtype):
         return (rows + 1) * 8
 
     # Bootstrap: dec.weight fills the 4000-byte bucket (8000 bytes in fp32, exactly 4000 in bf16), then a
-    # second bucket with vec and the empty tensor: two frames of 1 and 2 dense rows.
+    # second bucket with vec and the empty tensor: two frames of 1 and 2 dense rows (3 whole tensors).
     frames = header + table_row + trailer(1) + header + 2 * table_row + trailer(2)
-    assert stats[0] == (frames + 2010 * v, 2010 * v, 0, 0)
+    assert stats[0] == (frames + 2010 * v, 2010 * v, 0, 3)
     # Patch 1, dec.weight: gaps before each change 0, 399, 399, 399. In 1-byte symbols each 399 costs an
     # escape (255) plus 144: 7 bytes, less than 4 two-byte symbols (8) or a 250-byte bitmap.
     # vec: 6 adjacent changes of 10: a 2-byte bitmap beats 6 one-byte gaps and the whole vector.

@@ -4,7 +4,7 @@ zero-sized tensors, frozen keys in bucket mode, receiver-side verification, and 
 import pytest
 import torch
 
-import sync.wire
+import sync.link
 from dist import comm
 from multirank import run_ranks
 from sync import SyncIntegrityError, WeightSyncConfig, make_weight_syncer
@@ -34,18 +34,19 @@ def _queued_then_resync(rank, world_size, mode):
             syncer.apply_update(model, update)
         assert bits_equal(model, before)
     else:
-        real = sync.wire.recv_frame
+        real = sync.link.recv_frame
 
-        def damaged(*args):  # a bucket payload byte flipped on the way
+        def damaged(*args):  # a byte of the bucket's largest tensor flipped on the way (it arrives in the model)
             frame = real(*args)
             frame.wait()
-            frame.payload[len(frame.payload) // 2] ^= 0x10
+            values = max((values for _, values in frame.segments), key=torch.numel).view(torch.uint8)
+            values[len(values) // 2] ^= 0x10
             return frame
 
-        sync.wire.recv_frame = damaged
+        sync.link.recv_frame = damaged
         with pytest.raises(SyncIntegrityError, match="does not match its checksums"):
             syncer.apply(model)
-        sync.wire.recv_frame = real
+        sync.link.recv_frame = real
     assert syncer.resync(model) == 4
     assert syncer.apply(model) == 5
     return snapshot(model)
