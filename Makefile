@@ -59,7 +59,7 @@ bench-grad: $(VENV)/.runtime  ## gradient sync: flat | bucketed vs DDP vs a raw 
 bench-sync: $(VENV)/.dev  ## weight sync: patch vs bucket vs naive dist.send (a few minutes; ARGS=--quick for seconds)
 	$(BIN)/python bench/bench_sync.py $(ARGS)
 
-bench-rollout: $(VENV)/.dev  ## rollout ranks: colocated vs 1 + 1 sync/async, weight-sync bytes, learning (~45 min; ARGS=--quick)
+bench-rollout: $(VENV)/.dev  ## rollout ranks: colocated vs 1 + 1 sync/async, weight-sync bytes, learning (~1 h; ARGS=--quick)
 	$(BIN)/python bench/bench_rollout.py $(ARGS)
 
 bench-mujoco: setup-mujoco  ## mujoco preset vs CleanRL: 3 tasks x 3 seeds x {1,2} ranks, 1M steps (hours); ARGS="--tasks Hopper-v4 --jobs 2"

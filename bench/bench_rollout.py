@@ -1,6 +1,6 @@
 """Rollout ranks (`--rollout.ranks`): colocated vs 1 learner + 1 rollout rank, weight-sync bytes and time, learning.
 
-    python bench/bench_rollout.py            # all three parts (about 45 min on 2 loaded cores)
+    python bench/bench_rollout.py            # all three parts (about an hour on 2 loaded cores)
     python bench/bench_rollout.py --quick    # throughput on tracking and one weight-sync case (about a minute)
     python bench/bench_rollout.py --parts sync learning --out bench/out/rollout
 
@@ -21,13 +21,15 @@ thread each), read back from the TensorBoard file the learner writes.
    async iteration time / max(C, U), from jobs of the same round (1.0 = perfect overlap).
 2. Weight sync. 1 + 1 sync-mode jobs with --rollout.sync patch and bucket, fp32 and bf16 copies, at the
    tracking preset's LR (adaptive from 1e-3) and SONIC's (2e-5 in [1e-5, 2e-4]). Bytes per iteration
-   are the learner's ledger (Comm/weight_sync_bytes). The patch jobs save every iteration; their weight
+   are the learner's ledger (Comm/weight_sync_bytes); the adaptive schedule takes SONIC's 2e-5 to its
+   2e-4 cap within the first iteration, so a fixed 2e-5 shows a truly small LR. The patch jobs save every iteration; their weight
    sequence is then replayed through sync/'s patch and bucket syncers (2 gloo processes, the two modes
    alternating version by version) to time sender sync() and receiver apply(), and the share of
    changed elements is counted from the checkpoints directly (bits that differ in the copy's dtype:
    parameters in --rollout.dtype, buffers as they are) and checked against patch's own count.
 3. Learning. The tracking preset, 400 iterations, async 1 + 1 (512 envs) vs colocated 2 ranks x 256
-   envs (the same 12,288 transitions per iteration), 2 seeds each, two jobs at a time under nice.
+   envs (the same 12,288 transitions per iteration), 2 seeds each, two jobs at a time under nice; and
+   async with --rollout.recompute (ratio and KL against the learner's weights, not the stale copy's).
    Return = mean Train/mean_reward of the last 10 iterations. Finished jobs under --out are reused.
 """
 
@@ -61,7 +63,8 @@ VARIANTS = {"colocated": [], "sync": ["--rollout.ranks", "1", "--rollout.mode", 
 WORKLOADS = {"tracking": (["--env.num-envs", "256"], ["--env.num-envs", "512"]),
              "mujoco": (["--ppo.num-steps", "1024"], ["--ppo.num-steps", "2048"])}
 LRS = {"tracking LR (adaptive from 1e-3)": [],
-       "SONIC LR (2e-5 in [1e-5, 2e-4])": ["--ppo.learning-rate", "2e-5", "--ppo.lr-min", "1e-5", "--ppo.lr-max", "2e-4"]}
+       "SONIC LR (2e-5 in [1e-5, 2e-4])": ["--ppo.learning-rate", "2e-5", "--ppo.lr-min", "1e-5", "--ppo.lr-max", "2e-4"],
+       "fixed 2e-5 (SONIC's start, not adapted)": ["--ppo.learning-rate", "2e-5", "--ppo.schedule", "fixed"]}
 QUIET = ["--dist.verify-every", "0", "--log.print-every", "1000"]
 
 
@@ -232,6 +235,7 @@ def weight_sync(args, root: str) -> None:
                 run_dir = train("tracking", flags, root, name)
                 s = scalars(run_dir)
                 per_mode[mode] = {"bytes": statistics.median(steady(s["Comm/weight_sync_bytes"], 1)),
+                                  "series": steady(s["Comm/weight_sync_bytes"], 0),
                                   "calls": statistics.median(steady(s["Comm/weight_sync_calls"], 1)),
                                   "lr": statistics.median(steady(s["Loss/learning_rate"], 0))}
                 if mode == "patch":
@@ -244,10 +248,14 @@ def weight_sync(args, root: str) -> None:
             counts = [changed_share(a, b, dtypes) for a, b in zip(states, states[1:])]
             timed = replay(paths, dtype)
             patch_changed = [c for _, c in timed["stats"]["patch"]]
-            agree = patch_changed == [c for c, _ in counts]
+            # The ledger logged at iteration k + 1 holds version k - 1 (sent after iteration k's log line); the
+            # replay's patches are versions 2..N (model_2.pt ...), so they match the ledger from iteration 3 on.
+            n = len(paths)
+            same_bytes = ([b for b, _ in timed["stats"]["patch"]][:n - 2] == per_mode["patch"]["series"][2:n] and
+                          {b for b, _ in timed["stats"]["bucket"]} == set(per_mode["bucket"]["series"][2:n]))
+            agree = patch_changed == [c for c, _ in counts] and same_bytes
             rows.append({"lr": lr_name, "dtype": dtype, "modes": per_mode, "agree": agree,
                          "share": statistics.median(c / t for c, t in counts),
-                         "replay_bytes": {m: statistics.median(b for b, _ in timed["stats"][m]) for m in ("patch", "bucket")},
                          "send_ms": {m: 1e3 * statistics.median(timed["send"][m]) for m in ("patch", "bucket")},
                          "apply_ms": {m: 1e3 * statistics.median(timed["apply"][m]) for m in ("patch", "bucket")}})
             r = rows[-1]
@@ -269,26 +277,22 @@ def weight_sync(args, root: str) -> None:
           "so it includes waiting for the data). Elements changed: bits differing between consecutive versions in the "
           "copy's dtype, over the whole state_dict.")
     for r in rows:
-        if not r["agree"]:
-            print(f"WARNING: {r['lr']}, {r['dtype']}: patch's changed-element counts differ from the checkpoint diff")
-        for m in ("patch", "bucket"):
-            if r["replay_bytes"][m] != r["modes"][m]["bytes"]:
-                print(f"note: {r['lr']}, {r['dtype']}, {m}: replay sent {r['replay_bytes'][m]:,.0f} B per version, "
-                      f"the training job's ledger {r['modes'][m]['bytes']:,.0f} B (different weight sequences)")
+        print(f"check {r['lr']}, {r['dtype']}: patch's changed-element counts == the checkpoint diff and replayed "
+              f"bytes == the training jobs' ledger, version by version: {'yes' if r['agree'] else 'NO'}")
     print(flush=True)
 
 
 # ---- 3. learning -----------------------------------------------------------------------------------------
 
 def learning(args, root: str) -> None:
-    jobs = {}
-    for seed in args.seeds:
-        jobs[("async", seed)] = [*VARIANTS["async"], "--seed", str(seed), "--log.print-every", "50"]
-        jobs[("colocated", seed)] = ["--env.num-envs", "256", "--seed", str(seed), "--log.print-every", "50"]
+    variants = {"colocated": ("coloc", ["--env.num-envs", "256"]), "async": ("async", VARIANTS["async"]),
+                "async --rollout.recompute": ("asyncrc", [*VARIANTS["async"], "--rollout.recompute", "True"])}
+    jobs = {(variant, seed): [*flags, "--seed", str(seed), "--log.print-every", "50"]
+            for seed in args.seeds for variant, (_, flags) in variants.items()}
 
     def run(key):
         variant, seed = key
-        name = f"{'coloc' if variant == 'colocated' else variant}_s{seed}"
+        name = f"{variants[variant][0]}_s{seed}"
         done = glob.glob(os.path.join(root, name, "*", "model_400.pt"))
         run_dir = os.path.dirname(sorted(done)[-1]) if done else train("tracking", jobs[key], root, name, nice=10)
         s = scalars(run_dir)
@@ -302,7 +306,7 @@ def learning(args, root: str) -> None:
           "Train/mean_reward of the last 10 iterations")
     print("| variant | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean | wall (min, 2 jobs at a time) |")
     print("|---|" + "---|" * (len(args.seeds) + 2))
-    for variant in ("colocated", "async"):
+    for variant in variants:
         values = [results[(variant, s)][0] for s in args.seeds]
         walls = [results[(variant, s)][2] / 60 for s in args.seeds]
         print(f"| {variant} | " + " | ".join(f"{v:.1f}" for v in values) + f" | {statistics.fmean(values):.1f} | "
