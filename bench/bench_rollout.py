@@ -264,7 +264,7 @@ def weight_sync(args, root: str) -> None:
     print(f"\nweight sync per iteration (tracking model, 1 + 1 sync mode, {args.sync_iterations} iterations per job; "
           f"medians over iterations)")
     print("| learning rate | copy | median LR | elements changed | patch bytes | bucket bytes | patch / bucket bytes | "
-          "patch sync + apply (ms) | bucket sync + apply (ms) | patch / bucket time | messages patch / bucket |")
+          "patch sync + apply (ms) | bucket sync + apply (ms) | patch / bucket apply time | messages patch / bucket |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p, b = r["modes"]["patch"], r["modes"]["bucket"]
