@@ -11,6 +11,7 @@ from dist import comm
 from dist.buffers import resolve_buffer_policy, sync_buffers
 from dist.grad_sync import GradSync
 from dist.plan import expected_ledger
+from dist.stats import sum_counts
 from dist.verify import verify_replicas
 from envs.motions import AdaptiveMotionSampler
 from ppo.storage import RolloutStorage
@@ -106,7 +107,7 @@ def sampler_body(rank, world_size):
     s = AdaptiveMotionSampler(3, 0.2, "cpu")
     s.record(torch.tensor([rank, rank]), torch.tensor([True, True]), torch.tensor([True, True]))
     local_probs = s.probabilities()
-    train.sync_sampler(s)
+    sum_counts(s)
     return local_probs, s.probabilities(), s.global_counts.clone(), s.local_counts.clone()
 
 
