@@ -78,7 +78,8 @@ class LearnerTeam:
                                       depth, start_iteration, cfg.max_iterations, torch.device("cpu"))
         self.device = device
         self.syncer = make_weight_syncer(weight_sync_config(cfg), roles.rank, self.rollouts, roles.weights_group)
-        self.recompute = cfg.rollout.dtype != "float32" if cfg.rollout.recompute is None else cfg.rollout.recompute
+        self.recompute = {"on": True, "off": False}.get(
+            cfg.rollout.recompute, cfg.rollout.mode == "async" or cfg.rollout.dtype != "float32")
 
     def start(self, model, version: int) -> None:
         """Crosses ranks once: sync/'s init handshake (as version - 1), then the weights of `version`, so the

@@ -29,7 +29,7 @@ thread each), read back from the TensorBoard file the learner writes.
    parameters in --rollout.dtype, buffers as they are) and checked against patch's own count.
 3. Learning. The tracking preset, 400 iterations, async 1 + 1 (512 envs) vs colocated 2 ranks x 256
    envs (the same 12,288 transitions per iteration), 2 seeds each, two jobs at a time under nice; and
-   async with --rollout.recompute (ratio and KL against the learner's weights, not the stale copy's).
+   async with recompute off (ratio and KL against the stale copy) and on (the default: the learner's weights).
    Return = mean Train/mean_reward of the last 10 iterations. Finished jobs under --out are reused.
 """
 
@@ -285,8 +285,9 @@ def weight_sync(args, root: str) -> None:
 # ---- 3. learning -----------------------------------------------------------------------------------------
 
 def learning(args, root: str) -> None:
-    variants = {"colocated": ("coloc", ["--env.num-envs", "256"]), "async": ("async", VARIANTS["async"]),
-                "async --rollout.recompute": ("asyncrc", [*VARIANTS["async"], "--rollout.recompute", "True"])}
+    variants = {"colocated": ("coloc", ["--env.num-envs", "256"]),
+                "async --rollout.recompute off": ("async", [*VARIANTS["async"], "--rollout.recompute", "off"]),
+                "async (recompute on, the default)": ("asyncrc", VARIANTS["async"])}
     jobs = {(variant, seed): [*flags, "--seed", str(seed), "--log.print-every", "50"]
             for seed in args.seeds for variant, (_, flags) in variants.items()}
 

@@ -157,8 +157,8 @@ class RolloutConfig:
     """how weights travel to the rollout ranks: patch (changed elements only) or bucket (whole tensors); see sync/"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """precision of the rollout ranks' policy copy"""
-    recompute: bool | None = None
-    """recompute old log-probs and values with the learner's weights before the update (default: on for bfloat16)"""
+    recompute: Literal["auto", "on", "off"] = "auto"
+    """recompute old log-probs, action mean/std and values with the learner's weights (auto: for async or bfloat16)"""
 
 
 @dataclass
