@@ -288,17 +288,21 @@ def cli(cfg: Config) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
         main(cfg)
+        return 0
     except UsageError as exc:        # identical on every rank: say it once per node
         if local_rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        code, failure = 2, exc
     except (RunError, comm.CollectiveError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
+        code, failure = 1, exc
+    except KeyboardInterrupt as exc:
         print("error: interrupted by a second Ctrl-C: nothing saved since the last checkpoint", file=sys.stderr)
-        return 130
-    return 0
+        code, failure = 130, exc
+    # Recorded as an uncaught exception would be, so exit handlers (Isaac Lab closes Kit with the
+    # process's status) see a failure rather than a clean exit.
+    sys.last_exc = sys.last_value = failure
+    return code
 
 
 if __name__ == "__main__":

@@ -173,6 +173,7 @@ class GradSync:
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
+                b.work = None     # a finished work kept alive until interpreter exit can abort the process
             if world > 1 and not averaged_by_backend:
                 b.grads.div_(world)
         self._armed = False

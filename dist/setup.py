@@ -1,5 +1,6 @@
 """Process-group set-up from torchrun's environment; a plain `python train.py` is world size 1."""
 
+import gc
 import os
 import random
 from dataclasses import dataclass
@@ -81,5 +82,12 @@ def seed_everything(seed: int) -> None:
 
 
 def shutdown() -> None:
+    """Destroy the process groups while the interpreter is fully alive.
+
+    gloo work objects still referenced at interpreter exit (e.g. from a reference cycle through a
+    gradient hook) are destroyed after the groups' threads and can abort the process ("terminate
+    called without an active exception"), so unreachable objects are collected first.
+    """
     if torch_dist.is_initialized():
+        gc.collect()
         torch_dist.destroy_process_group()
