@@ -28,7 +28,7 @@ from configs import Config
 from dist import comm
 from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, naming, recv_object, send_object,
                           setup_plan_row)
-from dist.checkpoint import flatten_state, from_bytes, to_bytes, unflatten_state
+from dist.checkpoint import flatten_state, from_bytes, rng_states, to_bytes, unflatten_state
 from dist.errors import RunError, UsageError
 from dist.plan import PlanRow
 from dist.setup import seed_everything
@@ -88,7 +88,9 @@ class LearnerTeam:
         self.syncer.sync(model.state_dict(), version)
 
     def receive(self, iteration: int) -> tuple[dict, dict]:
-        """Batch `iteration` of every rollout rank, joined along the env axis, and what rode with it."""
+        """Batch `iteration` of every rollout rank, joined along the env axis, and what rode with it (the
+        weight version, stop flags, metric sums). Crosses ranks: the team's `batches` messages (see
+        dist/batches.py), once per iteration."""
         batches = self.receiver.take()
         flags = torch.stack([b.pop("flags") for b in batches])
         versions, signal, gone = flags[:, 0], flags[:, 1].max().item(), flags[:, 2].max().item()
@@ -99,13 +101,16 @@ class LearnerTeam:
         sums = sum(b.pop("sums") for b in batches)
         counts = sum(b.pop("counts") for b in batches)
         batch = {k: v.to(self.device) for k, v in concat_batches(batches).items()}   # staged on the host (gloo)
-        return batch, {"lag": lag, "stop_signal": signal, "launcher_gone": gone,
-                                         "sums": sums, "counts": counts}
+        return batch, {"lag": lag, "sums": sums, "counts": counts,
+                       "Control/stop_signal": signal, "Control/launcher_gone": gone}   # keys of dist.stop.STOP_KEYS
 
     def finish(self, model, iteration: int, stop: bool, save: bool) -> torch.Tensor | None:
-        """Tell the rollout ranks the decision, take their state at a save, then send the next weights."""
+        """Tell the rollout ranks the decision; at a save, collect every rollout rank's state; then send the
+        next weights. Crosses ranks once per iteration: `control` down; at saves `checkpoint` up, then one
+        all-gather of the teams' states among the learners; `weight_sync` down (sync/). Returns the
+        gathered states at a save, else None."""
         self.receiver.decide(stop, save)
-        states = self.receiver.states() if save else None
+        states = comm.all_gather(self.receiver.states(), "checkpoint") if save else None
         if not stop:          # after the last iteration too: the copies end with the final weights
             with naming(self.rollouts):
                 self.syncer.sync(model.state_dict(), iteration + 1)
@@ -123,13 +128,6 @@ def weight_plan_rows(syncer) -> list[PlanRow]:
     rows = syncer.plan_rows()
     first = [dataclasses.replace(r, cadence="setup", rule="first weights") for r in rows if r.cadence == "iteration"]
     return rows + first
-
-
-def rollout_rng(env) -> dict[str, torch.Tensor]:
-    state = {"torch": torch.get_rng_state(), "env": env.generator.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
 def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_iteration: int) -> tuple:
@@ -157,9 +155,14 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     T, N = cfg.ppo.num_steps, env.num_envs
     keys = TRAIN_KEYS + tuple(env.log_keys)
     layout = batch_layout(T, N, env.obs_dims, env.num_actions, len(keys), cfg.log.episode_returns)
-    state_layout = {f"rng/{k}": (tuple(v.shape), v.dtype) for k, v in rollout_rng(env).items()}
-    state_layout.update({f"env/{k}": (tuple(v.shape), v.dtype) for k, v in flatten_state(env.state_dict()).items()})
-    state_bytes = sum(int(torch.Size(s).numel()) * d.itemsize for s, d in state_layout.values())
+
+    def checkpoint_state() -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this rank: its RNG states and its env's state, as named tensors."""
+        return {**{f"rng/{k}": v for k, v in rng_states(env).items()},
+                **{f"env/{k}": v for k, v in flatten_state(env.state_dict()).items()}}
+
+    state_layout = {name: (tuple(v.shape), v.dtype) for name, v in checkpoint_state().items()}
+    state_bytes = to_bytes(checkpoint_state()).numel()
     spec = {"obs_dims": env.obs_dims, "num_actions": env.num_actions, "num_envs": N, "log_keys": tuple(env.log_keys),
             "layout": layout, "state_layout": state_layout, "state_bytes": state_bytes,
             "reset_obs": {"actor_obs": obs["policy"].cpu(), "critic_obs": obs["critic"].cpu()}}
@@ -185,8 +188,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
         if save:
             if env.sampler is not None:
                 sum_counts(env.sampler)
-            sender.send_state(to_bytes({**{f"rng/{k}": v for k, v in rollout_rng(env).items()},
-                                        **{f"env/{k}": v for k, v in flatten_state(env.state_dict()).items()}}))
+            sender.send_state(to_bytes(checkpoint_state()))
         if must_stop:
             return True
         with naming(learner, "learner"):

@@ -24,7 +24,7 @@ from configs.resume import check_resume_fits, resolve_resume
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
 from dist.checkpoint import (check_writable_root, gather_rng_states, load_checkpoint, open_run_dir, rng_plan_row,
-                             save_checkpoint)
+                             rng_states, save_checkpoint)
 from dist.errors import RunError, UsageError
 from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows
@@ -177,7 +177,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
             episodes.add(f"Loss/{key}", stats[key], 1)
         sums, counts = dict(zip(metric_keys, episodes.sums)), dict(zip(metric_keys, episodes.counts))
         for key, (flag, one) in stop.local_flags(device).items():
-            sums[key], counts[key] = flag + (remote[key[len("Control/"):]] if team else 0), one
+            sums[key], counts[key] = flag + (remote[key] if team else 0), one   # the rollout ranks' flags too
         scalars = reduce_metrics(sums, counts)
         stop_signal, launcher_gone = (scalars.pop(key) > 0 for key in STOP_KEYS)
         scalars.update({"Loss/learning_rate": stats["learning_rate"], "Policy/kl": stats["kl"],
@@ -213,7 +213,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
                 sum_counts(sampler)
             rngs = gather_rng_states(rng_states(env, shuffle))
             extra = {"env": env.state_dict(), "layout": [world, 0]} if team is None else \
-                team_checkpoint(comm.all_gather(team_states, "checkpoint"), team.spec, roles)
+                team_checkpoint(team_states, team.spec, roles)
             if is_main:
                 path = os.path.join(run_dir, f"model_{iteration + 1}.pt")
                 save_checkpoint(path, {**{k: v.state_dict() for k, v in stateful.items() if v is not None},
@@ -230,15 +230,6 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     stop.restore_default_handlers()
     shutdown()
     return model, scalars, plan
-
-
-def rng_states(env, shuffle: torch.Generator) -> dict[str, torch.Tensor]:
-    state = {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state()}
-    if env is not None:
-        state["env"] = env.generator.get_state()
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
 def restore(state: dict, path: str, stateful: dict, shuffle, roles) -> None:

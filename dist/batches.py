@@ -52,6 +52,10 @@ class Layout:
             offsets[wire] += n
         return out
 
+    def message_bytes(self) -> list[int]:
+        """Bytes of the two messages (float32, float64) that carry one set of these tensors."""
+        return [n * (8 if dtype == SMALL else 4) for dtype, n in self.sizes().items()]
+
     def buffers(self, device) -> dict[torch.dtype, torch.Tensor]:
         return {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in self.sizes().items()}
 
@@ -118,8 +122,7 @@ class BatchSender:
             comm.send(blob, "checkpoint", self.learner, self.group)
 
     def plan_rows(self, save_every: int) -> list[PlanRow]:
-        sizes = [n * (8 if dtype == SMALL else 4) for dtype, n in self.layout.sizes().items()]
-        return [PlanRow("batches", "[T, N] batch to the learner", "send", "iteration", sizes),
+        return [PlanRow("batches", "[T, N] batch to the learner", "send", "iteration", self.layout.message_bytes()),
                 PlanRow("control", "stop/save from the learners", "recv", "iteration", [16]),
                 PlanRow("checkpoint", "RNG + env state to the learner", "send", "checkpoint", [self.state_bytes],
                         every=save_every)]
@@ -172,9 +175,8 @@ class BatchReceiver:
         return torch.cat(blobs)
 
     def plan_rows(self, save_every: int) -> list[PlanRow]:
-        sizes = [n * (8 if dtype == SMALL else 4) for dtype, n in self.layout.sizes().items()]
         return [PlanRow("batches", "[T, N] batch from each rollout rank", "recv", "iteration",
-                        sizes * len(self.rollouts)),
+                        self.layout.message_bytes() * len(self.rollouts)),
                 PlanRow("control", "stop/save to each rollout rank", "send", "iteration", [16] * len(self.rollouts)),
                 PlanRow("checkpoint", "RNG + env state of each rollout rank", "recv", "checkpoint",
                         [self.state_bytes] * len(self.rollouts), every=save_every)]

@@ -145,6 +145,18 @@ def check_writable_root(root: str) -> None:
         raise UsageError(f"--log.root {root!r}: {probe!r} is not writable; pick a directory you can write to")
 
 
+def rng_states(env=None, shuffle: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """This process's RNG states: torch (action sampling), the env's generator, the minibatch shuffle, CUDA."""
+    state = {"torch": torch.get_rng_state()}
+    if shuffle is not None:
+        state["shuffle"] = shuffle.get_state()
+    if env is not None:
+        state["env"] = env.generator.get_state()
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
 def gather_rng_states(states: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """Every rank's RNG states ({name: uint8 state tensor}, same names and sizes on every rank), by rank.
 

@@ -9,6 +9,7 @@ A collective that fails (a peer died, or stalled past the process group's timeou
 `CollectiveError` naming the collective and its purpose, so a hung or crashed job says where it was.
 """
 
+import contextlib
 from collections import defaultdict
 
 import torch
@@ -53,10 +54,15 @@ def _count(purpose: str, tensor: torch.Tensor) -> None:
     entry[1] += tensor.numel() * tensor.element_size()
 
 
-def _failed(kind: str, purpose: str, exc: Exception) -> CollectiveError:
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return CollectiveError(f"{kind} for {purpose!r} failed on rank {torch_dist.get_rank()}: a peer rank died or "
-                           f"stalled past --dist.timeout-s ({first_line})")
+@contextlib.contextmanager
+def _named(kind: str, purpose: str):
+    """Any backend failure inside becomes a CollectiveError naming the call and its purpose."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - every backend failure becomes the same named error
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CollectiveError(f"{kind} for {purpose!r} failed on rank {torch_dist.get_rank()}: a peer rank died or "
+                              f"stalled past --dist.timeout-s ({first_line})") from exc
 
 
 class _Work:
@@ -66,10 +72,8 @@ class _Work:
         self.work, self.kind, self.purpose = work, kind, purpose
 
     def wait(self):
-        try:
+        with _named(self.kind, self.purpose):
             return self.work.wait()
-        except Exception as exc:  # noqa: BLE001 - every backend failure becomes the same named error
-            raise _failed(self.kind, self.purpose, exc) from exc
 
 
 def all_reduce(tensor: torch.Tensor, purpose: str, op: str = "sum", async_op: bool = False):
@@ -82,10 +86,8 @@ def all_reduce(tensor: torch.Tensor, purpose: str, op: str = "sum", async_op: bo
     _count(purpose, tensor)
     reduce_op = {"sum": torch_dist.ReduceOp.SUM, "avg": torch_dist.ReduceOp.AVG, "max": torch_dist.ReduceOp.MAX,
                  "min": torch_dist.ReduceOp.MIN}[op]
-    try:
+    with _named("all_reduce", purpose):
         work = torch_dist.all_reduce(tensor, op=reduce_op, group=_GROUP, async_op=async_op)
-    except Exception as exc:  # noqa: BLE001
-        raise _failed("all_reduce", purpose, exc) from exc
     return _Work(work, "all_reduce", purpose) if async_op else tensor
 
 
@@ -94,10 +96,8 @@ def broadcast(tensor: torch.Tensor, purpose: str, src: int = 0) -> torch.Tensor:
     if world_size() == 1:
         return tensor
     _count(purpose, tensor)
-    try:
+    with _named("broadcast", purpose):
         torch_dist.broadcast(tensor, src=src, group=_GROUP)
-    except Exception as exc:  # noqa: BLE001
-        raise _failed("broadcast", purpose, exc) from exc
     return tensor
 
 
@@ -107,10 +107,8 @@ def all_gather(tensor: torch.Tensor, purpose: str) -> torch.Tensor:
         return tensor.unsqueeze(0)
     _count(purpose, tensor)
     out = [torch.empty_like(tensor) for _ in range(world_size())]
-    try:
+    with _named("all_gather", purpose):
         torch_dist.all_gather(out, tensor, group=_GROUP)
-    except Exception as exc:  # noqa: BLE001
-        raise _failed("all_gather", purpose, exc) from exc
     return torch.stack(out)
 
 
@@ -118,52 +116,42 @@ def reset_ledger() -> None:
     LEDGER.clear()
 
 
-# Point-to-point messages (weight sync between a trainer and rollout ranks), counted like the collectives:
+# Point-to-point messages (rollout batches, weight sync), counted like the collectives:
 # the sender counts what it sends, each receiver what it receives, under the caller's purpose.
 
 def send(tensor: torch.Tensor, purpose: str, dst: int, group=None) -> None:
     """Blocking send of `tensor` to global rank `dst`."""
     _count(purpose, tensor)
-    try:
+    with _named("send", purpose):
         torch_dist.send(tensor, dst=dst, group=group)
-    except Exception as exc:  # noqa: BLE001
-        raise _failed("send", purpose, exc) from exc
 
 
 def recv(tensor: torch.Tensor, purpose: str, src: int, group=None) -> torch.Tensor:
     """Blocking receive into `tensor` from global rank `src`."""
     _count(purpose, tensor)
-    try:
+    with _named("recv", purpose):
         torch_dist.recv(tensor, src=src, group=group)
-    except Exception as exc:  # noqa: BLE001
-        raise _failed("recv", purpose, exc) from exc
     return tensor
 
 
 def isend(tensor: torch.Tensor, purpose: str, dst: int, group=None):
     """Start sending `tensor` to global rank `dst`; returns the work to wait on (`tensor` must outlive it)."""
     _count(purpose, tensor)
-    try:
+    with _named("isend", purpose):
         return _Work(torch_dist.isend(tensor, dst=dst, group=group), "isend", purpose)
-    except Exception as exc:  # noqa: BLE001
-        raise _failed("isend", purpose, exc) from exc
 
 
 def irecv(tensor: torch.Tensor, purpose: str, src: int, group=None):
     """Start receiving into `tensor` from global rank `src`; returns the work to wait on."""
     _count(purpose, tensor)
-    try:
+    with _named("irecv", purpose):
         return _Work(torch_dist.irecv(tensor, src=src, group=group), "irecv", purpose)
-    except Exception as exc:  # noqa: BLE001
-        raise _failed("irecv", purpose, exc) from exc
 
 
 def recv_then_count(tensor: torch.Tensor, purpose_of, src: int, group=None) -> torch.Tensor:
     """Blocking receive into `tensor` from global rank `src`, counted under `purpose_of(tensor)`: for a header
     that names what it starts (a receiver draining queued updates counts them as the sender did)."""
-    try:
+    with _named("recv", "a message header"):
         torch_dist.recv(tensor, src=src, group=group)
-    except Exception as exc:  # noqa: BLE001
-        raise _failed("recv", "a message header", exc) from exc
     _count(purpose_of(tensor), tensor)
     return tensor

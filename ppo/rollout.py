@@ -22,6 +22,7 @@ class EpisodeStats:
 
     def __init__(self, num_envs: int, keys: tuple[str, ...], device):
         self.keys, self.device = keys, device
+        self.index = {key: i for i, key in enumerate(keys)}
         self.episode_return = torch.zeros(num_envs, device=device)
         self.episode_length = torch.zeros(num_envs, device=device)
         self.start_iteration()
@@ -32,7 +33,7 @@ class EpisodeStats:
         self.ended = []           # [N] per step: the return of each env whose episode ended, else NaN
 
     def add(self, key: str, total, count) -> None:
-        i = self.keys.index(key)
+        i = self.index[key]
         self.sums[i] += total
         self.counts[i] += count
 
@@ -77,7 +78,12 @@ def collect_rollout(model, env, obs: dict, num_steps: int, gamma: float, bootstr
 
 
 def check_finite(batch: dict[str, torch.Tensor], env_name: str, rank: int) -> None:
-    """Raise naming the env, observation group and feature of the first NaN/inf the env produced."""
+    """Raise naming the env, observation group and feature of the first NaN/inf the env produced.
+
+    One host sync per iteration in the common case (all finite); the search for the culprit only on failure."""
+    fields = ("actor_obs", "critic_obs", "rewards", "bootstrap")
+    if torch.stack([torch.isfinite(batch[f]).all() for f in fields]).all():
+        return
     for field, what in (("actor_obs", "observation group 'policy'"), ("critic_obs", "observation group 'critic'"),
                         ("rewards", "reward"), ("bootstrap", "time-out bootstrap value of extras['final_obs']")):
         data = batch[field]
