@@ -15,12 +15,19 @@ observation normalizers' statistics included (they are buffers of the model).
   the learner logs `Perf/policy_lag` and refuses a batch older than S. The learner keeps S + 1 receives
   posted, so a rollout rank that runs ahead never blocks on its sends.
 
-Per iteration, in order: batches up; the learners' agreed (stop, save) down; at saves, each rollout
-rank's RNG and env state up; then the weights of the next version down (unless the run stops early).
+Weights are pulled: before each collection a rollout rank asks its learner for the newest version (at least
+the one its bound needs) and gets it as one update, so a rollout rank that fell behind skips the versions
+it missed instead of replaying them. The learner only publishes each version; threads of its WeightServer
+answer the requests, so its loop never waits for a rollout rank to take weights.
+
+Per iteration, in order: weights requested and sent down; batches up; the learners' agreed (stop, save)
+down; at saves, each rollout rank's RNG and env state up.
 """
 
 import dataclasses
 import os
+import sys
+import threading
 
 import torch
 
@@ -77,15 +84,13 @@ class LearnerTeam:
         self.receiver = BatchReceiver(self.rollouts, roles.batches_group, self.spec["layout"], self.spec["state_bytes"],
                                       depth, start_iteration, cfg.max_iterations, torch.device("cpu"))
         self.device = device
-        self.syncer = make_weight_syncer(weight_sync_config(cfg), roles.rank, self.rollouts, roles.weights_group)
+        self.weights = WeightServer(cfg, roles.rank, self.rollouts, roles.weights_group)
         self.recompute = {"on": True, "off": False}.get(
             cfg.rollout.recompute, cfg.rollout.mode == "async" or cfg.rollout.dtype != "float32")
 
     def start(self, model, version: int) -> None:
-        """Crosses ranks once: sync/'s init handshake (as version - 1), then the weights of `version`, so the
-        copies start from the learners' weights whatever sync/ bootstraps (bucket mode sends nothing at init)."""
-        self.syncer.init_sender(model.state_dict(), None, version - 1)
-        self.syncer.sync(model.state_dict(), version)
+        """sync/'s init handshake with each rollout rank; then `version` is served to whoever asks."""
+        self.weights.start(model, version)
 
     def receive(self, iteration: int) -> tuple[dict, dict]:
         """Batch `iteration` of every rollout rank, joined along the env axis, and what rode with it (the
@@ -105,29 +110,136 @@ class LearnerTeam:
                        "Control/stop_signal": signal, "Control/launcher_gone": gone}   # keys of dist.stop.STOP_KEYS
 
     def finish(self, model, iteration: int, stop: bool, save: bool) -> torch.Tensor | None:
-        """Tell the rollout ranks the decision; at a save, collect every rollout rank's state; then send the
+        """Tell the rollout ranks the decision; at a save, collect every rollout rank's state; then publish the
         next weights. Crosses ranks once per iteration: `control` down; at saves `checkpoint` up, then one
-        all-gather of the teams' states among the learners; `weight_sync` down (sync/). Returns the
-        gathered states at a save, else None."""
+        all-gather of the teams' states among the learners (weights go from WeightServer's threads). Returns
+        the gathered states at a save, else None."""
         self.receiver.decide(stop, save)
         states = comm.all_gather(self.receiver.states(), "checkpoint") if save else None
         if not stop:          # after the last iteration too: the copies end with the final weights
-            with naming(self.rollouts):
-                self.syncer.sync(model.state_dict(), iteration + 1)
+            self.weights.publish(model, iteration + 1)
         return states
+
+    def close(self) -> None:
+        """Wait until the rollout ranks have read every decision and said they are done with the weights."""
+        self.receiver.close()
+        self.weights.close()
 
     def plan_rows(self) -> list[PlanRow]:
         gathered = PlanRow("checkpoint", "rollout states of every team", "all_gather", "checkpoint",
                            [self.spec["state_bytes"] * len(self.rollouts)], every=self.cfg.log.save_every)
         return [setup_plan_row(self.spec_sizes, "recv"), *self.receiver.plan_rows(self.cfg.log.save_every), gathered,
-                *weight_plan_rows(self.syncer)]
+                *self.weights.plan_rows()]
+
+
+class WeightServer:
+    """A learner's weights for its rollout ranks, served on request by one thread per rollout rank.
+
+    The learner publishes each new version (a copy of its state dict; nothing crosses ranks). Before every
+    collection a rollout rank asks for the newest version, at least `need` (its staleness bound), and gets
+    it as one sync/ update from the version it holds, however many versions it missed; when it already holds
+    the newest, a one-number reply says so. The learner never waits for a rollout rank to take weights, and
+    each rollout rank has its own sync/ sender (patch keeps one snapshot per receiver).
+    """
+
+    def __init__(self, cfg: Config, rank: int, rollouts: list[int], group):
+        self.group = group
+        self.syncers = {dst: make_weight_syncer(weight_sync_config(cfg), rank, [dst], group) for dst in rollouts}
+        self.state, self.version, self.failure = None, -1, None
+        self.published = threading.Condition()
+        self.threads = [threading.Thread(target=self.serve, args=(dst,), name=f"weights-to-rank-{dst}", daemon=True)
+                        for dst in rollouts]
+
+    def start(self, model, version: int) -> None:
+        """Crosses ranks once per rollout rank: sync/'s init handshake, as version - 1 (the first request then
+        carries the weights of `version`, whatever sync/ bootstraps: bucket mode sends nothing at init)."""
+        for dst, syncer in self.syncers.items():
+            with naming(dst):
+                syncer.init_sender(model.state_dict(), None, version - 1)
+        self.publish(model, version)
+        for thread in self.threads:
+            thread.start()
+
+    def publish(self, model, version: int) -> None:
+        """Make `version` the one served (a copy, so the next update cannot change it mid-send)."""
+        self.check()
+        with self.published:
+            if self.state is None:
+                self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            else:
+                for k, v in model.state_dict().items():
+                    self.state[k].copy_(v)
+            self.version = version
+            self.published.notify_all()
+
+    def serve(self, dst: int) -> None:
+        """Crosses ranks per request of rollout rank `dst` (one before each collection, one for the final
+        weights, one to say done): (have, need) in, the served version out, then sync/'s update if newer."""
+        try:
+            request = torch.empty(2, dtype=torch.int64)
+            while True:
+                with naming(dst):
+                    have, need = comm.recv(request, "weight_request", dst, self.group).tolist()
+                if need < 0:
+                    return
+                with self.published:
+                    self.published.wait_for(lambda: self.version >= need)
+                    with naming(dst):
+                        comm.send(torch.tensor([self.version]), "weight_request", dst, self.group)
+                        if self.version > have:
+                            self.syncers[dst].sync(self.state, self.version)
+        except Exception as exc:  # noqa: BLE001 - re-raised on the learner's main thread by check()
+            self.failure = exc
+            print(f"[syncppo] serving weights to rank {dst} failed: {exc}", file=sys.stderr, flush=True)
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        for thread in self.threads:
+            thread.join()
+        self.check()
+
+    def plan_rows(self) -> list[PlanRow]:
+        rows = request_plan_rows("recv", "send", len(self.syncers))
+        for syncer in self.syncers.values():
+            rows += weight_plan_rows(syncer)
+        return rows
+
+
+def request_weights(syncer, copy, learner: int, group, have: int, need: int) -> int:
+    """A rollout rank's request (see WeightServer.serve): the newest weights, at least version `need`. Crosses
+    ranks: (have, need) up, the served version down, sync/'s update when it is newer than `have`. Returns the
+    version now in `copy`; `need` < 0 says done (nothing comes back)."""
+    with naming(learner, "learner"):
+        comm.send(torch.tensor([have, need]), "weight_request", learner, group)
+        if need < 0:
+            return have
+        served = int(comm.recv(torch.empty(1, dtype=torch.int64), "weight_request", learner, group))
+        if served <= have:
+            return have
+        version = syncer.apply(copy)
+    if version != served:
+        raise RunError(f"the learner announced weights version {served} but sent version {version}")
+    return version
+
+
+def request_plan_rows(out: str, back: str, peers: int) -> list[PlanRow]:
+    """One request and reply per collection; at the end, one for the final weights and a last `done`."""
+    return [PlanRow("weight_request", "ask for the newest weights (have, need)", out, "iteration", [16] * peers),
+            PlanRow("weight_request", "the version served (an update follows if newer)", back, "iteration",
+                    [8] * peers),
+            PlanRow("weight_request", "ask for the final weights; done", out, "setup", [16, 16] * peers),
+            PlanRow("weight_request", "the final version", back, "setup", [8] * peers)]
 
 
 def weight_plan_rows(syncer) -> list[PlanRow]:
-    """sync/'s rows, plus the one update at start-up that gives the copies their first weights."""
+    """sync/'s rows, plus the one update after the last iteration that gives the copy the final weights. In
+    async mode a rollout rank that misses versions gets fewer updates: the rows are then an upper bound."""
     rows = syncer.plan_rows()
-    first = [dataclasses.replace(r, cadence="setup", rule="first weights") for r in rows if r.cadence == "iteration"]
-    return rows + first
+    final = [dataclasses.replace(r, cadence="setup", rule="final weights") for r in rows if r.cadence == "iteration"]
+    return rows + final
 
 
 def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_iteration: int) -> tuple:
@@ -167,12 +279,19 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
             "layout": layout, "state_layout": state_layout, "state_bytes": state_bytes,
             "reset_obs": {"actor_obs": obs["policy"].cpu(), "critic_obs": obs["critic"].cpu()}}
     spec_size = send_object(spec, learner, roles.batches_group, "setup")
-    syncer = make_weight_syncer(weight_sync_config(cfg), learner, roles.team[1:], roles.weights_group)
-    syncer.init_receiver(copy)
-    version = syncer.apply(copy)              # the learners' weights (see LearnerTeam.start)
+    syncer = make_weight_syncer(weight_sync_config(cfg), learner, [roles.rank], roles.weights_group)
+    version = syncer.init_receiver(copy)      # start - 1: the first request brings the learners' weights
     sender = BatchSender(learner, roles.batches_group, layout, state_bytes, torch.device("cpu"))
-    if cfg.dry_run:           # the learner prints the plan once the layouts and the first weights are agreed
-        return copy, []
+    plan = [setup_plan_row([spec_size], "send"), *sender.plan_rows(cfg.log.save_every),
+            *request_plan_rows("send", "recv", 1), *weight_plan_rows(syncer)]
+    plan += sum_counts_plan_rows(env.sampler, cfg.dist.sampler_sync_every, cfg.log.save_every)   # rollout group
+
+    def done() -> tuple:
+        request_weights(syncer, copy, learner, roles.weights_group, version, -1)
+        return copy, plan
+
+    if cfg.dry_run:           # the learner prints the plan once the layouts are agreed
+        return done()
     comm.use_group(roles.rollout_group)
     stop = StopRequests(watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
     stats = EpisodeStats(N, keys, device)
@@ -181,45 +300,44 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     autocast = torch.autocast(device.type, dtype=getattr(torch, cfg.rollout.dtype), enabled=low_precision)
 
     def read_decision() -> bool:
-        """The learners' (stop, save) for the next undecided iteration, then the weights it produced."""
-        nonlocal decided, version
+        """The learners' (stop, save) for the next undecided iteration; True if they stopped there."""
+        nonlocal decided
         must_stop, save = sender.decision()
         decided += 1
         if save:
             if env.sampler is not None:
                 sum_counts(env.sampler)
             sender.send_state(to_bytes(checkpoint_state()))
-        if must_stop:
-            return True
-        with naming(learner, "learner"):
-            version = syncer.apply(copy)
-        return decided + 1 >= cfg.max_iterations
+        return must_stop
 
-    plan = [setup_plan_row([spec_size], "send"), *sender.plan_rows(cfg.log.save_every), *weight_plan_rows(syncer)]
-    plan += sum_counts_plan_rows(env.sampler, cfg.dist.sampler_sync_every, cfg.log.save_every)   # rollout group
-    for iteration in range(start_iteration, cfg.max_iterations):
-        while decided < iteration - 1 - lag:    # sync: the weights after update k - 1; async: up to S older
+    try:
+        for iteration in range(start_iteration, cfg.max_iterations):
+            while decided < iteration - 1 - lag:    # sync: the weights after update k - 1; async: up to S older
+                if read_decision():
+                    return done()
+            # the newest weights, at least the bound's: sync mode gets exactly version k
+            need = max(iteration - lag, start_iteration)
+            version = request_weights(syncer, copy, learner, roles.weights_group, version, need)
+            stats.start_iteration()
+            with autocast:
+                batch, obs = collect_rollout(copy, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, stats,
+                                             record_returns=cfg.log.episode_returns)
+            check_finite(batch, cfg.env.task or cfg.env.name, roles.rank)
+            batch["flags"] = torch.tensor([version, stop.signal_name is not None, stop.launcher_gone()],
+                                          dtype=torch.float64)
+            batch["sums"], batch["counts"] = stats.sums, stats.counts
+            if cfg.log.episode_returns:
+                batch["episode_returns"] = torch.stack(stats.ended)
+            sender.send({k: v.cpu() for k, v in batch.items()})
+            if env.sampler is not None and (iteration + 1) % cfg.dist.sampler_sync_every == 0:
+                sum_counts(env.sampler)
+        while decided < cfg.max_iterations - 1:
             if read_decision():
-                stop.restore_default_handlers()
-                return copy, plan
-        stats.start_iteration()
-        with autocast:
-            batch, obs = collect_rollout(copy, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, stats,
-                                         record_returns=cfg.log.episode_returns)
-        check_finite(batch, cfg.env.task or cfg.env.name, roles.rank)
-        batch["flags"] = torch.tensor([version, stop.signal_name is not None, stop.launcher_gone()],
-                                      dtype=torch.float64)
-        batch["sums"], batch["counts"] = stats.sums, stats.counts
-        if cfg.log.episode_returns:
-            batch["episode_returns"] = torch.stack(stats.ended)
-        sender.send({k: v.cpu() for k, v in batch.items()})
-        if env.sampler is not None and (iteration + 1) % cfg.dist.sampler_sync_every == 0:
-            sum_counts(env.sampler)
-    while decided < cfg.max_iterations - 1:
-        if read_decision():
-            break
-    stop.restore_default_handlers()
-    return copy, plan
+                return done()
+        version = request_weights(syncer, copy, learner, roles.weights_group, version, cfg.max_iterations)
+        return done()
+    finally:
+        stop.restore_default_handlers()
 
 
 def restore_team_states(states: torch.Tensor, spec: dict) -> tuple[list[dict], dict]:

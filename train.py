@@ -129,6 +129,8 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
               f"{learners * N * T} transitions per iteration\n"
               f"{format_plan(plan, world)}", flush=True)
     if cfg.dry_run:
+        if team is not None:
+            team.close()
         shutdown()
         return model, {}, plan
     stop = StopRequests(watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
@@ -227,6 +229,8 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
             break
     if is_main:
         logger.close()
+    if team is not None:
+        team.close()
     stop.restore_default_handlers()
     shutdown()
     return model, scalars, plan

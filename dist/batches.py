@@ -138,6 +138,7 @@ class BatchReceiver:
         self.state_bytes, self.device = state_bytes, device
         self.next_posted, self.end = start, end               # never post for an iteration past the run
         self.slots: list[list] = [[] for _ in rollouts]      # per rollout rank: (buffers, works) in order
+        self.decisions: list = []                            # (rollout rank, tensor, work) not yet read
 
     def post(self) -> None:
         """Crosses ranks: 2 receives per rollout rank, posted ahead; completed by `take`."""
@@ -161,10 +162,21 @@ class BatchReceiver:
         return batches
 
     def decide(self, stop: bool, save: bool) -> None:
-        """Crosses ranks: 1 send per rollout rank per iteration."""
+        """Crosses ranks: 1 send per rollout rank per iteration. Not waited for: a rollout rank running ahead
+        (async mode) reads it only before the collection that needs it, and the learner must not stall
+        until then (a gloo send completes only once the receiver posts its receive)."""
+        self.decisions = [d for d in self.decisions if not d[2].is_completed()]
         for dst in self.rollouts:
+            decision = torch.tensor([float(stop), float(save)], dtype=torch.float64)
             with naming(dst):
-                comm.send(torch.tensor([float(stop), float(save)], dtype=torch.float64), "control", dst, self.group)
+                self.decisions.append((dst, decision, comm.isend(decision, "control", dst, self.group)))
+
+    def close(self) -> None:
+        """Wait until every rollout rank has read every decision sent to it."""
+        for dst, _, work in self.decisions:
+            with naming(dst):
+                work.wait()
+        self.decisions = []
 
     def states(self) -> torch.Tensor:
         """At a save: every rollout rank's state blob, concatenated in rank order."""

@@ -10,6 +10,7 @@ A collective that fails (a peer died, or stalled past the process group's timeou
 """
 
 import contextlib
+import threading
 from collections import defaultdict
 
 import torch
@@ -48,10 +49,14 @@ def world_size() -> int:
     return torch_dist.get_world_size(_GROUP) if torch_dist.is_available() and torch_dist.is_initialized() else 1
 
 
+_COUNTING = threading.Lock()    # a learner serves its rollout ranks' weights from threads (rollout_ranks.py)
+
+
 def _count(purpose: str, tensor: torch.Tensor) -> None:
-    entry = LEDGER[purpose]
-    entry[0] += 1
-    entry[1] += tensor.numel() * tensor.element_size()
+    with _COUNTING:
+        entry = LEDGER[purpose]
+        entry[0] += 1
+        entry[1] += tensor.numel() * tensor.element_size()
 
 
 @contextlib.contextmanager
@@ -74,6 +79,9 @@ class _Work:
     def wait(self):
         with _named(self.kind, self.purpose):
             return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 def all_reduce(tensor: torch.Tensor, purpose: str, op: str = "sum", async_op: bool = False):

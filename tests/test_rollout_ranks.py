@@ -8,10 +8,14 @@ import signal
 import pytest
 import torch
 
+import torch.distributed as torch_dist
+
 import train
 from configs import preset
 from dist import comm
 from dist.plan import expected_ledger
+from rollout_ranks import WeightServer, request_weights
+from sync import WeightSyncConfig, make_weight_syncer
 from tests.multirank import free_port, run_ranks
 from tests.torchrun_job import Job
 
@@ -77,6 +81,11 @@ def test_async_mode_trains_within_its_staleness_bound(tmp_path):
     learner, scalars = learner_state(results)
     assert 1 <= scalars["Perf/policy_lag"] <= 2            # collected while the learner updated
     for rank, (_, _, ledger, expected) in enumerate(results):
+        # a rollout rank that already holds the newest version gets no update: whole updates, at most the plan's
+        (calls, nbytes), (planned_calls, planned_bytes) = ledger.pop("weight_sync"), expected.pop("weight_sync")
+        updates = calls * 7 // planned_calls          # the plan: one update per iteration and the final one
+        assert 1 <= updates <= 7 and calls * 7 == updates * planned_calls, f"rank {rank}: {calls} weight messages"
+        assert nbytes * 7 == updates * planned_bytes, f"rank {rank}"
         assert ledger == expected, f"rank {rank}"
     assert all(torch.isfinite(v).all() for v in learner.values() if v.is_floating_point())
 
@@ -133,3 +142,46 @@ def test_a_dead_rank_stops_its_partner_naming_it(tmp_path, dies, survivor, named
     finally:
         for job in ranks:
             job.kill_all()
+
+
+def serve_after_three_versions(rank, world_size, kind):
+    """The learner publishes versions 2, 3, 4 before its rollout rank asks; the rollout rank then asks twice."""
+    group = torch_dist.new_group([0, 1])
+    torch.manual_seed(rank)                        # different starting weights on each side
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    cfg = preset("tracking")
+    cfg.rollout.sync = kind
+    if rank == 0:
+        server = WeightServer(cfg, 0, [1], group)
+        server.start(model, 1)
+        for version in (2, 3, 4):
+            with torch.no_grad():
+                model[0].weight[version % 4].add_(float(version))   # a few elements change per version
+                model[2].bias.mul_(0.5)
+            server.publish(model, version)
+        torch_dist.barrier()
+        server.close()
+        return {k: v.clone() for k, v in model.state_dict().items()}, server.syncers[1].plan_rows()
+    syncer = make_weight_syncer(WeightSyncConfig(type=kind), 0, [1], group)
+    have = syncer.init_receiver(model)
+    torch_dist.barrier()                           # ask only once version 4 is published
+    comm.reset_ledger()
+    first = request_weights(syncer, model, 0, group, have, 1)
+    after_first = {k: list(v) for k, v in comm.LEDGER.items()}
+    second = request_weights(syncer, model, 0, group, first, 4)
+    request_weights(syncer, model, 0, group, second, -1)
+    return have, first, second, {k: v.clone() for k, v in model.state_dict().items()}, after_first, \
+        {k: list(v) for k, v in comm.LEDGER.items()}
+
+
+@pytest.mark.parametrize("kind", ["patch", "bucket"])
+def test_a_rollout_rank_that_fell_behind_gets_the_newest_weights_in_one_update(kind):
+    (learner_state, rows), (have, first, second, state, after_first, ledger) = \
+        run_ranks(serve_after_three_versions, 2, args=(kind,))
+    assert (have, first, second) == (0, 4, 4)      # versions 1 to 3 skipped; then nothing newer to send
+    for key, value in learner_state.items():
+        assert torch.equal(state[key], value), key
+    update = [r for r in rows if r.cadence == "iteration"][0]          # one sync's messages, at most
+    assert after_first["weight_sync"][0] <= update.calls and after_first["weight_sync"][1] <= sum(update.call_bytes)
+    assert ledger["weight_sync"] == after_first["weight_sync"]          # the second request moved no weights
+    assert ledger["weight_request"] == [5, 3 * 16 + 2 * 8]              # (have, need) x 3, version x 2
