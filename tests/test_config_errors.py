@@ -198,3 +198,15 @@ def test_impossible_rollout_layouts_name_the_flag(world, ranks, message):
     cfg.rollout.ranks = ranks
     with pytest.raises(UsageError, match=message):
         validate(cfg, world_size=world)
+
+
+def test_rollout_ranks_on_a_cuda_device_are_refused_naming_the_flag(monkeypatch):
+    cfg = cfg_with()
+    cfg.rollout.ranks = 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device in ("auto", "cuda"):
+        cfg.dist.device = device
+        with pytest.raises(UsageError, match=r"--rollout.ranks runs on CPU devices only .* --dist.device cpu"):
+            validate(cfg, world_size=2)
+    cfg.dist.device = "cpu"
+    validate(cfg, world_size=2)
