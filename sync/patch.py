@@ -18,6 +18,8 @@ mismatch leaves the receiver refusing everything until resync()). Every `patch.v
 receiver rescans all synced tensors. The sender commits the snapshot only after every receiver has the frame.
 """
 
+from typing import Optional
+
 import torch
 
 from dist.checksum import tensor_checksum, update_checksum
@@ -119,9 +121,9 @@ class PatchSyncer(Link):
             if self._mask.numel() < current.numel() or self._mask.device != current.device:
                 self._mask = torch.empty(current.numel(), dtype=torch.bool, device=current.device)
             mask = torch.ne(_bits(current), _bits(old), out=self._mask[:current.numel()])
-            count = int(torch.count_nonzero(mask))
+            count, index = _changes(mask)
             if count:
-                encoding, parts, index = _encode(current, mask, count)
+                encoding, parts, index = _encode(current, mask, count, index)
                 rows.append([self.ordinal[key], parts[-1].numel(), encoding, parts[0].numel() if encoding != DENSE else 0])
                 segments += parts
                 changes.append((key, current, old, index, parts[-1], count))
@@ -274,12 +276,27 @@ def _incremental(index, tensor: torch.Tensor) -> bool:
     return index is not None and index.numel() < INCREMENTAL_BELOW * tensor.numel()
 
 
-def _encode(current: torch.Tensor, mask: torch.Tensor, count: int):
+def _changes(mask: torch.Tensor) -> tuple[int, Optional[torch.Tensor]]:
+    """(how many flags of `mask` are set, their flat positions or None). Few changes are collected in the same
+    pass that counts them: 8 flags are read as one int64 word and only words with a change are expanded,
+    several times faster than nonzero() over every flag. Many changes are only counted (no gap encoding can
+    win then, and the bitmap and dense encodings need no positions)."""
+    n = mask.numel()
+    whole = n - n % 8
+    hot = (mask[:whole].view(torch.int64) != 0).nonzero().view(-1)
+    if hot.numel() > n // 64:                     # changes in more than 1 word of 8
+        return int(torch.count_nonzero(mask)), None
+    flags = mask[:whole].view(-1, 8)[hot].nonzero()
+    index = torch.cat([hot[flags[:, 0]] * 8 + flags[:, 1], mask[whole:].nonzero().view(-1) + whole])
+    return index.numel(), index
+
+
+def _encode(current: torch.Tensor, mask: torch.Tensor, count: int, index: Optional[torch.Tensor] = None):
     """(encoding, segments, flat positions or None) for one changed tensor: the smallest encoding by exact size."""
     n, v = current.numel(), current.element_size()
     sizes = {DENSE: n * v, BITMAP: (n + 7) // 8 + count * v}
     if min(sizes.values()) > count * (1 + v):  # a gap encoding might be smaller: count its escapes
-        index = mask.nonzero().view(-1)
+        index = mask.nonzero().view(-1) if index is None else index
         gaps = torch.diff(index, prepend=index.new_full((1,), -1)) - 1
         escapes = torch.stack([(gaps // _escape(code)).sum() for code in GAP_DTYPES]).tolist()
         for code, extra in zip(GAP_DTYPES, escapes):

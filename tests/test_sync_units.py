@@ -10,7 +10,7 @@ from torch import nn
 
 from dist.checksum import ROW, P, checksum, tensor_checksum, update_checksum, weights
 from sync import SyncIntegrityError, trainable_keys
-from sync.patch import BITMAP, DENSE, GAP_DTYPES, _bits, _compress, _decode, _decompress, _encode
+from sync.patch import BITMAP, DENSE, GAP_DTYPES, _bits, _changes, _compress, _decode, _decompress, _encode
 from sync.wire import layout
 
 
@@ -41,6 +41,19 @@ def test_encoding_is_the_smallest_and_round_trips(density, dtype):
         index, flags = _decode(parts[0], encoding, n)
         assert torch.equal(index, positions) and not any(bool(f) for f in flags)
         assert torch.equal(_bits(parts[1]), _bits(current[positions]))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 200_003])
+@pytest.mark.parametrize("density", [0.0, 0.0005, 0.01, 0.05, 0.3, 1.0])
+def test_changes_are_counted_and_collected_like_nonzero(n, density):
+    mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) < density
+    count, index = _changes(mask)
+    positions = mask.nonzero().view(-1)
+    assert count == positions.numel()
+    if density <= 0.01:       # few changes: collected in the counting pass
+        assert index is not None
+    if index is not None:
+        assert torch.equal(index, positions)
 
 
 def test_gap_escapes_by_hand():
