@@ -283,9 +283,10 @@ def _changes(mask: torch.Tensor) -> tuple[int, Optional[torch.Tensor]]:
     win then, and the bitmap and dense encodings need no positions)."""
     n = mask.numel()
     whole = n - n % 8
-    hot = (mask[:whole].view(torch.int64) != 0).nonzero().view(-1)
-    if hot.numel() > n // 64:                     # changes in more than 1 word of 8
+    hot = mask[:whole].view(torch.int64) != 0
+    if int(torch.count_nonzero(hot)) > n // 64:   # changes in more than 1 word of 8
         return int(torch.count_nonzero(mask)), None
+    hot = hot.nonzero().view(-1)
     flags = mask[:whole].view(-1, 8)[hot].nonzero()
     index = torch.cat([hot[flags[:, 0]] * 8 + flags[:, 1], mask[whole:].nonzero().view(-1) + whole])
     return index.numel(), index
