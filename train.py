@@ -53,6 +53,8 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     envs_scope = resolve_num_envs(cfg, world)
     validate(cfg, world)
+    if cfg.rollout.ranks and cfg.dist.device == "auto":
+        cfg.dist.device = "cpu"       # rollout ranks stage everything on the host over gloo (docs/rollout_ranks.md)
     resolve_device(cfg.dist.device)
     check_writable_root(cfg.log.root)
     experiment_dir = os.path.join(cfg.log.root, cfg.log.experiment or cfg.env.name)

@@ -116,7 +116,7 @@ class DistConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """process-group backend; auto = nccl when CUDA is available, else gloo"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto = cuda:LOCAL_RANK when CUDA is available, else cpu"""
+    """auto = cuda:LOCAL_RANK when CUDA is available, else cpu (always cpu with --rollout.ranks)"""
     grad_sync: Literal["flat", "bucketed"] = "flat"
     """flat: one all-reduce of all gradients after backward; bucketed: per-bucket async all-reduce overlapping backward"""
     bucket_mb: float = 25.0
@@ -257,14 +257,9 @@ def validate_rollout(cfg: Config, world_size: int) -> None:
                          f"ranks; each learner owns the same number of rollout ranks")
     if cfg.env.global_num_envs:
         raise UsageError("--env.global-num-envs with --rollout.ranks: give --env.num-envs per rollout rank instead")
-    if cfg.dist.device == "cuda" or cfg.dist.device == "auto" and _cuda_available():
+    if cfg.dist.device == "cuda":
         raise UsageError("--rollout.ranks runs on CPU devices only for now (batches and weights are staged on the "
-                         "host over gloo, and the CUDA path is untested); add --dist.device cpu")
-
-
-def _cuda_available() -> bool:
-    import torch      # configs/ stays importable without torch for the CLI's help
-    return torch.cuda.is_available()
+                         "host over gloo, and the CUDA path is untested); use --dist.device cpu or auto")
 
 
 EMBEDDED_STEP_S = 0.02    # control step of both embedded envs (cartpole: dt; tracking: 4 x 5 ms substeps)
