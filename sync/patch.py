@@ -278,18 +278,14 @@ def _incremental(index, tensor: torch.Tensor) -> bool:
 
 
 def _changes(mask: torch.Tensor) -> tuple[int, Optional[torch.Tensor]]:
-    """(how many flags of `mask` are set, their flat positions or None). Few changes are collected in the same
-    pass that counts them: 8 flags are read as one int64 word and only words with a change are expanded,
-    several times faster than nonzero() over every flag. Many changes are only counted (no gap encoding can
-    win then, and the bitmap and dense encodings need no positions)."""
+    """(how many flags of `mask` are set, their flat positions or None). The words of 8 flags that hold a
+    change are counted first (a pass over n/8 int64); when few, the positions are collected and counted at
+    once; when many, the flags are only counted (no gap encoding can win then, and the bitmap and dense
+    encodings need no positions)."""
     n = mask.numel()
-    whole = n - n % 8
-    hot = mask[:whole].view(torch.int64) != 0
-    if int(torch.count_nonzero(hot)) > n // 64:   # changes in more than 1 word of 8
+    if int(torch.count_nonzero(mask[:n - n % 8].view(torch.int64))) > n // 64:   # changes in over 1 word of 8
         return int(torch.count_nonzero(mask)), None
-    hot = hot.nonzero().view(-1)
-    flags = mask[:whole].view(-1, 8)[hot].nonzero()
-    index = torch.cat([hot[flags[:, 0]] * 8 + flags[:, 1], mask[whole:].nonzero().view(-1) + whole])
+    index = _positions(mask)
     return index.numel(), index
 
 
