@@ -138,8 +138,9 @@ class WeightServer:
     The learner publishes each new version (a copy of its state dict; nothing crosses ranks). Before every
     collection a rollout rank asks for the newest version, at least `need` (its staleness bound), and gets
     it as one sync/ update from the version it holds, however many versions it missed; when it already holds
-    the newest, a one-number reply says so. The learner never waits for a rollout rank to take weights, and
-    each rollout rank has its own sync/ sender (patch keeps one snapshot per receiver).
+    the newest, a one-number reply says so. The learner never waits for a rollout rank to take weights (only,
+    in publish, for an answer already being sent), and each rollout rank has its own sync/ sender (patch keeps
+    one snapshot per receiver).
     """
 
     def __init__(self, cfg: Config, rank: int, rollouts: list[int], group):
@@ -182,6 +183,8 @@ class WeightServer:
                     have, need = comm.recv(request, "weight_request", dst, self.group).tolist()
                 if need < 0:
                     return
+                # The lock spans the whole answer: publish() must not overwrite the state mid-send, so it waits
+                # for an answer in flight (the rollout rank is already receiving it).
                 with self.published:
                     self.published.wait_for(lambda: self.version >= need)
                     with naming(dst):

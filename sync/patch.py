@@ -111,7 +111,8 @@ class PatchSyncer(Link):
         """Send what changed since the last sync as patch `version` to every receiver, then commit it.
 
         Crosses ranks once per call (typically once per training iteration): one frame to each receiver.
-        Host syncs: one or two per tensor (its change count; its escape counts).
+        Host syncs: two per tensor (how many words changed, then the change count or the positions; on the host
+        these are free), plus its escape counts when a gap encoding may win.
         """
         self.require(sender=True, version=version)
         state = self.tensors(state_dict)
