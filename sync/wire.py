@@ -8,7 +8,9 @@ After init everything is a frame (patch, bucket, bootstrap and resync alike):
              payload bytes on the wire and raw, check (of the other words and the table)
     table    [rows, 4] int64: tensor ordinal, values sent, encoding, position symbols
     payload  one message per segment (a row's positions, then its values), widest dtype first so that
-             each is an aligned view of one buffer; a single zstd blob instead when compressed
+             each is an aligned view of one buffer; one message of all segments instead when they are small
+             (at most PACK_BYTES: a copy that costs less than the per-message handshakes it saves), or a
+             single zstd blob when compressed
     trailer  rows + 1 int64: each row's tensor checksum after the update, then a check of them all
 
 The sender computes the trailer while the payload is in flight. All sizes are in the header and table:
@@ -31,6 +33,8 @@ UPDATE, SETUP = "weight_sync", "weight_sync_setup"  # ledger purposes
 GAPS8, GAPS16, GAPS32, BITMAP, DENSE = range(5)  # how a row's positions travel (see patch.py)
 SYMBOL_DTYPES = {GAPS8: torch.uint8, GAPS16: torch.int16, GAPS32: torch.int32, BITMAP: torch.uint8}
 HEADER_BYTES, ROW_BYTES = 8 * 8, 4 * 8
+PACK_BYTES = 1 << 20
+PAYLOAD = (-2, -2)  # the key of a packed payload's one receive in Frame.works
 RESYNC_HINT = "call resync() on sender and receivers"
 
 
@@ -59,7 +63,13 @@ class SyncStats:
 
 def frame_messages(rows: int, segments: Sequence[int]) -> list[int]:
     """Bytes of each message of an uncompressed frame with these non-empty payload segments, in order."""
-    return [HEADER_BYTES] + ([rows * ROW_BYTES, *segments, (rows + 1) * 8] if rows else [])
+    payload = [sum(segments)] if _packed(segments) else list(segments)
+    return [HEADER_BYTES] + ([rows * ROW_BYTES, *payload, (rows + 1) * 8] if rows else [])
+
+
+def _packed(segments: Sequence[int]) -> bool:
+    """Whether these non-empty payload segments (bytes) travel as one message."""
+    return len(segments) > 1 and sum(segments) <= PACK_BYTES
 
 
 def layout(specs: Sequence[tuple[torch.dtype, int]]) -> tuple[list[int], list[int], int]:
@@ -83,8 +93,9 @@ def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments
     """
     order, _, raw = layout([(s.dtype, s.numel()) for s in segments])
     payload = [segments[i].reshape(-1) for i in order if segments[i].numel()]
-    if compress is not None and payload:
-        payload = [compress(torch.cat([p.view(torch.uint8) for p in payload]))]
+    if compress is not None and payload or _packed([p.numel() * p.element_size() for p in payload]):
+        payload = [torch.cat([p.view(torch.uint8) for p in payload])]
+        payload = [compress(payload[0])] if compress is not None else payload
     payload = [p.to(device) for p in payload]
     wire = sum(p.numel() * p.element_size() for p in payload)
     words = torch.tensor([MAGIC, kind, version, base, len(table), wire, raw], dtype=torch.int64)
@@ -112,7 +123,7 @@ class Frame:
     check: int
     payload: torch.Tensor  # the staged bytes (uint8): segments not received in place are views of it
     segments: list  # per row: (positions or None, values)
-    works: dict  # pending receives: (row, 0 positions / 1 values / -1 trailer) -> work
+    works: dict  # pending receives: (row, 0 positions / 1 values), PAYLOAD (packed) or (-1, -1) (trailer) -> work
     trailer: Optional[torch.Tensor]
 
     def words(self) -> torch.Tensor:
@@ -124,8 +135,8 @@ class Frame:
                                      f"checksum (corrupted); {RESYNC_HINT}")
 
     def row(self, r: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-        for part in (0, 1):
-            work = self.works.pop((r, part), None)
+        for place in (PAYLOAD, (r, 0), (r, 1)):
+            work = self.works.pop(place, None)  # a work is waited once (gloo's receive waits for a second message)
             if work is not None:
                 work.wait()
         return self.segments[r]
@@ -177,7 +188,8 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
         specs.append((dtypes[ordinal], values))
         places.append((r, 1))
     order, _, total = layout(specs)
-    target = [into(frame.table[r, 0].item()) if into and part else None for r, part in places]
+    packed = decompress is None and _packed([d.itemsize * n for d, n in specs if n])
+    target = [into(frame.table[r, 0].item()) if into and part and not packed else None for r, part in places]
     _, offsets, staged = layout([(d, 0 if t is not None else n) for (d, n), t in zip(specs, target)])
     if total != raw or (decompress is None and wire != raw):
         raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces payload sizes its table "
@@ -195,6 +207,8 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
         frame.segments[r][part] = segment
     if decompress is not None and wire:
         buffer[:raw].copy_(decompress(comm.recv(torch.empty(wire, dtype=torch.uint8, device=device), purpose, src, group), raw))
+    elif packed:
+        frame.works[PAYLOAD] = comm.irecv(buffer[:raw], purpose, src, group)
     elif decompress is None:
         for i in order:  # in send order: messages between two ranks match in the order they were posted
             if specs[i][1]:

@@ -7,13 +7,14 @@ import torch
 from dist import comm
 from dist.plan import expected_ledger
 from multirank import run_ranks
-from sync import BucketConfig, WeightSyncConfig, make_weight_syncer
+from sync import BucketConfig, WeightSyncConfig, make_weight_syncer, wire
 from test_sync_common import make_state, snapshot
 
 SYNCS = 3
 
 
-def _plan_and_ledger(rank, world_size, mode, frozen):
+def _plan_and_ledger(rank, world_size, mode, frozen, pack_bytes):
+    wire.PACK_BYTES = pack_bytes  # 0: every payload segment its own message
     cfg = WeightSyncConfig(type=mode, bucket=BucketConfig(bucket_size=50_000))
     cfg.patch.init_sync.bucket_size = 50_000
     syncer = make_weight_syncer(cfg, src=0, dsts=list(range(1, world_size)))
@@ -34,9 +35,10 @@ def _plan_and_ledger(rank, world_size, mode, frozen):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, frozen", [("patch", ()), ("bucket", ("steps",))])
-def test_plan_equals_ledger_for_setup_and_syncs(mode, frozen):
-    results = run_ranks(_plan_and_ledger, 3, args=(mode, frozen))
+@pytest.mark.parametrize("mode, frozen, pack_bytes", [("patch", (), wire.PACK_BYTES), ("patch", (), 0),
+                                                      ("bucket", ("steps",), wire.PACK_BYTES)])
+def test_plan_equals_ledger_for_setup_and_syncs(mode, frozen, pack_bytes):
+    results = run_ranks(_plan_and_ledger, 3, args=(mode, frozen, pack_bytes))
     for rank, (rows, ledger, state) in enumerate(results):
         assert {r.purpose for r in rows} == {"weight_sync", "weight_sync_setup"}
         assert {r.collective for r in rows} == {"send", "recv"}
@@ -48,6 +50,7 @@ def test_plan_equals_ledger_for_setup_and_syncs(mode, frozen):
     assert sender_update[0].call_bytes == receiver_update[0].call_bytes * 2
     if mode == "bucket":
         # By hand: buckets of at most 50,000 bytes over make_state's 7 synced tensors + the empty one, fp32:
-        # [scale, enc.bias] | [enc.weight (84,000 bytes)] | [conv.weight, dec.weight, mask, empty] (steps frozen)
-        frames = [[64, 2 * 32, 148, 4, 3 * 8], [64, 32, 84_000, 16], [64, 4 * 32, 1200, 8000, 6, 5 * 8]]
+        # [scale, enc.bias] | [enc.weight (84,000 bytes)] | [conv.weight, dec.weight, mask, empty] (steps frozen);
+        # a frame's payloads of at most 1 MiB travel as one message (148 + 4, then 1200 + 8000 + 6 bytes)
+        frames = [[64, 2 * 32, 152, 3 * 8], [64, 32, 84_000, 16], [64, 4 * 32, 9206, 5 * 8]]
         assert sorted(receiver_update[0].call_bytes) == sorted(b for f in frames for b in f)
