@@ -52,6 +52,14 @@ def _lane_weights(device, dtype) -> torch.Tensor:
     return _tables[key]
 
 
+def _lane_weights_by_column(device) -> torch.Tensor:
+    """[ROW, 2] int64: the lane weights laid out for gathering by lane column."""
+    key = ("W by column", str(device))
+    if key not in _tables:
+        _tables[key] = _lane_weights(device, torch.int64).t().contiguous()
+    return _tables[key]
+
+
 def _row_weights(rows: int, device) -> torch.Tensor:
     key = ("H", str(device))
     table = _tables.get(key)
@@ -110,14 +118,17 @@ def update_checksum(checksum: torch.Tensor, index: torch.Tensor, old: torch.Tens
     """
     if index.numel() == 0:
         return checksum
-    per = max(1, old.element_size() // 2)                      # lanes per element
-    old_lanes, new_lanes = lanes(old).view(-1, per), lanes(new).view(-1, per)
-    diff = (new_lanes.to(torch.int64) - old_lanes.to(torch.int64)).unsqueeze(-1)           # [m, per, 1]
-    lane = index.to(torch.int64).view(-1, 1) * per + torch.arange(per, device=index.device)  # [m, per]
-    rows, cols = lane // ROW, lane % ROW
-    w = _lane_weights(index.device, torch.int64).t()[cols]                                 # [m, per, 2]
-    h = _row_weights(int(rows.max()) + 1, index.device)[rows]
-    delta = torch.remainder(torch.remainder(diff * w, P) * h, P).sum((0, 1))
+    per = max(1, old.element_size() // 2)                      # lanes per element, all in one row (ROW is even)
+    diff = lanes(new).view(-1, per).to(torch.int64) - lanes(old).view(-1, per).to(torch.int64)   # [m, per]
+    first = index.to(torch.int64) * per                         # each element's first lane
+    cols = (first.view(-1, 1) % ROW + torch.arange(per, device=index.device)).view(-1)
+    w = _lane_weights_by_column(index.device).index_select(0, cols).view(-1, per, 2)
+    per_element = (diff.unsqueeze(-1) * w).sum(1)               # [m, 2], below 2**42 in magnitude
+    rows = first // ROW
+    num_rows = int(rows.max()) + 1
+    # Summed per row first (exact in int64: under 2**55), so the slow modulo runs once per row, not per change.
+    per_row = torch.zeros(num_rows, 2, dtype=torch.int64, device=index.device).index_add_(0, rows, per_element)
+    delta = torch.remainder(torch.remainder(per_row, P) * _row_weights(num_rows, index.device)[:num_rows], P).sum(0)
     return _combine(torch.remainder(_split(checksum) + delta, P))
 
 

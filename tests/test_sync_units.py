@@ -123,6 +123,13 @@ def test_checksum_updates_from_changed_elements_alone():
         new = old.clone()
         new[index] = ~old[index] if dtype == torch.bool else (old[index] + 1).to(dtype)
         assert int(update_checksum(tensor_checksum(old), index, old[index], new[index])) == int(tensor_checksum(new))
+    # The largest change in every lane of whole rows: per-row sums at their bound stay exact.
+    for dtype in (torch.int16, torch.int64):
+        low, high = torch.iinfo(torch.int16).min, torch.iinfo(torch.int16).max
+        old = torch.full((2 * ROW,), low, dtype=torch.int16).view(dtype)
+        new = torch.full((2 * ROW,), high, dtype=torch.int16).view(dtype)
+        index = torch.arange(old.numel())
+        assert int(update_checksum(tensor_checksum(old), index, old, new)) == int(tensor_checksum(new))
 
 
 def test_checksum_of_many_tensors_is_order_sensitive():
