@@ -90,7 +90,8 @@ def _numpy_checksum(t: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("t", [torch.randn(3 * ROW + 5), torch.randn(7).bfloat16(), torch.rand(33) < 0.5,
-                               torch.randint(-9, 9, (5, 4))], ids=["fp32", "bf16", "bool", "int64"])
+                               torch.randint(-9, 9, (5, 4)), torch.randn(ROW // 2), torch.randn(ROW // 2 + 1)],
+                         ids=["fp32", "bf16", "bool", "int64", "one row", "one row and a lane"])
 def test_checksum_matches_a_numpy_reference(t):
     assert int(tensor_checksum(t)) == _numpy_checksum(t)
 
@@ -130,6 +131,13 @@ def test_checksum_updates_from_changed_elements_alone():
         new = torch.full((2 * ROW,), high, dtype=torch.int16).view(dtype)
         index = torch.arange(old.numel())
         assert int(update_checksum(tensor_checksum(old), index, old, new)) == int(tensor_checksum(new))
+
+
+def test_checksum_of_many_tensors_matches_a_numpy_reference():
+    tensors = [torch.randn(ROW + 3), torch.arange(5), torch.rand(9) < 0.5]
+    w = weights(len(tensors), 31, offset=1 << 50)
+    parts = [sum(divmod(_numpy_checksum(t), 2**31)[k] * int(w[i, k]) for i, t in enumerate(tensors)) % P for k in range(2)]
+    assert int(checksum(tensors)) == parts[0] * 2**31 + parts[1]
 
 
 def test_checksum_of_many_tensors_is_order_sensitive():
