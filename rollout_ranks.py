@@ -193,7 +193,8 @@ class WeightServer:
                             self.syncers[dst].sync(self.state, self.version)
         except Exception as exc:  # noqa: BLE001 - re-raised on the learner's main thread by check()
             self.failure = exc
-            print(f"[syncppo] serving weights to rank {dst} failed: {exc}", file=sys.stderr, flush=True)
+            # One write for the whole line: the main thread reports the same failure on stderr at about this time.
+            print(f"[syncppo] serving weights to rank {dst} failed: {exc}\n", end="", file=sys.stderr, flush=True)
 
     def check(self) -> None:
         if self.failure is not None:

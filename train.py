@@ -288,10 +288,10 @@ def cli(cfg: Config) -> int:
         return 0
     except UsageError as exc:        # identical on every rank: say it once per node
         if local_rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            print(f"error: {exc}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside
         code, failure = 2, exc
     except (RunError, comm.CollectiveError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(f"error: {exc}\n", end="", file=sys.stderr, flush=True)
         code, failure = 1, exc
     except KeyboardInterrupt as exc:
         print("error: interrupted by a second Ctrl-C: nothing saved since the last checkpoint", file=sys.stderr)
