@@ -336,10 +336,11 @@ def _narrow(symbols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # On the host, numpy's nonzero and bit packing are 3-6x faster than torch's CPU kernels (nonzero over 10M
-# flags at 20% set: 5 ms against 25-30 ms); other devices use torch. Both give the same result.
+# flags at 20% set: 5 ms against 25-30 ms); other devices use torch. Both give the same result. Flags stay
+# bool throughout: numpy's nonzero over uint8 is 7x slower than over bool (2M flags at 26%: 6 ms vs 0.85 ms).
 
 def _positions(flags: torch.Tensor) -> torch.Tensor:
-    """Flat positions of the nonzero entries of a 1-D bool or uint8 tensor, ascending, int64."""
+    """Flat positions of the True entries of a 1-D bool tensor, ascending, int64."""
     if flags.device.type == "cpu":
         return torch.from_numpy(np.flatnonzero(flags.numpy()))
     return flags.nonzero().view(-1)
@@ -354,10 +355,10 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of _pack_bits, as uint8 0/1 (padding included)."""
+    """The inverse of _pack_bits, as bool (padding included)."""
     if packed.device.type == "cpu":
-        return torch.from_numpy(np.unpackbits(packed.numpy(), bitorder="little"))
-    return ((packed.view(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1).view(-1)
+        return torch.from_numpy(np.unpackbits(packed.numpy(), bitorder="little").view(np.bool_))
+    return ((packed.view(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1).view(-1).view(torch.bool)
 
 
 def _under(key: str, prefix: str) -> bool:
