@@ -112,7 +112,8 @@ class PatchSyncer(Link):
 
         Crosses ranks once per call (typically once per training iteration): one frame to each receiver.
         Host syncs: two per tensor (how many words changed, then the change count or the positions; on the host
-        these are free), plus its escape counts when a gap encoding may win.
+        these are free), plus its longest gap (and escape counts where a gap reaches an escape) when a gap
+        encoding may win.
         """
         self.require(sender=True, version=version)
         state = self.tensors(state_dict)
@@ -180,8 +181,8 @@ class PatchSyncer(Link):
         return frame
 
     def _write(self, tensors: dict, frame: Frame) -> int:
-        """Check, decode and apply a patch; returns its version. Host syncs: a few per patch and one per
-        sparse tensor (its positions)."""
+        """Check, decode and apply a patch; returns its version. Host syncs: a few per patch and one or two per
+        sparse tensor (its positions; whether its gaps hold escapes)."""
         frame.check_header()
         if frame.base != self.version:
             raise SyncIntegrityError(f"weight sync: patch {frame.version} applies to version {frame.base} but this "
@@ -297,18 +298,21 @@ def _encode(current: torch.Tensor, mask: torch.Tensor, count: int, index: Option
     if min(sizes.values()) > count * (1 + v):  # a gap encoding might be smaller: count its escapes
         index = _positions(mask) if index is None else index
         gaps = torch.diff(index, prepend=index.new_full((1,), -1)) - 1
-        escapes = torch.stack([(gaps // _escape(code)).sum() for code in GAP_DTYPES]).tolist()
-        for code, extra in zip(GAP_DTYPES, escapes):
+        longest = int(gaps.max())  # escapes only where a gap reaches the escape symbol (integer division is slow)
+        for code in GAP_DTYPES:
+            extra = int((gaps // _escape(code)).sum()) if longest >= _escape(code) else 0
             sizes[code] = (count + extra) * GAP_DTYPES[code].itemsize + count * v
     encoding = min(sizes, key=lambda code: (sizes[code], -code))  # on a tie, the cheaper to apply
     if encoding == DENSE:
         return DENSE, [current], None
     if encoding == BITMAP:
         return BITMAP, [_pack_bits(mask), current.index_select(0, _positions(mask))], None
-    per = gaps // _escape(encoding) + 1  # symbols per change: its escapes, then its remainder
-    ends = torch.cumsum(per, 0) - 1
-    symbols = torch.full((int(ends[-1]) + 1,), _escape(encoding), dtype=torch.int64, device=index.device)
-    symbols[ends] = gaps % _escape(encoding)
+    symbols = gaps  # no escapes: one symbol per change, its gap
+    if longest >= _escape(encoding):
+        per = gaps // _escape(encoding) + 1  # symbols per change: its escapes, then its remainder
+        ends = torch.cumsum(per, 0) - 1
+        symbols = torch.full((int(ends[-1]) + 1,), _escape(encoding), dtype=torch.int64, device=index.device)
+        symbols[ends] = gaps % _escape(encoding)
     return encoding, [_narrow(symbols, GAP_DTYPES[encoding]), current[index]], index
 
 
@@ -318,8 +322,11 @@ def _decode(symbols: torch.Tensor, encoding: int, numel: int):
         bits = _unpack_bits(symbols)
         return _positions(bits[:numel]), [bits[numel:].any()]
     top = _escape(encoding)
-    s = torch.remainder(symbols.to(torch.int64), top + 1)  # the unsigned value of each symbol
+    s = symbols.to(torch.int64) & top  # the unsigned value of each symbol
     is_change = s != top
+    if bool(is_change.all()):  # no escapes: every symbol is a gap
+        index = torch.cumsum(s + 1, 0) - 1
+        return index, [(index[-1:] >= numel).any()]
     positions = torch.cumsum(torch.where(is_change, s + 1, s), 0) - 1
     index = positions[is_change]
     return index, [(positions[-1:] >= numel).any() if index.numel() else torch.tensor(False), ~is_change[-1:].all()]
