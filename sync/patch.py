@@ -132,8 +132,9 @@ class PatchSyncer(Link):
                 changes.append((key, current, old, index, parts[-1], count))
 
         def checksums_after():  # runs while the payload is in flight
-            return [update_checksum(self.checksums[key], index, old[index], values) if _incremental(index, current)
-                    else tensor_checksum(current) for key, current, old, index, values, _ in changes]
+            return [update_checksum(self.checksums[key], index, old.index_select(0, index), values)
+                    if _incremental(index, current) else tensor_checksum(current)
+                    for key, current, old, index, values, _ in changes]
 
         wire, raw, sums = send_frame(KIND_PATCH, version, self.version, torch.tensor(rows, dtype=torch.int64).view(-1, 4),
                                      segments, checksums_after, self.dsts, self.group, self.device, UPDATE,
@@ -144,7 +145,8 @@ class PatchSyncer(Link):
             if index is None:
                 self.snapshot[key].view(-1).copy_(current)
             else:
-                self.snapshot[key].view(-1)[index.to(self.snapshot[key].device)] = values.to(self.snapshot[key].device)
+                snapshot = self.snapshot[key].view(-1)
+                snapshot.index_copy_(0, index.to(snapshot.device), values.to(snapshot.device))
             self.checksums[key] = checksum
         self.version = version
         dense = sum(row[2] == DENSE for row in rows)
@@ -206,7 +208,7 @@ class PatchSyncer(Link):
                 index, flags = _decode(positions.to(target.device), encoding, target.numel())
                 bad += flags + [torch.tensor(index.numel() != values_sent)]
                 if index.numel() == values_sent and _incremental(index, target):
-                    checks[r] = update_checksum(self.checksums[key], index, target[index], values)
+                    checks[r] = update_checksum(self.checksums[key], index, target.index_select(0, index), values)
             if values.dtype == torch.bool:
                 bad.append((values.view(torch.uint8) > 1).any())
             writes.append((key, target, index, values))
@@ -223,7 +225,7 @@ class PatchSyncer(Link):
                 if index is None:
                     target.copy_(values)
                 else:
-                    target[index] = values
+                    target.index_copy_(0, index, values)  # positions never repeat; faster than index_put
         wrong = [key for r, (key, target, _, _) in enumerate(writes)
                  if r not in checks and int(tensor_checksum(target)) != sums[r]]
         if wrong:
@@ -313,7 +315,7 @@ def _encode(current: torch.Tensor, mask: torch.Tensor, count: int, index: Option
         ends = torch.cumsum(per, 0) - 1
         symbols = torch.full((int(ends[-1]) + 1,), _escape(encoding), dtype=torch.int64, device=index.device)
         symbols[ends] = gaps % _escape(encoding)
-    return encoding, [_narrow(symbols, GAP_DTYPES[encoding]), current[index]], index
+    return encoding, [_narrow(symbols, GAP_DTYPES[encoding]), current.index_select(0, index)], index
 
 
 def _decode(symbols: torch.Tensor, encoding: int, numel: int):
@@ -365,7 +367,8 @@ def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of _pack_bits, as bool (padding included)."""
     if packed.device.type == "cpu":
         return torch.from_numpy(np.unpackbits(packed.numpy(), bitorder="little").view(np.bool_))
-    return ((packed.view(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1).view(-1).view(torch.bool)
+    bits = (packed.view(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
+    return bits.view(-1).view(torch.bool)
 
 
 def _under(key: str, prefix: str) -> bool:
