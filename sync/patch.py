@@ -29,7 +29,7 @@ from .config import WeightSyncConfig
 from .link import Link, tensors_of
 from .wire import (BITMAP, DENSE, GAPS8, GAPS16, GAPS32, KIND_BUCKET, KIND_PATCH, RESYNC_HINT, SETUP, SYMBOL_DTYPES,
                    UPDATE, Frame, SyncIntegrityError, SyncStats, bucket_messages, check_kind, frame_messages,
-                   recv_frame, send_frame)
+                   recv_frame, require_zstd, send_frame, zstd_compress, zstd_decompress)
 
 GAP_DTYPES = {code: SYMBOL_DTYPES[code] for code in (GAPS8, GAPS16, GAPS32)}
 INCREMENTAL_BELOW = 1 / 16  # changed fraction under which updating a checksum beats recomputing it
@@ -39,7 +39,7 @@ class PatchSyncer(Link):
     def __init__(self, cfg: WeightSyncConfig, src: int, dsts, group=None):
         super().__init__(cfg, src, dsts, group, device=cfg.patch.transport_device)
         if cfg.patch.compression == "zstd":
-            _zstd()  # fail at construction, not at the first sync, when the package is missing
+            require_zstd()  # fail at construction, not at the first sync, when the package is missing
         if cfg.patch.snapshot_device == "cuda" and not torch.cuda.is_available():
             raise ValueError("weight sync: patch.snapshot_device=cuda but CUDA is not available; use cpu")
         self.snapshot: dict[str, torch.Tensor] = {}
@@ -138,7 +138,7 @@ class PatchSyncer(Link):
 
         wire, raw, sums = send_frame(KIND_PATCH, version, self.version, torch.tensor(rows, dtype=torch.int64).view(-1, 4),
                                      segments, checksums_after, self.dsts, self.group, self.device, UPDATE,
-                                     None if self.cfg.patch.compression == "none" else _compress)
+                                     None if self.cfg.patch.compression == "none" else zstd_compress)
         # Only now do all receivers hold the patch: a failed send above leaves the snapshot (and version)
         # as they were, so the next patch still carries these changes against the old base.
         for (key, current, _, index, values, _), checksum in zip(changes, sums):
@@ -178,7 +178,7 @@ class PatchSyncer(Link):
     def _recv(self, staging) -> Frame:
         dtypes = [self.dtypes[k] for k in self.keys]
         frame = recv_frame(self.src, self.group, self.device, self.numels, lambda kind: (UPDATE, dtypes, None), staging,
-                           None if self.cfg.patch.compression == "none" else _decompress)
+                           None if self.cfg.patch.compression == "none" else zstd_decompress)
         check_kind(frame, KIND_PATCH)
         return frame
 
@@ -373,31 +373,3 @@ def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
 
 def _under(key: str, prefix: str) -> bool:
     return key == prefix or key.startswith(prefix + ".")
-
-
-# ----- optional lossless compression of the payload (host side) ------------------------------------------------
-
-def _compress(payload: torch.Tensor) -> torch.Tensor:
-    return _as_tensor(_zstd().ZstdCompressor(level=3).compress(payload.cpu().numpy().tobytes()))
-
-
-def _decompress(data: torch.Tensor, raw_bytes: int) -> torch.Tensor:
-    try:
-        raw = _zstd().ZstdDecompressor().decompress(data.cpu().numpy().tobytes(), max_output_size=raw_bytes)
-    except Exception as error:  # zstandard raises its own ZstdError
-        raise SyncIntegrityError(f"weight sync: zstd could not decompress the patch payload: {error}") from error
-    if len(raw) != raw_bytes:
-        raise SyncIntegrityError(f"weight sync: zstd produced {len(raw)} bytes, the header announced {raw_bytes}")
-    return _as_tensor(raw)
-
-
-def _as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def _zstd():
-    try:
-        import zstandard
-    except ImportError as error:
-        raise ImportError("weight sync: patch.compression=zstd needs the zstandard package: pip install zstandard") from error
-    return zstandard

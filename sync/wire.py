@@ -15,7 +15,8 @@ After init everything is a frame (patch, bucket, bootstrap and resync alike):
 
 The sender computes the trailer while the payload is in flight. All sizes are in the header and table:
 a receiver refuses a malformed frame before allocating anything and can drain frames it does not want
-(queued updates before a resync). Nothing is pickled.
+(queued updates before a resync). Nothing is pickled. The optional zstd transform of a patch payload
+(`patch.compression=zstd`) is at the end of this file.
 """
 
 import json
@@ -271,3 +272,31 @@ def recv_json(src: int, group, device) -> tuple[object, int]:
     length = comm.recv(torch.empty(1, dtype=torch.int64, device=device), SETUP, src, group)
     data = comm.recv(torch.empty(int(length.item()), dtype=torch.uint8, device=device), SETUP, src, group)
     return json.loads(bytes(data.cpu().tolist()).decode()), data.numel()
+
+
+# ----- optional lossless compression of a patch payload (host side; patch.compression=zstd) ----------------
+
+def zstd_compress(payload: torch.Tensor) -> torch.Tensor:
+    return _as_tensor(require_zstd().ZstdCompressor(level=3).compress(payload.cpu().numpy().tobytes()))
+
+
+def zstd_decompress(data: torch.Tensor, raw_bytes: int) -> torch.Tensor:
+    try:
+        raw = require_zstd().ZstdDecompressor().decompress(data.cpu().numpy().tobytes(), max_output_size=raw_bytes)
+    except Exception as error:  # zstandard raises its own ZstdError
+        raise SyncIntegrityError(f"weight sync: zstd could not decompress the patch payload: {error}") from error
+    if len(raw) != raw_bytes:
+        raise SyncIntegrityError(f"weight sync: zstd produced {len(raw)} bytes, the header announced {raw_bytes}")
+    return _as_tensor(raw)
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def require_zstd():
+    try:
+        import zstandard
+    except ImportError as error:
+        raise ImportError("weight sync: patch.compression=zstd needs the zstandard package: pip install zstandard") from error
+    return zstandard

@@ -7,7 +7,7 @@ import torch
 
 from multirank import run_ranks
 from sync import BucketConfig, InitSyncConfig, PatchConfig, WeightSyncConfig, make_weight_syncer
-from sync.patch import _zstd
+from sync.wire import require_zstd
 
 
 @pytest.mark.parametrize("build, message", [
@@ -28,7 +28,7 @@ def test_bad_config_names_the_field(build, message):
 def test_missing_codec_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "zstandard", None)  # makes `import zstandard` fail
     with pytest.raises(ImportError, match="pip install zstandard"):
-        _zstd()
+        require_zstd()
 
 
 def _state():

@@ -10,8 +10,8 @@ from torch import nn
 
 from dist.checksum import ROW, P, checksum, tensor_checksum, update_checksum, weights
 from sync import SyncIntegrityError, trainable_keys
-from sync.patch import BITMAP, DENSE, GAP_DTYPES, _bits, _changes, _compress, _decode, _decompress, _encode
-from sync.wire import layout
+from sync.patch import BITMAP, DENSE, GAP_DTYPES, _bits, _changes, _decode, _encode
+from sync.wire import layout, zstd_compress, zstd_decompress
 
 
 def _numpy_sizes(positions: np.ndarray, n: int, v: int) -> dict:
@@ -149,10 +149,10 @@ def test_checksum_of_many_tensors_is_order_sensitive():
 
 def test_zstd_round_trip_and_damage():
     payload = torch.arange(10_000, dtype=torch.int32).view(torch.uint8)
-    packed = _compress(payload)
-    assert packed.numel() < payload.numel() and torch.equal(_decompress(packed, payload.numel()), payload)
+    packed = zstd_compress(payload)
+    assert packed.numel() < payload.numel() and torch.equal(zstd_decompress(packed, payload.numel()), payload)
     with pytest.raises(SyncIntegrityError, match="header announced|could not decompress"):
-        _decompress(packed, payload.numel() - 1)
+        zstd_decompress(packed, payload.numel() - 1)
 
 
 def test_trainable_keys_leave_out_frozen_parameters_only():
