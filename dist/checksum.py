@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 P = 2**31 - 1
-ROW = 1 << 14            # lanes per row
+ROW_BITS = 14
+ROW = 1 << ROW_BITS      # lanes per row
 BLOCK = 32               # rows converted per BLAS call: a 4 MiB float64 buffer, reused
 _SEEDS = (0x5EED0001, 0x5EED0002)
 _tables: dict = {}       # (what, device) -> tensor, built once (H grows on demand)
@@ -130,15 +131,15 @@ def update_checksum(checksum: torch.Tensor, index: torch.Tensor, old: torch.Tens
     if index.numel() == 0:
         return checksum
     per = max(1, old.element_size() // 2)                      # lanes per element, all in one row (ROW is even)
-    diff = lanes(new).view(-1, per).to(torch.int64) - lanes(old).view(-1, per).to(torch.int64)   # [m, per]
-    first = index.to(torch.int64) * per                         # each element's first lane
-    cols = (first.view(-1, 1) % ROW + torch.arange(per, device=index.device)).view(-1)
-    w = _lane_weights_by_column(index.device).index_select(0, cols).view(-1, per, 2)
-    per_element = (diff.unsqueeze(-1) * w).sum(1)               # [m, 2], below 2**42 in magnitude
-    rows = first // ROW
+    lane = index.to(torch.int64) * per                          # each changed lane's flat position
+    if per > 1:
+        lane = (lane.view(-1, 1) + torch.arange(per, device=index.device)).view(-1)
+    diff = lanes(new).to(torch.int64) - lanes(old).to(torch.int64)
+    terms = diff.view(-1, 1) * _lane_weights_by_column(index.device).index_select(0, lane & (ROW - 1))  # < 2**40
+    rows = lane >> ROW_BITS
     num_rows = int(rows.max()) + 1
-    # Summed per row first (exact in int64: under 2**55), so the slow modulo runs once per row, not per change.
-    per_row = torch.zeros(num_rows, 2, dtype=torch.int64, device=index.device).index_add_(0, rows, per_element)
+    # Summed per row first (exact in int64: under 2**54), so the slow modulo runs once per row, not per change.
+    per_row = torch.zeros(num_rows, 2, dtype=torch.int64, device=index.device).index_add_(0, rows, terms)
     delta = torch.remainder(torch.remainder(per_row, P) * _row_weights(num_rows, index.device)[:num_rows], P).sum(0)
     return _combine(torch.remainder(_split(checksum) + delta, P))
 
