@@ -345,13 +345,16 @@ def _narrow(symbols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # On the host, numpy's comparison, nonzero and bit packing are faster than torch's CPU kernels (the change
-# mask of 10M int32 pairs: 3.9 ms against 5.0 ms, 2.5x when they are in cache; nonzero over 10M flags at 20%
-# set: 5 ms against 25-30 ms); other devices use torch. Both give the same result. Flags stay bool throughout: numpy's nonzero
-# over uint8 is 7x slower than over bool (2M flags at 26%: 6 ms vs 0.85 ms).
+# mask of 10M int32 pairs: 3.9 ms against 5.0 ms, 2.5x when in cache; nonzero over 10M flags at 20% set:
+# 5 ms against 25-30 ms); other devices use torch. Both give the same result. Flags stay bool throughout:
+# numpy's nonzero over uint8 is 7x slower than over bool (2M flags at 26%: 6 ms vs 0.85 ms).
+# HOST_NUMPY = False runs the device code on the host too (the tests compare both paths on CPU).
+HOST_NUMPY = True
+
 
 def _differ(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`out` = whether the bits of each element of the 1-D tensors `a` and `b` differ."""
-    if out.device.type == "cpu":
+    if HOST_NUMPY and out.device.type == "cpu":
         np.not_equal(_bits(a).numpy(), _bits(b).numpy(), out=out.numpy())
         return out
     return torch.ne(_bits(a), _bits(b), out=out)
@@ -359,14 +362,14 @@ def _differ(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor
 
 def _positions(flags: torch.Tensor) -> torch.Tensor:
     """Flat positions of the True entries of a 1-D bool tensor, ascending, int64."""
-    if flags.device.type == "cpu":
+    if HOST_NUMPY and flags.device.type == "cpu":
         return torch.from_numpy(np.flatnonzero(flags.numpy()))
     return flags.nonzero().view(-1)
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Bit i of byte j is mask[8 j + i] (zero-padded to whole bytes)."""
-    if mask.device.type == "cpu":
+    if HOST_NUMPY and mask.device.type == "cpu":
         return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     bits = torch.cat([mask, mask.new_zeros((-mask.numel()) % 8)])
     return (bits.view(-1, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=mask.device)).sum(1, dtype=torch.uint8)
@@ -374,7 +377,7 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of _pack_bits, as bool (padding included)."""
-    if packed.device.type == "cpu":
+    if HOST_NUMPY and packed.device.type == "cpu":
         return torch.from_numpy(np.unpackbits(packed.numpy(), bitorder="little").view(np.bool_))
     bits = (packed.view(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
     return bits.view(-1).view(torch.bool)

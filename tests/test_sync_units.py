@@ -160,3 +160,29 @@ def test_trainable_keys_leave_out_frozen_parameters_only():
     net[0].weight.requires_grad_(False)
     assert trainable_keys(net) == ["0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
                                    "1.num_batches_tracked"]
+
+
+@pytest.mark.parametrize("density", [0.0005, 0.03, 0.3, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int64])
+def test_device_kernels_match_the_host_kernels(monkeypatch, density, dtype):
+    """The torch code that GPUs run (mask, positions, bit packing) gives the host's numpy results bit for bit."""
+    import sync.patch as patch
+    g = torch.Generator().manual_seed(3)
+    n = 100_003
+    old = (torch.rand(n, generator=g) < 0.5) if dtype == torch.bool else torch.randn(n, generator=g).to(dtype)
+    flip = torch.rand(n, generator=g) < density
+    new = torch.where(flip, ~old if dtype == torch.bool else (old + 1).to(dtype), old)
+    results = []
+    for host_numpy in (True, False):
+        monkeypatch.setattr(patch, "HOST_NUMPY", host_numpy)
+        mask = patch._differ(new, old, torch.empty(n, dtype=torch.bool))
+        count, index = _changes(mask)
+        encoding, parts, _ = _encode(new, mask, count, index)
+        decoded = _decode(parts[0], encoding, n)[0] if encoding != DENSE else None
+        results.append((mask, count, encoding, parts, decoded))
+    (mask, count, encoding, parts, decoded), other = results
+    assert torch.equal(mask, flip) and count == int(flip.sum())
+    assert torch.equal(other[0], mask) and other[1:3] == (count, encoding)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(parts, other[3]))
+    if decoded is not None:
+        assert torch.equal(decoded, flip.nonzero().view(-1)) and torch.equal(other[4], decoded)
