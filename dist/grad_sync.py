@@ -27,6 +27,9 @@ communicates, so the accumulation window is exactly one minibatch):
     norm = sync.clip_(max_norm)                  # global norm of the synchronized gradient
     optimizer.step()
 
+A new GradSync over parameters that another one serves takes them over: the old one's hooks are removed
+(its gradient views are replaced, so it could not synchronize anyway) and its buckets can be freed.
+
 Parameters that got no gradient in a step: `unused="error"` (default) raises naming them, because a
 silently missing gradient usually means a bug in the loss; `unused="zero"` treats it as a zero
 gradient (still averaged, so ranks stay identical).
@@ -34,6 +37,7 @@ gradient (still averaged, so ranks stay identical).
 
 import torch
 import torch.distributed as torch_dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dist import comm
 from dist.plan import PlanRow
@@ -70,6 +74,9 @@ def _bucket_params(params, bucket_bytes: float) -> list[list[torch.nn.Parameter]
     return buckets
 
 
+_SERVED_BY = WeakIdKeyDictionary()   # parameter -> the GradSync whose hooks it carries
+
+
 class GradSync:
     def __init__(self, params, mode: str = "flat", bucket_mb: float = 25.0, num_extras: int = 0,
                  unused: str = "error"):
@@ -85,6 +92,8 @@ class GradSync:
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise ValueError(f"gradient buckets need one parameter dtype, got {sorted(map(str, dtypes))}")
+        for previous in {id(o): o for p in self.params if (o := _SERVED_BY.get(p)) is not None}.values():
+            previous.remove_hooks()
         self.mode, self.unused, self.num_extras = mode, unused, num_extras
         groups = [self.params[::-1]] if mode == "flat" else _bucket_params(self.params, bucket_mb * 2**20)
         self.buckets = [_Bucket(g, num_extras if i == len(groups) - 1 else 0) for i, g in enumerate(groups)]
@@ -95,6 +104,14 @@ class GradSync:
         self._armed_received: set[int] = set()
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        for p in self.params:
+            _SERVED_BY[p] = self
+
+    def remove_hooks(self) -> None:
+        """Stop serving the parameters: their backward no longer calls this object (which then can be freed)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     # ---- per step ------------------------------------------------------------------------------
     def zero_grad(self) -> None:

@@ -156,3 +156,22 @@ def test_a_second_backward_after_arm_is_an_error(mode):
     loss_fn(net, x, y).backward()
     with pytest.raises(RuntimeError, match=r"a second backward after arm\(\)"):
         loss_fn(net, x, y).backward()
+
+
+def test_a_new_grad_sync_takes_the_parameters_over_and_the_old_one_is_freed():
+    import gc
+    import weakref
+    net = Net()
+    old = GradSync(net.parameters(), "flat", unused="zero")
+    gone = weakref.ref(old)
+    new = GradSync(net.parameters(), "bucketed", bucket_mb=0.001, unused="zero")
+    assert not old._hooks and len(new._hooks) == len(new.params)
+    del old
+    gc.collect()
+    assert gone() is None          # no hook keeps it (and its gradient buckets) alive
+    new.zero_grad()
+    new.arm()
+    loss_fn(net, *data(0)).backward()
+    new.synchronize()
+    expected = torch.autograd.grad(loss_fn(net, *data(0)), list(net.parameters()), allow_unused=True)
+    assert all(torch.equal(p.grad, torch.zeros_like(p) if g is None else g) for p, g in zip(net.parameters(), expected))
