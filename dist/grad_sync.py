@@ -112,6 +112,9 @@ class GradSync:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for p in self.params:
+            if _SERVED_BY.get(p) is self:
+                del _SERVED_BY[p]
 
     # ---- per step ------------------------------------------------------------------------------
     def zero_grad(self) -> None:

@@ -175,3 +175,8 @@ def test_a_new_grad_sync_takes_the_parameters_over_and_the_old_one_is_freed():
     new.synchronize()
     expected = torch.autograd.grad(loss_fn(net, *data(0)), list(net.parameters()), allow_unused=True)
     assert all(torch.equal(p.grad, torch.zeros_like(p) if g is None else g) for p, g in zip(net.parameters(), expected))
+    new.remove_hooks()               # explicitly, with no successor: freed as well
+    gone = weakref.ref(new)
+    del new
+    gc.collect()
+    assert gone() is None
