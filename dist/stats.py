@@ -42,9 +42,9 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, bat
     with the running ones by Chan's parallel formula, which includes the between-group term
     delta^2 * n_a * n_b / n. Every rank computes the same result, so no broadcast follows.
     """
-    shifted = batch.detach().double() - mean
-    local = torch.cat([torch.tensor([float(shifted.shape[0])], dtype=torch.float64, device=batch.device),
-                       shifted.sum(0), shifted.square().sum(0)])
+    shifted = batch.detach().to(torch.float64, copy=True).sub_(mean)   # one temporary, reused for the squares
+    count_and_sum = [torch.tensor([float(shifted.shape[0])], dtype=torch.float64, device=batch.device), shifted.sum(0)]
+    local = torch.cat([*count_and_sum, shifted.square_().sum(0)])
     summed = comm.all_reduce(local, purpose)
     dim = mean.numel()
     n_b, s1, s2 = summed[0], summed[1:1 + dim], summed[1 + dim:]
