@@ -30,7 +30,7 @@ from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows
 from dist.plan import format_plan
 from dist.roles import assign_roles
-from dist.setup import init_distributed, resolve_device, seed_everything, shutdown
+from dist.setup import init_distributed, keep_freed_host_memory, resolve_device, seed_everything, shutdown
 from dist.stats import metrics_plan_rows, reduce_metrics, sum_counts, sum_counts_plan_rows
 from dist.stop import STOP_KEYS, StopRequests
 from dist.verify import verify_plan_rows, verify_replicas
@@ -69,6 +69,8 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     # ---- distributed set-up and roles; rollout ranks (--rollout.ranks) go their own way ------------
     info = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
     device, is_main = info.device, rank == 0
+    if device.type == "cpu":
+        keep_freed_host_memory()      # the update's activations stop page-faulting (glibc; see dist/setup.py)
     roles = assign_roles(rank, world, cfg.rollout.ranks)
     start_iteration = checkpoint["iteration"] if checkpoint else 0
     if not roles.is_learner:

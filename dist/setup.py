@@ -1,5 +1,7 @@
-"""Process-group set-up from torchrun's environment; a plain `python train.py` is world size 1."""
+"""Process set-up: the process group from torchrun's environment (a plain `python train.py` is world size
+1), the device, seeds and, on CPU, the host allocator."""
 
+import ctypes
 import gc
 import os
 import random
@@ -72,6 +74,29 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
         backend = "none"
     comm.set_device(dev if backend == "nccl" else torch.device("cpu"))
     return DistInfo(rank, local_rank, world_size, backend, dev)
+
+
+HEAP_UP_TO = 32 << 20       # glibc's largest mmap threshold: smaller allocations come from the heap
+KEEP_FREED = 1 << 30        # freed heap kept by the process instead of returned to the OS
+
+
+def keep_freed_host_memory() -> bool:
+    """On glibc, keep freed host memory in the process rather than returning it to the OS; returns whether
+    glibc took the settings (False elsewhere: nothing changes there). No communication.
+
+    A CPU update frees and allocates its activations (1-50 MB) again at every minibatch. By default
+    glibc maps most of them fresh from the OS or trims them back, so each new one page-faults on first
+    touch: 11-28 thousand faults per update at 512 envs x (128, 128), 1.8 million at 4096 envs x
+    (512, 256, 128). With allocations up to HEAP_UP_TO served from the heap and up to KEEP_FREED of
+    freed heap kept, the update measured 0.36-0.40 -> 0.34-0.35 s and 18.1 -> 15.2 s there. What is
+    computed does not change; the cost is a resident set that stays at its peak.
+    """
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3    # glibc's malloc.h
+    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_UP_TO)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_FREED))
 
 
 def seed_everything(seed: int) -> None:
