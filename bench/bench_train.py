@@ -22,6 +22,8 @@ What still differs between the two learners, and is printed rather than hidden:
   already computed; syncppo adds gamma * V(final observation before the reset), which needs a critic
   forward on the envs that timed out.
 Both learners draw from the one global torch RNG in turn, so neither reproduces its standalone run.
+The host-memory setting `train.main` applies on CPU (glibc, process-wide, dist/setup.py) holds for both
+from syncppo's start-up on, before either learner's first iteration.
 syncppo at 2 ranks (torchrun, small setting, full run only) is timed separately for the scaling row.
 """
 
