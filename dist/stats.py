@@ -43,8 +43,9 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, bat
     delta^2 * n_a * n_b / n. Every rank computes the same result, so no broadcast follows.
     """
     shifted = batch.detach().to(torch.float64, copy=True).sub_(mean)   # one temporary, reused for the squares
-    count_and_sum = [torch.tensor([float(shifted.shape[0])], dtype=torch.float64, device=batch.device), shifted.sum(0)]
-    local = torch.cat([*count_and_sum, shifted.square_().sum(0)])
+    batch_count = torch.tensor([float(shifted.shape[0])], dtype=torch.float64, device=batch.device)
+    batch_sum = shifted.sum(0)                                           # before the in-place square below
+    local = torch.cat([batch_count, batch_sum, shifted.square_().sum(0)])
     summed = comm.all_reduce(local, purpose)
     dim = mean.numel()
     n_b, s1, s2 = summed[0], summed[1:1 + dim], summed[1 + dim:]

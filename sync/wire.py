@@ -94,7 +94,7 @@ def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments
     """
     order, _, raw = layout([(s.dtype, s.numel()) for s in segments])
     payload = [segments[i].reshape(-1) for i in order if segments[i].numel()]
-    if compress is not None and payload or _packed([p.numel() * p.element_size() for p in payload]):
+    if (compress is not None and payload) or _packed([p.numel() * p.element_size() for p in payload]):
         payload = [torch.cat([p.view(torch.uint8) for p in payload])]
         payload = [compress(payload[0])] if compress is not None else payload
     payload = [p.to(device) for p in payload]
