@@ -15,6 +15,7 @@ import dataclasses
 import os
 import sys
 import time
+import traceback
 
 import torch
 import tyro
@@ -298,6 +299,14 @@ def cli(cfg: Config) -> int:
     except KeyboardInterrupt as exc:
         print("error: interrupted by a second Ctrl-C: nothing saved since the last checkpoint", file=sys.stderr)
         code, failure = 130, exc
+    # The failure's frames hold gloo work objects; freed only at interpreter exit, after the process
+    # group's threads, they can abort the process ("terminate called without an active exception"):
+    # release them and tear the group down now.
+    error = failure
+    while error is not None:
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    shutdown()
     # Recorded as an uncaught exception would be, so exit handlers (Isaac Lab closes Kit with the
     # process's status) see a failure rather than a clean exit.
     sys.last_exc = sys.last_value = failure
