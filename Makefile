@@ -16,7 +16,7 @@ ISAACLAB_VENV    ?= .venv-isaaclab
 ISAACSIM         ?= 0
 ISAACSIM_VERSION ?= 6.2.0.0
 
-.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco setup-mujoco setup-isaaclab export tensorboard clean
+.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco gpu-wheels setup-mujoco setup-isaaclab export tensorboard clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -64,6 +64,15 @@ bench-rollout: $(VENV)/.dev  ## rollout ranks: colocated vs 1 + 1 sync/async, we
 
 bench-mujoco: setup-mujoco  ## mujoco preset vs CleanRL: 3 tasks x 3 seeds x {1,2} ranks, 1M steps (hours); ARGS="--tasks Hopper-v4 --jobs 2"
 	$(BIN)/python bench/bench_mujoco.py $(ARGS)
+
+# What bench/gpu_check.sh needs beyond the GPU machine's own packages (it has torch, numpy, tensorboard,
+# onnx): tyro and rsl-rl-lib with their pure-Python needs, as Python 3.12 wheels to carry there.
+GPU_WHEELS := tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 rsl-rl-lib==5.5.1 tensordict==0.15.3 \
+	pyvers==0.2.3 GitPython==3.2.1 gitdb==4.0.12 smmap==5.0.3
+gpu-wheels: $(BIN)/python  ## download the wheels bench/gpu_check.sh installs on a bare GPU machine into .whl/
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
 
 setup-mujoco: $(VENV)/.runtime  ## gymnasium + MuJoCo into .venv for the gymnasium adapter (make test installs them too)
 	$(BIN)/pip install -q "gymnasium[mujoco]>=1.4,<1.5" "mujoco>=4.0,<4.1"

@@ -9,6 +9,12 @@ real PPO iteration of the `tracking` preset produces, from consecutive checkpoin
     python bench/bench_sync.py --quick      # ~1M parameters, three densities: seconds
     python bench/bench_sync.py --ppo        # also train 3 iterations of `tracking` and sync its checkpoints
     python bench/bench_sync.py --checkpoints a/model_1.pt a/model_2.pt a/model_3.pt   # PPO part from these
+    python bench/bench_sync.py --device cuda   # weights and patch snapshot on the GPU (both ranks share it)
+
+With `--device cuda` the time table's weights live on the GPU: the sender's change detection and checksums
+run there against a CUDA snapshot (`patch.snapshot_device=cuda`), frames still travel over gloo through
+the host, and naive copies each tensor to the host, sends it, and copies it back into the receiver's GPU
+weights. (NCCL cannot run two ranks on one GPU.) The bytes table does not depend on the device.
 
 Times are wall clock from a barrier before the sender's sync() / receiver's apply() to a barrier after
 both returned. Each ratio is the median over pairs (naive, then the mode right after it) in one run.
@@ -32,18 +38,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sync import BucketConfig, WeightSyncConfig, make_weight_syncer  # noqa: E402
+from sync import BucketConfig, PatchConfig, WeightSyncConfig, make_weight_syncer  # noqa: E402
 from sync.patch import _bits as as_bits  # noqa: E402
 
 BUCKET_SIZE = 128 * 2**20
 
 
-def mlp_state(width: int, layers: int, seed: int = 0) -> dict:
+def mlp_state(width: int, layers: int, seed: int = 0, device: str = "cpu") -> dict:
     g = torch.Generator().manual_seed(seed)
     state = {}
     for i in range(layers):
-        state[f"layers.{i}.weight"] = torch.randn(width, width, generator=g) / width**0.5
-        state[f"layers.{i}.bias"] = torch.zeros(width)
+        state[f"layers.{i}.weight"] = (torch.randn(width, width, generator=g) / width**0.5).to(device)
+        state[f"layers.{i}.bias"] = torch.zeros(width, device=device)
     return state
 
 
@@ -55,10 +61,10 @@ def perturb(state: dict, density: float, g: torch.Generator) -> None:
     for value in state.values():
         flat = value.view(-1)
         if density >= 1.0:
-            flat.add_(torch.randn(flat.numel(), generator=g).mul_(1e-3))
+            flat.add_(torch.randn(flat.numel(), generator=g).mul_(1e-3).to(flat.device))
         else:
             index = torch.randint(flat.numel(), (max(1, int(density * flat.numel())),), generator=g)
-            flat[index] += torch.randn(index.numel(), generator=g).mul_(1e-3)
+            flat[index.to(flat.device)] += torch.randn(index.numel(), generator=g).mul_(1e-3).to(flat.device)
 
 
 def information_limit(before: dict, after: dict) -> float:
@@ -71,35 +77,51 @@ def information_limit(before: dict, after: dict) -> float:
 
 
 def timed(fn, prepare=lambda: None) -> float:
-    """Wall time of fn, measured between barriers so it covers both ranks."""
+    """Wall time of fn, measured between barriers (after the GPU finished, if any) so it covers both ranks."""
     prepare()
+    synchronize()
     dist.barrier()
     start = time.perf_counter()
     fn()
+    synchronize()
     dist.barrier()
     return time.perf_counter() - start
 
 
+def synchronize() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def naive_send(state: dict, rank: int) -> None:
-    """The baseline: one blocking dist.send per tensor, received straight into the model."""
+    """The baseline: one blocking dist.send per tensor, received straight into the model (on a GPU: through
+    a host copy each way, as gloo sends from host memory)."""
     for value in state.values():
-        dist.send(value, dst=1) if rank == 0 else dist.recv(value, src=0)
+        if value.device.type == "cpu":
+            dist.send(value, dst=1) if rank == 0 else dist.recv(value, src=0)
+        elif rank == 0:
+            dist.send(value.cpu(), dst=1)
+        else:
+            staged = torch.empty(value.shape, dtype=value.dtype)
+            dist.recv(staged, src=0)
+            value.copy_(staged)
 
 
 def versions():
     return iter(range(1, 10**9))
 
 
-def bench_time(rank: int, name: str, densities: list, repeats: int) -> list:
+def bench_time(rank: int, name: str, densities: list, repeats: int, device: str = "cpu") -> list:
     """Time of bucket and of patch at each density against naive, fp32 on both sides. Each measurement is a
     pair (naive, then the mode right after it): the ratio is the median over `repeats` pairs, so load from
     other processes, which drifts slowly, cancels."""
-    state = mlp_state(*SIZES[name], seed=rank)
+    state = mlp_state(*SIZES[name], seed=rank, device=device)
     numel = sum(v.numel() for v in state.values())
     g, version = torch.Generator().manual_seed(1), versions()
     syncers = {}
     for mode in ("bucket", "patch"):
-        syncers[mode] = make_weight_syncer(WeightSyncConfig(type=mode, bucket=BucketConfig(bucket_size=BUCKET_SIZE)), 0, [1])
+        cfg = WeightSyncConfig(type=mode, bucket=BucketConfig(bucket_size=BUCKET_SIZE), patch=PatchConfig(snapshot_device=device))
+        syncers[mode] = make_weight_syncer(cfg, 0, [1])
         syncers[mode].init_sender(state) if rank == 0 else syncers[mode].init_receiver(state)
     rows = []
     for mode, density in [("bucket", 1.0)] + [("patch", d) for d in densities]:
@@ -174,7 +196,7 @@ def worker(rank: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    tables = {"time": bench_time(rank, args.size, args.densities, args.repeats),
+    tables = {"time": bench_time(rank, args.size, args.densities, args.repeats, args.device),
               "bytes": bench_bytes(rank, args.size, [d for d in args.densities if d < 1.0])}
     if args.checkpoints:
         tables["ppo"] = bench_checkpoints(rank, args.checkpoints)
@@ -224,7 +246,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="(naive, mode) pairs per row")
     parser.add_argument("--ppo", action="store_true", help="also sync 3 consecutive checkpoints of the tracking preset")
     parser.add_argument("--checkpoints", nargs="*", default=None, help="consecutive train.py checkpoints to sync")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the time table's weights live")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch")
     if args.quick:
         args.size, args.densities, args.repeats = "1M", [0.001, 0.3, 1.0], 3
     if args.ppo and not args.checkpoints:
@@ -247,7 +272,8 @@ def main() -> None:
     tables = queue.get()
     for p in procs:
         p.join()
-    print(f"weight sync, 2 gloo ranks on CPU, torch {torch.__version__}, 1 thread per rank, "
+    where = "CPU" if args.device == "cpu" else f"{torch.cuda.get_device_name()} (weights and patch snapshot)"
+    print(f"weight sync, 2 gloo ranks, time table on {where}, torch {torch.__version__}, 1 thread per rank, "
           f"bucket_size {BUCKET_SIZE // 2**20} MiB")
     print_tables(tables, args)
 

@@ -2,6 +2,7 @@
 
     python bench/bench_train.py            # small (512 envs, (128, 128)) and large (4096 envs, (512, 256, 128))
     python bench/bench_train.py --quick    # fewer iterations (a few minutes)
+    python bench/bench_train.py --device cuda --settings large --capture-step   # on a GPU (bench/gpu_check.sh)
 
 Both learners run in this one process on the same `tracking` env settings, T, N, epochs, minibatches,
 networks, LR schedule and losses (RSL-RL: rsl-rl-lib, installed by `make bench`). They take turns one
@@ -25,6 +26,11 @@ Both learners draw from the one global torch RNG in turn, so neither reproduces 
 The host-memory setting `train.main` applies on CPU (glibc, process-wide, dist/setup.py) holds for both
 from syncppo's start-up on, before either learner's first iteration.
 syncppo at 2 ranks (torchrun, small setting, full run only) is timed separately for the scaling row.
+
+On CUDA (`--device cuda`) both learners and the env run on the GPU, where small networks are bound by
+kernel launches and host syncs rather than FLOPs: the matmul limit is then timed with the GPU
+synchronized around each shape's repeats, and `--capture-step` runs syncppo's sync-free, CUDA-graph
+minibatch step (`--ppo.capture-step`).
 """
 
 import argparse
@@ -41,7 +47,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
-from configs import preset  # noqa: E402
+from configs import preset, validate  # noqa: E402
+from dist.errors import UsageError  # noqa: E402
 from envs import make_env  # noqa: E402
 
 SETTINGS = {"small": (512, (128, 128)), "large": (4096, (512, 256, 128))}
@@ -82,19 +89,26 @@ def gemm_shapes(in_dims: dict[str, int], hidden: tuple[int, ...], num_actions: i
     return shapes
 
 
-def matmul_limit_seconds(shapes: list, repeats: int = 3) -> float:
-    """Seconds for one pass of torch.mm over `shapes` (best of `repeats` per shape), on this thread."""
+def matmul_limit_seconds(shapes: list, device: torch.device, repeats: int = 3) -> float:
+    """Seconds for one pass of torch.mm over `shapes` (best of `repeats` per shape), on this thread or GPU."""
     total = 0.0
     for m, k, n in shapes:
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
         torch.mm(a, b)
         best = float("inf")
         for _ in range(repeats):
+            _synchronize(device)
             t = time.perf_counter()
             torch.mm(a, b)
+            _synchronize(device)
             best = min(best, time.perf_counter() - t)
         total += best
     return total
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class RslRlEnv:
@@ -105,7 +119,7 @@ class RslRlEnv:
         self.env, self.TensorDict = env, TensorDict
         self.num_envs, self.num_actions, self.device = env.num_envs, env.num_actions, env.device
         self.max_episode_length, self.cfg = env.max_episode_length, {}
-        self.episode_length_buf = torch.zeros(env.num_envs, dtype=torch.long)
+        self.episode_length_buf = torch.zeros(env.num_envs, dtype=torch.long, device=env.device)
         self.obs, _ = env.reset()
 
     def get_observations(self):
@@ -117,9 +131,9 @@ class RslRlEnv:
         return self.get_observations(), reward, terminated | truncated, {"time_outs": truncated, "log": log}
 
 
-def rsl_rl_runner(cfg, log_dir: str):
+def rsl_rl_runner(cfg, log_dir: str, device: torch.device):
     from rsl_rl.runners import OnPolicyRunner
-    env = RslRlEnv(make_env(cfg.env, torch.device("cpu"), seed=cfg.seed, base_seed=cfg.seed))
+    env = RslRlEnv(make_env(cfg.env, device, seed=cfg.seed, base_seed=cfg.seed))
     p, policy = cfg.ppo, cfg.policy
     train_cfg = {
         "num_steps_per_env": p.num_steps, "save_interval": 10**6, "obs_groups": {"actor": ["policy"], "critic": ["critic"]},
@@ -134,10 +148,10 @@ def rsl_rl_runner(cfg, log_dir: str):
                    "obs_normalization": policy.normalize_critic_obs},
     }
     with contextlib.redirect_stdout(open(os.devnull, "w")):
-        return OnPolicyRunner(env, train_cfg, log_dir=log_dir, device="cpu")
+        return OnPolicyRunner(env, train_cfg, log_dir=log_dir, device=str(device))
 
 
-def run_interleaved(cfg, tmp: str, limit_shapes: list) -> dict[str, list]:
+def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> dict[str, list]:
     """Per iteration: syncppo (collect, update) s, RSL-RL (collect, update) s and the matmul limit s."""
     rows = {"syncppo": [], "rsl-rl": [], "limit": []}
     baton = Baton(["syncppo", "rsl-rl"])
@@ -150,13 +164,13 @@ def run_interleaved(cfg, tmp: str, limit_shapes: list) -> dict[str, list]:
             baton.pass_on("syncppo")
 
     torch.manual_seed(cfg.seed)
-    runner = rsl_rl_runner(cfg, os.path.join(tmp, "rsl"))
+    runner = rsl_rl_runner(cfg, os.path.join(tmp, "rsl"), device)
     rsl_log = runner.logger.log
 
     def timed_rsl_log(**kw):
         rsl_log(**kw)
         rows["rsl-rl"].append((kw["collect_time"], kw["learn_time"]))
-        rows["limit"].append(cfg.ppo.num_epochs * cfg.ppo.num_mini_batches * matmul_limit_seconds(limit_shapes))
+        rows["limit"].append(cfg.ppo.num_epochs * cfg.ppo.num_mini_batches * matmul_limit_seconds(limit_shapes, device))
         baton.pass_on("rsl-rl")
     runner.logger.log = timed_rsl_log
 
@@ -209,16 +223,19 @@ def median(xs):
     return xs[len(xs) // 2]
 
 
-def report(name: str, cfg, rows: dict, warmup: int, limit_shapes: list) -> None:
+def report(name: str, cfg, rows: dict, warmup: int, limit_shapes: list, device: torch.device) -> None:
     n = min(len(rows["syncppo"]), len(rows["rsl-rl"]), len(rows["limit"]))
     sp, rl = rows["syncppo"][warmup:n], rows["rsl-rl"][warmup:n]
     per_it = cfg.env.num_envs * cfg.ppo.num_steps
     flops = cfg.ppo.num_epochs * cfg.ppo.num_mini_batches * sum(2 * m * k * n for m, k, n in limit_shapes)
     limit = min(rows["limit"])    # the machine's limit: its least-loaded measurement (so % below is a lower bound)
-    print(f"\n{name}: tracking, {cfg.env.num_envs} envs x {cfg.ppo.num_steps} steps, {cfg.ppo.num_epochs} epochs x "
-          f"{cfg.ppo.num_mini_batches} minibatches, MLP {cfg.policy.actor_hidden} (actor and critic), "
-          f"{len(sp)} interleaved rounds after {warmup} warm-up, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "
-          f"update GEMMs {flops / 1e9:.1f} GFLOP, matmul limit {flops / limit / 1e9:.0f} GFLOP/s (torch.mm, same shapes)")
+    where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    step = ", syncppo with --ppo.capture-step" if cfg.ppo.capture_step else ""
+    print(f"\n{name}: tracking on {where}{step}, {cfg.env.num_envs} envs x {cfg.ppo.num_steps} steps, "
+          f"{cfg.ppo.num_epochs} epochs x {cfg.ppo.num_mini_batches} minibatches, MLP {cfg.policy.actor_hidden} "
+          f"(actor and critic), {len(sp)} interleaved rounds after {warmup} warm-up, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; update GEMMs {flops / 1e9:.1f} GFLOP, "
+          f"matmul limit {flops / limit / 1e9:.0f} GFLOP/s (torch.mm, same shapes)")
     print("| learner | env-steps/s | collection s/it | update s/it | update GFLOP/s | % of matmul limit | "
           "steps/s vs RSL-RL | update vs RSL-RL |")
     print("|---|---|---|---|---|---|---|---|")
@@ -235,22 +252,33 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer iterations, no 2-rank row (a few minutes)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both learners and the env run")
+    parser.add_argument("--num-envs", type=int, default=None, help="envs per learner instead of the setting's")
+    parser.add_argument("--capture-step", action="store_true", help="syncppo with --ppo.capture-step (CUDA graphs)")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch")
+    device = torch.device(args.device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     iterations = {"small": (8, 2), "large": (3, 1)} if args.quick else {"small": (20, 3), "large": (6, 2)}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.settings:
             num_envs, hidden = SETTINGS[name]
             cfg = preset("tracking")
-            cfg.env.num_envs, cfg.max_iterations = num_envs, iterations[name][0]
+            cfg.env.num_envs, cfg.max_iterations = args.num_envs or num_envs, iterations[name][0]
             cfg.policy.actor_hidden = cfg.policy.critic_hidden = hidden
+            cfg.dist.device, cfg.ppo.capture_step = args.device, args.capture_step
+            try:
+                validate(cfg)
+            except UsageError as exc:   # before either learner starts
+                parser.error(str(exc).replace("--env.num-envs", "--num-envs"))
             env = make_env(cfg.env, torch.device("cpu"), seed=cfg.seed, base_seed=cfg.seed)
-            batch = num_envs * cfg.ppo.num_steps // cfg.ppo.num_mini_batches
+            batch = cfg.env.num_envs * cfg.ppo.num_steps // cfg.ppo.num_mini_batches
             shapes = gemm_shapes(env.obs_dims, hidden, env.num_actions, batch)
-            rows = run_interleaved(cfg, os.path.join(tmp, name), shapes)
-            report(name, cfg, rows, iterations[name][1], shapes)
-            if name == "small" and not args.quick:
-                fps = two_rank_rate("tracking", num_envs, iterations[name][0], iterations[name][1], tmp)
+            rows = run_interleaved(cfg, os.path.join(tmp, name), shapes, device)
+            report(name, cfg, rows, iterations[name][1], shapes, device)
+            if name == "small" and not args.quick and device.type == "cpu":
+                fps = two_rank_rate("tracking", cfg.env.num_envs, iterations[name][0], iterations[name][1], tmp)
                 print(f"| syncppo, 2 ranks (torchrun, run after the table) | {fps:,.0f} | | | | | | |")
 
 

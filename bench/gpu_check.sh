@@ -1,17 +1,51 @@
 #!/usr/bin/env bash
-# GPU checks on one CUDA machine, in one go: the CUDA training path, the fast tests with CUDA visible
-# (CUDA env tensors, pinned-memory snapshots), throughput at Isaac Lab-like env counts, and the
-# gradient-sync bench on NCCL. Usage: bash bench/gpu_check.sh OUT_DIR   (each step time-boxed)
+# GPU checks on one CUDA machine, in one go, each step time-boxed so that one hang costs only its box.
+#
+#   bash bench/gpu_check.sh OUT_DIR [PART ...]      # default: learner (about 7 minutes on one H200)
+#
+# Parts:
+#   learner  the open GPU targets of the learner (docs/benchmarks.md): the CUDA-graph minibatch step's
+#            exactness tests on CUDA, then syncppo vs RSL-RL interleaved on the GPU at 4096 envs with
+#            (512, 256, 128) networks (host path, then --ppo.capture-step), and env-steps/s at 16,384 envs
+#   train    the CUDA training path end to end (4096 envs; 16,384 envs bucketed; torchrun NCCL at 1 rank)
+#   tests    the fast tests with CUDA visible (CUDA env tensors, pinned-memory snapshots)
+#   grad     the gradient-sync bench on NCCL (one process per visible GPU)
+#
+# A bare GPU machine lacks tyro and rsl-rl-lib: run `make gpu-wheels` here first and carry .whl there;
+# this script installs .whl/*.whl into /tmp/site when the folder is present.
 set -u
 out=${1:-gpu_out}
+shift || true
+parts=${*:-learner}
 mkdir -p "$out"
-export OMP_NUM_THREADS=4
+export OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
+if [ -d .whl ]; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 { nvidia-smi -L; $py -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"; } > "$out/gpu.txt" 2>&1
 step() { name=$1; limit=$2; shift 2; s=$(date +%s); timeout "$limit" "$@" > "$out/$name.txt" 2>&1;
          echo "$name rc=$? ${SECONDS}s total, $(( $(date +%s) - s ))s" | tee -a "$out/summary.txt"; }
-step train_cuda_4096 90 $py train.py tracking --env.num-envs 4096 --max-iterations 40 --log.root /tmp/gpu_runs --log.print-every 5
-step train_cuda_16384_bucketed 60 $py train.py tracking --env.num-envs 16384 --max-iterations 10 --dist.grad-sync bucketed --log.root /tmp/gpu_runs --log.print-every 2
-step torchrun_nccl_1gpu 45 torchrun --standalone --nproc-per-node 1 train.py cartpole --max-iterations 20 --log.root /tmp/gpu_runs --log.print-every 5
-step pytest_fast 150 $py -m pytest -q -m "not slow" tests -p no:cacheprovider --ignore=tests/test_env_gymnasium.py
-step bench_grad_cuda 240 $py bench/bench_grad_sync.py --device cuda --iters 10
+big="--policy.actor-hidden 512 256 128 --policy.critic-hidden 512 256 128"
+runs="--log.root /tmp/gpu_runs --log.save-every 1000000"
+for part in $parts; do
+    case $part in
+    learner)
+        SYNCPPO_TEST_DEVICE=cuda step capture_tests 90 $py -m pytest -q -p no:cacheprovider tests/test_minibatch_step.py
+        step bench_train_host 100 $py bench/bench_train.py --device cuda --settings large
+        step bench_train_capture 100 $py bench/bench_train.py --device cuda --settings large --capture-step
+        step train_16384_capture 60 $py train.py tracking --env.num-envs 16384 $big --ppo.capture-step --max-iterations 12 --log.print-every 1 $runs
+        step train_16384_host 60 $py train.py tracking --env.num-envs 16384 $big --max-iterations 12 --log.print-every 1 $runs ;;
+    train)
+        step train_cuda_4096 90 $py train.py tracking --env.num-envs 4096 --max-iterations 40 --log.print-every 5 $runs
+        step train_cuda_16384_bucketed 60 $py train.py tracking --env.num-envs 16384 --max-iterations 10 --dist.grad-sync bucketed --log.print-every 2 $runs
+        step torchrun_nccl_1gpu 45 torchrun --standalone --nproc-per-node 1 train.py cartpole --max-iterations 20 --log.print-every 5 $runs ;;
+    tests)
+        step pytest_fast 150 $py -m pytest -q -m "not slow" tests -p no:cacheprovider --ignore=tests/test_env_gymnasium.py ;;
+    grad)
+        step bench_grad_cuda 240 $py bench/bench_grad_sync.py --device cuda --iters 10 ;;
+    *)
+        echo "unknown part $part (learner, train, tests, grad)" | tee -a "$out/summary.txt" ;;
+    esac
+done

@@ -122,11 +122,14 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
     return _combine(torch.remainder(folded.sum(0), P))
 
 
-def update_checksum(checksum: torch.Tensor, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """The checksum of a tensor after its elements at flat positions `index` changed from `old` to `new`.
+def update_checksum(checksum: torch.Tensor, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
+                    numel: int) -> torch.Tensor:
+    """The checksum of a tensor of `numel` elements after those at flat positions `index` changed from `old`
+    to `new`.
 
-    Costs O(len(index)), not O(numel): the sender and the receiver of a sparse patch never rescan a tensor.
-    `index` must not repeat a position (each change is counted once).
+    Costs O(len(index) + numel / 2**14), not O(numel): the sender and the receiver of a sparse patch never
+    rescan a tensor. `index` must not repeat a position (each change is counted once). No host sync: the
+    per-row sums are sized from `numel`, not from the positions.
     """
     if index.numel() == 0:
         return checksum
@@ -137,7 +140,7 @@ def update_checksum(checksum: torch.Tensor, index: torch.Tensor, old: torch.Tens
     diff = lanes(new).to(torch.int64) - lanes(old).to(torch.int64)
     terms = diff.view(-1, 1) * _lane_weights_by_column(index.device).index_select(0, lane & (ROW - 1))  # < 2**40
     rows = lane >> ROW_BITS
-    num_rows = int(rows.max()) + 1
+    num_rows = (numel * per + ROW - 1) >> ROW_BITS
     # Summed per row first (exact in int64: under 2**54), so the slow modulo runs once per row, not per change.
     per_row = torch.zeros(num_rows, 2, dtype=torch.int64, device=index.device).index_add_(0, rows, terms)
     delta = torch.remainder(torch.remainder(per_row, P) * _row_weights(num_rows, index.device)[:num_rows], P).sum(0)

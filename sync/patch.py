@@ -132,7 +132,8 @@ class PatchSyncer(Link):
                 changes.append((key, current, old, index, parts[-1], count))
 
         def checksums_after():  # runs while the payload is in flight
-            return [update_checksum(self.checksums[key], index, old.index_select(0, index), values)
+            return [update_checksum(self.checksums[key], index, old.index_select(0, index), values,
+                                    current.numel())
                     if _incremental(index, current) else tensor_checksum(current)
                     for key, current, old, index, values, _ in changes]
 
@@ -208,7 +209,8 @@ class PatchSyncer(Link):
                 index, flags = _decode(positions.to(target.device), encoding, target.numel())
                 bad += flags + [torch.tensor(index.numel() != values_sent)]
                 if index.numel() == values_sent and _incremental(index, target):
-                    checks[r] = update_checksum(self.checksums[key], index, target.index_select(0, index), values)
+                    checks[r] = update_checksum(self.checksums[key], index, target.index_select(0, index), values,
+                                                target.numel())
             if values.dtype == torch.bool:
                 bad.append((values.view(torch.uint8) > 1).any())
             writes.append((key, target, index, values))
@@ -319,7 +321,11 @@ def _encode(current: torch.Tensor, mask: torch.Tensor, count: int, index: Option
 
 
 def _decode(symbols: torch.Tensor, encoding: int, numel: int):
-    """(flat positions, [flags that are True when the positions are invalid]) from a gap or bitmap segment."""
+    """(flat positions, [flags that are True when the positions are invalid]) from a gap or bitmap segment.
+
+    Positions past the end (a corrupted gap) are flagged and clamped to the last element, so that nothing
+    reads outside the tensor before the caller checks the flags (on a GPU such a read is a device-side
+    assert that ends the process)."""
     if encoding == BITMAP:
         bits = _unpack_bits(symbols)
         return _positions(bits[:numel]), [bits[numel:].any()]
@@ -328,10 +334,12 @@ def _decode(symbols: torch.Tensor, encoding: int, numel: int):
     is_change = s != top
     if bool(is_change.all()):  # no escapes: every symbol is a gap
         index = torch.cumsum(s + 1, 0) - 1
-        return index, [(index[-1:] >= numel).any()]
+        flags = [(index[-1:] >= numel).any()]
+        return index.clamp_(max=numel - 1), flags
     positions = torch.cumsum(torch.where(is_change, s + 1, s), 0) - 1
     index = positions[is_change]
-    return index, [(positions[-1:] >= numel).any() if index.numel() else torch.tensor(False), ~is_change[-1:].all()]
+    flags = [(positions[-1:] >= numel).any() if index.numel() else torch.tensor(False), ~is_change[-1:].all()]
+    return index.clamp_(max=numel - 1), flags
 
 
 def _escape(code: int) -> int:

@@ -1,9 +1,12 @@
-"""The sync-free minibatch step (--ppo.capture-step) decides exactly like the host path, on CPU.
+"""The sync-free minibatch step (--ppo.capture-step) decides exactly like the host path.
 
-The CUDA-graph capture itself needs a GPU; what it replays is `SyncFreeStep._step`, tested here eagerly.
+On CPU (the default) the step runs eagerly. On a GPU, `SYNCPPO_TEST_DEVICE=cuda pytest
+tests/test_minibatch_step.py` runs the same tests on CUDA, where the step is captured as a CUDA graph
+after its warm-up steps and replayed (bench/gpu_check.sh does this).
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -14,6 +17,9 @@ from ppo.minibatch_step import SyncFreeStep, build_optimizer, device_adaptive_lr
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update
 from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
+
+DEVICE = torch.device(os.environ.get("SYNCPPO_TEST_DEVICE", "cpu"))
+LR_DTYPE = torch.float64 if DEVICE.type == "cpu" else torch.float32   # as build_optimizer chooses
 
 
 def test_device_lr_rule_gives_the_host_rule_bit_for_bit():
@@ -31,10 +37,11 @@ def test_device_lr_rule_gives_the_host_rule_bit_for_bit():
 
 def run_update(capture: bool, poison_minibatch: int | None = None, iterations: int = 2, **overrides):
     model = make_model()
-    storage = RolloutStorage(T, N, OBS, A, torch.device("cpu"))
+    storage = RolloutStorage(T, N, OBS, A, DEVICE)
     fill(storage, 0, model)
+    model.to(DEVICE)
     cfg = ppo_cfg(capture_step=capture, **overrides)
-    optimizer = build_optimizer(model.parameters(), ppo_cfg(capture_step=True), torch.device("cpu"))  # both fused
+    optimizer = build_optimizer(model.parameters(), ppo_cfg(capture_step=True), DEVICE)  # both fused
     if not capture:    # the host path with the same fused kernel and a float LR
         optimizer.param_groups[0]["lr"] = float(optimizer.param_groups[0]["lr"])
     sync = GradSync(model.parameters(), num_extras=2)
@@ -83,13 +90,13 @@ def test_non_finite_step_is_skipped_exactly_as_on_the_host():
 def test_fused_adam_found_inf_leaves_parameters_and_state_untouched():
     """The mechanism the skip relies on, checked directly against a copy."""
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(10))
-    opt = torch.optim.Adam([p], lr=torch.tensor(1e-2, dtype=torch.float64), fused=True)
-    p.grad = torch.randn(10)
+    p = torch.nn.Parameter(torch.randn(10, device=DEVICE))
+    opt = torch.optim.Adam([p], lr=torch.tensor(1e-2, dtype=LR_DTYPE, device=DEVICE), fused=True)
+    p.grad = torch.randn(10, device=DEVICE)
     opt.step()
     before = p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
-    p.grad = torch.full((10,), float("nan"))
-    opt.found_inf = torch.ones(())
+    p.grad = torch.full((10,), float("nan"), device=DEVICE)
+    opt.found_inf = torch.ones((), device=DEVICE)
     opt.step()
     assert torch.equal(p, before[0])
     for key, value in opt.state[p].items():
@@ -105,11 +112,12 @@ def test_capture_step_rejects_a_plain_optimizer():
 
 def test_an_lr_assigned_from_outside_is_adopted():
     """The linear schedule assigns a float to the param group before each update."""
-    model = make_model()
+    model = make_model().to(DEVICE)
     cfg = ppo_cfg(capture_step=True, schedule="fixed")
-    opt = build_optimizer(model.parameters(), cfg, torch.device("cpu"))
+    opt = build_optimizer(model.parameters(), cfg, DEVICE)
     step = SyncFreeStep(model, opt, GradSync(model.parameters(), num_extras=2), cfg)
     tensor = opt.param_groups[0]["lr"]
     opt.param_groups[0]["lr"] = 3e-4
     step.begin()
-    assert opt.param_groups[0]["lr"] is tensor and tensor.item() == 3e-4 and step.lr.item() == 3e-4
+    assert opt.param_groups[0]["lr"] is tensor and step.lr.item() == 3e-4
+    assert tensor.item() == torch.tensor(3e-4, dtype=LR_DTYPE).item()   # float32 on CUDA

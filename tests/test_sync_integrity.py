@@ -124,3 +124,32 @@ def test_snapshot_is_committed_only_after_the_send():
     # Patch 2 carries the changes of the failed patch 1 as well: everything that differs from the start.
     from test_sync_patch import _changed_elements
     assert changed == _changed_elements(start, sender, torch.float32)
+
+
+def _position_past_the_end(rank, world_size):
+    syncer = _syncer(world_size)
+    state = {"w": torch.zeros(1000)}
+    if rank == 0:
+        syncer.init_sender(state)
+        state["w"][[990, 995]] = 1.0
+        syncer.sync(state, 1)
+        syncer.resync(state, 2)
+        state["w"][3] = 2.0
+        syncer.sync(state, 3)
+        return snapshot(state)
+
+    syncer.init_receiver(state)
+    update = syncer.recv_update()
+    assert update.table[0, 2].item() in sync.patch.GAP_DTYPES
+    update.segments[0][0][-1] = 100          # the last gap: position 995 -> 1090, past the end of 1000
+    with pytest.raises(SyncIntegrityError, match="positions outside their tensors"):
+        syncer.apply_update(state, update)   # refused before any read or write (not an IndexError)
+    assert not state["w"].any() and syncer.version == 0
+    assert syncer.resync(state) == 2
+    assert syncer.apply(state) == 3
+    return snapshot(state)
+
+
+def test_a_gap_past_the_end_is_refused_before_anything_reads_there():
+    sender, receiver = run_ranks(_position_past_the_end, 2)
+    assert bits_equal(receiver, sender)

@@ -64,8 +64,26 @@ def test_gap_escapes_by_hand():
     assert encoding == 1 and parts[0].numel() == 4
     index, _ = _decode(parts[0], encoding, 70_000)
     assert index.tolist() == [3, 300, 69_999]
-    _, flags = _decode(parts[0], encoding, 69_999)  # the last position is outside a shorter tensor
+    index, flags = _decode(parts[0], encoding, 69_999)  # the last position is outside a shorter tensor
     assert any(bool(f) for f in flags)
+    assert index.tolist() == [3, 300, 69_998]    # flagged, and clamped: nothing reads past the end
+
+
+@pytest.mark.parametrize("escapes", [False, True])
+def test_a_gap_past_the_end_is_flagged_and_clamped(escapes):
+    """A corrupted gap must not make the receiver index outside the tensor before it checks the flags."""
+    changed = [*range(10), 300] if escapes else [200, 290]   # a gap of 290 needs one escape in 1-byte symbols
+    mask = torch.zeros(301, dtype=torch.bool)
+    mask[changed] = True
+    encoding, parts, _ = _encode(torch.zeros(301), mask, len(changed))
+    assert encoding == min(GAP_DTYPES) and (parts[0].numel() > len(changed)) == escapes
+    index, flags = _decode(parts[0], encoding, 301)
+    assert index.tolist() == changed and not any(bool(f) for f in flags)
+    corrupted = parts[0].clone()
+    corrupted[-1] = 254                           # the last gap grows past the end of the tensor
+    index, flags = _decode(corrupted, encoding, 301)
+    assert any(bool(f) for f in flags)
+    assert index[:-1].tolist() == changed[:-1] and index[-1] == 300
 
 
 def test_layout_puts_wider_elements_first_so_views_are_aligned():
@@ -123,14 +141,23 @@ def test_checksum_updates_from_changed_elements_alone():
         index = torch.randperm(old.numel(), generator=g)[:300].sort().values
         new = old.clone()
         new[index] = ~old[index] if dtype == torch.bool else (old[index] + 1).to(dtype)
-        assert int(update_checksum(tensor_checksum(old), index, old[index], new[index])) == int(tensor_checksum(new))
+        assert int(update_checksum(tensor_checksum(old), index, old[index], new[index], old.numel())) == \
+            int(tensor_checksum(new))
+    # Changes in the first row only of a tensor of many rows (and of one partial row): rows beyond them add 0.
+    for numel in (7 * ROW + 5, 5):
+        old = torch.randn(numel, generator=g)
+        index = torch.tensor([0, numel - 1]) if numel < ROW else torch.tensor([1, 2])
+        new = old.clone()
+        new[index] += 1
+        assert int(update_checksum(tensor_checksum(old), index, old[index], new[index], numel)) == \
+            int(tensor_checksum(new))
     # The largest change in every lane of whole rows: per-row sums at their bound stay exact.
     for dtype in (torch.int16, torch.int64):
         low, high = torch.iinfo(torch.int16).min, torch.iinfo(torch.int16).max
         old = torch.full((2 * ROW,), low, dtype=torch.int16).view(dtype)
         new = torch.full((2 * ROW,), high, dtype=torch.int16).view(dtype)
         index = torch.arange(old.numel())
-        assert int(update_checksum(tensor_checksum(old), index, old, new)) == int(tensor_checksum(new))
+        assert int(update_checksum(tensor_checksum(old), index, old, new, old.numel())) == int(tensor_checksum(new))
 
 
 def test_checksum_of_many_tensors_matches_a_numpy_reference():
