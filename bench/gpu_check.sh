@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA machine, in one go, each step time-boxed so that one hang costs only its box.
 #
-#   bash bench/gpu_check.sh OUT_DIR [PART ...]      # default: learner (about 7 minutes on one H200)
+#   bash bench/gpu_check.sh OUT_DIR [PART ...]      # default: learner sync (at most 8.5 minutes)
 #
 # Parts:
 #   learner  the open GPU targets of the learner (docs/benchmarks.md): the CUDA-graph minibatch step's
 #            exactness tests on CUDA, then syncppo vs RSL-RL interleaved on the GPU at 4096 envs with
 #            (512, 256, 128) networks (host path, then --ppo.capture-step), and env-steps/s at 16,384 envs
+#   sync     weight sync with the weights and the patch snapshot on the GPU (2 gloo ranks sharing it)
 #   train    the CUDA training path end to end (4096 envs; 16,384 envs bucketed; torchrun NCCL at 1 rank)
 #   tests    the fast tests with CUDA visible (CUDA env tensors, pinned-memory snapshots)
 #   grad     the gradient-sync bench on NCCL (one process per visible GPU)
@@ -16,7 +17,7 @@
 set -u
 out=${1:-gpu_out}
 shift || true
-parts=${*:-learner}
+parts=${*:-learner sync}
 mkdir -p "$out"
 export OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -37,6 +38,8 @@ for part in $parts; do
         step bench_train_capture 100 $py bench/bench_train.py --device cuda --settings large --capture-step
         step train_16384_capture 60 $py train.py tracking --env.num-envs 16384 $big --ppo.capture-step --max-iterations 12 --log.print-every 1 $runs
         step train_16384_host 60 $py train.py tracking --env.num-envs 16384 $big --max-iterations 12 --log.print-every 1 $runs ;;
+    sync)
+        step bench_sync_cuda 90 $py bench/bench_sync.py --device cuda --densities 0.001 0.01 0.1 1.0 --repeats 5 ;;
     train)
         step train_cuda_4096 90 $py train.py tracking --env.num-envs 4096 --max-iterations 40 --log.print-every 5 $runs
         step train_cuda_16384_bucketed 60 $py train.py tracking --env.num-envs 16384 --max-iterations 10 --dist.grad-sync bucketed --log.print-every 2 $runs
@@ -46,6 +49,6 @@ for part in $parts; do
     grad)
         step bench_grad_cuda 240 $py bench/bench_grad_sync.py --device cuda --iters 10 ;;
     *)
-        echo "unknown part $part (learner, train, tests, grad)" | tee -a "$out/summary.txt" ;;
+        echo "unknown part $part (learner, sync, train, tests, grad)" | tee -a "$out/summary.txt" ;;
     esac
 done
