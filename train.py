@@ -38,7 +38,7 @@ from dist.verify import verify_plan_rows, verify_replicas
 from envs import make_env
 from ppo.actor_critic import build_actor_critic
 from ppo.logger import RunLogger
-from ppo.minibatch_step import build_optimizer
+from ppo.minibatch_step import build_optimizer, saved_state_for
 from ppo.normalizer import RewardNormalizer
 from ppo.rollout import TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout, fill_storage
 from rollout_ranks import LearnerTeam, restore_team_states, run_rollout_rank
@@ -256,6 +256,8 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles) -> None:
         saved = state[key]
         if isinstance(obj, RewardNormalizer):
             saved = {**saved, **{k: v for k, v in obj.state_dict().items() if obj.BUFFER_POLICY.get(k) == "local"}}
+        if isinstance(obj, torch.optim.Optimizer):   # this run's Adam implementation, the saved values
+            saved = saved_state_for(obj, saved)
         try:
             obj.load_state_dict(saved)
         except (RuntimeError, ValueError, KeyError) as exc:

@@ -17,6 +17,7 @@ KL sum and count riding in it); the rules above act on the synchronized values, 
 the same decision.
 """
 
+import warnings
 import weakref
 
 import torch
@@ -57,12 +58,29 @@ def backward_minibatch(model, batch: dict, grad_sync, cfg) -> tuple[torch.Tensor
 def build_optimizer(params, cfg, device: torch.device) -> torch.optim.Adam:
     """Adam as the update expects it: plain for the host path; with --ppo.capture-step fused, with the LR
     a device tensor (float64 on CPU, where the fused kernel reads it as a double like a Python float;
-    float32 on CUDA, the precision the CUDA kernel computes in either way)."""
+    float32 on CUDA, the precision the CUDA kernel computes in either way). On CUDA also `capturable`:
+    Adam refuses to be captured in a CUDA graph without it (the fused kernel computes the same either way)."""
     if not cfg.capture_step:
         return torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.adam_eps)
     dtype = torch.float64 if device.type == "cpu" else torch.float32
     return torch.optim.Adam(params, lr=torch.tensor(cfg.learning_rate, dtype=dtype, device=device), eps=cfg.adam_eps,
-                            fused=True)
+                            fused=True, capturable=device.type == "cuda")
+
+
+def saved_state_for(optimizer: torch.optim.Optimizer, saved: dict) -> dict:
+    """A checkpoint's optimizer state_dict `saved`, made to load into `optimizer` as this run built it: the
+    saved LR, moments and step counts, with this optimizer's implementation (fused, capturable, foreach)
+    and kind of LR (a float, or a device tensor as --ppo.capture-step needs). `load_state_dict` alone would
+    bring back the saving run's implementation, so a checkpoint of the host path could not resume with
+    --ppo.capture-step (nor, on CUDA, the other way round)."""
+    groups = []
+    for built, group in zip(optimizer.param_groups, saved["param_groups"]):
+        group = {**group, **{key: built[key] for key in ("fused", "capturable", "foreach") if key in built}}
+        lr = float(group["lr"])
+        group["lr"] = torch.tensor(lr, dtype=built["lr"].dtype, device=built["lr"].device) \
+            if isinstance(built["lr"], torch.Tensor) else lr
+        groups.append(group)
+    return {**saved, "param_groups": groups + saved["param_groups"][len(groups):]}   # a count mismatch still fails
 
 
 def device_adaptive_lr(lr: torch.Tensor, kl: torch.Tensor, desired_kl: float, lr_min: float,
@@ -122,7 +140,9 @@ class SyncFreeStep:
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), warnings.catch_warnings():
+            # Adam warns that a capturable instance runs uncaptured: these warm-up steps are meant to.
+            warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
             self._step(batch)
         torch.cuda.current_stream().wait_stream(side)
         self.eager_steps += 1

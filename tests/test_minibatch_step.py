@@ -13,7 +13,7 @@ import torch
 
 from dist.grad_sync import GradSync
 from ppo.kl_schedule import adaptive_lr
-from ppo.minibatch_step import SyncFreeStep, build_optimizer, device_adaptive_lr
+from ppo.minibatch_step import SyncFreeStep, build_optimizer, device_adaptive_lr, saved_state_for
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update
 from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
@@ -121,3 +121,34 @@ def test_an_lr_assigned_from_outside_is_adopted():
     step.begin()
     assert opt.param_groups[0]["lr"] is tensor and step.lr.item() == 3e-4
     assert tensor.item() == torch.tensor(3e-4, dtype=LR_DTYPE).item()   # float32 on CUDA
+
+
+@pytest.mark.parametrize("saved_with_capture", [False, True])
+def test_a_checkpoint_of_either_path_resumes_in_the_other(saved_with_capture):
+    """The saved LR, moments and step counts load; the implementation stays the one this run built."""
+    def stepped(capture: bool):
+        model = make_model().to(DEVICE)
+        opt = build_optimizer(model.parameters(), ppo_cfg(capture_step=capture), DEVICE)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        return model, opt
+
+    _, saving = stepped(saved_with_capture)
+    saving.param_groups[0]["lr"] = (torch.tensor(2.5e-4, dtype=LR_DTYPE, device=DEVICE) if saved_with_capture
+                                    else 2.5e-4)
+    saved = saving.state_dict()
+    model, resuming = stepped(not saved_with_capture)
+    built = dict(resuming.param_groups[0])
+    resuming.load_state_dict(saved_state_for(resuming, saved))
+    group = resuming.param_groups[0]
+    for key in ("fused", "capturable", "foreach"):
+        assert group[key] == built[key], key
+    assert isinstance(group["lr"], torch.Tensor) == (not saved_with_capture)
+    assert float(group["lr"]) == float(torch.tensor(2.5e-4, dtype=LR_DTYPE))   # the saved LR (in LR_DTYPE once)
+    for p, q in zip(saving.state.values(), resuming.state.values()):
+        assert torch.equal(p["exp_avg"].cpu(), q["exp_avg"].cpu()) and float(p["step"]) == float(q["step"]) == 1.0
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    resuming.step()                        # the resumed optimizer runs with its own implementation
+    assert all(float(s["step"]) == 2.0 for s in resuming.state.values())

@@ -63,6 +63,23 @@ def test_resume_continues_from_the_saved_iteration_and_state(tmp_path):
     assert final["config"]["resume"] == ckpt
 
 
+def test_a_host_path_checkpoint_resumes_with_capture_step(tmp_path):
+    """--ppo.capture-step changes how the step runs, not what is saved: a checkpoint of either resumes in the other."""
+    train.main(small_tracking(tmp_path / "a", iterations=2))
+    (ckpt,) = glob.glob(os.path.join(tmp_path, "a", "tracking", "*", "model_2.pt"))
+    resumed = small_tracking(tmp_path / "b", iterations=3, resume=ckpt)
+    resumed.ppo.capture_step = True
+    train.main(resumed)
+    (written,) = glob.glob(os.path.join(tmp_path, "b", "tracking", "*", "model_3.pt"))
+    final = torch.load(written, weights_only=True)["optimizer"]
+    assert final["param_groups"][0]["fused"] is True           # the resumed run's Adam, not the saved one's
+    assert final["state"][0]["step"].item() == 3 * resumed.ppo.num_epochs * resumed.ppo.num_mini_batches
+    back = small_tracking(tmp_path / "c", iterations=4, resume=written)   # and back to the host path
+    train.main(back)
+    (last,) = glob.glob(os.path.join(tmp_path, "c", "tracking", "*", "model_4.pt"))
+    assert not torch.load(last, weights_only=True)["optimizer"]["param_groups"][0]["fused"]
+
+
 @pytest.mark.slow
 def test_cartpole_learns_past_threshold(tmp_path):
     cfg = preset("cartpole")
