@@ -121,3 +121,40 @@ def test_periodic_verification_and_every_message_in_the_ledger():
     assert sender_ledger["weight_sync"] == [2 * calls, 2 * total]
     assert ledger_2["weight_sync"] == ledger_1["weight_sync"] == [calls, total]
     assert "weight_sync_setup" in sender_ledger
+
+
+def _trailer_and_verify(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    state = make_state(seed=0)
+    if rank == 0:
+        g = torch.Generator().manual_seed(1)
+        syncer.init_sender(state)
+        random_update(state, g, 0.05)
+        syncer.sync(state, 1)
+        syncer.resync(state, 2)
+        syncer.resync(state, 3)
+        random_update(state, g, 0.05)
+        syncer.sync(state, 4)
+        return snapshot(state)
+    model = make_state(seed=7)
+    syncer.init_receiver(model)
+    update, before = syncer.recv_update(), snapshot(model)
+    update.trailer[0] += 1          # a checksum of the trailer flipped: its own check refuses the frame
+    with pytest.raises(SyncIntegrityError, match="trailer corrupted"):
+        syncer.apply_update(model, update)
+    assert bits_equal(model, before) and syncer.version == 0
+    assert syncer.resync(model) == 2
+    syncer.verify(model)            # on demand: nothing changed, nothing raised
+    model["dec.weight"][7, 1] = 123.0   # written behind the syncer's back
+    with pytest.raises(SyncIntegrityError, match=r"\['dec.weight'\] changed on the receiver") as error:
+        syncer.verify(model)
+    assert error.value.model_written
+    assert syncer.resync(model) == 3    # the only way out once the model is known to differ
+    assert syncer.apply(model) == 4
+    return snapshot(model)
+
+
+@pytest.mark.slow
+def test_a_corrupted_trailer_is_refused_and_verify_on_demand_finds_a_changed_model():
+    sender, receiver = run_ranks(_trailer_and_verify, 2)
+    assert bits_equal(receiver, sender)

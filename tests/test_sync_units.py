@@ -11,7 +11,7 @@ from torch import nn
 from dist.checksum import ROW, P, checksum, tensor_checksum, update_checksum, weights
 from sync import SyncIntegrityError, trainable_keys
 from sync.patch import BITMAP, DENSE, GAP_DTYPES, _bits, _changes, _decode, _encode
-from sync.wire import layout, zstd_compress, zstd_decompress
+from sync.wire import GAPS8, GAPS16, GAPS32, _check_table, layout, zstd_compress, zstd_decompress
 
 
 def _numpy_sizes(positions: np.ndarray, n: int, v: int) -> dict:
@@ -213,3 +213,19 @@ def test_device_kernels_match_the_host_kernels(monkeypatch, density, dtype):
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(parts, other[3]))
     if decoded is not None:
         assert torch.equal(decoded, flip.nonzero().view(-1)) and torch.equal(other[4], decoded)
+
+
+def test_malformed_table_rows_are_refused():
+    """Every row must name a next tensor and sizes its encoding allows, before anything is allocated."""
+    numels = [10, 100, 1000]
+    valid = [[0, 10, DENSE, 0], [1, 3, BITMAP, 13], [2, 4, GAPS8, 6]]
+    _check_table(torch.tensor(valid), numels)
+    _check_table(torch.zeros(0, 4, dtype=torch.int64), numels)
+    for bad in ([3, 1, DENSE, 0], [0, 10, DENSE, 0],   # names no tensor; repeats one
+                [1, 99, DENSE, 0], [1, 100, DENSE, 1],
+                [1, 3, BITMAP, 12], [1, 100, BITMAP, 13], [1, 0, BITMAP, 13],
+                [2, 0, GAPS8, 0], [2, 5, GAPS8, 4], [2, 1000, GAPS16, 1000], [2, 4, GAPS32, 2**40],
+                [2, 4, 9, 6]):                     # unknown encoding
+        rows = valid[:1] + [bad]
+        with pytest.raises(SyncIntegrityError, match="malformed table row"):
+            _check_table(torch.tensor(rows), numels)
