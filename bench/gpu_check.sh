@@ -20,6 +20,7 @@ shift || true
 parts=${*:-learner sync}
 mkdir -p "$out"
 export OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
+export GIT_PYTHON_REFRESH=quiet   # rsl-rl imports GitPython, which otherwise fails without a git executable
 py=${PYTHON:-python3}
 if [ -d .whl ]; then
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
