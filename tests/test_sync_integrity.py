@@ -150,6 +150,7 @@ def _position_past_the_end(rank, world_size):
     return snapshot(state)
 
 
+@pytest.mark.slow
 def test_a_gap_past_the_end_is_refused_before_anything_reads_there():
     sender, receiver = run_ranks(_position_past_the_end, 2)
     assert bits_equal(receiver, sender)
