@@ -199,12 +199,14 @@ class Link:
         Crosses ranks: one frame per bucket from the sender; with `drop` (a resync: the value dtype per
         ordinal of updates) first any number of queued update frames, received whole and dropped, counted
         under the purpose they were sent with. Every tensor is checked against the trailer's checksums as soon
-        as it arrived. When writing, values already in the receiver's dtype arrive straight in the model, so
-        a failed check leaves it written (`model_written`: the receiver then refuses updates until resync()).
+        as it arrived. When writing, values already in the receiver's dtype and on the transport device arrive
+        straight in the model, so a failed check leaves it written (`model_written`: the receiver then refuses
+        updates until resync()); a model on a GPU fed over gloo is written from a host staging buffer.
         """
         ordinals = [self.ordinal[k] for k in keys]
         flat = {self.ordinal[k]: tensors[k].view(-1) for k in keys} if staged is None else {}
-        into = None if staged is not None else (lambda o: flat[o] if o in flat and flat[o].dtype == dtypes[o] else None)
+        into = None if staged is not None else (lambda o: flat[o] if o in flat and flat[o].dtype == dtypes[o]
+                                                and flat[o].device == self.device else None)   # gloo: host memory
         plan = plan_buckets([self.numels[o] * dtypes[o].itemsize for o in ordinals], bucket_size)
         version = None
         for index, members in enumerate(plan):
