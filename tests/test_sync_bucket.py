@@ -1,4 +1,10 @@
-"""bucket strategy over gloo: exact copies, bucket plans and bytes by hand, dtype conversion, load_instant."""
+"""bucket strategy over gloo: exact copies, bucket plans and bytes by hand, dtype conversion, load_instant.
+
+`SYNCPPO_TEST_DEVICE=cuda pytest tests/test_sync_bucket.py -k load_instant` puts the weights on a GPU (the
+frames still travel through the host over gloo); bench/gpu_check.sh runs it.
+"""
+
+import os
 
 import pytest
 import torch
@@ -10,6 +16,7 @@ from test_sync_common import bits_equal, cast_floats, make_state, random_update,
 
 # Bytes of make_state's tensors in fp32: scale, enc.bias, enc.weight, conv.weight, dec.weight, steps, mask.
 FP32_BYTES = [4, 37 * 4, 300 * 70 * 4, 4 * 3 * 25 * 4, 1000 * 2 * 4, 10 * 8, 6]
+DEVICE = os.environ.get("SYNCPPO_TEST_DEVICE", "cpu")
 
 
 def test_plan_buckets_by_hand():
@@ -25,16 +32,19 @@ def _bucket_updates(rank, world_size, settings_list, receiver_dtype):
         syncer = make_weight_syncer(WeightSyncConfig(type="bucket", bucket=BucketConfig(**settings)),
                                     src=0, dsts=list(range(1, world_size)))
         if rank == 0:
-            state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+            host, g = make_state(seed=0), torch.Generator().manual_seed(1)
+            state = {k: v.to(DEVICE) for k, v in host.items()}
             syncer.init_sender(state)
             history, stats = [], []
             for version in (1, 2, 3):
-                random_update(state, g, 0.1)
+                random_update(host, g, 0.1)
+                for key, value in host.items():
+                    state[key].copy_(value)
                 stats.append(syncer.sync(state, version))
                 history.append(snapshot(state))
             results.append((history, [(s.wire_bytes, s.payload_bytes) for s in stats]))
         else:
-            model = cast_floats(make_state(seed=100 + rank), receiver_dtype)
+            model = {k: v.to(DEVICE) for k, v in cast_floats(make_state(seed=100 + rank), receiver_dtype).items()}
             syncer.init_receiver(model)
             history = []
             for version in (1, 2, 3):

@@ -47,4 +47,5 @@ def bits_equal(a: dict, b: dict) -> bool:
 
 
 def snapshot(state: dict) -> dict:
-    return {k: v.detach().clone() for k, v in state.items()}
+    """A host copy (the state may live on a GPU: see DEVICE in test_sync_patch.py)."""
+    return {k: v.detach().cpu().clone() for k, v in state.items()}

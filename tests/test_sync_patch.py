@@ -1,4 +1,11 @@
-"""patch strategy over gloo: receivers end bit-identical to the sender through many random updates."""
+"""patch strategy over gloo: receivers end bit-identical to the sender through many random updates.
+
+On a GPU, `SYNCPPO_TEST_DEVICE=cuda pytest tests/test_sync_patch.py -k every_update` puts both ranks'
+weights on it (frames still travel over gloo through the host), with the sender's snapshot on the host
+(the default) and on the GPU; bench/gpu_check.sh runs it.
+"""
+
+import os
 
 import pytest
 import torch
@@ -9,6 +16,7 @@ from sync.patch import BITMAP, DENSE, GAPS8, _bits as as_bits
 from test_sync_common import bits_equal, cast_floats, make_state, random_update, snapshot
 
 DENSITIES = [0.0, 0.001, 0.1, 1.0, 0.1, 0.001, 0.0]
+DEVICE = os.environ.get("SYNCPPO_TEST_DEVICE", "cpu")
 
 
 def _run_updates(rank, world_size, receiver_dtype, patch_settings: list[dict]):
@@ -18,16 +26,19 @@ def _run_updates(rank, world_size, receiver_dtype, patch_settings: list[dict]):
         syncer = make_weight_syncer(WeightSyncConfig(type="patch", patch=PatchConfig(**settings)),
                                     src=0, dsts=list(range(1, world_size)))
         if rank == 0:
-            state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+            host, g = make_state(seed=0), torch.Generator().manual_seed(1)
+            state = {k: v.to(DEVICE) for k, v in host.items()}
             syncer.init_sender(state)
             history, stats = [], []
             for version, density in enumerate(DENSITIES, start=1):
-                random_update(state, g, density)
+                random_update(host, g, density)     # drawn on the host, so every device sees the same updates
+                for key, value in host.items():
+                    state[key].copy_(value)
                 stats.append(syncer.sync(state, version))
                 history.append(snapshot(state))
             results.append((history, stats))
         else:
-            model = cast_floats(make_state(seed=100 + rank), receiver_dtype)
+            model = {k: v.to(DEVICE) for k, v in cast_floats(make_state(seed=100 + rank), receiver_dtype).items()}
             assert syncer.init_receiver(model) == 0
             history = []
             for version in range(1, len(DENSITIES) + 1):
@@ -46,18 +57,19 @@ def _changed_elements(before: dict, after: dict, dtype) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("receiver_dtype", [torch.float32, torch.bfloat16])
 def test_receiver_matches_sender_after_every_update(receiver_dtype):
-    sender, receiver = run_ranks(_run_updates, 2, args=(receiver_dtype, [{}]))
-    (history, stats), received = sender[0], receiver[0]
-    before = make_state(seed=0)
-    for step, density in enumerate(DENSITIES):
-        assert bits_equal(received[step], cast_floats(history[step], receiver_dtype)), f"step {step}"
-        assert stats[step].changed_elements == _changed_elements(before, history[step], receiver_dtype)
-        if density == 0.0:
-            assert stats[step].wire_bytes == 64  # the header alone
-        before = history[step]
-    # A dense step touches every tensor whole; a 0.1% step leaves the big matrices sparse.
-    assert stats[DENSITIES.index(1.0)].sparse_tensors == 0
-    assert stats[1].sparse_tensors > 0
+    snapshots = [{}] if DEVICE == "cpu" else [{}, {"snapshot_device": "cuda"}]
+    sender, receiver = run_ranks(_run_updates, 2, args=(receiver_dtype, snapshots))
+    for (history, stats), received in zip(sender, receiver):
+        before = make_state(seed=0)
+        for step, density in enumerate(DENSITIES):
+            assert bits_equal(received[step], cast_floats(history[step], receiver_dtype)), f"step {step}"
+            assert stats[step].changed_elements == _changed_elements(before, history[step], receiver_dtype)
+            if density == 0.0:
+                assert stats[step].wire_bytes == 64  # the header alone
+            before = history[step]
+        # A dense step touches every tensor whole; a 0.1% step leaves the big matrices sparse.
+        assert stats[DENSITIES.index(1.0)].sparse_tensors == 0
+        assert stats[1].sparse_tensors > 0
 
 
 @pytest.mark.slow
