@@ -223,8 +223,9 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
                 team_checkpoint(team_states, team.spec, roles)
             if is_main:
                 path = os.path.join(run_dir, f"model_{iteration + 1}.pt")
+                lr = float(optimizer.param_groups[0]["lr"])    # a device tensor with --ppo.capture-step
                 save_checkpoint(path, {**{k: v.state_dict() for k, v in stateful.items() if v is not None},
-                                       "iteration": iteration + 1, "learning_rate": optimizer.param_groups[0]["lr"],
+                                       "iteration": iteration + 1, "learning_rate": lr,
                                        "config": dataclasses.asdict(cfg), "rng": rngs, **extra})
                 print(f"[syncppo] saved {path}", flush=True)
         if stop_signal and not last:
