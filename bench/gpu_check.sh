@@ -14,7 +14,9 @@
 #   grad     the gradient-sync bench on NCCL (one process per visible GPU)
 #
 # A bare GPU machine lacks tyro and rsl-rl-lib: run `make gpu-wheels` here first and carry .whl there;
-# this script installs .whl/*.whl into /tmp/site when the folder is present.
+# this script installs .whl/*.whl into /tmp/site when the folder is present. Through a remote-run tool
+# that returns a folder OUT: command `bash bench/gpu_check.sh $OUT`, carrying `.whl`, with a 540 s limit.
+# What comes back: gpu.txt, summary.txt (one line per step: exit status and seconds) and one log per part.
 set -u
 out=${1:-gpu_out}
 shift || true
@@ -28,7 +30,9 @@ if [ -d .whl ]; then
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 { nvidia-smi -L; $py -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"; } > "$out/gpu.txt" 2>&1
-step() { name=$1; limit=$2; shift 2; s=$(date +%s); timeout "$limit" "$@" > "$out/$name.txt" 2>&1;
+# One log per part (the device tool brings back at most 8 files), each step under a header line.
+step() { name=$1; limit=$2; shift 2; s=$(date +%s); echo "===== $name: $*" >> "$out/$part.txt";
+         timeout "$limit" "$@" >> "$out/$part.txt" 2>&1;
          echo "$name rc=$? ${SECONDS}s total, $(( $(date +%s) - s ))s" | tee -a "$out/summary.txt"; }
 big="--policy.actor-hidden 512 256 128 --policy.critic-hidden 512 256 128"
 runs="--log.root /tmp/gpu_runs --log.save-every 1000000"
