@@ -7,6 +7,7 @@
 #   learner  the open GPU targets of the learner (docs/benchmarks.md): the CUDA-graph minibatch step's
 #            exactness tests on CUDA, then syncppo vs RSL-RL interleaved on the GPU at 4096 envs with
 #            (512, 256, 128) networks (host path, then --ppo.capture-step), and env-steps/s at 16,384 envs
+#            (those networks with and without capture, then the preset's (128, 128) with capture)
 #   sync     weight sync with the weights on the GPU: the exactness tests (host and GPU snapshot), then the
 #            bench with the patch snapshot on the GPU (2 gloo ranks sharing it)
 #   train    the CUDA training path end to end (4096 envs; 16,384 envs bucketed; torchrun NCCL at 1 rank)
@@ -40,10 +41,11 @@ for part in $parts; do
     case $part in
     learner)
         SYNCPPO_TEST_DEVICE=cuda step capture_tests 60 $py -m pytest -q -p no:cacheprovider tests/test_minibatch_step.py
-        step bench_train_host 90 $py bench/bench_train.py --device cuda --settings large
-        step bench_train_capture 90 $py bench/bench_train.py --device cuda --settings large --capture-step
+        step bench_train_host 80 $py bench/bench_train.py --device cuda --settings large
+        step bench_train_capture 80 $py bench/bench_train.py --device cuda --settings large --capture-step
         step train_16384_capture 45 $py train.py tracking --env.num-envs 16384 $big --ppo.capture-step --max-iterations 12 --log.print-every 1 $runs
-        step train_16384_host 45 $py train.py tracking --env.num-envs 16384 $big --max-iterations 12 --log.print-every 1 $runs ;;
+        step train_16384_host 45 $py train.py tracking --env.num-envs 16384 $big --max-iterations 12 --log.print-every 1 $runs
+        step train_16384_preset_capture 40 $py train.py tracking --env.num-envs 16384 --ppo.capture-step --max-iterations 12 --log.print-every 1 $runs ;;
     sync)
         SYNCPPO_TEST_DEVICE=cuda step sync_tests_cuda 60 $py -m pytest -q -p no:cacheprovider tests/test_sync_patch.py tests/test_sync_bucket.py -k "every_update or load_instant"
         step bench_sync_cuda 75 $py bench/bench_sync.py --device cuda --densities 0.001 0.01 0.1 1.0 --repeats 5 ;;
