@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA machine, in one go, each step time-boxed so that one hang costs only its box.
 #
-#   bash bench/gpu_check.sh OUT_DIR [PART ...]      # default: learner sync (at most 8 minutes)
+#   bash bench/gpu_check.sh OUT_DIR [PART ...]      # default: learner sync (time boxes total 485 s)
 #
 # Parts:
 #   learner  the open GPU targets of the learner (docs/benchmarks.md): the CUDA-graph minibatch step's
