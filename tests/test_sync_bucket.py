@@ -4,19 +4,16 @@
 frames still travel through the host over gloo); bench/gpu_check.sh runs it.
 """
 
-import os
-
 import pytest
 import torch
 
 from multirank import run_ranks
 from sync import BucketConfig, WeightSyncConfig, make_weight_syncer
 from sync.wire import plan_buckets
-from test_sync_common import bits_equal, cast_floats, make_state, random_update, snapshot
+from test_sync_common import bits_equal, cast_floats, make_state, on_device, random_update_via_host, snapshot
 
 # Bytes of make_state's tensors in fp32: scale, enc.bias, enc.weight, conv.weight, dec.weight, steps, mask.
 FP32_BYTES = [4, 37 * 4, 300 * 70 * 4, 4 * 3 * 25 * 4, 1000 * 2 * 4, 10 * 8, 6]
-DEVICE = os.environ.get("SYNCPPO_TEST_DEVICE", "cpu")
 
 
 def test_plan_buckets_by_hand():
@@ -33,18 +30,16 @@ def _bucket_updates(rank, world_size, settings_list, receiver_dtype):
                                     src=0, dsts=list(range(1, world_size)))
         if rank == 0:
             host, g = make_state(seed=0), torch.Generator().manual_seed(1)
-            state = {k: v.to(DEVICE) for k, v in host.items()}
+            state = on_device(host)
             syncer.init_sender(state)
             history, stats = [], []
             for version in (1, 2, 3):
-                random_update(host, g, 0.1)
-                for key, value in host.items():
-                    state[key].copy_(value)
+                random_update_via_host(state, host, g, 0.1)
                 stats.append(syncer.sync(state, version))
                 history.append(snapshot(state))
             results.append((history, [(s.wire_bytes, s.payload_bytes) for s in stats]))
         else:
-            model = {k: v.to(DEVICE) for k, v in cast_floats(make_state(seed=100 + rank), receiver_dtype).items()}
+            model = on_device(cast_floats(make_state(seed=100 + rank), receiver_dtype))
             syncer.init_receiver(model)
             history = []
             for version in (1, 2, 3):

@@ -1,5 +1,7 @@
 """Shared helpers for the sync/ tests (no tests here): states to sync, random updates, bitwise equality."""
 
+import os
+
 import torch
 
 from sync.patch import _bits as as_bits
@@ -39,6 +41,22 @@ def random_update(state: dict, g: torch.Generator, density: float) -> None:
             new[(kind >= 0.05) & (kind < 0.10)] = -0.0
             new[(kind >= 0.10) & (kind < 0.15)] = 0.0
             value[where] = new[where]
+
+
+# Where the round-trip tests put the weights: SYNCPPO_TEST_DEVICE=cuda on a GPU (bench/gpu_check.sh).
+DEVICE = os.environ.get("SYNCPPO_TEST_DEVICE", "cpu")
+
+
+def on_device(state: dict) -> dict:
+    return {k: v.to(DEVICE) for k, v in state.items()}
+
+
+def random_update_via_host(state: dict, host: dict, g: torch.Generator, density: float) -> None:
+    """random_update drawn on the host copy `host`, then written into `state` (on DEVICE), so that every
+    device sees the same updates."""
+    random_update(host, g, density)
+    for key, value in host.items():
+        state[key].copy_(value)
 
 
 def bits_equal(a: dict, b: dict) -> bool:

@@ -5,18 +5,15 @@ weights on it (frames still travel over gloo through the host), with the sender'
 (the default) and on the GPU; bench/gpu_check.sh runs it.
 """
 
-import os
-
 import pytest
 import torch
 
 from multirank import run_ranks
 from sync import PatchConfig, WeightSyncConfig, make_weight_syncer
 from sync.patch import BITMAP, DENSE, GAPS8, _bits as as_bits
-from test_sync_common import bits_equal, cast_floats, make_state, random_update, snapshot
+from test_sync_common import DEVICE, bits_equal, cast_floats, make_state, on_device, random_update_via_host, snapshot
 
 DENSITIES = [0.0, 0.001, 0.1, 1.0, 0.1, 0.001, 0.0]
-DEVICE = os.environ.get("SYNCPPO_TEST_DEVICE", "cpu")
 
 
 def _run_updates(rank, world_size, receiver_dtype, patch_settings: list[dict]):
@@ -27,18 +24,16 @@ def _run_updates(rank, world_size, receiver_dtype, patch_settings: list[dict]):
                                     src=0, dsts=list(range(1, world_size)))
         if rank == 0:
             host, g = make_state(seed=0), torch.Generator().manual_seed(1)
-            state = {k: v.to(DEVICE) for k, v in host.items()}
+            state = on_device(host)
             syncer.init_sender(state)
             history, stats = [], []
             for version, density in enumerate(DENSITIES, start=1):
-                random_update(host, g, density)     # drawn on the host, so every device sees the same updates
-                for key, value in host.items():
-                    state[key].copy_(value)
+                random_update_via_host(state, host, g, density)
                 stats.append(syncer.sync(state, version))
                 history.append(snapshot(state))
             results.append((history, stats))
         else:
-            model = {k: v.to(DEVICE) for k, v in cast_floats(make_state(seed=100 + rank), receiver_dtype).items()}
+            model = on_device(cast_floats(make_state(seed=100 + rank), receiver_dtype))
             assert syncer.init_receiver(model) == 0
             history = []
             for version in range(1, len(DENSITIES) + 1):
