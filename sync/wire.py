@@ -37,6 +37,10 @@ HEADER_BYTES, ROW_BYTES = 8 * 8, 4 * 8
 PACK_BYTES = 1 << 20
 PAYLOAD = (-2, -2)  # the key of a packed payload's one receive in Frame.works
 RESYNC_HINT = "call resync() on sender and receivers"
+# A frame refused before its payload was received leaves that payload queued, and its sizes cannot be trusted
+# to drain it: the next receive would read payload bytes as a header.
+LINK_LOST = ("the rest of this frame is still queued and cannot be drained, so resync() cannot recover this "
+             "link: create both syncers again on a fresh process group")
 
 
 class SyncIntegrityError(RuntimeError):
@@ -130,10 +134,10 @@ class Frame:
     def words(self) -> torch.Tensor:
         return torch.tensor([MAGIC, self.kind, self.version, self.base, len(self.table), *self.sizes], dtype=torch.int64)
 
-    def check_header(self) -> None:
+    def check_header(self, hint: str = RESYNC_HINT) -> None:
         if int(checksum([self.words(), self.table])) != self.check:
             raise SyncIntegrityError(f"weight sync: frame header {self.words().tolist()} or its table failed its "
-                                     f"checksum (corrupted); {RESYNC_HINT}")
+                                     f"checksum (corrupted); {hint}")
 
     def row(self, r: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         for place in (PAYLOAD, (r, 0), (r, 1)):
@@ -175,11 +179,12 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
                            "sender and receiver are out of step or share the group with other traffic")
     purpose, dtypes, into = expect(kind)
     if not 0 <= rows <= len(numels):
-        raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces {rows} table rows")
+        raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces {rows} table rows; "
+                                 f"{LINK_LOST}")
     table = torch.zeros(rows, 4, dtype=torch.int64, device=device)
     frame = Frame(kind, version, base, (comm.recv(table, purpose, src, group) if rows else table).cpu(), (wire, raw),
                   int(head[7]), None, [], {}, None)
-    frame.check_header()
+    frame.check_header(LINK_LOST)
     _check_table(frame.table, numels)
     specs, places = [], []  # (dtype, count) per segment; (row, part) per segment
     for r, (ordinal, values, encoding, symbols) in enumerate(frame.table.tolist()):
@@ -194,7 +199,7 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     _, offsets, staged = layout([(d, 0 if t is not None else n) for (d, n), t in zip(specs, target)])
     if total != raw or (decompress is None and wire != raw):
         raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces payload sizes its table "
-                                 f"does not ({total} bytes); {RESYNC_HINT}")
+                                 f"does not ({total} bytes); {LINK_LOST}")
     buffer = staging[0] if staging and staging[0].device == torch.device(device) else None
     if buffer is None or buffer.numel() < staged:
         buffer = torch.empty(staged, dtype=torch.uint8, device=device)
@@ -237,7 +242,7 @@ def _check_table(table: torch.Tensor, numels: Sequence[int]) -> None:
             encoding, encoding in SYMBOL_DTYPES and 0 < values < numel and values <= symbols < 2**40)
         if not ok:
             raise SyncIntegrityError(f"weight sync: malformed table row {row} (unknown or repeated tensor, or "
-                                     f"impossible sizes); {RESYNC_HINT}")
+                                     f"impossible sizes); {LINK_LOST}")
         last = ordinal
 
 

@@ -3,8 +3,10 @@ zero-sized tensors, frozen keys in bucket mode, receiver-side verification, and 
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import sync.link
+import sync.wire
 from dist import comm
 from multirank import run_ranks
 from sync import SyncIntegrityError, WeightSyncConfig, make_weight_syncer
@@ -158,3 +160,38 @@ def _trailer_and_verify(rank, world_size):
 def test_a_corrupted_trailer_is_refused_and_verify_on_demand_finds_a_changed_model():
     sender, receiver = run_ranks(_trailer_and_verify, 2)
     assert bits_equal(receiver, sender)
+
+
+def _header_damaged_in_flight(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    state = {"w": torch.zeros(100)}   # tiny: the frame's queued rest fits in the socket, so the sender returns
+    if rank == 0:
+        syncer.init_sender(state)
+        state["w"][[3, 50]] = 1.0
+        syncer.sync(state, 1)
+        return None
+    syncer.init_receiver(state)
+    real = sync.wire.comm.recv_then_count
+
+    def damaged(tensor, *args):
+        real(tensor, *args)[2] += 1   # the version word, flipped before the header's own check
+        return tensor
+
+    sync.wire.comm.recv_then_count = damaged
+    try:
+        with pytest.raises(SyncIntegrityError, match="failed its checksum") as error:
+            syncer.apply(state)
+    finally:
+        sync.wire.comm.recv_then_count = real
+    assert not state["w"].any()
+    # Only this test knows the rest of the frame: one packed payload (2 one-byte gaps, 2 float32 values) and
+    # the trailer (1 row checksum + its check). Received here so that the sender's sends complete.
+    for rest in (torch.empty(10, dtype=torch.uint8), torch.empty(2, dtype=torch.int64)):
+        dist.recv(rest, src=0)
+    return str(error.value)
+
+
+@pytest.mark.slow
+def test_a_header_refused_before_its_payload_says_the_link_cannot_be_resynced():
+    _, message = run_ranks(_header_damaged_in_flight, 2)
+    assert "resync() cannot recover this link: create both syncers again on a fresh process group" in message
