@@ -43,6 +43,9 @@ HANDSHAKES = [
     ("config", "config differs from the sender's"),
     ("not contiguous", "not_contiguous on the receiver: ['a']"),
 ]
+# (keys the sender asks to sync, what both sides' error must say)
+SENDER_KEYS = [(["a", "nope"], "keys to sync not in the sender's state_dict: ['nope']"),
+               ([], "the list of keys to sync is empty")]
 
 
 def _bad_handshakes(rank, world_size):
@@ -65,6 +68,11 @@ def _bad_handshakes(rank, world_size):
         with pytest.raises(ValueError) as error:
             syncer.init_sender(state) if rank == 0 else syncer.init_receiver(state)
         messages.append(str(error.value))
+    for keys, _ in SENDER_KEYS:
+        syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+        with pytest.raises(ValueError) as error:
+            syncer.init_sender(_state(), keys=keys) if rank == 0 else syncer.init_receiver(_state())
+        messages.append(str(error.value))
     # A bf16 receiver of an fp32 sender is fine: floating dtypes may differ.
     syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
     state = _state() if rank == 0 else {**_state(), "a": torch.zeros(4, 3, dtype=torch.bfloat16)}
@@ -75,7 +83,8 @@ def _bad_handshakes(rank, world_size):
 @pytest.mark.slow
 def test_handshake_mismatches_fail_on_both_sides_with_the_reason():
     for messages in run_ranks(_bad_handshakes, 2):
-        for (_, expected), message in zip(HANDSHAKES, messages):
+        assert len(messages) == len(HANDSHAKES) + len(SENDER_KEYS)
+        for (_, expected), message in zip(HANDSHAKES + SENDER_KEYS, messages):
             assert expected in message, message
 
 
@@ -86,6 +95,9 @@ def _bad_calls(rank, world_size):
         make_weight_syncer(WeightSyncConfig(), src=0, dsts=[0, 1])
     with pytest.raises(ValueError, match="gloo backend cannot send from device 'cuda'"):
         make_weight_syncer(WeightSyncConfig(type="bucket", bucket=BucketConfig(bucket_device="cuda")), 0, [1])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="snapshot_device=cuda but CUDA is not available"):
+            make_weight_syncer(WeightSyncConfig(type="patch", patch=PatchConfig(snapshot_device="cuda")), 0, [1])
     syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
     state = _state()
     with pytest.raises(RuntimeError, match="call init_sender/init_receiver first"):
@@ -98,6 +110,10 @@ def _bad_calls(rank, world_size):
             syncer.sync(state, 0)
         with pytest.raises(KeyError, match=r"missing \['b'\], unexpected \['c'\]"):
             syncer.sync({"a": state["a"], "c": state["b"], "steps": state["steps"]}, 1)
+        with pytest.raises(ValueError, match=r"shape or dtype changed since init for \['a'\]"):
+            syncer.sync({**state, "a": torch.zeros(3, 4)}, 1)
+        with pytest.raises(ValueError, match="the sender's resync needs the version to restart from"):
+            syncer.resync(state)
         syncer.sync(state, 1)
     else:
         syncer.init_receiver(state)
@@ -105,6 +121,8 @@ def _bad_calls(rank, world_size):
             syncer.apply({"a": state["a"], "b": state["b"]})
         with pytest.raises(ValueError, match="load_instant=true writes buckets as they arrive"):
             syncer.apply(state, blocking=False)
+        with pytest.raises(TypeError, match="expected an nn.Module or a state_dict, got list"):
+            syncer.apply([state["a"]])
         assert syncer.apply(state) == 1
     return True
 
