@@ -206,7 +206,7 @@ class Link:
         ordinals = [self.ordinal[k] for k in keys]
         flat = {self.ordinal[k]: tensors[k].view(-1) for k in keys} if staged is None else {}
         into = None if staged is not None else (lambda o: flat[o] if o in flat and flat[o].dtype == dtypes[o]
-                                                and flat[o].device == self.device else None)   # gloo: host memory
+                                                and flat[o].device.type == self.device.type else None)  # gloo: host
         plan = plan_buckets([self.numels[o] * dtypes[o].itemsize for o in ordinals], bucket_size)
         version = None
         for index, members in enumerate(plan):
