@@ -144,7 +144,7 @@ def update_checksum(checksum: torch.Tensor, index: torch.Tensor, old: torch.Tens
     # Summed per row first (exact in int64: under 2**54), so the slow modulo runs once per row, not per change.
     per_row = torch.zeros(num_rows, 2, dtype=torch.int64, device=index.device).index_add_(0, rows, terms)
     delta = torch.remainder(torch.remainder(per_row, P) * _row_weights(num_rows, index.device)[:num_rows], P).sum(0)
-    return _combine(torch.remainder(_split(checksum.to(index.device)) + delta, P))  # kept on the host, or not
+    return _combine(torch.remainder(_split(checksum.to(index.device)) + delta, P))  # callers may keep it on the host
 
 
 def checksum(tensors) -> torch.Tensor:

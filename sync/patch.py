@@ -335,10 +335,10 @@ def _decode(symbols: torch.Tensor, encoding: int, numel: int):
     if bool(is_change.all()):  # no escapes: every symbol is a gap
         index = torch.cumsum(s + 1, 0) - 1
         flags = [(index[-1:] >= numel).any()]
-        return index.clamp_(max=numel - 1), flags
-    positions = torch.cumsum(torch.where(is_change, s + 1, s), 0) - 1
-    index = positions[is_change]
-    flags = [(positions[-1:] >= numel).any() if index.numel() else torch.tensor(False), ~is_change[-1:].all()]
+    else:
+        positions = torch.cumsum(torch.where(is_change, s + 1, s), 0) - 1
+        index = positions[is_change]
+        flags = [(positions[-1:] >= numel).any() if index.numel() else torch.tensor(False), ~is_change[-1:].all()]
     return index.clamp_(max=numel - 1), flags
 
 
