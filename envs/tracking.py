@@ -77,7 +77,9 @@ class Tracking:
             G = self.gravity_coef * torch.sin(phi)
             lhs = H + dt * self.damping_phi + dt * dt * self.stiffness_phi
             rhs = (H @ phid.unsqueeze(-1)).squeeze(-1) + dt * (tau_phi - C - G)
-            phid = torch.linalg.solve(lhs, rhs.unsqueeze(-1)).squeeze(-1)
+            # solve_ex, not solve: the same LU solve, but solve reads its error flags on the host, which on
+            # a GPU is a device sync per substep. lhs is positive definite (mass matrix plus PD terms).
+            phid = torch.linalg.solve_ex(lhs, rhs.unsqueeze(-1)).result.squeeze(-1)
             phi = phi + dt * phid
             self.q = torch.diff(phi, dim=-1, prepend=torch.zeros_like(phi[:, :1]))
             self.qd = torch.diff(phid, dim=-1, prepend=torch.zeros_like(phid[:, :1]))
