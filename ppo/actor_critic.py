@@ -29,8 +29,9 @@ def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: str) -> 
 
 class Gaussian:
     """Diagonal Gaussian with a state-independent std [A]: the same numbers as
-    `torch.distributions.Normal(mean, std.expand_as(mean))` (same formulas, same sampling call), but the std
-    terms (square, log) are computed once on [A] instead of on every sample [B, A], and nothing is validated."""
+    `torch.distributions.Normal(mean, std.expand_as(mean))` (same formulas, same draws from the same
+    generator), but the std terms (square, log) are computed once on [A] instead of on every sample [B, A],
+    and nothing is validated."""
 
     def __init__(self, mean: torch.Tensor, log_std: torch.Tensor):
         self.mean, self.std = mean, log_std.exp()
@@ -40,8 +41,11 @@ class Gaussian:
         return self.std.expand_as(self.mean)
 
     def sample(self) -> torch.Tensor:
+        """What `torch.normal(mean, std)` draws (standard normals from the global generator, times std, plus
+        mean, in that order), without its check that every std >= 0: a host read, so on a GPU a device sync
+        at every rollout step. The std here is an exp, never negative."""
         with torch.no_grad():
-            return torch.normal(self.mean, self.stddev)
+            return torch.randn_like(self.mean).mul_(self.std).add_(self.mean)
 
     def log_prob(self, actions: torch.Tensor) -> torch.Tensor:
         """Per action dimension, [B, A]."""

@@ -14,10 +14,13 @@ def test_gaussian_matches_torch_normal_bit_for_bit():
     assert torch.equal(ours.log_prob(actions).sum(-1), ref.log_prob(actions).sum(-1))
     assert torch.equal(ours.entropy().sum(-1), ref.entropy().sum(-1))
     assert torch.equal(ours.stddev, ref.stddev) and torch.equal(ours.mean, ref.mean)
-    torch.manual_seed(1)
-    a = ours.sample()
-    torch.manual_seed(1)
-    assert torch.equal(a, ref.sample())       # same call, same RNG stream as Normal.sample
+    std = ref.stddev
+    for rows in (1, 2, 257):   # under 16 elements torch fills normals one by one, above 16 at a time
+        ours, ref = Gaussian(mean[:rows], log_std), torch.distributions.Normal(mean[:rows], std[:rows])
+        torch.manual_seed(1)
+        a = ours.sample()
+        torch.manual_seed(1)
+        assert torch.equal(a, ref.sample())   # same draws from the same RNG stream as Normal.sample
 
 
 def test_gaussian_gradients_match_torch_normal():

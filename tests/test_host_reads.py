@@ -1,0 +1,73 @@
+"""The per-step GPU paths read nothing back to the host: an env step and a rollout step.
+
+A host read of a device value (`.item()`, a `nonzero`, an error-flag check) stalls a GPU's launch queue
+until the device catches up; once per env step it caps the rollout's throughput. On CPU these tests look
+for host-reading ops in the profiler trace; with `SYNCPPO_TEST_DEVICE=cuda` (bench/gpu_check.sh) the same
+steps run under `torch.cuda.set_sync_debug_mode("error")`, where any device sync raises.
+"""
+
+import os
+
+import pytest
+import torch
+
+from envs import CartPole, Tracking
+from ppo.actor_critic import ActorCritic
+from ppo.rollout import TRAIN_KEYS, EpisodeStats, collect_rollout
+
+DEVICE = os.environ.get("SYNCPPO_TEST_DEVICE", "cpu")
+HOST_READS = {"aten::_local_scalar_dense", "aten::_linalg_check_errors", "aten::nonzero", "aten::is_nonzero"}
+# Host reads that exist only on CPU: the CPU LU kernel checks its pivots (its CUDA kernel does not), and the
+# time-out bootstrap picks the timed-out rows on CPU (on other devices it masks instead; ppo/gae.py).
+CPU_ONLY = ("aten::linalg_lu_solve", "bootstrap_time_outs")
+
+
+def make_env(name: str, num_envs: int = 64):
+    if name == "cartpole":
+        return CartPole(num_envs, DEVICE, 0)
+    return Tracking(num_envs, DEVICE, 0, base_seed=0, num_motions=8)
+
+
+def host_reads(run) -> list[str]:
+    """The host-reading ops `run()` issues, outside the CPU-only ones; on CUDA raises at the first sync."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return []
+    with torch.profiler.profile(with_stack=True) as prof:
+        run()
+
+    def cpu_only(event):
+        while event is not None:
+            if any(name in event.name for name in CPU_ONLY):
+                return True
+            event = event.cpu_parent
+        return False
+
+    return sorted({e.name for e in prof.events() if e.name in HOST_READS and not cpu_only(e)})
+
+
+@pytest.mark.parametrize("name", ["cartpole", "tracking"])
+def test_env_step_reads_nothing_back_to_the_host(name):
+    env = make_env(name)
+    env.reset()
+    actions = torch.randn(env.num_envs, env.num_actions, device=DEVICE)
+
+    def steps():
+        for _ in range(40):   # episodes end and reset within these steps
+            env.step(actions)
+
+    assert host_reads(steps) == [], f"{name}.step reads device values on the host: a device sync per step on a GPU"
+
+
+def test_rollout_step_reads_nothing_back_to_the_host():
+    env = make_env("tracking")
+    model = ActorCritic(env.obs_dims["policy"], env.obs_dims["critic"], env.num_actions).to(DEVICE)
+    obs = env.reset()[0]
+    stats = EpisodeStats(env.num_envs, TRAIN_KEYS + env.log_keys, torch.device(DEVICE))
+    reads = host_reads(lambda: collect_rollout(model, env, obs, 40, 0.99, True, stats))
+    assert reads == [], "sampling, the critic, the bootstrap or the episode statistics read the device on the host"
