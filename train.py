@@ -265,12 +265,24 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles) -> None:
             raise UsageError(f"--resume {path!r}: its {key} does not fit this run (other env or --policy.* "
                              f"sizes?): {str(exc).splitlines()[0]}") from None
     saved_layout = state.get("layout", [len(state["rng"]), 0])
-    if saved_layout == [roles.num_learners, roles.num_rollouts]:
-        rng = state["rng"][roles.rank]
+    same_layout = saved_layout == [roles.num_learners, roles.num_rollouts]
+    rng = state["rng"][roles.rank] if same_layout else {}
+    # This process's generators (a cuda env generator has a 16-byte state, a CPU one 5056 bytes): states
+    # saved on another device do not fit them, so the streams restart as for another layout.
+    ours = {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(),
+            **({"env": stateful["env"].generator.get_state()} if stateful["env"] is not None else {})}
+    fits = all(key in rng and rng[key].numel() == value.numel() for key, value in ours.items())
+    if same_layout and fits:
         torch.set_rng_state(rng["torch"].cpu())
         shuffle.set_state(rng["shuffle"].cpu())
         if stateful["env"] is not None:
             stateful["env"].generator.set_state(rng["env"].cpu())
+        if "cuda" in rng and torch.cuda.is_available():   # action sampling on a cuda device draws from it
+            torch.cuda.set_rng_state(rng["cuda"].cpu())
+    elif same_layout:
+        if roles.rank == 0:
+            print(f"[syncppo] resuming a checkpoint whose RNG states were saved on another device: RNG streams "
+                  f"restart from --seed + rank; everything else is restored", flush=True)
     elif roles.rank == 0:
         print(f"[syncppo] resuming a checkpoint of {saved_layout[0]} learner(s) + {saved_layout[1]} rollout rank(s) "
               f"on {roles.num_learners} + {roles.num_rollouts}: RNG streams restart from --seed + rank; "

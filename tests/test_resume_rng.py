@@ -1,0 +1,67 @@
+"""train.restore puts back every RNG stream a checkpoint saved, or restarts them all when they cannot fit."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train
+
+ROLES_1 = SimpleNamespace(rank=0, num_learners=1, num_rollouts=0)
+
+
+class _Env:
+    """The two things train.restore touches on an env: its generator and load_state_dict."""
+
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _checkpoint(rng: dict) -> dict:
+    return {"rng": [rng], "layout": [1, 0], "iteration": 4, "env": {}}
+
+
+def test_resume_restores_the_saved_cuda_rng_state(monkeypatch):
+    """On CUDA, actions are sampled from the CUDA generator (Gaussian.sample on cuda tensors); its state is
+    saved in every checkpoint (dist.checkpoint.rng_states) and must come back on resume, as the torch
+    CPU, shuffle and env states do."""
+    cuda_state = torch.arange(16, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state.clone()))
+    saved_torch = torch.Generator().manual_seed(11).get_state()
+    saved_shuffle = torch.Generator().manual_seed(12).get_state()
+    saved_env = torch.Generator().manual_seed(13).get_state()
+    env, shuffle = _Env(seed=1), torch.Generator().manual_seed(2)
+    before = torch.get_rng_state()
+    try:
+        train.restore(_checkpoint({"torch": saved_torch, "shuffle": saved_shuffle, "env": saved_env,
+                                   "cuda": cuda_state}), "ckpt.pt", {"env": env}, shuffle, ROLES_1)
+        assert torch.equal(torch.get_rng_state(), saved_torch)
+    finally:
+        torch.set_rng_state(before)
+    assert torch.equal(shuffle.get_state(), saved_shuffle)
+    assert torch.equal(env.generator.get_state(), saved_env)
+    assert len(restored) == 1 and torch.equal(restored[0], cuda_state)
+
+
+def test_resume_with_rng_states_of_another_device_restarts_the_streams_instead_of_crashing(capsys):
+    """A checkpoint written on a GPU (env generator on cuda: a 16-byte Philox state) resumed on the CPU
+    with the same world size: the states do not fit this process's generators. It must restart the RNG
+    streams from --seed + rank and say so (as for another world size), not die with a RuntimeError."""
+    cuda_env_state = torch.zeros(16, dtype=torch.uint8)    # what a cuda torch.Generator's get_state() returns
+    saved = {"torch": torch.Generator().manual_seed(11).get_state(),
+             "shuffle": torch.Generator().manual_seed(12).get_state(), "env": cuda_env_state}
+    env, shuffle = _Env(seed=1), torch.Generator().manual_seed(2)
+    env_before, shuffle_before, torch_before = env.generator.get_state(), shuffle.get_state(), torch.get_rng_state()
+    try:
+        train.restore(_checkpoint(saved), "ckpt.pt", {"env": env}, shuffle, ROLES_1)
+        assert torch.equal(torch.get_rng_state(), torch_before)    # all streams restart together
+    finally:
+        torch.set_rng_state(torch_before)
+    assert torch.equal(env.generator.get_state(), env_before)
+    assert torch.equal(shuffle.get_state(), shuffle_before)
+    assert "RNG streams restart" in capsys.readouterr().out
