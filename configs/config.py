@@ -260,6 +260,9 @@ def validate_rollout(cfg: Config, world_size: int) -> None:
     if cfg.dist.device == "cuda":
         raise UsageError("--rollout.ranks runs on CPU devices only for now (batches and weights are staged on the "
                          "host over gloo, and the CUDA path is untested); use --dist.device cpu or auto")
+    if cfg.env.name == "isaaclab":    # --dist.device auto means cpu with rollout ranks: the adapter would refuse it
+        raise UsageError("--rollout.ranks runs on CPU devices only for now, and --env.name isaaclab simulates on "
+                         "GPUs; use --rollout.ranks 0 (colocated) with Isaac Lab")
 
 
 EMBEDDED_STEP_S = 0.02    # control step of both embedded envs (cartpole: dt; tracking: 4 x 5 ms substeps)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as torch_dist
 
 from dist import comm
+from dist.errors import UsageError
 
 
 @dataclass
@@ -29,10 +30,10 @@ def resolve_device(device: str = "auto") -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
-        raise ValueError("--dist.device cuda was asked for but torch sees no CUDA device; use --dist.device cpu")
+        raise UsageError("--dist.device cuda was asked for but torch sees no CUDA device; use --dist.device cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     if use_cuda and local_world > torch.cuda.device_count():
-        raise ValueError(f"--nproc-per-node {local_world} starts more ranks than the {torch.cuda.device_count()} "
+        raise UsageError(f"--nproc-per-node {local_world} starts more ranks than the {torch.cuda.device_count()} "
                          f"visible GPU(s); start at most that many processes per node")
     return torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
 
@@ -58,7 +59,7 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
     if backend == "nccl" and not use_cuda:
-        raise ValueError("--dist.backend nccl needs CUDA devices; use --dist.backend gloo on CPU")
+        raise UsageError("--dist.backend nccl needs CUDA devices; use --dist.backend gloo on CPU")
     if world_size > 1:
         if not torch_dist.is_initialized():
             timeout = timedelta(seconds=timeout_s)

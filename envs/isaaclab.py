@@ -99,13 +99,15 @@ class IsaacLabEnv:
                              "observation before an auto-reset is lost and time-outs cannot be bootstrapped: "
                              "update Isaac Lab")
         env_cfg.compute_final_obs = True
-        # Anything that fails while the runtime is up closes it again (with the error's exit code).
-        with contextlib.ExitStack() as runtime:
-            runtime.enter_context(launch_simulation(env_cfg, launcher))
-            self.env = gym.make(task, cfg=env_cfg)
-            self._describe(task, device, seed, actor_obs_groups, critic_obs_groups)
-            self._runtime = runtime.pop_all()
+        # From here on the runtime lives as long as the process, also when building the env fails: Kit ends the
+        # process when its runtime closes, so closing it here would end the process before the error (e.g. an
+        # --env.*-obs-groups that does not fit) reached the runner's one line on stderr. `close` at exit ends it
+        # with the process's status.
+        self.env, self._runtime = None, contextlib.ExitStack()
+        self._runtime.enter_context(launch_simulation(env_cfg, launcher))
         atexit.register(self.close)
+        self.env = gym.make(task, cfg=env_cfg)
+        self._describe(task, device, seed, actor_obs_groups, critic_obs_groups)
 
     def _describe(self, task, device, seed, actor_obs_groups, critic_obs_groups) -> None:
         """Read sizes, limits and metric names off the built env; check it runs where the learner does."""
@@ -204,7 +206,8 @@ class IsaacLabEnv:
         runtime, self._runtime = self._runtime, None
         code = process_exit_code() if exit_code is None else exit_code
         try:
-            self.env.close()
+            if self.env is not None:      # None when building it failed
+                self.env.close()
         finally:
             # launch_simulation hands its launchers the status of a SystemExit raised in its block, and Kit
             # exits with it; leaving the block normally would end every run with status 0.

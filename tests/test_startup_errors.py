@@ -1,0 +1,86 @@
+"""Start-up errors that used to end in a traceback, late or silently: device and backend flags, rollout ranks
+with Isaac Lab, an Isaac Lab env that fails to build under Kit."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import train
+from configs import preset, validate
+from dist.errors import UsageError
+from tests.fake_isaaclab import Record, fake_modules
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small(root):
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 8, 4, 1
+    cfg.log.root = str(root)
+    return cfg
+
+
+# ---- device/backend errors are usage errors: one line naming the flag, status 2, no traceback ----------------
+
+def test_cuda_device_without_cuda_is_one_line_naming_the_flag(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = small(tmp_path)
+    cfg.dist.device = "cuda"
+    assert train.cli(cfg) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --dist.device cuda") and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "cartpole")        # nothing written
+
+
+def test_nccl_on_the_cpu_is_one_line_naming_the_flag(tmp_path, capsys):
+    cfg = small(tmp_path)
+    cfg.dist.backend, cfg.dist.device = "nccl", "cpu"
+    assert train.cli(cfg) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --dist.backend nccl") and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "cartpole")
+
+
+# ---- rollout ranks with Isaac Lab: refused at validation, naming --rollout.ranks ---------------------------
+
+def test_rollout_ranks_with_isaaclab_are_refused_before_anything_is_built(monkeypatch):
+    for name, module in fake_modules(Record()).items():      # the package is "installed"
+        monkeypatch.setitem(sys.modules, name, module)
+    cfg = preset("isaaclab")
+    cfg.rollout.ranks = 1
+    # --dist.device auto: train.main turns it into cpu for rollout ranks, where Isaac Lab cannot simulate
+    with pytest.raises(UsageError, match=r"--rollout.ranks .*--env.name isaaclab"):
+        validate(cfg, world_size=2)
+    cfg.rollout.ranks = 0
+    validate(cfg, world_size=2)
+
+
+# ---- an Isaac Lab start-up error under Kit reaches the runner instead of ending the process silently -------
+
+KIT_RUN = """
+import sys
+import torch
+torch.cuda.is_available = lambda: False
+import train
+from configs import preset
+from tests.fake_isaaclab import install
+
+install(rank=0)
+cfg = preset("isaaclab")
+cfg.env.num_envs, cfg.env.critic_obs_groups = 8, ("privileged",)       # a group the task does not have
+cfg.env.task_overrides = ("physics=isaacsim_physx",)                   # Kit: closing it ends the process
+cfg.ppo.num_steps, cfg.max_iterations, cfg.log.root = 8, 1, {root!r}
+sys.exit(train.cli(cfg))
+"""
+
+
+def test_a_bad_obs_group_under_kit_is_reported_naming_the_flag(tmp_path):
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(KIT_RUN).format(root=str(tmp_path))], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "error: --env.critic-obs-groups: this task has no observation group 'privileged'" in result.stderr, \
+        result.stderr
