@@ -47,6 +47,8 @@ class Tracking:
         self.motion_ids = torch.zeros(n, dtype=torch.long, device=self.device)
         self.motion_time = torch.zeros(n, device=self.device)
         self.episode_length = torch.zeros(n, dtype=torch.long, device=self.device)
+        # Made once: a tensor built from Python data at every step is a host-to-device copy, which on a GPU waits.
+        self.future_offsets = self.dt * torch.tensor(self.future_steps, device=self.device)
         idx = torch.arange(j, device=self.device)
         mass_outwards = self.link_mass * (j - idx).float()                       # M_j
         self.mass_pair = mass_outwards[torch.maximum(idx[:, None], idx[None, :])] * self.link_length**2
@@ -99,7 +101,7 @@ class Tracking:
         self.episode_length = torch.where(mask, 0, self.episode_length)
 
     def _observe(self) -> dict[str, torch.Tensor]:
-        future = self.motion_time[:, None] + self.dt * torch.tensor(self.future_steps, device=self.device)
+        future = self.motion_time[:, None] + self.future_offsets
         ref_future, _ = self.motions.frame(self.motion_ids, future)               # [N, F, J]
         _, ref_qd_next = self.motions.frame(self.motion_ids, self.motion_time + self.dt)
         policy = torch.cat([self.q, 0.1 * self.qd, self.last_action, ref_future.flatten(1), 0.1 * ref_qd_next], 1)

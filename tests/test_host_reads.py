@@ -1,7 +1,8 @@
 """The per-step GPU paths read nothing back to the host: an env step and a rollout step.
 
-A host read of a device value (`.item()`, a `nonzero`, an error-flag check) stalls a GPU's launch queue
-until the device catches up; once per env step it caps the rollout's throughput. On CPU these tests look
+A host read of a device value (`.item()`, a `nonzero`, an error-flag check), or a tensor made from Python
+data (a blocking copy to the device), stalls a GPU's launch queue until the device catches up; once per
+env step it caps the rollout's throughput. On CPU these tests look
 for host-reading ops in the profiler trace; with `SYNCPPO_TEST_DEVICE=cuda` (bench/gpu_check.sh) the same
 steps run under `torch.cuda.set_sync_debug_mode("error")`, where any device sync raises.
 """
@@ -16,7 +17,8 @@ from ppo.actor_critic import ActorCritic
 from ppo.rollout import TRAIN_KEYS, EpisodeStats, collect_rollout
 
 DEVICE = os.environ.get("SYNCPPO_TEST_DEVICE", "cpu")
-HOST_READS = {"aten::_local_scalar_dense", "aten::_linalg_check_errors", "aten::nonzero", "aten::is_nonzero"}
+HOST_READS = {"aten::_local_scalar_dense", "aten::_linalg_check_errors", "aten::nonzero", "aten::is_nonzero",
+              "aten::lift_fresh"}   # a tensor from Python data: on a GPU a blocking host-to-device copy
 # Host reads that exist only on CPU: the CPU LU kernel checks its pivots (its CUDA kernel does not), and the
 # time-out bootstrap picks the timed-out rows on CPU (on other devices it masks instead; ppo/gae.py).
 CPU_ONLY = ("aten::linalg_lu_solve", "bootstrap_time_outs")
