@@ -162,7 +162,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
             episodes.ended = list(batch.pop("episode_returns", torch.zeros(0, N)))
         fill_storage(storage, batch, model, reward_normalizer, cfg.ppo.gamma, cfg.ppo.lam,
                      recompute=team is not None and team.recompute)
-        collection_time = time.time() - t0
+        collection_time = finished(device) - t0
 
         # ---- update: E x M synchronized steps, then the once-per-iteration state syncs ------------
         t1 = time.time()
@@ -177,7 +177,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
             sum_counts(sampler)
         if cfg.dist.verify_every and (iteration + 1) % cfg.dist.verify_every == 0:
             verify_replicas(model)
-        learning_time = time.time() - t1
+        learning_time = finished(device) - t1
 
         # ---- metrics + the stop flags: one packed all-reduce of (sum, count) pairs; rank 0 writes --
         for key in ("surrogate", "value_function", "entropy"):
@@ -240,6 +240,14 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     stop.restore_default_handlers()
     shutdown()
     return model, scalars, plan
+
+
+def finished(device: torch.device) -> float:
+    """The wall-clock time once `device` has run all it was given: on a GPU a phase's time then includes the
+    work it queued, which would otherwise drain unseen in the next phase's first sync. One sync per phase."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
 
 
 def restore(state: dict, path: str, stateful: dict, shuffle, roles) -> None:

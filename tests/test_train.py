@@ -141,3 +141,16 @@ def test_resume_restarts_per_env_state_declared_local(tmp_path, monkeypatch):
     assert torch.equal(loaded["returns"], torch.zeros_like(saved["returns"]))   # envs restart, so do their returns
     for key in ("count", "mean64", "m2", "std"):                                # merged statistics are restored
         assert torch.equal(loaded[key], saved[key]), key
+
+
+def test_phase_times_wait_for_the_device(monkeypatch):
+    """Perf/collection_time and Perf/learning_time (hence Perf/total_fps and bench_train on a GPU) end once the
+    GPU has run what the phase queued: the clock is read after a device sync, on CUDA only."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", str(device))))
+    monkeypatch.setattr(train.time, "time", lambda: events.append(("clock",)) or 123.0)
+    assert train.finished(torch.device("cuda:1")) == 123.0
+    assert events == [("sync", "cuda:1"), ("clock",)]
+    events.clear()
+    assert train.finished(torch.device("cpu")) == 123.0
+    assert events == [("clock",)]
