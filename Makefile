@@ -4,8 +4,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 PRESET  ?= tracking
 ARGS    ?=
-# One rank per GPU when CUDA GPUs are visible, else 2 CPU ranks (gloo).
-NPROC   ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
+# One rank per GPU when CUDA GPUs are visible, else 2 CPU ranks (gloo). Only `GPU N: ...` lines count: without a
+# GPU or a working driver, nvidia-smi -L prints one line of error ("No devices were found") on stdout.
+NPROC   ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); [ "$$n" -gt 0 ] && echo $$n || echo 2)
 # 2 cores here: one thread per rank keeps ranks from oversubscribing the CPU.
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1

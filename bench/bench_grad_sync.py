@@ -291,6 +291,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a hung rank dumps its stacks")
     parser.add_argument("--world-size", type=int, default=None, help="default: 2 on cpu, every visible GPU on cuda")
     args = parser.parse_args()
+    # Checked here, before any rank starts (a rank would die with a traceback; --world-size 0 meant "default").
+    for flag, value, least in (("--iters", args.iters, 1), ("--batch", args.batch, 1), ("--warmup", args.warmup, 0),
+                               ("--world-size", args.world_size, 1)):
+        if value is not None and value < least:
+            parser.error(f"{flag} must be >= {least}, got {value}")
+    if not all(mb > 0 for mb in args.bucket_mb):
+        parser.error(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be positive, got {args.timeout}")
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA device")

@@ -30,7 +30,8 @@ syncppo at 2 ranks (torchrun, small setting, full run only) is timed separately 
 On CUDA (`--device cuda`) both learners and the env run on the GPU, where small networks are bound by
 kernel launches and host syncs rather than FLOPs: the matmul limit is then timed with the GPU
 synchronized around each shape's repeats, and `--capture-step` runs syncppo's sync-free, CUDA-graph
-minibatch step (`--ppo.capture-step`).
+minibatch step (`--ppo.capture-step`). syncppo's phase clocks wait for the GPU; RSL-RL's do not, so the
+time its queued work takes to drain at its logging call is added to its learning time.
 """
 
 import argparse
@@ -168,8 +169,13 @@ def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> 
     rsl_log = runner.logger.log
 
     def timed_rsl_log(**kw):
+        # On a GPU, RSL-RL's clock may stop while its last optimizer step still runs; syncppo's phase clocks wait
+        # for the device (train.finished), so the drain counts as RSL-RL's learning time too. ~0 on CPU.
+        start = time.perf_counter()
+        _synchronize(device)
+        drain = time.perf_counter() - start
         rsl_log(**kw)
-        rows["rsl-rl"].append((kw["collect_time"], kw["learn_time"]))
+        rows["rsl-rl"].append((kw["collect_time"], kw["learn_time"] + drain))
         rows["limit"].append(cfg.ppo.num_epochs * cfg.ppo.num_mini_batches * matmul_limit_seconds(limit_shapes, device))
         baton.pass_on("rsl-rl")
     runner.logger.log = timed_rsl_log
@@ -214,13 +220,15 @@ def two_rank_rate(preset_name: str, num_envs: int, iterations: int, warmup: int,
     events = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith("events.out")][0]
     acc = EventAccumulator(events)
     acc.Reload()
-    fps = sorted(e.value for e in acc.Scalars("Perf/total_fps")[warmup:])
-    return fps[len(fps) // 2]
+    return median([e.value for e in acc.Scalars("Perf/total_fps")[warmup:]])
 
 
 def median(xs):
+    """The median; of an even count, the mean of the two middle values (not the upper one: with the 2 rounds of
+    `--quick` large, that was the larger ratio)."""
     xs = sorted(xs)
-    return xs[len(xs) // 2]
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 def report(name: str, cfg, rows: dict, warmup: int, limit_shapes: list, device: torch.device) -> None:
@@ -265,7 +273,8 @@ def main():
         for name in args.settings:
             num_envs, hidden = SETTINGS[name]
             cfg = preset("tracking")
-            cfg.env.num_envs, cfg.max_iterations = args.num_envs or num_envs, iterations[name][0]
+            cfg.env.num_envs = num_envs if args.num_envs is None else args.num_envs   # 0 is an error, not "unset"
+            cfg.max_iterations = iterations[name][0]
             cfg.policy.actor_hidden = cfg.policy.critic_hidden = hidden
             cfg.dist.device, cfg.ppo.capture_step = args.device, args.capture_step
             try:

@@ -9,8 +9,9 @@ from torch.utils.tensorboard import SummaryWriter
 class RunLogger:
     def __init__(self, run_dir: str, max_iterations: int, start_iteration: int):
         # purge_step: when a run continues in its own directory (restart, --resume auto), TensorBoard drops
-        # whatever an earlier attempt logged after the checkpoint, so no step appears twice.
-        self.writer = SummaryWriter(run_dir, purge_step=start_iteration + 1 if start_iteration else None)
+        # whatever an earlier attempt logged after the checkpoint, so no step appears twice. Also from step 1: a
+        # torchrun restart before the first checkpoint continues in the same directory from iteration 0.
+        self.writer = SummaryWriter(run_dir, purge_step=start_iteration + 1)
         self.max_iterations, self.start_iteration = max_iterations, start_iteration
         self.start_time = time.time()
 

@@ -1,0 +1,209 @@
+"""The tools around the learner: policy export, the run logger, and the bench scripts' pure logic
+and command lines. Benches are never run here: their functions are imported and fed hand-made inputs."""
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from configs.config import PolicyConfig
+from ppo import export
+from ppo.actor_critic import build_actor_critic
+from ppo.logger import RunLogger
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(REPO, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench_train():
+    return load_bench("bench_train")
+
+
+@pytest.fixture(scope="module")
+def bench_grad_sync():
+    return load_bench("bench_grad_sync")
+
+
+# ---- bench/bench_train.py -----------------------------------------------------------------------------
+
+def test_bench_train_median_of_an_even_number_of_rounds(bench_train):
+    # `--quick` large has 2 timed rounds, the full large setting 4: the median of two ratios is their mean,
+    # not the larger one.
+    assert bench_train.median([0.8, 1.0]) == pytest.approx(0.9)
+    assert bench_train.median([4.0, 1.0, 3.0, 2.0]) == pytest.approx(2.5)
+    assert bench_train.median([3.0, 1.0, 2.0]) == 2.0
+    rng = np.random.default_rng(0)
+    for n in range(1, 12):
+        xs = rng.random(n).tolist()
+        assert bench_train.median(xs) == pytest.approx(float(np.median(xs)))
+
+
+def test_bench_train_gemm_shapes_by_hand(bench_train):
+    # actor 3 -> 4 -> 2, critic 5 -> 4 -> 1, minibatch 7: forward (B, in, out), weight grad (out, B, in),
+    # input grad (B, out, in) except for the first layer.
+    shapes = bench_train.gemm_shapes({"policy": 3, "critic": 5}, (4,), 2, 7)
+    assert shapes == [(7, 3, 4), (4, 7, 3),
+                      (7, 4, 2), (2, 7, 4), (7, 2, 4),
+                      (7, 5, 4), (4, 7, 5),
+                      (7, 4, 1), (1, 7, 4), (7, 1, 4)]
+
+
+def test_bench_train_zero_num_envs_is_a_usage_error(bench_train, monkeypatch, capsys):
+    """`--num-envs 0` used to fall back to the setting's 512 envs silently (0 is falsy) and run the bench."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the bench ran with a bad --num-envs")
+
+    monkeypatch.setattr(bench_train, "run_interleaved", must_not_run)
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--quick", "--settings", "small", "--num-envs", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_train.main()
+    assert exit_info.value.code == 2
+    assert "--num-envs" in capsys.readouterr().err
+
+
+# ---- bench/bench_grad_sync.py -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags", [["--iters", "0"], ["--batch", "0"], ["--world-size", "0"], ["--warmup", "-1"],
+                                   ["--bucket-mb", "0"], ["--timeout", "0"]])
+def test_bench_grad_sync_bad_numbers_are_one_line(bench_grad_sync, monkeypatch, capsys, flags):
+    """Bad counts used to start the ranks, which died with tracebacks (or, for --world-size 0, silently ran 2)."""
+    def must_not_launch(*args, **kwargs):
+        raise AssertionError("ranks were started with a bad flag")
+
+    monkeypatch.setattr(bench_grad_sync, "launch", must_not_launch)
+    monkeypatch.setattr(sys, "argv", ["bench_grad_sync.py", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_grad_sync.main()
+    assert exit_info.value.code == 2
+    assert flags[0] in capsys.readouterr().err
+
+
+# ---- ppo/logger.py ------------------------------------------------------------------------------------
+
+def tb_scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_logger_restart_before_first_checkpoint_does_not_repeat_steps(tmp_path):
+    """A torchrun restart before any checkpoint continues in the same run directory from iteration 0: the
+    first attempt's steps must be dropped, as they are after a restart from a checkpoint."""
+    first = RunLogger(str(tmp_path), max_iterations=10, start_iteration=0)
+    for step in (1, 2, 3):
+        first.log({"Train/mean_reward": float(step)}, step)
+    first.close()
+    second = RunLogger(str(tmp_path), max_iterations=10, start_iteration=0)   # the restarted attempt
+    for step in (1, 2):
+        second.log({"Train/mean_reward": 10.0 + step}, step)
+    second.close()
+    assert tb_scalars(str(tmp_path), "Train/mean_reward") == [(1, 11.0), (2, 12.0)]
+
+
+def test_logger_restart_from_checkpoint_keeps_steps_before_it(tmp_path):
+    first = RunLogger(str(tmp_path), max_iterations=10, start_iteration=0)
+    for step in (1, 2, 3, 4):
+        first.log({"Train/mean_reward": float(step)}, step)
+    first.close()
+    second = RunLogger(str(tmp_path), max_iterations=10, start_iteration=2)   # checkpoint model_2.pt
+    for step in (3, 4):
+        second.log({"Train/mean_reward": 10.0 + step}, step)
+    second.close()
+    assert tb_scalars(str(tmp_path), "Train/mean_reward") == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+
+
+# ---- ppo/export.py ------------------------------------------------------------------------------------
+
+def small_checkpoint(path, normalize_actor_obs: bool) -> str:
+    """A checkpoint with the entries export reads: a model state_dict and the run config."""
+    torch.manual_seed(0)
+    cfg = PolicyConfig(actor_hidden=(8, 8), critic_hidden=(8,), normalize_actor_obs=normalize_actor_obs)
+    model = build_actor_critic(cfg, {"policy": 5, "critic": 6}, 3)
+    if normalize_actor_obs:
+        norm = model.actor_normalizer
+        norm.mean.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0, 100.0]))
+        norm.std.copy_(torch.tensor([2.0, 0.5, 1.0, 1e-3, 10.0]))
+    torch.save({"model": model.state_dict(), "config": {"policy": dataclasses.asdict(cfg), "env": {}}}, path)
+    return str(path)
+
+
+def numpy_actions(state: dict, obs: np.ndarray, normalized: bool) -> np.ndarray:
+    """The mean action by hand: normalize (clip 10), then Linear / ELU / Linear / ELU / Linear in float64."""
+    x = obs.astype(np.float64)
+    if normalized:
+        mean, std = state["actor_normalizer.mean"].double().numpy(), state["actor_normalizer.std"].double().numpy()
+        x = np.clip((x - mean) / (std + 1e-8), -10.0, 10.0)
+    for i in (0, 2, 4):
+        x = x @ state[f"actor.{i}.weight"].double().numpy().T + state[f"actor.{i}.bias"].double().numpy()
+        if i < 4:
+            x = np.where(x > 0, x, np.expm1(np.minimum(x, 0)))
+    return x
+
+
+@pytest.mark.parametrize("normalized", [True, False])
+def test_exported_policy_matches_a_hand_computation(tmp_path, normalized):
+    path = small_checkpoint(tmp_path / "model_3.pt", normalized)
+    written = export.export(path, str(tmp_path / "out"))
+    scripted = torch.jit.load(written["torchscript"])
+    obs = torch.randn(32, 5, generator=torch.Generator().manual_seed(1)) * torch.logspace(-1, 2, 32)[:, None]
+    with torch.no_grad():
+        actions = scripted(obs)
+    assert actions.dtype == torch.float32 and actions.shape == (32, 3)
+    expected = numpy_actions(torch.load(path, weights_only=True)["model"], obs.numpy(), normalized)
+    np.testing.assert_allclose(actions.numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_export_out_that_is_a_file_is_a_usage_error(tmp_path):
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    not_a_dir = tmp_path / "notes.txt"
+    not_a_dir.write_text("hello")
+    with pytest.raises(ValueError, match="--out"):
+        export.export(path, str(not_a_dir))
+    result = subprocess.run([sys.executable, "-m", "ppo.export", path, "--out", str(not_a_dir)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--out" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---- Makefile -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("output, status, nproc", [
+    ("No devices were found", 6, 2),                                  # the tools installed, no GPU
+    ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", 9, 2),
+    ("GPU 0: NVIDIA H200 (UUID: GPU-1)", 0, 1),
+    ("GPU 0: NVIDIA H200 (UUID: GPU-1)\nGPU 1: NVIDIA H200 (UUID: GPU-2)", 0, 2),
+])
+def test_make_train_counts_gpus_not_lines_of_nvidia_smi(tmp_path, output, status, nproc):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\nprintf '%s\\n' \"{output}\"\nexit {status}\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    env.pop("NPROC", None)
+    result = subprocess.run(["make", "-n", "train"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert f"--nproc-per-node {nproc} train.py" in result.stdout, result.stdout + result.stderr
+
+
+# ---- bench/bench_rollout.py ---------------------------------------------------------------------------
+
+def test_bench_rollout_out_that_is_a_file_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    bench_rollout = load_bench("bench_rollout")
+    for part in ("throughput", "weight_sync", "learning"):
+        monkeypatch.setattr(bench_rollout, part, lambda *a: (_ for _ in ()).throw(AssertionError("a part ran")))
+    not_a_dir = tmp_path / "notes.txt"
+    not_a_dir.write_text("hello")
+    monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--quick", "--out", str(not_a_dir)])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_rollout.main()
+    assert exit_info.value.code == 2 and "--out" in capsys.readouterr().err
