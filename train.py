@@ -126,7 +126,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
             *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS)),
             *(team.plan_rows() if team else []),
             *verify_plan_rows(cfg.dist.verify_every, checkpoint is not None),
-            rng_plan_row(rng_states(env, shuffle), cfg.log.save_every)]
+            rng_plan_row(rng_states(env, shuffle, device), cfg.log.save_every)]
     if is_main:
         print(f"[syncppo] world size {world}, backend {info.backend}, device {device} (one per rank); {envs_scope}\n"
               f"[syncppo] {roles.describe()}\n"
@@ -218,7 +218,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
         if save:
             if sampler is not None:
                 sum_counts(sampler)
-            rngs = gather_rng_states(rng_states(env, shuffle))
+            rngs = gather_rng_states(rng_states(env, shuffle, device))
             extra = {"env": env.state_dict(), "layout": [world, 0]} if team is None else \
                 team_checkpoint(team_states, team.spec, roles)
             if is_main:
@@ -285,7 +285,7 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles) -> None:
         shuffle.set_state(rng["shuffle"].cpu())
         if stateful["env"] is not None:
             stateful["env"].generator.set_state(rng["env"].cpu())
-        if "cuda" in rng and torch.cuda.is_available():   # action sampling on a cuda device draws from it
+        if "cuda" in rng and torch.cuda.is_initialized():   # a GPU run (its model is there): sampling draws from it
             torch.cuda.set_rng_state(rng["cuda"].cpu())
     elif same_layout:
         if roles.rank == 0:

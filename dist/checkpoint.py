@@ -145,15 +145,18 @@ def check_writable_root(root: str) -> None:
         raise UsageError(f"--log.root {root!r}: {probe!r} is not writable; pick a directory you can write to")
 
 
-def rng_states(env=None, shuffle: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """This process's RNG states: torch (action sampling), the env's generator, the minibatch shuffle, CUDA."""
+def rng_states(env=None, shuffle: torch.Generator | None = None,
+               device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """This process's RNG states: torch (action sampling on CPU), the env's generator, the minibatch shuffle,
+    and `device`'s generator when it is a GPU (action sampling there). Only then: asking a CPU rank on a GPU
+    machine would open a CUDA context (hundreds of MB) on GPU 0 for nothing."""
     state = {"torch": torch.get_rng_state()}
     if shuffle is not None:
         state["shuffle"] = shuffle.get_state()
     if env is not None:
         state["env"] = env.generator.get_state()
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import train
+from dist.checkpoint import rng_states
 
 ROLES_1 = SimpleNamespace(rank=0, num_learners=1, num_rollouts=0)
 
@@ -30,7 +31,7 @@ def test_resume_restores_the_saved_cuda_rng_state(monkeypatch):
     CPU, shuffle and env states do."""
     cuda_state = torch.arange(16, dtype=torch.uint8)
     restored = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state.clone()))
     saved_torch = torch.Generator().manual_seed(11).get_state()
     saved_shuffle = torch.Generator().manual_seed(12).get_state()
@@ -65,3 +66,16 @@ def test_resume_with_rng_states_of_another_device_restarts_the_streams_instead_o
     assert torch.equal(env.generator.get_state(), env_before)
     assert torch.equal(shuffle.get_state(), shuffle_before)
     assert "RNG streams restart" in capsys.readouterr().out
+
+
+def test_rng_states_ask_for_the_cuda_generator_only_on_a_gpu_device(monkeypatch):
+    """A CPU rank on a GPU machine (rollout ranks, --dist.device cpu) must not touch CUDA: asking for its RNG
+    state opens a context on GPU 0. A GPU rank saves its own device's generator."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda device="cuda": asked.append(device) or torch.ones(16, dtype=torch.uint8))
+    assert set(rng_states(_Env(0), torch.Generator(), torch.device("cpu"))) == {"torch", "shuffle", "env"}
+    assert asked == []
+    on_gpu = rng_states(_Env(0), torch.Generator(), torch.device("cuda:1"))
+    assert asked == [torch.device("cuda:1")] and torch.equal(on_gpu["cuda"], torch.ones(16, dtype=torch.uint8))
