@@ -192,16 +192,19 @@ class Link:
         return SyncStats(wire, raw, sum(self.numels[o] for o in ordinals), dense_tensors=len(keys))
 
     def recv_whole(self, tensors: dict, keys: Sequence[str], dtypes: Sequence[torch.dtype], bucket_size: int,
-                   kind: int, purpose: str, staged: Optional[list] = None, drop: Optional[Sequence] = None) -> int:
+                   kind: int, purpose: str, staged: Optional[list] = None, drop: Optional[Sequence] = None,
+                   drop_decompress: Optional[Callable] = None) -> int:
         """Receive what send_whole sent and write it into `tensors`, or, given a list `staged`, append its
         (ordinal, values) there (a fresh buffer per bucket); returns the version.
 
         Crosses ranks: one frame per bucket from the sender; with `drop` (a resync: the value dtype per
         ordinal of updates) first any number of queued update frames, received whole and dropped, counted
-        under the purpose they were sent with. Every tensor is checked against the trailer's checksums as soon
+        under the purpose they were sent with (`drop_decompress`: how to take in their payload when the
+        updates are compressed). Every tensor is checked against the trailer's checksums as soon
         as it arrived. When writing, values already in the receiver's dtype and on the transport device arrive
         straight in the model, so a failed check leaves it written (`model_written`: the receiver then refuses
-        updates until resync()); a model on a GPU fed over gloo is written from a host staging buffer.
+        updates until resync()); a model on a GPU fed over gloo is written from a host staging buffer. A refused
+        bucket's remaining buckets are received and dropped before the error is raised.
         """
         ordinals = [self.ordinal[k] for k in keys]
         flat = {self.ordinal[k]: tensors[k].view(-1) for k in keys} if staged is None else {}
@@ -215,7 +218,8 @@ class Link:
                 if frame is not None:
                     frame.wait()
                 frame = recv_frame(self.src, self.group, self.device, self.numels, lambda k: (purpose, dtypes, into)
-                                   if k == kind or not drop else (UPDATE, drop, None), self.staging if staged is None else None)
+                                   if k == kind or not drop else (UPDATE, drop, None, drop_decompress),
+                                   self.staging if staged is None else None)
             check_kind(frame, kind)
             if frame.table[:, 0].tolist() != [ordinals[i] for i in members] or version not in (None, frame.version):
                 raise SyncIntegrityError(
@@ -223,9 +227,21 @@ class Link:
                     f"{frame.table[:, 0].tolist()}, expected {[ordinals[i] for i in members]} at version {version}; "
                     "sender and receiver disagree on the bucket plan", model_written=staged is None)
             got = [tensor_checksum(frame.row(r)[1]) for r in range(len(members))]  # each as soon as it arrived
-            if (torch.stack(got).tolist() if got else []) != frame.sums():
-                raise SyncIntegrityError(f"weight sync: bucket {index} at version {frame.version} does not match its "
-                                         f"checksums (corrupted on the way); {RESYNC_HINT}", model_written=staged is None)
+            try:
+                sums = frame.sums()
+            except SyncIntegrityError as error:  # a refused trailer: values may already be in the model
+                failure = SyncIntegrityError(str(error), model_written=staged is None)
+            else:
+                failure = None if (torch.stack(got).tolist() if got else []) == sums else SyncIntegrityError(
+                    f"weight sync: bucket {index} at version {frame.version} does not match its checksums "
+                    f"(corrupted on the way); {RESYNC_HINT}", model_written=staged is None)
+            if failure is not None:
+                # The rest of this update is queued behind it: take it in now (unwritten), so that the next frame
+                # starts a new update (a later resync could not tell the rest of a refused resync from its own).
+                for _ in plan[index + 1:]:
+                    recv_frame(self.src, self.group, self.device, self.numels, lambda k: (purpose, dtypes, None),
+                               self.staging).wait()
+                raise failure
             pairs = [(ordinal, values) for ordinal, (_, values) in zip(frame.table[:, 0].tolist(), frame.segments)]
             if staged is None:
                 with torch.no_grad():
@@ -276,10 +292,11 @@ class Link:
         return self.version
 
     def resync_whole(self, state_dict_or_model, version: Optional[int], keys: Sequence[str], bucket_size: int,
-                     update_dtypes: Sequence[torch.dtype]) -> dict:
+                     update_dtypes: Sequence[torch.dtype], update_decompress: Optional[Callable] = None) -> dict:
         """Both strategies' resync: the sender sends `keys` whole in the receivers' dtypes and both continue
         from `version`; a receiver first drops the updates still queued for it (any number, counted under
-        the purpose they were sent with; `update_dtypes`: their value dtype per ordinal). Returns the tensors.
+        the purpose they were sent with; `update_dtypes`: their value dtype per ordinal; `update_decompress`:
+        how to take in their payload when compressed). Returns the tensors.
 
         Crosses ranks: the queued update frames, then one frame per bucket of `bucket_size`, under the setup
         purpose.
@@ -297,7 +314,8 @@ class Link:
             raise RuntimeError("weight sync: a non-blocking apply is still receiving; finish it with apply(model) "
                                "before resync()")
         self._broken = None
-        self.write_update(lambda: self.recv_whole(tensors, keys, receiver, bucket_size, KIND_RESYNC, SETUP, drop=update_dtypes))
+        self.write_update(lambda: self.recv_whole(tensors, keys, receiver, bucket_size, KIND_RESYNC, SETUP,
+                                                  drop=update_dtypes, drop_decompress=update_decompress))
         return tensors
 
 

@@ -29,7 +29,7 @@ from .config import WeightSyncConfig
 from .link import Link, tensors_of
 from .wire import (BITMAP, DENSE, GAPS8, GAPS16, GAPS32, KIND_BUCKET, KIND_PATCH, RESYNC_HINT, SETUP, SYMBOL_DTYPES,
                    UPDATE, Frame, SyncIntegrityError, SyncStats, bucket_messages, check_kind, frame_messages,
-                   recv_frame, require_zstd, send_frame, zstd_compress, zstd_decompress)
+                   recv_frame, require_zstd, send_frame, zstd_compress, zstd_decompress, zstd_discard)
 
 GAP_DTYPES = {code: SYMBOL_DTYPES[code] for code in (GAPS8, GAPS16, GAPS32)}
 INCREMENTAL_BELOW = 1 / 16  # changed fraction under which updating a checksum beats recomputing it
@@ -120,7 +120,9 @@ class PatchSyncer(Link):
         rows, segments, changes = [], [], []
         for key in self.synced:  # in ordinal order: the table's rows must be
             current = state[key].detach().reshape(-1).to(self.dtypes[key])
-            old = self.snapshot[key].view(-1).to(current.device, non_blocking=True)
+            # Asynchronous only towards a device: a device-to-host copy would land in pinned memory that the host
+            # (numpy's change mask) reads at once, before the copy finished (snapshot_device=cuda, weights on cpu).
+            old = self.snapshot[key].view(-1).to(current.device, non_blocking=current.device.type != "cpu")
             if self._mask.numel() < current.numel() or self._mask.device != current.device:
                 self._mask = torch.empty(current.numel(), dtype=torch.bool, device=current.device)
             mask = _differ(current, old, self._mask[:current.numel()])
@@ -264,7 +266,8 @@ class PatchSyncer(Link):
         Crosses ranks: the synced and bootstrap keys whole (see Link.resync_whole)."""
         wanted = set(self.synced) | set(self._bootstrap_keys())
         tensors = self.resync_whole(state_dict_or_model, version, self.once_per_tie([k for k in self.keys if k in wanted]),
-                                    self.cfg.patch.init_sync.bucket_size, [self.dtypes[k] for k in self.keys])
+                                    self.cfg.patch.init_sync.bucket_size, [self.dtypes[k] for k in self.keys],
+                                    None if self.cfg.patch.compression == "none" else zstd_discard)
         if self.is_sender:
             self._take_snapshot(tensors)
         else:

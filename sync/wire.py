@@ -168,7 +168,8 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
 
     `expect(kind)`: for a frame of that kind, (ledger purpose, value dtype per tensor ordinal, `into` or
     None), where `into(ordinal)` gives a tensor to receive that row's whole values straight into (no staging
-    copy) or None (a resync drains queued updates under the purpose they were sent with). `staging`:
+    copy) or None (a resync drains queued updates under the purpose they were sent with), and optionally a
+    fourth item, the `decompress` of frames of that kind (a resync draining compressed patches). `staging`:
     [buffer] reused across frames (grown when too small), else a fresh buffer.
     """
     head = comm.recv_then_count(torch.empty(8, dtype=torch.int64, device=device),
@@ -177,7 +178,8 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     if magic != MAGIC:
         raise RuntimeError(f"weight sync: received a message without the sync header (magic {magic:#x}); "
                            "sender and receiver are out of step or share the group with other traffic")
-    purpose, dtypes, into = expect(kind)
+    purpose, dtypes, into, *codec = expect(kind)
+    decompress = codec[0] if codec else decompress
     if not 0 <= rows <= len(numels):
         raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces {rows} table rows; "
                                  f"{LINK_LOST}")
@@ -211,8 +213,9 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     frame.segments = [[None, None] for _ in range(rows)]
     for (r, part), segment in zip(places, parts):
         frame.segments[r][part] = segment
+    blob = None
     if decompress is not None and wire:
-        buffer[:raw].copy_(decompress(comm.recv(torch.empty(wire, dtype=torch.uint8, device=device), purpose, src, group), raw))
+        blob = comm.recv(torch.empty(wire, dtype=torch.uint8, device=device), purpose, src, group)
     elif packed:
         frame.works[PAYLOAD] = comm.irecv(buffer[:raw], purpose, src, group)
     elif decompress is None:
@@ -222,6 +225,12 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     if rows:
         frame.trailer = torch.empty(rows + 1, dtype=torch.int64, device=device)
         frame.works[(-1, -1)] = comm.irecv(frame.trailer, purpose, src, group)
+    if blob is not None:
+        try:
+            buffer[:raw].copy_(decompress(blob, raw))
+        except BaseException:
+            frame.wait()  # a refused payload: still receive the trailer, so the stream stays in step for resync()
+            raise
     return frame
 
 
@@ -283,6 +292,12 @@ def recv_json(src: int, group, device) -> tuple[object, int]:
 
 def zstd_compress(payload: torch.Tensor) -> torch.Tensor:
     return _as_tensor(require_zstd().ZstdCompressor(level=3).compress(payload.cpu().numpy().tobytes()))
+
+
+def zstd_discard(data: torch.Tensor, raw_bytes: int) -> torch.Tensor:
+    """A compressed payload received only to drain it (a resync drops queued patches): not decoded, so a
+    damaged one cannot stop the drain."""
+    return torch.zeros(1, dtype=torch.uint8, device=data.device).expand(raw_bytes)
 
 
 def zstd_decompress(data: torch.Tensor, raw_bytes: int) -> torch.Tensor:

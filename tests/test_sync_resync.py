@@ -1,0 +1,164 @@
+"""resync() and refused frames: queued compressed patches are drained, a damaged compressed payload or a refused
+multi-bucket resync leaves the link resyncable, and a refused trailer after an in-place receive says the model
+was written."""
+
+import pytest
+import torch
+
+from multirank import run_ranks
+from sync import PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from test_sync_common import bits_equal, make_state, random_update, snapshot
+
+
+def _zstd_queued_then_resync(rank, world_size):
+    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(compression="zstd"))
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    if rank == 0:
+        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+        syncer.init_sender(state)
+        for version in (1, 2):  # both still queued when the receiver decides to resync
+            random_update(state, g, 0.1)
+            syncer.sync(state, version)
+        syncer.resync(state, 3)
+        random_update(state, g, 0.1)
+        syncer.sync(state, 4)
+        return snapshot(state)
+    model = make_state(seed=7)
+    syncer.init_receiver(model)
+    assert syncer.resync(model) == 3  # drains the two compressed patches first
+    assert syncer.apply(model) == 4
+    return snapshot(model)
+
+
+@pytest.mark.slow
+def test_resync_drains_queued_compressed_patches():
+    sender, receiver = run_ranks(_zstd_queued_then_resync, 2, timeout=60)
+    assert bits_equal(receiver, sender)
+
+
+def _zstd_damaged_blob_then_resync(rank, world_size):
+    import sync.patch
+
+    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(compression="zstd"))
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    if rank == 0:
+        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+        syncer.init_sender(state)
+        random_update(state, g, 0.1)
+        syncer.sync(state, 1)
+        syncer.resync(state, 2)
+        random_update(state, g, 0.1)
+        syncer.sync(state, 3)
+        return snapshot(state)
+    model = make_state(seed=7)
+    syncer.init_receiver(model)
+    before = snapshot(model)
+    real = sync.patch.zstd_decompress
+    sync.patch.zstd_decompress = lambda data, raw: real(data[:data.numel() // 2], raw)  # damaged on the way
+    try:
+        with pytest.raises(SyncIntegrityError, match="zstd") as error:
+            syncer.apply(model)
+    finally:
+        sync.patch.zstd_decompress = real
+    assert "cannot recover" not in str(error.value)  # it says resync() recovers, so it must
+    assert bits_equal(model, before) and syncer.version == 0
+    assert syncer.resync(model) == 2
+    assert syncer.apply(model) == 3
+    return snapshot(model)
+
+
+@pytest.mark.slow
+def test_a_damaged_compressed_payload_leaves_the_link_resyncable():
+    sender, receiver = run_ranks(_zstd_damaged_blob_then_resync, 2, timeout=60)
+    assert bits_equal(receiver, sender)
+
+
+def _bucket_trailer_damaged(rank, world_size):
+    import sync.link
+
+    syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
+    state = {"w": torch.zeros(1000)}  # one tensor per frame: its values are received straight into the model
+    if rank == 0:
+        syncer.init_sender(state)
+        state["w"].copy_(torch.arange(1000.0))
+        syncer.sync(state, 1)
+        syncer.resync(state, 2)
+        return snapshot(state)
+    syncer.init_receiver(state)
+    before = snapshot(state)
+    real = sync.link.recv_frame
+
+    def damaged(*args):  # a value (received straight into the model) and the trailer damaged on the way
+        frame = real(*args)
+        frame.wait()
+        values = frame.segments[0][1]
+        assert values.data_ptr() == state[syncer.keys[int(frame.table[0, 0])]].data_ptr()  # in the model
+        values.view(torch.uint8)[0] ^= 0x40
+        frame.trailer[0] += 1
+        return frame
+
+    sync.link.recv_frame = damaged
+    try:
+        with pytest.raises(SyncIntegrityError, match="trailer corrupted") as error:
+            syncer.apply(state)
+    finally:
+        sync.link.recv_frame = real
+    assert not bits_equal(state, before)  # the refused update is in the model already
+    assert error.value.model_written, "the model was written: the error must say so (and refuse until resync)"
+    with pytest.raises(SyncIntegrityError, match="needs resync"):
+        syncer.apply(state)
+    assert syncer.resync(state) == 2
+    return snapshot(state)
+
+
+@pytest.mark.slow
+def test_a_refused_trailer_after_an_in_place_receive_says_the_model_was_written():
+    sender, receiver = run_ranks(_bucket_trailer_damaged, 2, timeout=60)
+    assert bits_equal(receiver, sender)
+
+
+def _multi_bucket_resync_damaged(rank, world_size, mode):
+    import sync.link
+    from sync.wire import KIND_RESYNC
+
+    cfg = WeightSyncConfig(type=mode)
+    cfg.patch.init_sync.bucket_size = cfg.bucket.bucket_size = 50_000  # make_state's tensors: 3 buckets
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    if rank == 0:
+        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+        syncer.init_sender(state)
+        random_update(state, g, 0.1)
+        syncer.resync(state, 1)  # its first bucket is damaged on the way to the receiver
+        random_update(state, g, 0.1)
+        syncer.resync(state, 2)  # so both sides resync again
+        random_update(state, g, 0.1)
+        syncer.sync(state, 3)
+        return snapshot(state)
+    model = make_state(seed=0 if mode == "bucket" else 7)  # bucket mode: frozen-free, any start works
+    syncer.init_receiver(model)
+    real, damaged_once = sync.link.recv_frame, []
+
+    def damaged(*args):
+        frame = real(*args)
+        if frame.kind == KIND_RESYNC and not damaged_once:
+            frame.wait()
+            frame.segments[0][1].view(torch.uint8)[0] ^= 0x01
+            damaged_once.append(True)
+        return frame
+
+    sync.link.recv_frame = damaged
+    try:
+        with pytest.raises(SyncIntegrityError, match="does not match its checksums"):
+            syncer.resync(model)
+    finally:
+        sync.link.recv_frame = real
+    assert syncer.resync(model) == 2  # the rest of the refused resync must not be taken for the new one
+    assert syncer.apply(model) == 3
+    return snapshot(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["patch", "bucket"])
+def test_resync_recovers_after_a_refused_multi_bucket_resync(mode):
+    sender, receiver = run_ranks(_multi_bucket_resync_damaged, 2, args=(mode,), timeout=60)
+    assert bits_equal(receiver, sender)
