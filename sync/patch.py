@@ -89,7 +89,8 @@ class PatchSyncer(Link):
         self.verify_same_start(tensors, rest, "keys outside the init bootstrap (patch.init_sync)")
 
     def _take_snapshot(self, state: dict) -> None:
-        pinned = self.cfg.patch.snapshot_device == "cpu" and torch.cuda.is_available()
+        # Pinned for the copies to and from weights on a GPU only: pinning opens a CUDA context (on GPU 0).
+        pinned = self.cfg.patch.snapshot_device == "cpu" and any(state[k].is_cuda for k in self.synced)
         self.snapshot, self.checksums = {}, {}
         for key in self.synced:
             value = state[key].detach().to(self.dtypes[key])
