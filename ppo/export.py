@@ -54,11 +54,17 @@ def load_policy(path: str) -> tuple[ActorCritic, dict]:
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise ValueError(f"CKPT {path!r} is not a train.py checkpoint (it needs 'model' and 'config' entries)")
     config, weights = state["config"], state["model"]
-    policy_cfg = PolicyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in config["policy"].items()})
-    # Sizes come from the weights: the first layer of each MLP reads the observation, the actor's last writes actions.
-    obs_dims = {"policy": weights["actor.0.weight"].shape[1], "critic": weights["critic.0.weight"].shape[1]}
-    model = build_actor_critic(policy_cfg, obs_dims, weights["log_std"].shape[0])
-    model.load_state_dict(weights)
+    try:
+        policy_cfg = PolicyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in config["policy"].items()})
+        # Sizes come from the weights: the first layer of each MLP reads the observation, the actor's last writes
+        # actions.
+        obs_dims = {"policy": weights["actor.0.weight"].shape[1], "critic": weights["critic.0.weight"].shape[1]}
+        model = build_actor_critic(policy_cfg, obs_dims, weights["log_std"].shape[0])
+        model.load_state_dict(weights)
+    except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as exc:
+        raise ValueError(f"CKPT {path!r}: its model or policy config does not fit this version's actor-critic "
+                         f"(damaged, or saved by another version?): {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     return model.eval(), config
 
 

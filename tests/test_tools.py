@@ -177,6 +177,24 @@ def test_export_out_that_is_a_file_is_a_usage_error(tmp_path):
     assert result.returncode == 2 and "--out" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("damage", ["missing layer", "unknown policy field", "wrong shape"])
+def test_export_of_a_checkpoint_that_does_not_fit_is_one_line(tmp_path, damage):
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    state = torch.load(path, weights_only=True)
+    if damage == "missing layer":
+        del state["model"]["actor.0.weight"]
+    elif damage == "unknown policy field":
+        state["config"]["policy"]["actor_width"] = 64
+    else:
+        state["model"]["actor.2.weight"] = torch.zeros(8, 9)
+    torch.save(state, path)
+    with pytest.raises(ValueError, match="does not fit this version's actor-critic"):
+        export.export(path)
+    result = subprocess.run([sys.executable, "-m", "ppo.export", path], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "does not fit" in result.stderr and "Traceback" not in result.stderr
+
+
 # ---- Makefile -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("output, status, nproc", [
