@@ -124,7 +124,7 @@ class DistConfig:
     unused_params: Literal["error", "zero"] = "error"
     """a parameter without gradient in a step: error naming it, or average it as a zero gradient"""
     verify_every: int = 100
-    """all-reduce a parameter checksum every K iterations and raise naming diverging ranks (0 = only after loads)"""
+    """all-gather a parameter checksum every K iterations and raise naming diverging ranks (0 = only after loads)"""
     sampler_sync_every: int = 10
     """sum the adaptive-sampling counts across ranks every K iterations (and at every checkpoint)"""
     timeout_s: float = 600.0
@@ -136,7 +136,7 @@ class LogConfig:
     root: str = "runs"
     """TensorBoard and checkpoint root; a run writes to ROOT/EXPERIMENT/TIMESTAMP"""
     experiment: str = ""
-    """experiment name; empty = the preset name"""
+    """experiment name; empty = the env name (--env.name)"""
     save_every: int = 50
     """write a checkpoint every K iterations (and always at the end)"""
     print_every: int = 1

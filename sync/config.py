@@ -33,7 +33,7 @@ class InitSyncConfig:
 @dataclass
 class PatchConfig:
     snapshot_device: Literal["cpu", "cuda"] = "cpu"
-    """where the sender keeps its snapshot (cpu: pinned host memory when CUDA exists, saves one model copy of GPU memory)"""
+    """where the sender keeps its snapshot (cpu: pinned host memory when the weights are on a GPU, saves one model copy of GPU memory)"""
     transport_device: Literal["cpu", "cuda"] = "cpu"
     """where patches are staged for sending: cpu for gloo, cuda for NCCL"""
     compression: Literal["none", "zstd"] = "none"
