@@ -84,7 +84,8 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:     # a file of that name, a read-only place: the user's error, not a traceback
-        raise ValueError(f"--out {out_dir!r} cannot be an output folder ({exc.strerror or type(exc).__name__})") from None
+        raise ValueError(f"--out {out_dir!r} cannot be an output folder "
+                         f"({exc.strerror or type(exc).__name__})") from None
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out_dir!r} is not writable")
     stem = os.path.join(out_dir, os.path.splitext(os.path.basename(path))[0] + ".policy")

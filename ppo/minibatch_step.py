@@ -57,10 +57,11 @@ def backward_minibatch(model, batch: dict, grad_sync, cfg) -> tuple[torch.Tensor
 
 def build_optimizer(params, cfg, device: torch.device) -> torch.optim.Adam:
     """Adam as the update expects it: for the host path the multi-tensor (foreach) kernels, which compute
-    what the per-parameter loop does, bit for bit, in fewer calls (CPU otherwise defaults to the loop); with --ppo.capture-step fused, with the LR
-    a device tensor (float64 on CPU, where the fused kernel reads it as a double like a Python float;
-    float32 on CUDA, the precision the CUDA kernel computes in either way). On CUDA also `capturable`:
-    Adam refuses to be captured in a CUDA graph without it (the fused kernel computes the same either way)."""
+    what the per-parameter loop does, bit for bit, in fewer calls (CPU otherwise defaults to the loop); with
+    --ppo.capture-step fused, with the LR a device tensor (float64 on CPU, where the fused kernel reads it
+    as a double like a Python float; float32 on CUDA, the precision the CUDA kernel computes in either way).
+    On CUDA also `capturable`: Adam refuses to be captured in a CUDA graph without it (the fused kernel
+    computes the same either way)."""
     if not cfg.capture_step:
         return torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.adam_eps, foreach=True)
     dtype = torch.float64 if device.type == "cpu" else torch.float32
