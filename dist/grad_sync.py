@@ -86,7 +86,9 @@ class GradSync:
             raise ValueError(f"--dist.unused-params must be error or zero, got {unused!r}")
         if mode == "bucketed" and not bucket_mb > 0:
             raise ValueError(f"--dist.bucket-mb must be positive, got {bucket_mb}")
-        self.params = [p for p in params if p.requires_grad]
+        # Deduplicated: a shared parameter listed twice (e.g. actor + critic parameters with a common trunk)
+        # is one gradient, one bucket slot and one hook, as in DDP.
+        self.params = list({id(p): p for p in params if p.requires_grad}.values())
         if not self.params:
             raise ValueError("GradSync needs at least one parameter that requires grad")
         dtypes = {p.dtype for p in self.params}
@@ -119,12 +121,20 @@ class GradSync:
     # ---- per step ------------------------------------------------------------------------------
     def zero_grad(self) -> None:
         """Zero every bucket (never set grads to None: that would detach the views)."""
+        if self._armed:
+            raise RuntimeError("zero_grad() between arm() and synchronize(): it would zero the staged extras and, "
+                               "bucketed, buffers whose all-reduce may be in flight; call synchronize() first")
         for b in self.buckets:
             b.buffer.zero_()
         self._received.clear()
 
     def arm(self, extras: torch.Tensor | None = None) -> None:
         """Declare the next backward the minibatch boundary and stage the extras to sum across ranks."""
+        if self._armed and self._armed_received:
+            raise RuntimeError("arm() again after the armed backward: call synchronize() first (bucketed, that "
+                               "backward's all-reduces are already in flight)")
+        if extras is not None and not self.num_extras:
+            raise ValueError("arm() got extras but this GradSync was built with num_extras=0: they would not be summed")
         if self.num_extras:
             if extras is None or extras.numel() != self.num_extras:
                 raise ValueError(f"arm() expects {self.num_extras} extra scalars, got "
@@ -206,6 +216,9 @@ class GradSync:
         No communication: the gradient is identical on every rank, so is its norm, so a non-finite
         norm makes every rank skip the same step.
         """
+        if self._armed:
+            raise RuntimeError("clip_() between arm() and synchronize(): it would clip this rank's local gradient; "
+                               "call synchronize() first")
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b.grads) for b in self.buckets]))
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for b in self.buckets:

@@ -1,0 +1,167 @@
+"""GradSync against torch's DistributedDataParallel (and plain autograd) on edge cases: frozen, zero-sized,
+transposed, tied and rank-dependently unused parameters; shared parameters passed twice; and calls made
+out of order, which must be a clear error rather than a silently wrong or local gradient."""
+
+import pytest
+import torch
+from torch import nn
+
+from dist.grad_sync import GradSync
+from tests.multirank import run_ranks
+
+B = 6
+
+
+class Odd(nn.Module):
+    """Every awkward kind of parameter at once."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(5, 4)
+        self.a.bias.requires_grad_(False)                           # frozen
+        self.empty = nn.Parameter(torch.zeros(0, 4))                # zero-sized
+        self.wt = nn.Parameter(torch.randn(3, 4).t())               # non-contiguous (transposed view)
+        self.b = nn.Linear(3, 3)
+        self.c = nn.Linear(3, 3)
+        self.c.weight = self.b.weight                               # tied: one Parameter used twice
+        self.only_rank0 = nn.Linear(3, 3)                           # used on rank 0 only
+
+    def forward(self, x, rank):
+        h = torch.tanh(self.a(x)) @ self.wt + self.empty.sum()
+        h = self.c(torch.tanh(self.b(h)))
+        return self.only_rank0(h) if rank == 0 else h
+
+
+def data(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(B, 5, generator=g), torch.randn(B, 3, generator=g)
+
+
+def odd_grad_sync(rank, world_size, mode, bucket_mb):
+    net = Odd()
+    sync = GradSync(net.parameters(), mode, bucket_mb=bucket_mb, unused="zero")
+    x, y = data(rank)
+    sync.zero_grad()
+    sync.arm()
+    (net(x, rank) - y).square().mean().backward()
+    sync.synchronize()
+    grads = [None if p.grad is None else p.grad.clone() for p in net.parameters()]
+    norm = sync.clip_(0.01)
+    return grads, [None if p.grad is None else p.grad.clone() for p in net.parameters()], norm
+
+
+def odd_ddp(rank, world_size):
+    net = Odd()
+    ddp = nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+    x, y = data(rank)
+    (ddp(x, rank) - y).square().mean().backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in net.parameters()]
+    norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
+    return grads, [None if p.grad is None else p.grad.clone() for p in net.parameters()], norm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,bucket_mb", [("flat", 25.0), ("bucketed", 1e-5)])
+def test_awkward_parameters_equal_ddp(mode, bucket_mb):
+    results = run_ranks(odd_grad_sync, 2, args=(mode, bucket_mb))
+    ddp_grads, ddp_clipped, ddp_norm = run_ranks(odd_ddp, 2)[0]
+    for grads, clipped, norm in results:
+        for g, c, dg, dc in zip(grads, clipped, ddp_grads, ddp_clipped):
+            if dg is None:               # frozen: no gradient in either
+                assert g is None
+                continue
+            torch.testing.assert_close(g, dg, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(c, dc, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(norm, ddp_norm)
+    assert ddp_norm > 0.01                # the clip really scaled
+
+
+# ---- shared parameters passed twice ------------------------------------------------------------------
+
+class ActorCritic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        trunk = nn.Linear(5, 8)
+        self.actor = nn.Sequential(trunk, nn.Tanh(), nn.Linear(8, 2))
+        self.critic = nn.Sequential(trunk, nn.Tanh(), nn.Linear(8, 1))
+
+    def loss(self, x):
+        return self.actor(x).square().mean() + self.critic(x).square().mean()
+
+
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+def test_a_shared_parameter_listed_twice_is_synchronized_once(mode):
+    # [*actor.parameters(), *critic.parameters()] names the shared trunk twice (as a torch optimizer
+    # would accept with a warning); it must still be one gradient, equal to plain autograd.
+    net = ActorCritic()
+    params = [*net.actor.parameters(), *net.critic.parameters()]
+    sync = GradSync(params, mode, bucket_mb=1e-4)
+    x = data(0)[0]
+    sync.zero_grad()
+    sync.arm()
+    net.loss(x).backward()
+    sync.synchronize()
+    expected = torch.autograd.grad(net.loss(x), list(net.parameters()))
+    for p, g in zip(net.parameters(), expected):
+        torch.testing.assert_close(p.grad, g)
+
+
+# ---- calls out of order -------------------------------------------------------------------------------
+
+def arm_twice(rank, world_size, mode):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    sync = GradSync(net.parameters(), mode, bucket_mb=1e-4)
+    x, y = data(rank)
+    sync.zero_grad()
+    sync.arm()
+    (net(x) - y).square().mean().backward()      # bucketed: the all-reduces are in flight now
+    try:
+        sync.arm()
+    except RuntimeError as exc:
+        return str(exc)
+    sync.synchronize()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+def test_arm_again_after_the_armed_backward_is_an_error(mode):
+    # Bucketed, a second arm() forgot the launched all-reduces and launched every bucket again on the same
+    # buffers: gradients silently wrong. Either mode must say so instead.
+    for result in run_ranks(arm_twice, 2, args=(mode,)):
+        assert isinstance(result, str) and "arm()" in result and "synchronize()" in result, result
+
+
+def test_zero_grad_between_arm_and_synchronize_is_an_error():
+    # It zeroed the staged extras (KL sum and count came back 0) and, bucketed, buffers being all-reduced.
+    torch.manual_seed(0)
+    net = nn.Linear(5, 3)
+    sync = GradSync(net.parameters(), "flat", num_extras=2)
+    sync.zero_grad()
+    sync.arm(torch.tensor([0.5, 6.0]))
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\).*arm\(\).*synchronize\(\)"):
+        sync.zero_grad()
+
+
+def test_clip_before_synchronize_is_an_error():
+    # The local (unsynchronized) gradient would be clipped, on its own norm, then averaged.
+    torch.manual_seed(0)
+    net = nn.Linear(5, 3)
+    sync = GradSync(net.parameters(), "flat")
+    sync.zero_grad()
+    sync.arm()
+    x, y = data(0)
+    (net(x) - y).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"clip_\(\).*synchronize\(\)"):
+        sync.clip_(0.01)
+
+
+def test_extras_without_num_extras_are_an_error():
+    # They were dropped silently: synchronize() returned an empty tensor instead of their sum.
+    net = nn.Linear(5, 3)
+    sync = GradSync(net.parameters(), "flat")
+    with pytest.raises(ValueError, match="num_extras"):
+        sync.arm(torch.tensor([0.5, 6.0]))
