@@ -32,7 +32,9 @@ A new GradSync over parameters that another one serves takes them over: the old 
 
 Parameters that got no gradient in a step: `unused="error"` (default) raises naming them, because a
 silently missing gradient usually means a bug in the loss; `unused="zero"` treats it as a zero
-gradient (still averaged, so ranks stay identical).
+gradient (still averaged, so ranks stay identical). Calls out of that order raise rather than return a
+wrong gradient: arm() again after the armed backward, zero_grad() or clip_() between arm() and
+synchronize(). A parameter listed twice (a trunk shared by actor and critic) is synchronized once.
 """
 
 import torch
