@@ -24,6 +24,7 @@ Per iteration, in order: weights requested and sent down; batches up; the learne
 down; at saves, each rollout rank's RNG and env state up.
 """
 
+import atexit
 import dataclasses
 import os
 import sys
@@ -144,7 +145,8 @@ class WeightServer:
     """
 
     def __init__(self, cfg: Config, rank: int, rollouts: list[int], group):
-        self.group = group
+        self.group, self.timeout_s = group, cfg.dist.timeout_s
+        self.closing = False          # set at exit after a failure: the threads stop serving
         self.syncers = {dst: make_weight_syncer(weight_sync_config(cfg), rank, [dst], group) for dst in rollouts}
         self.state, self.version, self.failure = None, -1, None
         self.published = threading.Condition()
@@ -160,6 +162,10 @@ class WeightServer:
         self.publish(model, version)
         for thread in self.threads:
             thread.start()
+        # After a failure the learner exits without close(): a thread still blocked in a gloo receive that wakes
+        # once the interpreter finalizes (its rollout rank exiting) aborts the process (status 134, "terminate
+        # called without an active exception") instead of the one-line error and status 1.
+        atexit.register(self.abandon)
 
     def publish(self, model, version: int) -> None:
         """Make `version` the one served (a copy, so the next update cannot change it mid-send)."""
@@ -186,12 +192,16 @@ class WeightServer:
                 # The lock spans the whole answer: publish() must not overwrite the state mid-send, so it waits
                 # for an answer in flight (the rollout rank is already receiving it).
                 with self.published:
-                    self.published.wait_for(lambda: self.version >= need)
+                    self.published.wait_for(lambda: self.closing or self.version >= need)
+                    if self.closing:
+                        return
                     with naming(dst):
                         comm.send(torch.tensor([self.version]), "weight_request", dst, self.group)
                         if self.version > have:
                             self.syncers[dst].sync(self.state, self.version)
         except Exception as exc:  # noqa: BLE001 - re-raised on the learner's main thread by check()
+            if self.closing or not torch.distributed.is_initialized():
+                return        # the learner already failed and tore the groups down; its error is already reported
             self.failure = exc
             # One write for the whole line: the main thread reports the same failure on stderr at about this time.
             print(f"[syncppo] serving weights to rank {dst} failed: {exc}\n", end="", file=sys.stderr, flush=True)
@@ -203,7 +213,17 @@ class WeightServer:
     def close(self) -> None:
         for thread in self.threads:
             thread.join()
+        atexit.unregister(self.abandon)
         self.check()
+
+    def abandon(self) -> None:
+        """At exit without close() (the learner failed): stop serving and wait until every thread is out of its
+        gloo receive, which ends once its rollout rank exits, or fails within the process group's timeout."""
+        with self.published:
+            self.closing = True
+            self.published.notify_all()
+        for thread in self.threads:
+            thread.join(self.timeout_s + 5)
 
     def plan_rows(self) -> list[PlanRow]:
         rows = request_plan_rows("recv", "send", len(self.syncers))

@@ -165,7 +165,13 @@ class BatchReceiver:
         """Crosses ranks: 1 send per rollout rank per iteration. Not waited for: a rollout rank running ahead
         (async mode) reads it only before the collection that needs it, and the learner must not stall
         until then (a gloo send completes only once the receiver posts its receive)."""
-        self.decisions = [d for d in self.decisions if not d[2].is_completed()]
+        # gloo's point-to-point works report is_completed() only once waited for, so completion is inferred: a
+        # rollout rank reads decision i before it sends batch i + depth, and batch i + depth has arrived once this
+        # is decision i + depth, so every decision older than the last depth - 1 ones has been read (waits at once).
+        while len(self.decisions) > (self.depth - 1) * len(self.rollouts):
+            dst, _, work = self.decisions.pop(0)
+            with naming(dst):
+                work.wait()
         for dst in self.rollouts:
             decision = torch.tensor([float(stop), float(save)], dtype=torch.float64)
             with naming(dst):

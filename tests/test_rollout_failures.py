@@ -1,0 +1,110 @@
+"""Rollout ranks under failure and over long runs: a failing learner exits with its one-line error (no abort from
+a weight-serving thread still inside gloo), and the learner does not keep every decision it ever sent."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dist import comm
+from dist.batches import BatchReceiver, BatchSender, Layout
+from tests.multirank import free_port, run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Rank 0 (the learner) fails at iteration 1; rank 1 (the rollout rank) takes 2 s to exit after it notices, as a
+# rollout rank busy collecting would. An exit handler registered before the learner's WeightServer starts runs
+# after the WeightServer's own (last in, first out): it records which serving threads are still alive once the
+# interpreter is about to finalize; a thread still blocked in gloo then aborts the process when it wakes.
+SCRIPT = textwrap.dedent("""
+    import atexit, os, sys, threading, time
+    sys.path.insert(0, {root!r})
+    import tyro
+    import train, rollout_ranks
+    from configs import PRESETS
+    from dist.errors import RunError
+
+    if os.environ["RANK"] == "0":
+        def report():
+            alive = [t.name for t in threading.enumerate() if t.name.startswith("weights-to-rank") and t.is_alive()]
+            print(f"serving threads alive at exit: {{alive}}", flush=True)
+        atexit.register(report)
+        receive = rollout_ranks.LearnerTeam.receive
+        def failing(self, iteration):
+            if iteration == 1:
+                time.sleep(1)          # the rollout rank has its weights by now: the thread waits for a request
+                raise RunError("injected learner failure")
+            return receive(self, iteration)
+        rollout_ranks.LearnerTeam.receive = failing
+    else:
+        shutdown = train.shutdown
+        def slow_shutdown():
+            time.sleep(2)
+            shutdown()
+        train.shutdown = slow_shutdown
+    sys.argv = ["train.py", *sys.argv[1:]]
+    sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for n, f in PRESETS.items()}})))
+""")
+
+
+@pytest.mark.slow
+def test_a_failing_learner_exits_with_its_error_not_an_abort(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(SCRIPT.format(root=ROOT))
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), "cartpole", "--max-iterations", "100", "--log.root",
+                               str(tmp_path), "--rollout.ranks", "1", "--dist.timeout-s", "20"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": port})
+             for r in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    learner = outputs[0]
+    assert "serving threads alive at exit: []" in learner, learner
+    assert procs[0].returncode == 1 and "terminate called" not in learner, learner
+    errors = [line for line in learner.splitlines() if line.startswith(("error:", "[syncppo] serving weights"))]
+    assert errors == ["error: injected learner failure"], learner          # one line, the learner's own
+    assert procs[1].returncode == 1 and "learner rank 0 died or stalled" in outputs[1], outputs[1]
+
+
+def decisions_kept(rank, world_size, depth, iterations):
+    """A learner and its rollout rank exchange `iterations` batches and decisions, the rollout rank reading each
+    decision `depth - 1` iterations late (as in async mode); the learner reports how many sent decisions it keeps."""
+    group = torch.distributed.new_group([0, 1])
+    layout = Layout({"x": ((3,), torch.float32), "flags": ((1,), torch.float64)})
+    if rank == 0:
+        receiver = BatchReceiver([1], group, layout, 0, depth, 0, iterations, torch.device("cpu"))
+        kept, seen = [], []
+        for _ in range(iterations):
+            seen.append(receiver.take()[0]["x"][0].item())
+            receiver.decide(False, False)
+            kept.append(len(receiver.decisions))
+        receiver.close()
+        return kept, seen
+    sender = BatchSender(0, group, layout, 0, torch.device("cpu"))
+    read = 0
+    for k in range(iterations):
+        while read < k - (depth - 1):
+            assert sender.decision() == (False, False)
+            read += 1
+        sender.send({"x": torch.full((3,), float(k)), "flags": torch.zeros(1, dtype=torch.float64)})
+    while read < iterations:
+        sender.decision()
+        read += 1
+    return comm.LEDGER["control"][0]
+
+
+def test_the_learner_keeps_only_the_decisions_not_yet_read():
+    for depth in (1, 3):
+        (kept, seen), reads = run_ranks(decisions_kept, 2, args=(depth, 12))
+        assert seen == [float(k) for k in range(12)] and reads == 12
+        # decision i is read before batch i + depth is sent, so at most `depth` of them can still be unread
+        assert max(kept) <= depth, (depth, kept)
