@@ -181,18 +181,25 @@ class Config:
 
 def validate(cfg: Config, world_size: int = 1) -> None:
     """Raise UsageError naming the flag for every value that cannot work. Runs before anything is built."""
-    check_finite(cfg)
     if not 0 <= cfg.seed <= 2**32 - world_size:
         raise UsageError(f"--seed must be in [0, {2**32 - world_size}] with {world_size} rank(s) (rank r seeds "
                          f"numpy with seed + r, which must fit 32 bits), got {cfg.seed}")
+    check_finite(cfg)
     if cfg.log.experiment in (".", "..") or any(sep in cfg.log.experiment for sep in ("/", "\\", os.sep)):
         raise UsageError(f"--log.experiment {cfg.log.experiment!r} must be a plain name without path separators "
                          f"(runs go to --log.root/EXPERIMENT/TIMESTAMP); use --log.root to write elsewhere")
+    if len(cfg.log.experiment.encode()) > 255:     # NAME_MAX: the run directory's mkdir would fail after the build
+        raise UsageError(f"--log.experiment is {len(cfg.log.experiment.encode())} bytes long; a directory name "
+                         f"can have at most 255")
     if cfg.env.name in ("cartpole", "tracking") and cfg.env.episode_length_s < EMBEDDED_STEP_S:
         raise UsageError(f"--env.episode-length-s {cfg.env.episode_length_s} is shorter than one control step of "
                          f"{cfg.env.name} ({EMBEDDED_STEP_S} s); an episode needs at least one step")
-    if cfg.dist.timeout_s <= 0:
-        raise UsageError(f"--dist.timeout-s must be positive, got {cfg.dist.timeout_s}")
+    if cfg.env.name in ("cartpole", "tracking") and cfg.env.episode_length_s / EMBEDDED_STEP_S > 2**62:
+        raise UsageError(f"--env.episode-length-s {cfg.env.episode_length_s} is too long: the episode step counter "
+                         f"is int64, so at most {2**62 * EMBEDDED_STEP_S:.1e} s of {EMBEDDED_STEP_S} s steps")
+    if not 1e-3 <= cfg.dist.timeout_s <= 1e9:   # c10d counts whole ms; gloo's deadline overflows int64 ns past ~9e9 s
+        raise UsageError(f"--dist.timeout-s must be in [0.001, 1e9] seconds (torch.distributed counts whole "
+                         f"milliseconds and overflows beyond), got {cfg.dist.timeout_s}")
     positive = {
         "--env.num-envs": cfg.env.num_envs, "--ppo.num-steps": cfg.ppo.num_steps,
         "--ppo.num-epochs": cfg.ppo.num_epochs, "--ppo.num-mini-batches": cfg.ppo.num_mini_batches,
@@ -212,12 +219,16 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                         "--env.sampling-uniform-floor": cfg.env.sampling_uniform_floor}.items():
         if not 0.0 <= value <= 1.0:
             raise UsageError(f"{flag} must be in [0, 1], got {value}")
+    # with --env.global-num-envs the per-rank count was split from it (resolve_num_envs): say which flag to fix
+    split = (f" = --env.global-num-envs {cfg.env.global_num_envs} / {world_size} rank(s)"
+             if cfg.env.global_num_envs else "")
     if cfg.ppo.minibatch_unit == "transition":
         if (cfg.env.num_envs * cfg.ppo.num_steps) % cfg.ppo.num_mini_batches:
-            raise UsageError(f"--env.num-envs x --ppo.num-steps ({cfg.env.num_envs * cfg.ppo.num_steps}) must be "
-                             f"divisible by --ppo.num-mini-batches ({cfg.ppo.num_mini_batches})")
+            raise UsageError(f"--env.num-envs x --ppo.num-steps ({cfg.env.num_envs}{split} x {cfg.ppo.num_steps} = "
+                             f"{cfg.env.num_envs * cfg.ppo.num_steps}) must be divisible by --ppo.num-mini-batches "
+                             f"({cfg.ppo.num_mini_batches})")
     elif cfg.env.num_envs % cfg.ppo.num_mini_batches:
-        raise UsageError(f"--env.num-envs ({cfg.env.num_envs}) must be divisible by --ppo.num-mini-batches "
+        raise UsageError(f"--env.num-envs ({cfg.env.num_envs}{split}) must be divisible by --ppo.num-mini-batches "
                          f"({cfg.ppo.num_mini_batches}): minibatches are whole trajectories, never a silent remainder")
     if cfg.dist.verify_every < 0:
         raise UsageError(f"--dist.verify-every must be >= 0, got {cfg.dist.verify_every}")
@@ -227,9 +238,25 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise UsageError(f"a minibatch of {minibatch} transitions per rank is not divisible by --ppo.num-micro-batches "
                          f"({cfg.ppo.num_micro_batches}); micro-batches must be equal for the accumulated gradient "
                          f"to equal the minibatch gradient")
-    if not 0 < cfg.ppo.lr_min <= cfg.ppo.learning_rate <= cfg.ppo.lr_max:
-        raise UsageError(f"need 0 < --ppo.lr-min <= --ppo.learning-rate <= --ppo.lr-max, got "
-                         f"{cfg.ppo.lr_min}, {cfg.ppo.learning_rate}, {cfg.ppo.lr_max}")
+    if cfg.ppo.advantage_norm == "minibatch" and minibatch < 2:     # unbiased std of one value: nan, every step skipped
+        raise UsageError(f"--ppo.advantage-norm minibatch needs at least 2 transitions per rank in a minibatch (the "
+                         f"std of one is nan), got {minibatch} = --env.num-envs x --ppo.num-steps / "
+                         f"--ppo.num-mini-batches; use fewer minibatches or another --ppo.advantage-norm")
+    if not 0 < cfg.ppo.lr_min <= cfg.ppo.lr_max:
+        raise UsageError(f"need 0 < --ppo.lr-min <= --ppo.lr-max, got {cfg.ppo.lr_min}, {cfg.ppo.lr_max}")
+    # the bounds clamp only the adaptive schedule: fixed and linear never read them
+    if cfg.ppo.schedule == "adaptive" and not cfg.ppo.lr_min <= cfg.ppo.learning_rate <= cfg.ppo.lr_max:
+        raise UsageError(f"need --ppo.lr-min <= --ppo.learning-rate <= --ppo.lr-max with --ppo.schedule adaptive, "
+                         f"got {cfg.ppo.lr_min}, {cfg.ppo.learning_rate}, {cfg.ppo.lr_max}")
+    if not FLOAT32_TINY <= cfg.policy.init_noise_std * cfg.policy.init_noise_std <= FLOAT32_MAX:   # log_prob: / std**2
+        raise UsageError(f"--policy.init-noise-std {cfg.policy.init_noise_std}: the action variance (its square) is "
+                         f"0 or inf in float32; use a value in [{FLOAT32_TINY**0.5:.1e}, {FLOAT32_MAX**0.5:.1e}]")
+    if not FLOAT32_TINY <= cfg.ppo.learning_rate <= FLOAT32_MAX:    # the step is lr x a float32 tensor
+        raise UsageError(f"--ppo.learning-rate {cfg.ppo.learning_rate} is 0 or inf in float32, the optimizer's "
+                         f"precision; use a value in [{FLOAT32_TINY:.1e}, {FLOAT32_MAX:.1e}]")
+    if cfg.ppo.adam_eps < FLOAT32_TINY:     # Adam adds eps to float32 tensors: below this it is 0 (0/0 = nan)
+        raise UsageError(f"--ppo.adam-eps {cfg.ppo.adam_eps} is 0 in float32, the optimizer's precision; "
+                         f"use at least {FLOAT32_TINY:.1e}")
     if cfg.ppo.value_loss_coef < 0 or cfg.ppo.entropy_coef < 0:
         raise UsageError("--ppo.value-loss-coef and --ppo.entropy-coef must be >= 0")
     if any(h <= 0 for h in (*cfg.policy.actor_hidden, *cfg.policy.critic_hidden)):
@@ -266,16 +293,23 @@ def validate_rollout(cfg: Config, world_size: int) -> None:
 
 
 EMBEDDED_STEP_S = 0.02    # control step of both embedded envs (cartpole: dt; tracking: 4 x 5 ms substeps)
+FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38   # smallest normal, largest float32
 
 
 def check_finite(cfg: Config) -> None:
-    """Every float field must be finite: NaN or inf in a coefficient trains for hours with every step skipped."""
-    sections = {"": cfg, "env.": cfg.env, "policy.": cfg.policy, "ppo.": cfg.ppo, "dist.": cfg.dist, "log.": cfg.log}
+    """Every float field must be finite: NaN or inf in a coefficient trains for hours with every step skipped.
+    Every integer (and integer tuple) must fit int64: a larger size or count overflows in torch with a traceback."""
+    sections = {"": cfg, "env.": cfg.env, "policy.": cfg.policy, "ppo.": cfg.ppo, "dist.": cfg.dist, "log.": cfg.log,
+                "rollout.": cfg.rollout}
     for prefix, section in sections.items():
         for f in fields(section):
             value = getattr(section, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise UsageError(f"--{prefix}{f.name.replace('_', '-')} must be a finite number, got {value}")
+            ints = value if isinstance(value, tuple) else (value,)
+            if any(isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63 for v in ints):
+                raise UsageError(f"--{prefix}{f.name.replace('_', '-')} must fit in 64 bits "
+                                 f"([-2**63, 2**63 - 1]), got {value}")
 
 
 SIMULATOR_PACKAGES = {"gymnasium": ("gymnasium", "make setup-mujoco"), "isaaclab": ("isaaclab", "make setup-isaaclab")}
@@ -307,6 +341,8 @@ def resolve_num_envs(cfg: Config, world_size: int) -> str:
         raise UsageError(f"--env.global-num-envs must be >= 0, got {cfg.env.global_num_envs}")
     if cfg.env.global_num_envs == 0:
         return f"--env.num-envs {cfg.env.num_envs} is per rank"
+    if cfg.env.global_num_envs >= 2**63:
+        raise UsageError(f"--env.global-num-envs must fit in 64 bits ([0, 2**63 - 1]), got {cfg.env.global_num_envs}")
     if cfg.env.global_num_envs % world_size:
         raise UsageError(f"--env.global-num-envs {cfg.env.global_num_envs} is not divisible by the world size "
                          f"{world_size}; pick a multiple of {world_size} or use per-rank --env.num-envs")

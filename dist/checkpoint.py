@@ -12,6 +12,7 @@ import os
 import re
 import time
 import uuid
+import zipfile
 
 import torch
 
@@ -28,8 +29,10 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
     """Load and validate a checkpoint; a file that is not one of ours raises naming what is wrong."""
     if not os.path.exists(path):
         raise UsageError(f"--resume {path!r} does not exist")
-    if not os.path.isfile(path):
+    if os.path.isdir(path):
         raise UsageError(f"--resume {path!r} is a directory; pass a model_<iteration>.pt file inside it, or auto")
+    if not os.path.isfile(path):      # a device or a pipe: reading it could block or never end
+        raise UsageError(f"--resume {path!r} is not a regular file; pass a model_<iteration>.pt file, or auto")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
@@ -40,7 +43,52 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
         raise UsageError(f"--resume {path!r} is missing {missing}; the file is truncated or from another tool")
+    damage = corrupt_member(path) or malformed_entry(state)
+    if damage:
+        raise UsageError(f"--resume {path!r} is damaged ({damage}); resume from another checkpoint")
     return state
+
+
+def corrupt_member(path: str) -> str:
+    """torch.load does not check the archive's CRC-32s: a flipped bit in tensor data would load as wrong weights."""
+    if not zipfile.is_zipfile(path):
+        return ""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"{bad} does not match its CRC-32" if bad else ""
+
+
+def malformed_entry(state: dict) -> str:
+    """What in the loaded dict has the wrong type or size for `train.restore` to use, or "" when all fits."""
+    def plain_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+    for key in ("model", "optimizer", "env", "config"):
+        if not isinstance(state[key], dict):
+            return f"its {key!r} is a {type(state[key]).__name__}, not a dict"
+    optimizer = state["optimizer"]
+    if not isinstance(optimizer.get("param_groups"), list) or not isinstance(optimizer.get("state"), dict):
+        return "its 'optimizer' has no 'param_groups' list and 'state' dict"
+    sections = [k for k, v in state["config"].items() if not isinstance(v, dict) and k in
+                ("env", "policy", "ppo", "dist", "log", "rollout")]
+    if sections:
+        return f"its config section {sections[0]!r} is not a dict"
+    if not plain_int(state["iteration"]) or state["iteration"] < 0:
+        return f"its iteration is {state['iteration']!r}, not an integer >= 0"
+    rng = state["rng"]
+    if not isinstance(rng, list) or not rng or not all(isinstance(r, dict) for r in rng):
+        return "its 'rng' is not a non-empty list of per-rank dicts"
+    layout = state.get("layout", [len(rng), 0])
+    if not (isinstance(layout, list) and len(layout) == 2 and all(plain_int(n) for n in layout)
+            and layout[0] == len(rng) and layout[1] >= 0):
+        return f"its layout {layout!r} does not say [{len(rng)} learner(s), rollout ranks]"
+    rollout_rng = state.get("rollout_rng", [])
+    if layout[1] and not (isinstance(rollout_rng, list) and len(rollout_rng) == layout[1]
+                          and all(isinstance(r, dict) for r in rollout_rng)):
+        return f"its layout has {layout[1]} rollout rank(s) but not as many 'rollout_rng' dicts"
+    return ""
 
 
 def save_checkpoint(path: str, state: dict) -> None:

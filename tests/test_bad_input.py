@@ -1,0 +1,178 @@
+"""Bad input found by sweeping every flag of every preset with --dry-run: each one is a single line naming the
+flag (or the --resume file) and exit status 2, where it used to be a traceback or a run that could not learn.
+tests/test_config_errors.py holds the earlier cases; none is repeated here."""
+
+import dataclasses
+import struct
+import zipfile
+
+import pytest
+import torch
+
+import train
+from configs import preset, resolve_num_envs, validate
+from dist.checkpoint import load_checkpoint, rng_states, save_checkpoint
+from dist.errors import UsageError
+from envs import make_env
+from ppo.actor_critic import build_actor_critic
+from ppo.minibatch_step import build_optimizer
+
+
+def cfg_with(**changes):
+    cfg = preset("tracking")
+    for dotted, value in changes.items():
+        section, field = dotted.split("__") if "__" in dotted else (None, dotted)
+        setattr(getattr(cfg, section) if section else cfg, field, value)
+    return cfg
+
+
+@pytest.mark.parametrize("changes, flag", [
+    # int64 overflow of the step counter in the env: "ValueError: Overflow when unpacking long long"
+    ({"env__episode_length_s": 1e20}, "--env.episode-length-s"),
+    # sizes beyond int64: torch raised deep inside the build
+    ({"ppo__num_steps": 10**20}, "--ppo.num-steps"),
+    ({"env__num_motions": 10**20}, "--env.num-motions"),
+    ({"policy__actor_hidden": (64, 10**20)}, "--policy.actor-hidden"),
+    # positive, but 0 or inf once in float32: log_std = -inf (every log-prob nan), Adam's eps = 0 (0/0 = nan)
+    ({"policy__init_noise_std": 1e-300}, "--policy.init-noise-std"),
+    ({"policy__init_noise_std": 1e300}, "--policy.init-noise-std"),
+    ({"ppo__adam_eps": 1e-300}, "--ppo.adam-eps"),
+])
+def test_values_that_overflow_or_vanish_in_the_build_name_the_flag(changes, flag):
+    with pytest.raises(UsageError, match=flag.replace(".", r"\.")):
+        validate(cfg_with(**changes))
+
+
+def test_the_new_bounds_keep_ordinary_values_and_the_seed_range_message():
+    validate(cfg_with(env__episode_length_s=1e6, policy__init_noise_std=1e-6, ppo__adam_eps=1e-12))
+    with pytest.raises(UsageError, match=r"--seed must be in \[0, 4294967295\]"):   # not the 64-bit message
+        validate(cfg_with(seed=2**64))
+
+
+def test_cli_says_an_overflowing_episode_length_in_one_line(tmp_path, capsys):
+    cfg = cfg_with(env__episode_length_s=1e20, dry_run=True, log__root=str(tmp_path))
+    assert train.cli(cfg) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --env.episode-length-s 1e+20 is too long") and err.count("\n") == 1, err
+
+
+# ---- damaged checkpoints: the right format tag, but entries that train.restore cannot use ---------------
+
+def fresh_checkpoint(path, num_envs=16):
+    """What train.main saves after an iteration, built without training (model, optimizer, env, RNG)."""
+    cfg = cfg_with(env__num_envs=num_envs, ppo__num_steps=8)
+    env = make_env(cfg.env, torch.device("cpu"), seed=cfg.seed, base_seed=cfg.seed)
+    model = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions)
+    optimizer = build_optimizer(model.parameters(), cfg.ppo, torch.device("cpu"))
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "env": env.state_dict(),
+             "iteration": 2, "learning_rate": 1e-3, "config": dataclasses.asdict(cfg),
+             "rng": [rng_states(env, torch.Generator().manual_seed(1))], "layout": [1, 0]}
+    save_checkpoint(str(path), state)
+    return state
+
+
+def flip_a_byte_of_tensor_data(path):
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 64)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
+    raw[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_a_flipped_bit_in_the_weights_is_refused_not_loaded(tmp_path):
+    path = tmp_path / "model_2.pt"
+    fresh_checkpoint(path)
+    assert load_checkpoint(str(path))["iteration"] == 2          # the undamaged file loads
+    flip_a_byte_of_tensor_data(path)
+    torch.load(path, weights_only=True)                          # torch alone loads it, with a wrong weight
+    with pytest.raises(UsageError, match=r"--resume .* is damaged \(archive/data/\d+ does not match its CRC-32\)"):
+        load_checkpoint(str(path))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ({"config": None}, r"its 'config' is a NoneType, not a dict"),                  # was AttributeError
+    ({"model": torch.zeros(3)}, r"its 'model' is a Tensor, not a dict"),             # was TypeError
+    ({"optimizer": {}}, r"its 'optimizer' has no 'param_groups' list"),              # was KeyError
+    ({"iteration": "2"}, r"its iteration is '2', not an integer >= 0"),              # was TypeError
+    ({"iteration": -1}, r"its iteration is -1, not an integer >= 0"),                # was a silent run from -1
+    ({"rng": []}, r"its 'rng' is not a non-empty list"),                             # was IndexError
+    ({"layout": None}, r"its layout None does not say \[1 learner"),                 # was TypeError
+    ({"layout": [1, 1]}, r"1 rollout rank\(s\) but not as many 'rollout_rng' dicts"),
+])
+def test_a_checkpoint_with_malformed_entries_is_one_line_exit_2(tmp_path, capsys, damage, message):
+    path = tmp_path / "model_2.pt"
+    state = fresh_checkpoint(path)
+    save_checkpoint(str(path), {**state, **damage})
+    with pytest.raises(UsageError, match=message):
+        load_checkpoint(str(path))
+    cfg = cfg_with(env__num_envs=16, ppo__num_steps=8, resume=str(path), dry_run=True, log__root=str(tmp_path))
+    assert train.cli(cfg) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --resume {str(path)!r} is damaged") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("unit, message", [
+    ("trajectory", r"--env.num-envs \(510 = --env.global-num-envs 1020 / 2 rank\(s\)\) must be divisible"),
+    ("transition", r"\(255 = --env.global-num-envs 510 / 2 rank\(s\) x 24 = 6120\) must be divisible"),
+])
+def test_an_indivisible_split_of_the_global_env_budget_names_the_flag_that_was_given(unit, message):
+    cfg = cfg_with(env__global_num_envs=1020 if unit == "trajectory" else 510, ppo__minibatch_unit=unit,
+                   ppo__num_mini_batches=4 if unit == "trajectory" else 80)
+    resolve_num_envs(cfg, 2)
+    with pytest.raises(UsageError, match=message):
+        validate(cfg, world_size=2)
+
+
+def test_a_global_env_budget_beyond_int64_names_that_flag_not_the_per_rank_one():
+    with pytest.raises(UsageError, match=r"^--env.global-num-envs must fit in 64 bits"):
+        resolve_num_envs(cfg_with(env__global_num_envs=10**20), 1)
+
+
+@pytest.mark.parametrize("timeout_s", [1e300, 8.6e13, 1e-4])
+def test_a_collective_timeout_torch_cannot_represent_names_the_flag(timeout_s):
+    # 2-rank torchrun --dry-run: 1e300 was "OverflowError: Python int too large to convert to C int" from timedelta,
+    # 8.6e13 gloo's "timeout.count() >= 0. Invalid timeout", 1e-4 (0 ms) a TCPStore time-out after 0ms
+    with pytest.raises(UsageError, match=r"--dist.timeout-s must be in \[0.001, 1e9\] seconds"):
+        validate(cfg_with(dist__timeout_s=timeout_s), world_size=2)
+    validate(cfg_with(dist__timeout_s=1e9), world_size=2)        # ran a 2-rank --dry-run
+
+
+def test_minibatch_advantage_norm_of_a_single_transition_is_refused():
+    # mujoco (1 env, advantage-norm minibatch) --ppo.num-steps 32 --ppo.num-mini-batches 32: one transition per
+    # minibatch, whose unbiased std is nan; the run was accepted and skipped every step as non-finite
+    cfg = preset("mujoco")
+    cfg.ppo.num_steps, cfg.ppo.num_mini_batches = 32, 32
+    with pytest.raises(UsageError, match=r"--ppo.advantage-norm minibatch needs at least 2 transitions .* got 1"):
+        validate(cfg)
+    cfg.ppo.num_mini_batches = 16
+    validate(cfg)
+
+
+def test_lr_bounds_of_the_adaptive_schedule_do_not_cap_the_linear_or_fixed_rate():
+    # mujoco (linear schedule) --ppo.learning-rate 0.02 was refused for exceeding --ppo.lr-max, which it never reads
+    cfg = preset("mujoco")
+    cfg.ppo.learning_rate = 0.02
+    validate(cfg)
+    cfg.ppo.lr_min, cfg.ppo.lr_max = 0.1, 0.01                       # inverted bounds stay an error everywhere
+    with pytest.raises(UsageError, match=r"need 0 < --ppo.lr-min <= --ppo.lr-max, got 0.1, 0.01"):
+        validate(cfg)
+    with pytest.raises(UsageError, match=r"--ppo.learning-rate <= --ppo.lr-max with --ppo.schedule adaptive"):
+        validate(cfg_with(ppo__learning_rate=0.02))                  # tracking: adaptive
+    for absurd in (1e300, 1e-300):                                     # no longer capped by lr-max: float32 range
+        cfg = preset("mujoco")
+        cfg.ppo.learning_rate = absurd
+        with pytest.raises(UsageError, match=r"--ppo.learning-rate .* is 0 or inf in float32"):
+            validate(cfg)
+
+
+def test_an_experiment_name_too_long_for_a_directory_fails_before_the_build(tmp_path):
+    # the dry run passed and a real run raised OSError (File name too long) from mkdir once everything was built
+    with pytest.raises(UsageError, match=r"--log.experiment is 300 bytes long; a directory name can have at most 255"):
+        validate(cfg_with(log__experiment="x" * 300))
+    validate(cfg_with(log__experiment="x" * 255))
+
+
+def test_a_resume_path_that_is_a_device_is_not_called_a_directory():
+    with pytest.raises(UsageError, match=r"^--resume '/dev/null' is not a regular file"):
+        load_checkpoint("/dev/null")
