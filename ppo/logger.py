@@ -1,6 +1,7 @@
 """Rank-0 logging: TensorBoard scalars under RSL-RL's tag names, and one console line per iteration."""
 
 import math
+import os
 import time
 
 from torch.utils.tensorboard import SummaryWriter
@@ -11,6 +12,7 @@ class RunLogger:
         # purge_step: when a run continues in its own directory (restart, --resume auto), TensorBoard drops
         # whatever an earlier attempt logged after the checkpoint, so no step appears twice. Also from step 1: a
         # torchrun restart before the first checkpoint continues in the same directory from iteration 0.
+        wait_past_earlier_event_files(run_dir)
         self.writer = SummaryWriter(run_dir, purge_step=start_iteration + 1)
         self.max_iterations, self.start_iteration = max_iterations, start_iteration
         self.start_time = time.time()
@@ -36,3 +38,18 @@ class RunLogger:
 def _fmt(value: float | None, width: int, spec: str) -> str:
     """`-` when no episode ended in the iteration (the metric is absent), never `nan`."""
     return f"{'-':>{width}}" if value is None or not math.isfinite(value) else f"{value:{width}{spec}}"
+
+
+def wait_past_earlier_event_files(run_dir: str) -> None:
+    """Sleep until the clock is past the second in which the newest event file of `run_dir` was made.
+
+    TensorBoard reads a directory's event files in name order, and a name starts with its creation second,
+    then host and pid. A restart within the same second as the attempt before could sort first; read last,
+    the older attempt's steps would then purge the newer ones. At most a second, and only on a restart.
+    """
+    if not os.path.isdir(run_dir):
+        return
+    seconds = [int(part[3]) for part in (name.split(".") for name in os.listdir(run_dir))
+               if part[:3] == ["events", "out", "tfevents"] and len(part) > 3 and part[3].isdigit()]
+    while seconds and int(time.time()) <= max(seconds):
+        time.sleep(0.05)

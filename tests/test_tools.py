@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -225,3 +226,13 @@ def test_bench_rollout_out_that_is_a_file_is_a_usage_error(tmp_path, monkeypatch
     with pytest.raises(SystemExit) as exit_info:
         bench_rollout.main()
     assert exit_info.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_a_restart_in_the_same_second_writes_an_event_file_that_sorts_last(tmp_path):
+    """TensorBoard reads event files in name order (creation second, host, pid): a restart's file must come after
+    the attempt before, or that attempt's steps, read last, purge the restart's."""
+    earlier = tmp_path / f"events.out.tfevents.{int(time.time())}.zzzz-host.99999.0"   # sorts last within its second
+    earlier.write_bytes(b"")
+    RunLogger(str(tmp_path), 10, 3).writer.close()
+    names = sorted(os.listdir(tmp_path))
+    assert names[0] == earlier.name and len(names) == 2
