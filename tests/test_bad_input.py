@@ -16,14 +16,7 @@ from dist.errors import UsageError
 from envs import make_env
 from ppo.actor_critic import build_actor_critic
 from ppo.minibatch_step import build_optimizer
-
-
-def cfg_with(**changes):
-    cfg = preset("tracking")
-    for dotted, value in changes.items():
-        section, field = dotted.split("__") if "__" in dotted else (None, dotted)
-        setattr(getattr(cfg, section) if section else cfg, field, value)
-    return cfg
+from test_config_errors import cfg_with
 
 
 @pytest.mark.parametrize("changes, flag", [
