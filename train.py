@@ -107,7 +107,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
     shuffle = torch.Generator().manual_seed(cfg.seed + rank)
     stateful = {"model": model, "optimizer": optimizer, "env": env, "reward_normalizer": reward_normalizer}
     if checkpoint is not None:
-        restore(checkpoint, resume_path, stateful, shuffle, roles)
+        restore(checkpoint, resume_path, stateful, shuffle, roles, device)
     obs = env.reset()[0] if env is not None else None
     first = {f: obs[g] for f, g in OBS_GROUP.items()} if env is not None else team.spec["reset_obs"]
     for storage_field, normalizer in model.normalizers().items():
@@ -250,7 +250,7 @@ def finished(device: torch.device) -> float:
     return time.time()
 
 
-def restore(state: dict, path: str, stateful: dict, shuffle, roles) -> None:
+def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torch.device) -> None:
     """Load a checkpoint into the built objects; RNG states are restored per rank when the layout matches.
 
     Buffers declared `local` (per-env running state such as the reward normalizer's running returns)
@@ -285,8 +285,8 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles) -> None:
         shuffle.set_state(rng["shuffle"].cpu())
         if stateful["env"] is not None:
             stateful["env"].generator.set_state(rng["env"].cpu())
-        if "cuda" in rng and torch.cuda.is_initialized():   # a GPU run (its model is there): sampling draws from it
-            torch.cuda.set_rng_state(rng["cuda"].cpu())
+        if "cuda" in rng and device.type == "cuda":   # sampling on the GPU draws from it (dist.checkpoint.rng_states)
+            torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
     elif same_layout:
         if roles.rank == 0:
             print(f"[syncppo] resuming a checkpoint whose RNG states were saved on another device: RNG streams "

@@ -31,7 +31,6 @@ def test_resume_restores_the_saved_cuda_rng_state(monkeypatch):
     CPU, shuffle and env states do."""
     cuda_state = torch.arange(16, dtype=torch.uint8)
     restored = []
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state.clone()))
     saved_torch = torch.Generator().manual_seed(11).get_state()
     saved_shuffle = torch.Generator().manual_seed(12).get_state()
@@ -40,7 +39,8 @@ def test_resume_restores_the_saved_cuda_rng_state(monkeypatch):
     before = torch.get_rng_state()
     try:
         train.restore(_checkpoint({"torch": saved_torch, "shuffle": saved_shuffle, "env": saved_env,
-                                   "cuda": cuda_state}), "ckpt.pt", {"env": env}, shuffle, ROLES_1)
+                                   "cuda": cuda_state}), "ckpt.pt", {"env": env}, shuffle, ROLES_1,
+                      torch.device("cuda"))
         assert torch.equal(torch.get_rng_state(), saved_torch)
     finally:
         torch.set_rng_state(before)
@@ -59,7 +59,7 @@ def test_resume_with_rng_states_of_another_device_restarts_the_streams_instead_o
     env, shuffle = _Env(seed=1), torch.Generator().manual_seed(2)
     env_before, shuffle_before, torch_before = env.generator.get_state(), shuffle.get_state(), torch.get_rng_state()
     try:
-        train.restore(_checkpoint(saved), "ckpt.pt", {"env": env}, shuffle, ROLES_1)
+        train.restore(_checkpoint(saved), "ckpt.pt", {"env": env}, shuffle, ROLES_1, torch.device("cpu"))
         assert torch.equal(torch.get_rng_state(), torch_before)    # all streams restart together
     finally:
         torch.set_rng_state(torch_before)
