@@ -45,7 +45,8 @@ from dist.stop import StopRequests
 from envs import make_env
 from ppo.actor_critic import build_actor_critic
 from ppo.rollout import TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout
-from sync import WeightSyncConfig, make_weight_syncer
+from sync import SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from sync.wire import LINK_LOST, RESYNC_HINT
 
 FLAGS = ("version", "stop_signal", "launcher_gone")
 
@@ -235,7 +236,8 @@ class WeightServer:
 def request_weights(syncer, copy, learner: int, group, have: int, need: int) -> int:
     """A rollout rank's request (see WeightServer.serve): the newest weights, at least version `need`. Crosses
     ranks: (have, need) up, the served version down, sync/'s update when it is newer than `have`. Returns the
-    version now in `copy`; `need` < 0 says done (nothing comes back)."""
+    version now in `copy`; `need` < 0 says done (nothing comes back). Weights that fail sync/'s integrity checks
+    raise RunError: nothing in the run recovers them (resync() is for a caller of sync/ that keeps going)."""
     with naming(learner, "learner"):
         comm.send(torch.tensor([have, need]), "weight_request", learner, group)
         if need < 0:
@@ -243,7 +245,13 @@ def request_weights(syncer, copy, learner: int, group, have: int, need: int) -> 
         served = int(comm.recv(torch.empty(1, dtype=torch.int64), "weight_request", learner, group))
         if served <= have:
             return have
-        version = syncer.apply(copy)
+        try:
+            version = syncer.apply(copy)
+        except SyncIntegrityError as error:
+            what = str(error).removesuffix(f"; {RESYNC_HINT}").removesuffix(f"; {LINK_LOST}")
+            raise RunError(f"the weights (version {served}) from learner rank {learner} failed their integrity "
+                           f"check: {what}. A run-time failure, not a setting: torchrun --max-restarts restarts the "
+                           f"job from its last checkpoint, or continue with --resume auto") from error
     if version != served:
         raise RunError(f"the learner announced weights version {served} but sent version {version}")
     return version

@@ -22,6 +22,7 @@ import tyro
 
 from configs import PRESETS, Config, resolve_num_envs, validate
 from configs.resume import check_resume_fits, resolve_resume
+from configs.typed_flags import typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
 from dist.checkpoint import (check_writable_root, gather_rng_states, load_checkpoint, open_run_dir, rng_plan_row,
@@ -48,12 +49,12 @@ from ppo.update import ppo_update, update_plan_rows
 OBS_GROUP = {"actor_obs": "policy", "critic_obs": "critic"}   # storage field -> observation group
 
 
-def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
+def main(cfg: Config, typed: frozenset[str] = frozenset()) -> tuple[torch.nn.Module, dict[str, float], list]:
     """Train (or print the plan, with --dry-run); return the model, the last logged scalars and the sync plan."""
     # ---- every check that needs neither a process group nor an env: nothing is built or written yet --
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     envs_scope = resolve_num_envs(cfg, world)
-    validate(cfg, world)
+    validate(cfg, world, typed)       # typed: the command line's flags, refused where they have no effect
     if cfg.rollout.ranks and cfg.dist.device == "auto":
         cfg.dist.device = "cpu"       # rollout ranks stage everything on the host over gloo (docs/rollout_ranks.md)
     resolve_device(cfg.dist.device)
@@ -145,7 +146,7 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
         print(f"[syncppo] writing to {run_dir}", flush=True)
 
     episodes = EpisodeStats(N, metric_keys, device)
-    ledger_before = {k: list(v) for k, v in comm.LEDGER.items()}
+    ledger_before = comm.ledger_snapshot()       # weight-serving threads count into the ledger meanwhile
     scalars: dict[str, float] = {}
     for iteration in range(start_iteration, cfg.max_iterations):
         # ---- rollout: T steps of every local env (no communication), or the rollout ranks' batches ----
@@ -194,10 +195,11 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
                         "Train/nonfinite_skipped_steps": stats["skipped_steps"]})
         if team is not None:
             scalars["Perf/policy_lag"] = remote["lag"]
-        for purpose, (calls, nbytes) in comm.LEDGER.items():
-            before = ledger_before.get(purpose, [0, 0])
+        ledger = comm.ledger_snapshot()           # one read, so what is counted meanwhile goes to the next iteration
+        for purpose, (calls, nbytes) in ledger.items():
+            before = ledger_before.get(purpose, (0, 0))
             scalars[f"Comm/{purpose}_calls"], scalars[f"Comm/{purpose}_bytes"] = calls - before[0], nbytes - before[1]
-        ledger_before = {k: list(v) for k, v in comm.LEDGER.items()}
+        ledger_before = ledger
         if is_main:
             logger.log(scalars, step=iteration + 1)
             returns = torch.stack(episodes.ended).flatten().cpu() if episodes.ended else torch.zeros(0)  # in end order
@@ -206,10 +208,17 @@ def main(cfg: Config) -> tuple[torch.nn.Module, dict[str, float], list]:
             if (iteration + 1) % cfg.log.print_every == 0 or iteration + 1 == cfg.max_iterations:
                 logger.print_line(iteration, scalars)
         if launcher_gone:     # orphans: no launcher is left to restart or collect the job, so write nothing
+            gone = RunError(f"the launcher (torchrun) is gone: stopped after iteration {iteration + 1} without saving; "
+                            f"the last periodic checkpoint is kept")
             if team is not None:
-                team.finish(model, iteration, stop=True, save=False)
-            raise RunError(f"the launcher (torchrun) is gone: stopped after iteration {iteration + 1} without saving; "
-                           f"the last periodic checkpoint is kept")
+                # Told to stop, so closed as after a last iteration: leaving before the rollout ranks read the stop
+                # tore the groups down under them ("learner rank 0 died") and left the serving threads to the exit.
+                try:
+                    team.finish(model, iteration, stop=True, save=False)
+                    team.close()
+                except (RunError, comm.CollectiveError) as exc:   # a rollout rank failed too: the launcher comes first
+                    raise gone from exc
+            raise gone
 
         # ---- checkpoint: sampler counts summed, every rank's RNG gathered, rank 0 writes ----------
         last = iteration + 1 == cfg.max_iterations
@@ -289,8 +298,8 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
             torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
     elif same_layout:
         if roles.rank == 0:
-            print(f"[syncppo] resuming a checkpoint whose RNG states were saved on another device: RNG streams "
-                  f"restart from --seed + rank; everything else is restored", flush=True)
+            print("[syncppo] resuming a checkpoint whose RNG states were saved on another device: RNG streams "
+                  "restart from --seed + rank; everything else is restored", flush=True)
     elif roles.rank == 0:
         print(f"[syncppo] resuming a checkpoint of {saved_layout[0]} learner(s) + {saved_layout[1]} rollout rank(s) "
               f"on {roles.num_learners} + {roles.num_rollouts}: RNG streams restart from --seed + rank; "
@@ -306,11 +315,11 @@ def team_checkpoint(gathered: torch.Tensor, spec: dict, roles) -> dict:
     return {"env": env_state, "rollout_rng": rollout_rngs, "layout": [roles.num_learners, roles.num_rollouts]}
 
 
-def cli(cfg: Config) -> int:
+def cli(cfg: Config, typed: frozenset[str] = frozenset()) -> int:
     """Run `main`; turn user errors into one line on stderr (status 2) and run-time failures into one line (1)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
-        main(cfg)
+        main(cfg, typed)
         return 0
     except UsageError as exc:        # identical on every rank: say it once per node
         if local_rank == 0:
@@ -337,4 +346,5 @@ def cli(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(tyro.extras.overridable_config_cli({name: (fn.__doc__, fn()) for name, fn in PRESETS.items()})))
+    sys.exit(cli(tyro.extras.overridable_config_cli({name: (fn.__doc__, fn()) for name, fn in PRESETS.items()}),
+                 typed_flags(sys.argv[1:])))

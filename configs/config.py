@@ -1,7 +1,8 @@
 """Every hyperparameter as a dataclass field with a one-line help string (the docstring under it).
 
 tyro turns `Config` into the command line: `--ppo.num-epochs 5 --env.num-envs 1024`. One dataclass per
-concern; `validate()` rejects bad values with an error naming the flag, before anything is built.
+concern; `validate()` rejects bad values, and typed flags that would have no effect, with an error naming
+the flag, before anything is built.
 """
 
 import importlib.util
@@ -10,6 +11,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from configs.typed_flags import check_typed_flags
 from dist.errors import UsageError
 
 
@@ -179,8 +181,10 @@ class Config:
     """print the start-up summary and the sync plan, then exit without training"""
 
 
-def validate(cfg: Config, world_size: int = 1) -> None:
-    """Raise UsageError naming the flag for every value that cannot work. Runs before anything is built."""
+def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset()) -> None:
+    """Raise UsageError naming the flag for every value that cannot work. Runs before anything is built.
+    `typed`: the flags on the command line (configs/typed_flags.py); one that has no effect here is refused."""
+    check_typed_flags(cfg, typed)     # first: a flag that does not apply is the thing to fix, whatever its value
     if not 0 <= cfg.seed <= 2**32 - world_size:
         raise UsageError(f"--seed must be in [0, {2**32 - world_size}] with {world_size} rank(s) (rank r seeds "
                          f"numpy with seed + r, which must fit 32 bits), got {cfg.seed}")

@@ -9,6 +9,7 @@ Three ways to continue, all resolved here on every rank from the file system alo
 
 import os
 
+from configs.typed_flags import env_reads
 from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
 from dist.errors import UsageError
 
@@ -46,6 +47,8 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
     """
     saved = state["config"]
     for flag, (section, name) in MUST_MATCH.items():
+        if not env_reads(cfg, flag):   # e.g. --env.task of a cartpole run: unused, and refused if typed to match
+            continue
         ours, theirs = getattr(getattr(cfg, section), name), saved.get(section, {}).get(name)
         if theirs is not None and tuple_or_value(ours) != tuple_or_value(theirs):
             hint = " per rank (use --env.global-num-envs for a total)" if name == "num_envs" else ""

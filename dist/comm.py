@@ -16,8 +16,11 @@ from collections import defaultdict
 import torch
 import torch.distributed as torch_dist
 
-# purpose -> [calls, bytes]; bytes = payload of this rank's tensor (what one call moves per rank).
+# purpose -> [calls, bytes]; bytes = payload of this rank's tensor (what one call moves per rank). A learner's
+# weight-serving threads (rollout_ranks.py) count into it while its main thread reads it, and a thread may add a
+# purpose mid-read: change it only under _COUNTING (`ledger_add`) and read it whole through `ledger_snapshot`.
 LEDGER: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+_COUNTING = threading.Lock()
 # Where collective tensors must live: cuda:LOCAL_RANK under NCCL, cpu under gloo. Set by dist.setup.
 _DEVICE = torch.device("cpu")
 # The group every collective below runs in: the whole world, or the learners only when rollout ranks
@@ -49,14 +52,22 @@ def world_size() -> int:
     return torch_dist.get_world_size(_GROUP) if torch_dist.is_available() and torch_dist.is_initialized() else 1
 
 
-_COUNTING = threading.Lock()    # a learner serves its rollout ranks' weights from threads (rollout_ranks.py)
+def ledger_add(purpose: str, calls: int, nbytes: int) -> None:
+    """Count `calls` calls moving `nbytes` bytes in all under `purpose` (negative: take them back)."""
+    with _COUNTING:
+        entry = LEDGER[purpose]
+        entry[0] += calls
+        entry[1] += nbytes
+
+
+def ledger_snapshot() -> dict[str, tuple[int, int]]:
+    """purpose -> (calls, bytes) as of one moment, safe to take while other threads count."""
+    with _COUNTING:
+        return {purpose: (calls, nbytes) for purpose, (calls, nbytes) in LEDGER.items()}
 
 
 def _count(purpose: str, tensor: torch.Tensor) -> None:
-    with _COUNTING:
-        entry = LEDGER[purpose]
-        entry[0] += 1
-        entry[1] += tensor.numel() * tensor.element_size()
+    ledger_add(purpose, 1, tensor.numel() * tensor.element_size())
 
 
 @contextlib.contextmanager
@@ -121,7 +132,8 @@ def all_gather(tensor: torch.Tensor, purpose: str) -> torch.Tensor:
 
 
 def reset_ledger() -> None:
-    LEDGER.clear()
+    with _COUNTING:
+        LEDGER.clear()
 
 
 # Point-to-point messages (rollout batches, weight sync), counted like the collectives:

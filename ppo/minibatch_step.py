@@ -129,8 +129,7 @@ class SyncFreeStep:
                 self.static[key].copy_(value)
             self.graph.replay()
             for purpose, (calls, nbytes) in self.ledger_per_replay.items():   # the replayed collectives
-                comm.LEDGER[purpose][0] += calls
-                comm.LEDGER[purpose][1] += nbytes
+                comm.ledger_add(purpose, calls, nbytes)
         elif self.capture and self.eager_steps >= CAPTURE_WARMUP_STEPS:
             self._capture(batch)
         else:
@@ -152,15 +151,14 @@ class SyncFreeStep:
     def _capture(self, batch: dict) -> None:
         """Record this step into a CUDA graph (nothing runs while recording), then replay it to take it."""
         self.static = {key: value.clone() for key, value in batch.items()}
-        before = {k: list(v) for k, v in comm.LEDGER.items()}
+        before = comm.ledger_snapshot()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._step(self.static)
-        self.ledger_per_replay = {k: (v[0] - before.get(k, [0, 0])[0], v[1] - before.get(k, [0, 0])[1])
-                                  for k, v in comm.LEDGER.items()}
+        self.ledger_per_replay = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                                  for k, v in comm.ledger_snapshot().items()}
         for purpose, (calls, nbytes) in self.ledger_per_replay.items():   # recording is not issuing
-            comm.LEDGER[purpose][0] -= calls
-            comm.LEDGER[purpose][1] -= nbytes
+            comm.ledger_add(purpose, -calls, -nbytes)
         self(batch)
 
     def _step(self, batch: dict) -> None:

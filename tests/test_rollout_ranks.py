@@ -94,7 +94,7 @@ def test_async_mode_trains_within_its_staleness_bound(tmp_path):
 def test_checkpoints_resume_across_layouts(tmp_path):
     train.main(small(tmp_path / "a", iterations=2))                       # colocated, 1 rank
     (colocated_ckpt,) = glob.glob(str(tmp_path / "a" / "tracking" / "*" / "model_2.pt"))
-    split = run_ranks(body, 2, args=(small(tmp_path / "b", iterations=4, ranks=1, resume=colocated_ckpt), 4))
+    run_ranks(body, 2, args=(small(tmp_path / "b", iterations=4, ranks=1, resume=colocated_ckpt), 4))
     (split_ckpt,) = glob.glob(str(tmp_path / "b" / "tracking" / "*" / "model_4.pt"))
     saved = torch.load(split_ckpt, weights_only=True)
     assert saved["iteration"] == 4 and saved["layout"] == [1, 1]
@@ -105,11 +105,12 @@ def test_checkpoints_resume_across_layouts(tmp_path):
     assert back is not None
 
 
-def plain_ranks(tmp_path, *args):
-    """Two `python train.py` processes with torchrun's variables: no launcher to kill or signal them."""
+def plain_ranks(tmp_path, *args, prelude=None):
+    """Two `python train.py` processes with torchrun's variables: no launcher to kill or signal them (`prelude`:
+    see tests/torchrun_job.Job)."""
     port = str(free_port())
     return [Job(["cartpole", "--max-iterations", "100000", "--log.root", str(tmp_path), "--rollout.ranks", "1",
-                 "--dist.timeout-s", "20", *args], python=True,
+                 "--dist.timeout-s", "20", *args], python=True, prelude=prelude,
                 env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in (0, 1)]
 

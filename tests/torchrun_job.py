@@ -41,11 +41,17 @@ def alive(pid: int) -> bool:
 
 
 class Job:
+    """`prelude` (with `python` only): code run before train.py in the same process, to patch what train.py
+    imports (inject a fault, record what happens at exit); train.py then runs as `__main__`, as it does alone."""
+
     def __init__(self, args: list[str], nproc: int = 2, max_restarts: int = 0, python: bool = False,
-                 env: dict | None = None):
+                 env: dict | None = None, prelude: str | None = None):
+        assert prelude is None or python, "a prelude runs in the process of `python train.py` only"
         cmd = ([sys.executable, "train.py"] if python else
                [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
                 "--monitor-interval=0.2", "train.py"])
+        if prelude is not None:
+            cmd = [sys.executable, "-c", f"{prelude}\nimport runpy\nrunpy.run_path('train.py', run_name='__main__')"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd + args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

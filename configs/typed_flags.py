@@ -1,0 +1,76 @@
+"""Refuse a flag the user typed that the resulting config never reads: "never a silent fallback".
+
+`validate()` sees values only, and a value that does not apply is harmless when a preset set it (the mujoco
+preset's --env.task under --env.name cartpole) but a mistake when the user typed it (--rollout.max-staleness 3
+with --rollout.mode sync trains exactly as without it). So train.py passes the flags from the command line, and
+`requirement` says, for every field that is read only under some condition, what that condition is. Each one
+was checked in the code that reads the field (noted beside it); a field read in every configuration has no rule.
+Kept apart from configs/config.py, which holds the fields and their value checks.
+"""
+
+from dist.errors import UsageError
+
+# Fields that only some envs read (envs/__init__.py passes each env its own).
+ENV_ONLY = {
+    "--env.episode-length-s": ("cartpole", "tracking"),   # the simulators take the task's own time limit
+    "--env.num-motions": ("tracking",),
+    "--env.sampling-uniform-floor": ("tracking",),
+    "--dist.sampler-sync-every": ("tracking",),           # the others have no adaptive sampler (env.sampler None)
+    "--env.task": ("gymnasium", "isaaclab"),
+    "--env.action-scale": ("gymnasium", "isaaclab"),
+    "--env.action-clip": ("gymnasium", "isaaclab"),
+    "--env.actor-obs-groups": ("isaaclab",),
+    "--env.critic-obs-groups": ("isaaclab",),
+    "--env.launcher-args": ("isaaclab",),
+    "--env.task-overrides": ("isaaclab",),
+}
+ADAPTIVE_ONLY = ("--ppo.desired-kl", "--ppo.lr-min", "--ppo.lr-max")    # ppo/update.py, ppo/minibatch_step.py
+ROLLOUT_RANKS_ONLY = ("--rollout.mode", "--rollout.sync", "--rollout.dtype", "--rollout.recompute",
+                      "--rollout.max-staleness")                          # read by rollout_ranks.py alone
+
+
+def typed_flags(argv: list[str]) -> frozenset[str]:
+    """The flags on a command line, spelled as in the errors: `--ppo.reward_clip=5` -> `--ppo.reward-clip`.
+
+    tyro accepts `--a.b-c V`, `--a.b-c=V` and underscores; a boolean's off switch is `--a.no-b` (no field's
+    name starts with no_). `--help`, or a value that starts with --, names no field: no rule refers to it.
+    """
+    flags = set()
+    for token in argv:
+        if token.startswith("--"):
+            section, _, name = token[2:].split("=", 1)[0].replace("_", "-").rpartition(".")
+            name = name.removeprefix("no-")
+            flags.add(f"--{section}.{name}" if section else f"--{name}")
+    return frozenset(flags)
+
+
+def requirement(cfg, flag: str) -> str | None:
+    """What `flag` needs to have any effect under `cfg`, and what the run uses instead; None when it applies."""
+    if flag in ENV_ONLY and cfg.env.name not in ENV_ONLY[flag]:
+        return f"--env.name {' or '.join(ENV_ONLY[flag])} (the run uses {cfg.env.name})"
+    if flag == "--env.num-envs" and cfg.env.global_num_envs:      # resolve_num_envs overwrites it
+        return f"--env.global-num-envs 0 (the run uses {cfg.env.global_num_envs}, split across the ranks)"
+    if flag in ADAPTIVE_ONLY and cfg.ppo.schedule != "adaptive":
+        return f"--ppo.schedule adaptive (the run uses {cfg.ppo.schedule})"
+    if flag == "--ppo.reward-clip" and not cfg.ppo.normalize_rewards:   # train.py: the RewardNormalizer's clip
+        return "--ppo.normalize-rewards (the run does not normalize rewards)"
+    if flag == "--dist.bucket-mb" and cfg.dist.grad_sync != "bucketed":   # dist/grad_sync.py
+        return f"--dist.grad-sync bucketed (the run uses {cfg.dist.grad_sync})"
+    if flag in ROLLOUT_RANKS_ONLY and not cfg.rollout.ranks:
+        return f"--rollout.ranks K > 0 (the run uses {cfg.rollout.ranks}: every rank collects and learns)"
+    if flag == "--rollout.max-staleness" and cfg.rollout.mode != "async":   # sync mode allows lag 0, always
+        return f"--rollout.mode async (the run uses {cfg.rollout.mode})"
+    return None
+
+
+def check_typed_flags(cfg, typed: frozenset[str]) -> None:
+    """Raise UsageError for the first typed flag (in sorted order) that has no effect under `cfg`."""
+    for flag in sorted(typed):
+        needs = requirement(cfg, flag)
+        if needs is not None:
+            raise UsageError(f"{flag} applies only with {needs}")
+
+
+def env_reads(cfg, flag: str) -> bool:
+    """Whether the configured env reads `flag` (True for flags of every env): a resume compares only those."""
+    return cfg.env.name in ENV_ONLY.get(flag, (cfg.env.name,))

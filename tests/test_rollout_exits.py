@@ -1,0 +1,151 @@
+"""Rollout ranks at the edges of a run: weights that fail their integrity check end a rollout rank with one line,
+the ledger reads whole while a weight-serving thread counts, and a learner whose launcher is gone closes its team
+before it leaves (its rollout rank stops cleanly instead of finding the groups torn down under it)."""
+
+import threading
+from collections import defaultdict
+
+import pytest
+import torch
+
+from dist import comm
+from tests.test_rollout_ranks import plain_ranks
+
+# Rank 1 (the rollout rank) receives version 2 of the weights with its trailer's first checksum flipped, as a bit
+# flipped on the way would leave it: sync/ refuses the update with a SyncIntegrityError.
+CORRUPT_VERSION_2 = """
+import os
+import sync.wire
+if os.environ["RANK"] == "1":
+    sums = sync.wire.Frame.sums
+    def corrupted(self):
+        if self.version == 2 and self.trailer is not None:
+            self.wait()
+            self.trailer[0] ^= 1
+        return sums(self)
+    sync.wire.Frame.sums = corrupted
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["patch", "bucket"])
+def test_corrupted_weights_end_the_rollout_rank_with_one_line(tmp_path, kind):
+    ranks = plain_ranks(tmp_path, "--rollout.sync", kind, prelude=CORRUPT_VERSION_2)
+    try:
+        codes = [job.finish(60) for job in ranks]
+        learner, rollout = (job.output() for job in ranks)
+        assert codes == [1, 1], learner + rollout
+        errors = [line for line in rollout.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in rollout, rollout
+        assert ("the weights (version 2) from learner rank 0 failed their integrity check: weight sync: the "
+                "checksums of frame version 2 failed their check (trailer corrupted). A run-time failure") in errors[0]
+        assert "--resume auto" in errors[0] and "resync()" not in errors[0]    # sync/'s hint is for its own callers
+        # the learner fails with its own error for a rollout rank that is gone, without a traceback or an abort
+        learner_errors = [line for line in learner.splitlines() if line.startswith("error:")]
+        assert len(learner_errors) == 1, learner
+        assert learner_errors[0].startswith("error: rollout rank 1 died or stalled"), learner
+        assert "Traceback" not in learner and "terminate called" not in learner, learner
+    finally:
+        for job in ranks:
+            job.kill_all()
+
+
+class ContendedLock:
+    """A lock that says (`waited`) when a thread found it taken."""
+
+    def __init__(self, waited: threading.Event):
+        self.lock, self.waited = threading.Lock(), waited
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.waited.set()
+            self.lock.acquire()
+
+    def __exit__(self, *exc_info):
+        self.lock.release()
+
+
+def read_while_a_purpose_is_added(read, monkeypatch):
+    """`read()` the ledger while a thread counts a new purpose, the thread started once the read has taken one
+    entry and the read resumed once the thread either counted or found the ledger's lock taken (no sleeps: the
+    interleaving is forced). Returns what `read()` returned and the ledger afterwards."""
+    progress = threading.Event()
+    adder = threading.Thread(target=lambda: (comm._count("weight_request", torch.zeros(2, dtype=torch.int64)),
+                                             progress.set()))
+
+    class Ledger(defaultdict):
+        def items(self):
+            for n, item in enumerate(super().items()):
+                yield item
+                if n == 0 and adder.ident is None:      # the first read only
+                    adder.start()
+                    assert progress.wait(60), "the counting thread neither counted nor waited for the lock"
+
+    monkeypatch.setattr(comm, "_COUNTING", ContendedLock(progress))
+    monkeypatch.setattr(comm, "LEDGER", Ledger(lambda: [0, 0]))
+    comm.ledger_add("batches", 2, 200)
+    comm.ledger_add("control", 1, 16)
+    try:
+        seen = read()
+    finally:
+        if adder.ident is not None:     # started
+            adder.join()
+    return seen, comm.ledger_snapshot()
+
+
+def test_a_ledger_snapshot_is_whole_while_a_serving_thread_adds_a_purpose(monkeypatch):
+    # The harness does break what train.py did: iterate the ledger while a thread adds a purpose.
+    with pytest.raises(RuntimeError, match="dictionary changed size during iteration"):
+        read_while_a_purpose_is_added(lambda: {k: list(v) for k, v in comm.LEDGER.items()}, monkeypatch)
+    seen, after = read_while_a_purpose_is_added(comm.ledger_snapshot, monkeypatch)
+    assert seen == {"batches": (2, 200), "control": (1, 16)}                 # as of one moment: before the thread
+    assert after == {**seen, "weight_request": (1, 16)}                      # whose count is kept, not lost
+
+
+# Rank 0 (the learner) finds its launcher gone at its third iteration (what a SIGKILLed torchrun leaves), while
+# rank 1 (the rollout rank, async mode) is still collecting ahead. The learner reports at exit how often it closed
+# its team, and whether its weight-serving threads were left to the exit hook (WeightServer.abandon, which runs only
+# for a team that was not closed).
+LAUNCHER_GONE_AT_3 = """
+import atexit, os, time
+import dist.stop, rollout_ranks
+if os.environ["RANK"] == "0":
+    checks, closed = [], []
+    def gone(self):
+        checks.append(1)
+        return len(checks) >= 3
+    dist.stop.StopRequests.launcher_gone = gone
+    close, abandon = rollout_ranks.LearnerTeam.close, rollout_ranks.WeightServer.abandon
+    def counted(self):
+        closed.append(1)
+        close(self)
+    def abandoned(self):
+        print(f"serving threads left to the exit hook: {[t.name for t in self.threads if t.is_alive()]}", flush=True)
+        abandon(self)
+    rollout_ranks.LearnerTeam.close, rollout_ranks.WeightServer.abandon = counted, abandoned
+    atexit.register(lambda: print(f"team closed {len(closed)} time(s)", flush=True))
+else:
+    collect = rollout_ranks.collect_rollout
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return collect(*args, **kwargs)
+    rollout_ranks.collect_rollout = slow
+"""
+
+
+@pytest.mark.slow
+def test_a_learner_whose_launcher_is_gone_closes_its_team_before_it_leaves(tmp_path):
+    ranks = plain_ranks(tmp_path, "--rollout.mode", "async", prelude=LAUNCHER_GONE_AT_3)
+    try:
+        codes = [job.finish(60) for job in ranks]
+        learner, rollout = (job.output() for job in ranks)
+        errors = [line for line in learner.splitlines() if line.startswith(("error:", "[syncppo] serving weights"))]
+        assert errors == ["error: the launcher (torchrun) is gone: stopped after iteration 3 without saving; the "
+                          "last periodic checkpoint is kept"], learner
+        assert codes[0] == 1 and "team closed 1 time(s)" in learner, learner
+        assert "left to the exit hook" not in learner, learner
+        # the rollout rank read the stop and said it was done, as after a last iteration: no error of its own
+        assert codes[1] == 0 and "error:" not in rollout and "Traceback" not in rollout, rollout
+    finally:
+        for job in ranks:
+            job.kill_all()

@@ -1,0 +1,130 @@
+"""A flag the user typed that the resulting config never reads is refused by name (configs/typed_flags.py);
+the same value set by a preset, or the flag where it applies, is accepted."""
+
+import dataclasses
+
+import pytest
+
+from configs import Config, preset, validate
+from configs.resume import check_resume_fits
+from configs.typed_flags import check_typed_flags, typed_flags
+from dist.errors import UsageError
+from test_config_errors import cfg_with, run_cli
+
+
+def all_field_flags() -> set[str]:
+    """Every flag tyro makes from Config, spelled as the errors spell it."""
+    cfg, flags = Config(), set()
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section):
+            flags |= {f"--{f.name}.{g.name.replace('_', '-')}" for g in dataclasses.fields(section)}
+        else:
+            flags.add(f"--{f.name.replace('_', '-')}")
+    return flags
+
+
+# (typed flag, config where it has no effect, what the error says it needs, config where it applies)
+RULES = [
+    ("--env.episode-length-s", {"env__name": "gymnasium"}, "--env.name cartpole or tracking (the run uses gymnasium)",
+     {"env__name": "cartpole"}),
+    ("--env.num-motions", {"env__name": "cartpole"}, "--env.name tracking (the run uses cartpole)", {}),
+    ("--env.sampling-uniform-floor", {"env__name": "isaaclab"}, "--env.name tracking (the run uses isaaclab)", {}),
+    ("--dist.sampler-sync-every", {"env__name": "gymnasium"}, "--env.name tracking (the run uses gymnasium)", {}),
+    ("--env.task", {}, "--env.name gymnasium or isaaclab (the run uses tracking)", {"env__name": "gymnasium"}),
+    ("--env.action-scale", {"env__name": "cartpole"}, "--env.name gymnasium or isaaclab (the run uses cartpole)",
+     {"env__name": "isaaclab"}),
+    ("--env.action-clip", {}, "--env.name gymnasium or isaaclab (the run uses tracking)", {"env__name": "gymnasium"}),
+    ("--env.actor-obs-groups", {"env__name": "gymnasium"}, "--env.name isaaclab (the run uses gymnasium)",
+     {"env__name": "isaaclab"}),
+    ("--env.critic-obs-groups", {}, "--env.name isaaclab (the run uses tracking)", {"env__name": "isaaclab"}),
+    ("--env.launcher-args", {"env__name": "cartpole"}, "--env.name isaaclab (the run uses cartpole)",
+     {"env__name": "isaaclab"}),
+    ("--env.task-overrides", {"env__name": "gymnasium"}, "--env.name isaaclab (the run uses gymnasium)",
+     {"env__name": "isaaclab"}),
+    ("--env.num-envs", {"env__global_num_envs": 1024}, "--env.global-num-envs 0 (the run uses 1024", {}),
+    ("--ppo.desired-kl", {"ppo__schedule": "fixed"}, "--ppo.schedule adaptive (the run uses fixed)", {}),
+    ("--ppo.lr-min", {"ppo__schedule": "linear"}, "--ppo.schedule adaptive (the run uses linear)", {}),
+    ("--ppo.lr-max", {"ppo__schedule": "fixed"}, "--ppo.schedule adaptive (the run uses fixed)", {}),
+    ("--ppo.reward-clip", {}, "--ppo.normalize-rewards (the run does not normalize rewards)",
+     {"ppo__normalize_rewards": True}),
+    ("--dist.bucket-mb", {}, "--dist.grad-sync bucketed (the run uses flat)", {"dist__grad_sync": "bucketed"}),
+    ("--rollout.mode", {}, "--rollout.ranks K > 0 (the run uses 0", {"rollout__ranks": 1}),
+    ("--rollout.sync", {}, "--rollout.ranks K > 0 (the run uses 0", {"rollout__ranks": 1}),
+    ("--rollout.dtype", {}, "--rollout.ranks K > 0 (the run uses 0", {"rollout__ranks": 1}),
+    ("--rollout.recompute", {}, "--rollout.ranks K > 0 (the run uses 0", {"rollout__ranks": 1}),
+    ("--rollout.max-staleness", {"rollout__mode": "async"}, "--rollout.ranks K > 0 (the run uses 0",
+     {"rollout__ranks": 1, "rollout__mode": "async"}),
+    ("--rollout.max-staleness", {"rollout__ranks": 1}, "--rollout.mode async (the run uses sync)",
+     {"rollout__ranks": 1, "rollout__mode": "async"}),
+]
+
+
+@pytest.mark.parametrize("flag, off, needs, on", RULES)
+def test_each_rule_refuses_the_typed_flag_where_it_has_no_effect_and_accepts_it_where_it_does(flag, off, needs, on):
+    with pytest.raises(UsageError) as exc:
+        check_typed_flags(cfg_with(**off), frozenset({flag}))
+    assert str(exc.value).startswith(f"{flag} applies only with {needs}"), exc.value
+    check_typed_flags(cfg_with(**on), frozenset({flag}))
+    check_typed_flags(cfg_with(**off), frozenset())          # the same value from a preset or a default
+
+
+def test_every_rule_names_a_real_flag_and_the_other_flags_apply_everywhere():
+    flags = all_field_flags()
+    ruled = {flag for flag, *_ in RULES}
+    assert ruled <= flags, ruled - flags                      # a misspelt rule would never fire
+    configs = [cfg_with(env__name=name, ppo__schedule=schedule)
+               for name in ("cartpole", "tracking", "gymnasium", "isaaclab") for schedule in ("fixed", "linear")]
+    for cfg in configs:
+        check_typed_flags(cfg, frozenset(flags - ruled))      # no rule beyond those listed above
+    assert not any(flag.removeprefix("--").rsplit(".", 1)[-1].startswith("no-") for flag in flags), \
+        "typed_flags strips no- as a boolean's off switch: a field may not start with no_"
+
+
+def test_validate_checks_typed_flags_first_and_keeps_its_old_signature():
+    with pytest.raises(UsageError, match=r"^--rollout\.max-staleness applies only with --rollout\.ranks"):
+        validate(cfg_with(rollout__max_staleness=0), 1, frozenset({"--rollout.max-staleness"}))
+    with pytest.raises(UsageError, match=r"^--rollout\.max-staleness must be >= 1"):   # untyped: the value check
+        validate(cfg_with(rollout__max_staleness=0))
+    validate(preset("cartpole"), 1, frozenset({"--env.episode-length-s", "--dry-run", "--help", "--seed"}))
+
+
+def test_command_line_spellings_are_normalized():
+    argv = ["tracking", "--ppo.reward_clip=5", "--env.num-motions", "8", "--ppo.no-normalize-rewards", "--no-dry-run",
+            "--env.launcher-args=--viz kit", "--ppo.no_capture_step", "--seed", "-1", "--ppo.schedule", "fixed"]
+    assert typed_flags(argv) == {"--ppo.reward-clip", "--env.num-motions", "--ppo.normalize-rewards", "--dry-run",
+                                 "--env.launcher-args", "--ppo.capture-step", "--seed", "--ppo.schedule"}
+
+
+def test_a_resume_compares_only_the_fields_the_env_reads():
+    # A cartpole run started from the mujoco preset saved --env.task Hopper-v4; typing it to resume is refused,
+    # so the comparison must not ask for it.
+    saved = {"config": {"env": {"name": "cartpole", "task": "Hopper-v4", "num_motions": 8}}, "iteration": 1}
+    assert check_resume_fits(saved, cfg_with(env__name="cartpole"), "ckpt.pt", restarted=False)
+    saved = {"config": {"env": {"name": "tracking", "task": "", "num_motions": 8}}, "iteration": 1}
+    with pytest.raises(UsageError, match="--env.num-motions 64 does not match 8"):
+        check_resume_fits(saved, cfg_with(), "ckpt.pt", restarted=False)
+
+
+# ---- through the command line: a few subprocesses (2-3 s each) ------------------------------------------
+
+@pytest.mark.parametrize("args", [
+    ["tracking", "--rollout.max-staleness", "3"],
+    ["cartpole", "--env.num-motions=8"],                      # --flag=value
+    ["tracking", "--ppo.reward_clip", "5"],                   # underscores
+])
+def test_cli_refuses_a_typed_flag_that_does_not_apply(tmp_path, args):
+    out = run_cli(*args, "--dry-run", "--log.root", str(tmp_path / "runs"))
+    flag = args[1].split("=")[0].replace("_", "-")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"error: {flag} applies only with ") and out.stderr.count("\n") == 1, out.stderr
+    assert out.stdout == "" and not (tmp_path / "runs").exists()
+
+
+def test_cli_accepts_the_flag_where_it_applies_and_a_preset_value_that_does_not(tmp_path):
+    # the mujoco preset normalizes rewards (so --ppo.reward-clip applies) and sets --env.task Hopper-v4, which
+    # the typed --env.name cartpole does not read: not typed, so not refused
+    out = run_cli("mujoco", "--env.name", "cartpole", "--ppo.reward-clip", "5", "--dry-run",
+                  "--log.root", str(tmp_path / "runs"))
+    assert out.returncode == 0, out.stderr
+    assert "1 ranks x 1 envs x 2048 steps" in out.stdout and "sync plan" in out.stdout, out.stdout
