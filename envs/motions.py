@@ -39,6 +39,8 @@ class MotionLibrary:
         for name in ("difficulty", "freq", "amp", "phase", "bias", "duration"):
             setattr(self, name, getattr(self, name).to(device))
         self.num_motions = num_motions
+        # Angular frequency, amplitude and phase stacked, so that a frame gathers one table, not four.
+        self.sines = torch.stack([2 * math.pi * self.freq, self.amp, self.phase])   # [3, M, J, S]
 
     def frame(self, motion_ids: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Joint positions and velocities [..., num_joints] of motions `motion_ids` at times `t` (seconds).
@@ -47,11 +49,18 @@ class MotionLibrary:
         """
         extra = t.dim() - 1
         idx = motion_ids.view(-1, *([1] * extra))
-        w = 2 * math.pi * self.freq[idx]                                   # [N, (F,) J, S]
-        arg = w * t[..., None, None] + self.phase[idx]
-        q = self.bias[idx] + (self.amp[idx] * torch.sin(arg)).sum(-1)
-        qd = (self.amp[idx] * w * torch.cos(arg)).sum(-1)
+        w, amp, phase = self.sines[:, idx]                                   # each [N, (F,) J, S]
+        arg = w * t[..., None, None] + phase
+        q = self.bias[idx] + sum_sines(amp * torch.sin(arg))
+        qd = sum_sines(amp * w * torch.cos(arg))
         return q, qd
+
+
+def sum_sines(terms: torch.Tensor) -> torch.Tensor:
+    """`terms.sum(-1)` over the library's 3 sines, bit for bit (torch adds 3 values in this order; not 5 to 7),
+    but ~3x faster: torch's reduction over a last dimension of 3 costs more than two elementwise adds."""
+    first, second, third = terms.unbind(-1)
+    return first + second + third
 
 
 class AdaptiveMotionSampler:

