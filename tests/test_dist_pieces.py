@@ -1,0 +1,142 @@
+"""The per-iteration state syncs (coalesced buffer collectives, global mean/std in float64) and the
+gradient buckets' launch rules, against values computed by hand."""
+
+import pytest
+import torch
+from torch import nn
+
+from dist.buffers import resolve_buffer_policy, sync_buffers
+from dist.grad_sync import GradSync
+from tests.multirank import run_ranks
+
+
+# ---- dist/buffers.py ---------------------------------------------------------------------------------
+
+class ManyBuffers(nn.Module):
+    """Several buffers per rule and dtype, so each coalesced collective carries more than one of them."""
+
+    BUFFER_POLICY = {"b_*": "broadcast", "m_*": "mean", "keep": "local"}
+
+    def __init__(self, rank):
+        super().__init__()
+        r = float(rank)
+        self.register_buffer("b_first", torch.tensor([10.0, 11.0]) + 100 * r)
+        self.register_buffer("b_second", torch.tensor([[20.0, 21.0], [22.0, 23.0]]) + 100 * r)
+        self.register_buffer("b_double", torch.tensor([30.0], dtype=torch.float64) + 100 * r)
+        self.register_buffer("b_steps", torch.tensor(5 + rank))                 # int64: broadcast
+        self.register_buffer("m_first", torch.tensor([1.0, 2.0, 3.0]) * (r + 1))
+        self.register_buffer("m_second", torch.tensor([4.0]) * (r + 1))
+        self.register_buffer("m_double", torch.tensor([7.0, 8.0], dtype=torch.float64) * (r + 1))
+        self.register_buffer("keep", torch.tensor([r]))
+
+
+def many_buffers_body(rank, world_size):
+    m = ManyBuffers(rank)
+    sync_buffers(m, resolve_buffer_policy(m, m.BUFFER_POLICY))
+    return {k: v.clone() for k, v in m.named_buffers()}
+
+
+@pytest.mark.slow
+def test_sync_buffers_puts_each_buffer_of_a_coalesced_collective_back_in_place():
+    """Per rule and dtype the buffers travel in one flat tensor; each must get back its own slice: rank 0's
+    value for `broadcast`, the mean over ranks (1, 2, 3 times the base) for `mean`, its own for `local`."""
+    results = run_ranks(many_buffers_body, 3)
+    rank0 = ManyBuffers(0)
+    for rank, bufs in enumerate(results):
+        for name in ("b_first", "b_second", "b_double", "b_steps"):
+            assert torch.equal(bufs[name], getattr(rank0, name)), name
+        for name in ("m_first", "m_second", "m_double"):
+            torch.testing.assert_close(bufs[name], getattr(rank0, name) * 2.0, msg=name)   # mean of 1x, 2x, 3x
+            assert bufs[name].dtype == getattr(rank0, name).dtype
+        assert bufs["keep"].item() == rank
+
+
+def test_a_buffer_matched_by_patterns_with_different_rules_is_a_start_up_error():
+    m = ManyBuffers(0)
+    with pytest.raises(ValueError, match=r"'m_first' matches patterns with different rules \['local', 'mean'\]"):
+        resolve_buffer_policy(m, {**m.BUFFER_POLICY, "m_f*": "local"})
+    assert resolve_buffer_policy(m, {**m.BUFFER_POLICY, "m_f*": "mean"})["m_first"] == "mean"   # agreeing: fine
+
+
+
+# ---- dist/stats.py -----------------------------------------------------------------------------------
+
+def test_global_mean_std_of_float32_data_accumulates_in_float64():
+    """Advantages arrive in float32; their mean and squared deviations must be summed in float64. Summed in
+    float32, a mean of 1e4 carries an error near 1e-3, which shifts a 1e-2 std by about 2e-4 (relative)."""
+    from dist.stats import global_mean_std
+    g = torch.Generator().manual_seed(0)
+    x = (1e4 + 1e-2 * torch.randn(10000, generator=g, dtype=torch.float64)).float()
+    ref = x.double().numpy()
+    mean, std = global_mean_std(x)
+    assert mean.dtype == std.dtype == torch.float32
+    assert std.item() == pytest.approx(ref.std(), rel=1e-6)
+    assert mean.item() == pytest.approx(ref.mean(), rel=1e-7)   # float32 rounding of the float64 mean
+
+
+# ---- dist/grad_sync.py -------------------------------------------------------------------------------
+
+class RecordingGradSync(GradSync):
+    """Snapshots each bucket at the moment its all-reduce is issued: what the collective would read."""
+
+    def _all_reduce(self, buffer, async_op):
+        self.launched.append(buffer.clone())
+        return super()._all_reduce(buffer, async_op)
+
+
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+def test_each_bucket_is_all_reduced_only_once_its_whole_minibatch_gradient_is_in_it(mode):
+    """Bucketed, an all-reduce launches from a gradient hook while backward still runs: launched one
+    gradient early, it would carry a partial sum, and whether gloo/NCCL read the buffer before or after the
+    last gradient lands is a race (the multi-rank tests can pass by luck). Deterministic here: every bucket
+    is issued exactly once per step, in order, after the armed (last) micro-batch, holding the complete
+    accumulated gradient (the autograd gradient of the mean loss) and, in the last bucket, the extras."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    sync = RecordingGradSync(net.parameters(), mode, bucket_mb=1000 / 2**20, num_extras=2)
+    sync.launched = []
+    if mode == "bucketed":
+        assert len(sync.buckets) >= 3 and any(len(b.params) > 1 for b in sync.buckets)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(9, 6, generator=g), torch.randn(9, 3, generator=g)
+    sync.zero_grad()
+    for i, (xm, ym) in enumerate(zip(x.chunk(3), y.chunk(3))):
+        if i == 2:
+            sync.arm(torch.tensor([0.25, 9.0]))
+        ((net(xm) - ym).square().mean() / 3).backward()
+    sync.synchronize()
+    expected = torch.autograd.grad((net(x) - y).square().mean(), list(net.parameters()))
+    assert len(sync.launched) == len(sync.buckets)
+    for snapshot, bucket in zip(sync.launched, sync.buckets):
+        offset = 0
+        for p in bucket.params:
+            i = next(j for j, q in enumerate(net.parameters()) if q is p)
+            torch.testing.assert_close(snapshot[offset:offset + p.numel()].view_as(p), expected[i], rtol=1e-5, atol=1e-7)
+            offset += p.numel()
+    assert sync.launched[-1][-2:].tolist() == [0.25, 9.0]
+
+
+def test_a_bucket_is_filled_up_to_and_including_the_cap():
+    """Buckets hold at most bucket_mb: two 1 KB gradients with a 2 KB cap share one bucket (one all-reduce)."""
+    params = [nn.Parameter(torch.zeros(256)), nn.Parameter(torch.zeros(256))]
+    assert GradSync(params, "bucketed", bucket_mb=2048 / 2**20).bucket_bytes() == [2048]      # exactly the cap
+    assert GradSync(params, "bucketed", bucket_mb=2047 / 2**20).bucket_bytes() == [1024, 1024]
+
+
+def test_a_gradient_from_an_earlier_micro_batch_counts_as_received():
+    """unused="error" asks whether a parameter got a gradient in the STEP (the whole minibatch), not in its
+    last micro-batch: a head used only by the first micro-batch's samples has a real, non-zero gradient."""
+    torch.manual_seed(0)
+    trunk, head_a, head_b = nn.Linear(3, 4), nn.Linear(4, 1), nn.Linear(4, 1)
+    params = [*trunk.parameters(), *head_a.parameters(), *head_b.parameters()]
+    sync = GradSync(params, "flat", unused="error")
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
+    sync.zero_grad()
+    (head_b(trunk(x[:2])).square().mean() / 2).backward()          # micro-batch 1 uses head b
+    sync.arm()
+    (head_a(trunk(x[2:])).square().mean() / 2).backward()          # micro-batch 2 (armed) uses head a only
+    sync.synchronize()
+    expected = torch.autograd.grad(head_b(trunk(x[:2])).square().mean() / 2, list(head_b.parameters()))
+    for p, e in zip(head_b.parameters(), expected):
+        torch.testing.assert_close(p.grad, e)
+        assert p.grad.abs().sum() > 0
