@@ -220,12 +220,16 @@ class Link:
                 frame = recv_frame(self.src, self.group, self.device, self.numels, lambda k: (purpose, dtypes, into)
                                    if k == kind or not drop else (UPDATE, drop, None, drop_decompress),
                                    self.staging if staged is None else None)
-            check_kind(frame, kind)
-            if frame.table[:, 0].tolist() != [ordinals[i] for i in members] or version not in (None, frame.version):
-                raise SyncIntegrityError(
-                    f"weight sync: bucket {index} of {len(plan)} at version {frame.version} carries tensors "
-                    f"{frame.table[:, 0].tolist()}, expected {[ordinals[i] for i in members]} at version {version}; "
-                    "sender and receiver disagree on the bucket plan", model_written=staged is None)
+            try:
+                check_kind(frame, kind)
+                if frame.table[:, 0].tolist() != [ordinals[i] for i in members] or version not in (None, frame.version):
+                    raise SyncIntegrityError(
+                        f"weight sync: bucket {index} of {len(plan)} at version {frame.version} carries tensors "
+                        f"{frame.table[:, 0].tolist()}, expected {[ordinals[i] for i in members]} at version "
+                        f"{version}; sender and receiver disagree on the bucket plan", model_written=staged is None)
+            except BaseException:
+                frame.wait()  # its receives are posted: take them in, or the link stalls and resync() cannot drain it
+                raise
             got = [tensor_checksum(frame.row(r)[1]) for r in range(len(members))]  # each as soon as it arrived
             try:
                 sums = frame.sums()

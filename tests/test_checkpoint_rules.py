@@ -1,0 +1,229 @@
+"""Checkpoints and resume: entries train.restore cannot use are refused by name, which checkpoint and run a
+resume starts from, which saved configs fit, named tensors and RNG states round trips, and the replica
+check's plan rows."""
+
+import pytest
+import torch
+
+from test_sync_common import bits_equal
+
+
+# ----- checkpoints: what load_checkpoint refuses --------------------------------------------------------------
+
+def _minimal_checkpoint(**changes) -> dict:
+    """The smallest dict load_checkpoint accepts (what train.main saves, with empty model and env)."""
+    state = {"model": {}, "optimizer": {"param_groups": [], "state": {}}, "iteration": 2, "learning_rate": 1e-3,
+             "env": {}, "config": {"env": {"name": "cartpole"}}, "rng": [{"torch": torch.get_rng_state()}],
+             "layout": [1, 0]}
+    state.update(changes)
+    return {k: v for k, v in state.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rng": _DROP}, r"is missing \['rng'\]; the file is truncated"),
+    ({"iteration": True}, r"its iteration is True, not an integer >= 0"),
+    ({"layout": [2, 0]}, r"its layout \[2, 0\] does not say \[1 learner\(s\), rollout ranks\]"),
+    ({"layout": [1, -1]}, r"its layout \[1, -1\] does not say \[1 learner\(s\), rollout ranks\]"),
+    ({"layout": [1, 1], "rollout_rng": [3]}, r"1 rollout rank\(s\) but not as many 'rollout_rng' dicts"),
+    ({"config": {"env": 3}}, r"its config section 'env' is not a dict"),
+    ({"optimizer": {"param_groups": [], "state": []}}, r"its 'optimizer' has no 'param_groups' list and 'state' dict"),
+])
+def test_checkpoint_entries_train_restore_cannot_use_are_refused_by_name(tmp_path, changes, message):
+    """load_checkpoint's promise: a file train.restore cannot use is one UsageError naming what is wrong, not a
+    KeyError, TypeError or a silent run from a wrong layout. The entries no other test damaged: a missing RNG
+    list, a bool iteration (True is an int to Python), a layout that disagrees with the number of learner RNG
+    states or counts negative rollout ranks, rollout RNG states that are not dicts, a config section that is
+    not a dict, and an optimizer whose 'state' is not a dict. The undamaged file loads."""
+    from dist.checkpoint import load_checkpoint, save_checkpoint
+    from dist.errors import UsageError
+    path = str(tmp_path / "model_2.pt")
+    save_checkpoint(path, _minimal_checkpoint())
+    assert load_checkpoint(path)["iteration"] == 2
+    save_checkpoint(path, _minimal_checkpoint(**changes))
+    with pytest.raises(UsageError, match=message):
+        load_checkpoint(path)
+
+
+# ----- run directories: which checkpoint a resume starts from ---------------------------------------------------
+
+def _touch(path, mtime=None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x")
+    if mtime is not None:
+        import os
+        os.utime(path, (mtime, mtime))
+
+
+def test_latest_checkpoint_is_the_highest_iteration_and_never_a_temporary(tmp_path):
+    """`--resume auto` and torchrun restarts continue from latest_checkpoint(run_dir): the highest iteration by
+    number (model_10 after model_9, which a string comparison gets wrong), and never a half-written temporary
+    (model_<k>.pt.tmp-..., left by a save that was killed, which resolve_resume sees before open_run_dir removes
+    it). Files are compared by name only, so empty files stand in for checkpoints."""
+    from dist.checkpoint import latest_checkpoint, remove_stale_temporaries
+    run = tmp_path / "run"
+    assert latest_checkpoint(str(run)) is None
+    for name in ("model_2.pt", "model_9.pt", "model_10.pt", "model_12.pt.tmp-77-abcdef12", "notes.txt"):
+        _touch(run / name)
+    assert latest_checkpoint(str(run)) == str(run / "model_10.pt")
+    assert remove_stale_temporaries(str(run)) == [str(run / "model_12.pt.tmp-77-abcdef12")]
+    assert sorted(p.name for p in run.iterdir()) == ["model_10.pt", "model_2.pt", "model_9.pt", "notes.txt"]
+
+
+def test_resume_auto_picks_the_run_whose_latest_checkpoint_was_written_last(tmp_path):
+    """newest_run_with_checkpoint: among run directories, the one whose latest checkpoint is newest by
+    modification time (not by name or iteration), skipping runs without one; find_run_dir: the run whose run_id
+    file holds the torchrun job id."""
+    from dist.checkpoint import find_run_dir, newest_run_with_checkpoint
+    _touch(tmp_path / "2024-01-01_00-00-00" / "model_50.pt", mtime=1_000_000)
+    _touch(tmp_path / "2024-01-02_00-00-00" / "model_3.pt", mtime=2_000_000)
+    _touch(tmp_path / "2024-01-03_00-00-00" / "events.out", mtime=3_000_000)
+    assert newest_run_with_checkpoint(str(tmp_path)) == str(tmp_path / "2024-01-02_00-00-00")
+    (tmp_path / "2024-01-01_00-00-00" / "run_id").write_text("job-a")
+    (tmp_path / "2024-01-02_00-00-00" / "run_id").write_text("job-b\n")
+    assert find_run_dir(str(tmp_path), "job-b") == str(tmp_path / "2024-01-02_00-00-00")
+    assert find_run_dir(str(tmp_path), "job-a") == str(tmp_path / "2024-01-01_00-00-00")
+    assert find_run_dir(str(tmp_path), "job-c") is None
+
+
+# ----- resume: which checkpoints fit the config -----------------------------------------------------------------
+
+def _tracking_cfg(**changes):
+    from configs import preset
+    cfg = preset("tracking")                 # actor/critic hidden (128, 128), 512 envs, 64 motions, 400 iterations
+    for dotted, value in changes.items():
+        section, name = dotted.split("__")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def _saved(iteration=5, **sections):
+    return {"config": {"env": {"name": "tracking", "num_envs": 512, "num_motions": 64}, **sections},
+            "iteration": iteration}
+
+
+def test_resume_fits_when_shapes_match_in_any_sequence_type_or_are_absent_from_an_older_checkpoint():
+    """check_resume_fits compares the fields that decide tensor shapes: equal values stored as a list (a config
+    round-tripped through YAML or JSON) fit a tuple, and a field an older checkpoint did not record is not a
+    mismatch (it would make every older checkpoint unresumable)."""
+    from configs.resume import check_resume_fits
+    saved = _saved(policy={"actor_hidden": [128, 128], "critic_hidden": [128, 128], "activation": "elu"})
+    assert check_resume_fits(saved, _tracking_cfg(), "ckpt.pt", restarted=False) is True
+    assert check_resume_fits(_saved(), _tracking_cfg(), "ckpt.pt", restarted=False) is True
+
+
+@pytest.mark.parametrize("sections, flag", [
+    ({"policy": {"actor_hidden": [64, 64]}}, "--policy.actor-hidden"),
+    ({"policy": {"critic_hidden": (256,)}}, "--policy.critic-hidden"),
+    ({"policy": {"activation": "tanh"}}, "--policy.activation"),
+    ({"policy": {"normalize_actor_obs": True}}, "--policy.normalize-actor-obs"),
+    ({"ppo": {"normalize_rewards": True}}, "--ppo.normalize-rewards"),
+])
+def test_resume_refuses_a_checkpoint_whose_shapes_or_states_differ_naming_the_flag(sections, flag):
+    """Each field of MUST_MATCH decides a tensor shape or which states a checkpoint holds (a reward normalizer,
+    observation normalizers): a mismatch must fail before anything is built, naming the flag to pass."""
+    from configs.resume import check_resume_fits
+    from dist.errors import UsageError
+    with pytest.raises(UsageError, match=f"^{flag} .* does not match .* pass {flag} "):
+        check_resume_fits(_saved(**sections), _tracking_cfg(), "ckpt.pt", restarted=False)
+
+
+def test_resume_of_a_finished_run():
+    """A checkpoint at or past --max-iterations has nothing left to train: a user's --resume is told to raise
+    --max-iterations (iteration == max included: the loop would run zero iterations), while a torchrun restart
+    of a run that already finished returns False (the job is done, not an error)."""
+    from configs.resume import check_resume_fits
+    from dist.errors import UsageError
+    cfg = _tracking_cfg()
+    assert check_resume_fits(_saved(iteration=cfg.max_iterations - 1), cfg, "ckpt.pt", restarted=False) is True
+    with pytest.raises(UsageError, match=f"--max-iterations {cfg.max_iterations}: 'ckpt.pt' is already at iteration"):
+        check_resume_fits(_saved(iteration=cfg.max_iterations), cfg, "ckpt.pt", restarted=False)
+    assert check_resume_fits(_saved(iteration=cfg.max_iterations), cfg, "ckpt.pt", restarted=True) is False
+
+
+def test_resolve_resume_restarts_auto_and_first_attempts(tmp_path, monkeypatch):
+    """resolve_resume's three ways in: a torchrun restart (restart count > 0) continues the directory holding
+    its run id from its latest checkpoint, or from the start (not from a literal "auto") when the first attempt
+    died before its first checkpoint; a first attempt never continues another job's directory even when the run
+    id matches (torchrun's default run id is the same "none" for every job); `auto` takes the newest run's latest
+    checkpoint and is an error when there is none."""
+    from types import SimpleNamespace
+    from configs.resume import resolve_resume
+    from dist.errors import UsageError
+    old, new = tmp_path / "2024-01-01_00-00-00", tmp_path / "2024-01-02_00-00-00"
+    _touch(old / "model_4.pt", mtime=1_000_000)
+    (old / "run_id").write_text("none")
+    new.mkdir()
+    (new / "run_id").write_text("job-7")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resolve_resume(SimpleNamespace(resume="auto"), str(tmp_path)) == ("", str(new))
+    assert resolve_resume(SimpleNamespace(resume="/x/model_3.pt"), str(tmp_path)) == ("/x/model_3.pt", str(new))
+    _touch(new / "model_2.pt", mtime=2_000_000)
+    assert resolve_resume(SimpleNamespace(resume=""), str(tmp_path)) == (str(new / "model_2.pt"), str(new))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resolve_resume(SimpleNamespace(resume=""), str(tmp_path)) == ("", None)
+    assert resolve_resume(SimpleNamespace(resume="auto"), str(tmp_path)) == (str(new / "model_2.pt"), str(new))
+    with pytest.raises(UsageError, match="--resume auto: no checkpoint under"):
+        resolve_resume(SimpleNamespace(resume="auto"), str(tmp_path / "elsewhere"))
+
+
+
+def test_named_tensors_travel_as_bytes_and_back_exactly():
+    """to_bytes / from_bytes carry a rollout rank's checkpoint state (RNG states, flattened env state) as one
+    uint8 tensor: each tensor is read back from its own offset, in its dtype and shape, bit for bit;
+    flatten_state / unflatten_state turn nested dicts into "a/b" names and back."""
+    from dist.checkpoint import flatten_state, from_bytes, to_bytes, unflatten_state
+    nested = {"rng": torch.tensor([1, 2, 3], dtype=torch.uint8),
+              "env": {"steps": torch.tensor([[7, -8]], dtype=torch.int64), "obs": {"mean": torch.tensor([0.5, -0.0])}},
+              "done": torch.tensor([True, False, True])}
+    flat = flatten_state(nested)
+    assert list(flat) == ["rng", "env/steps", "env/obs/mean", "done"]
+    blob = to_bytes(flat)
+    assert blob.dtype == torch.uint8 and blob.numel() == 3 + 16 + 8 + 3
+    assert blob[3:11].tolist() == list((7).to_bytes(8, "little"))
+    back = from_bytes(blob, {k: (tuple(v.shape), v.dtype) for k, v in flat.items()})
+    assert bits_equal(back, flat)
+    restored = unflatten_state(back)
+    assert bits_equal(restored["env"]["obs"], nested["env"]["obs"]) and restored["env"]["steps"].shape == (1, 2)
+
+
+
+def test_rng_states_gathered_come_back_under_their_own_names():
+    """gather_rng_states packs each RNG state into one uint8 tensor for a single all-gather and unpacks it per
+    rank: every state must come back from its own offset (one process: the all-gather is the identity)."""
+    from dist.checkpoint import gather_rng_states
+    states = {"torch": torch.arange(5, dtype=torch.uint8), "shuffle": torch.tensor([200, 201], dtype=torch.uint8),
+              "env": torch.tensor([7, 8, 9], dtype=torch.uint8)}
+    (got,) = gather_rng_states(states)
+    assert list(got) == list(states) and all(torch.equal(got[k], states[k]) for k in states)
+
+
+def test_continuing_a_run_directory_records_the_new_job_and_clears_temporaries(tmp_path):
+    """open_run_dir on an existing run (`--resume auto` under a new torchrun job): the run_id file must name the
+    new job, so that this job's restarts find the directory again, and half-written checkpoints of the killed
+    save are removed while complete ones stay."""
+    from dist.checkpoint import find_run_dir, open_run_dir
+    run = tmp_path / "2024-01-01_00-00-00"
+    _touch(run / "model_4.pt")
+    _touch(run / "model_6.pt.tmp-12-0123abcd")
+    (run / "run_id").write_text("job-old")
+    assert open_run_dir(str(run), str(tmp_path), "job-new") == str(run)
+    assert (run / "run_id").read_text() == "job-new" and find_run_dir(str(tmp_path), "job-new") == str(run)
+    assert sorted(p.name for p in run.iterdir()) == ["model_4.pt", "run_id"]
+
+
+
+def test_replica_check_plan_rows():
+    """verify_plan_rows gives the sync plan (checked against the ledger) its checksum all-gathers: one 8-byte
+    all-gather every K iterations only when K > 0 (--dist.verify-every 0 turns the check off), and one after a
+    checkpoint load only when a checkpoint was loaded."""
+    from dist.verify import verify_plan_rows
+    assert verify_plan_rows(0, False) == []
+    rows = verify_plan_rows(3, True)
+    assert [(r.purpose, r.collective, r.cadence, r.call_bytes, r.every) for r in rows] == \
+        [("checksum", "all_gather", "every", [8], 3), ("checksum", "all_gather", "setup", [8], 1)]
+    assert [(r.cadence, r.every) for r in verify_plan_rows(0, True)] == [("setup", 1)]

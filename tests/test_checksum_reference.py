@@ -1,0 +1,115 @@
+"""dist/checksum.py against an independent reference written from its docstring in plain Python integers
+(splitmix64 weights checked against the published test vector, P = 2**31 - 1, rows of 2**14 lanes), and its
+incremental update at row boundaries."""
+
+import functools
+
+import pytest
+import torch
+
+
+
+
+# ----- an independent reference of the checksum (dist/checksum.py's docstring, plain Python integers) -----
+
+REF_P = 2**31 - 1
+REF_ROW = 2**14
+MASK64 = 2**64 - 1
+SEEDS = (0x5EED0001, 0x5EED0002)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+@functools.lru_cache(maxsize=None)
+def _ref_weights(count: int, bits: int, offset: int) -> tuple:
+    """Per position offset..offset+count: one weight per seed, the top `bits` bits of splitmix64(pos ^ seed << 32),
+    reduced mod P, 0 replaced by 1."""
+    out = []
+    for pos in range(offset, offset + count):
+        pair = []
+        for seed in SEEDS:
+            w = (_splitmix64(pos ^ (seed << 32)) >> (64 - bits)) % REF_P
+            pair.append(w or 1)
+        out.append(tuple(pair))
+    return tuple(out)
+
+
+def ref_tensor_checksum(t: torch.Tensor) -> int:
+    """The tensor's bytes as little-endian int16 lanes (uint8 for 1-byte dtypes), rows of 2**14 lanes; lane s of
+    row r weighs W[s] * H[r] (24-bit lane weights, 31-bit row weights from position 2**40), mod P, per seed."""
+    raw = bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
+    lanes = list(raw) if t.element_size() == 1 else [int.from_bytes(raw[i:i + 2], "little", signed=True)
+                                                     for i in range(0, len(raw), 2)]
+    rows = -(-len(lanes) // REF_ROW)
+    w, h = _ref_weights(REF_ROW, 24, 0), _ref_weights(max(rows, 1), 31, 1 << 40)
+    parts = []
+    for k in range(2):
+        total = 0
+        for r in range(rows):
+            row = lanes[r * REF_ROW:(r + 1) * REF_ROW]
+            total = (total + sum(lane * w[s][k] for s, lane in enumerate(row)) % REF_P * h[r][k]) % REF_P
+        parts.append(total)
+    return parts[0] * 2**31 + parts[1]
+
+
+def ref_checksum(tensors) -> int:
+    """Several tensors: tensor i's two residues weighted by 31-bit weights from position 2**50, summed mod P."""
+    sums = [ref_tensor_checksum(t) for t in tensors]
+    w = _ref_weights(len(sums), 31, 1 << 50)
+    parts = [sum((divmod(c, 2**31)[k] * w[i][k]) % REF_P for i, c in enumerate(sums)) % REF_P for k in range(2)]
+    return parts[0] * 2**31 + parts[1]
+
+
+def test_reference_splitmix64_matches_the_published_test_vector():
+    """The reference itself: splitmix64 seeded with 1234567 yields 6457827717110365317 first (Vigna's
+    splitmix64.c), so the checksum tests below compare against the real algorithm, not a copy of the code."""
+    assert _splitmix64(1234567) == 6457827717110365317
+
+
+@pytest.mark.parametrize("t", [
+    torch.arange(256, dtype=torch.uint8),                          # 1-byte lanes above 127 are unsigned
+    torch.tensor([1.5, -2.0, 3.25]),                               # one row, the host path
+    torch.randn(REF_ROW + 7, generator=torch.Generator().manual_seed(3)),   # two rows, the BLAS path
+    torch.tensor([-1, 2**40, -(2**62)], dtype=torch.int64),
+    torch.tensor([True, False, True]),
+], ids=["uint8", "fp32 one row", "fp32 two rows", "int64", "bool"])
+def test_checksum_values_match_an_independent_reference(t):
+    """The checksum is part of the wire format (every frame ends with one per tensor, and a receiver may run
+    another build on a GPU): its constants (P, the row length, the seeds and splitmix64) and the unsigned
+    reading of 1-byte lanes are pinned here against a from-scratch reference, not against dist.checksum's own
+    `weights` and `P`, which a constant change would move together with the code."""
+    from dist.checksum import checksum, tensor_checksum
+    assert int(tensor_checksum(t)) == ref_tensor_checksum(t)
+    assert int(checksum([t, t[:1]])) == ref_checksum([t, t[:1]])
+
+
+
+def test_a_change_in_the_last_partial_row_updates_the_checksum():
+    """update_checksum sizes its per-row sums from the element count, rounding a partial last row up; a change
+    in that row (the tail of any tensor whose lanes are not a multiple of 2**14) must land there: the patch
+    sender and receiver update checksums this way for every sparse tensor."""
+    from dist.checksum import tensor_checksum, update_checksum
+    g = torch.Generator().manual_seed(5)
+    old = torch.randn(2 * REF_ROW + 5, generator=g)          # 4 full rows of int16 lanes and 10 lanes more
+    index = torch.tensor([3, old.numel() - 1])
+    new = old.clone()
+    new[index] = torch.tensor([7.0, -1.25])
+    got = update_checksum(tensor_checksum(old), index, old[index], new[index], old.numel())
+    assert int(got) == ref_tensor_checksum(new)
+
+
+def test_checksum_of_a_tensor_longer_than_1024_rows():
+    """The row weights are built for 1024 rows and grown on demand: a tensor of more than 2**24 lanes (an
+    8M-element fp32 embedding) must weigh row 1024 by its own weight. One lane set to 1 in row 1024 of a
+    zero tensor has the checksum W[0] * H[1024] mod P per seed, from the reference weights."""
+    from dist.checksum import tensor_checksum
+    t = torch.zeros(1025 * REF_ROW, dtype=torch.uint8)
+    t[1024 * REF_ROW] = 1
+    w, h = _ref_weights(1, 24, 0)[0], _ref_weights(1, 31, (1 << 40) + 1024)[0]
+    parts = [w[k] * h[k] % REF_P for k in range(2)]
+    assert int(tensor_checksum(t)) == parts[0] * 2**31 + parts[1]

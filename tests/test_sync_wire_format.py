@@ -1,0 +1,223 @@
+"""sync/'s frames byte by byte against the wire format in docs/weight_sync.md, frames a sender never
+produces refused before anything is allocated, the encodings' tie and escape rules, and the config's
+documented defaults and refusals."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multirank import run_ranks
+from sync import BucketConfig, InitSyncConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from test_checksum_reference import ref_checksum, ref_tensor_checksum
+
+
+# ----- frames on the wire, byte by byte -----------------------------------------------------------------------
+
+MAGIC = 0x53594E43  # "SYNC"
+GAPS8, DENSE = 0, 4
+
+
+def _raw(shape, dtype):
+    t = torch.empty(shape, dtype=dtype)
+    dist.recv(t, src=0)
+    return t
+
+
+def _frames_on_the_wire(rank, world_size):
+    """Rank 0 syncs through a real syncer; rank 1 inits a real receiver, then takes the update's messages raw."""
+    received = {}
+    patch = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    state = {"a": torch.zeros(300), "b": torch.zeros(4, dtype=torch.int64)}
+    if rank == 0:
+        patch.init_sender(state)
+        state["a"][[5, 7, 290]] = torch.tensor([1.5, -2.0, 3.25])
+        state["b"][:] = torch.tensor([1, 2, 3, 4])
+        patch.sync(state, 5)
+    else:
+        patch.init_receiver(state)
+        received["patch"] = [_raw(8, torch.int64), _raw((2, 4), torch.int64), _raw(48, torch.uint8),
+                             _raw(3, torch.int64)]
+    bucket = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
+    state = {"a": torch.zeros(3), "m": torch.zeros(4, dtype=torch.bool)}
+    if rank == 0:
+        bucket.init_sender(state)
+        state["a"][:] = torch.tensor([0.5, 1.0, -4.0])
+        state["m"][:] = torch.tensor([True, False, True, True])
+        bucket.sync(state, 3)
+    else:
+        bucket.init_receiver(state)
+        received["bucket"] = [_raw(8, torch.int64), _raw((2, 4), torch.int64), _raw(16, torch.uint8),
+                              _raw(3, torch.int64)]
+    return received
+
+
+def _expected_frame(words, table, payload_parts, after):
+    """Header (7 words and the check of words and table), table, packed payload bytes, trailer (each tensor's
+    checksum after the update, then the check of words and those checksums), from the reference checksum."""
+    words_t, table_t = torch.tensor(words, dtype=torch.int64), torch.tensor(table, dtype=torch.int64)
+    payload = torch.cat([p.reshape(-1).view(torch.uint8) for p in payload_parts])
+    sums = [ref_tensor_checksum(t) for t in after]
+    trailer = sums + [ref_checksum([words_t, torch.tensor(sums, dtype=torch.int64)])]
+    return [words + [ref_checksum([words_t, table_t])], table, payload.tolist(), trailer]
+
+
+@pytest.mark.slow
+def test_patch_and_bucket_frames_match_the_documented_wire_format_byte_by_byte():
+    """The wire format of docs/weight_sync.md, checked on the bytes a real sender puts on the wire: header
+    words (magic, kind, version, base, rows, payload sizes, check over words and table), table rows (ordinal,
+    values, encoding, symbols), the packed payload widest dtype first, the trailer (checksums after the update,
+    then a check bound to the header words). The round-trip tests cannot see a change made on both sides at
+    once (a check that stops covering the table, a trailer no longer bound to its header's version, another
+    tie rule, another escape symbol), but another build on the other end would."""
+    _, received = run_ranks(_frames_on_the_wire, 2)
+    # Patch 5 on base 0. a: 3 changes of 300 at 5, 7, 290: gaps 5, 1, 282; in 1-byte symbols 282 = one escape
+    # (255) then 27: 4 bytes + 12 of values, less than 2-byte gaps (18), a bitmap (38 + 12) or dense (1200).
+    # b: all 4 int64 changed: dense (32 bytes; a bitmap would be 33). Payload: int64, then fp32, then uint8.
+    a, b = torch.zeros(300), torch.tensor([1, 2, 3, 4])
+    a[[5, 7, 290]] = torch.tensor([1.5, -2.0, 3.25])
+    expected = _expected_frame([MAGIC, 2, 5, 0, 2, 48, 48], [[0, 3, GAPS8, 4], [1, 4, DENSE, 0]],
+                               [b, torch.tensor([1.5, -2.0, 3.25]), torch.tensor([5, 1, 255, 27], dtype=torch.uint8)],
+                               [a, b])
+    header, table, payload, trailer = received["patch"]
+    assert [header.tolist(), table.tolist(), payload.tolist(), trailer.tolist()] == expected
+    # Bucket update 3: whole tensors, base -1, dense rows; fp32 then bool in one packed payload.
+    a, m = torch.tensor([0.5, 1.0, -4.0]), torch.tensor([True, False, True, True])
+    expected = _expected_frame([MAGIC, 1, 3, -1, 2, 16, 16], [[0, 3, DENSE, 0], [1, 4, DENSE, 0]], [a, m], [a, m])
+    header, table, payload, trailer = received["bucket"]
+    assert [header.tolist(), table.tolist(), payload.tolist(), trailer.tolist()] == expected
+
+
+def _send_words(words, table=None):
+    table_t = torch.zeros(0, 4, dtype=torch.int64) if table is None else torch.tensor(table, dtype=torch.int64)
+    check_words = [MAGIC, *words[1:]]  # the receiver checks the header as it should have been (its own magic)
+    dist.send(torch.tensor(words + [ref_checksum([torch.tensor(check_words), table_t])], dtype=torch.int64), dst=1)
+    if table is not None:
+        dist.send(table_t, dst=1)
+
+
+MALFORMED = [  # (header words, table sent after it or None, the error, what its message says)
+    ([0x1234, 2, 1, 0, 0, 0, 0], None, RuntimeError, "without the sync header"),
+    ([MAGIC, 2, 1, 0, 2**40, 0, 0], None, SyncIntegrityError, "announces 1099511627776 table rows"),
+    ([MAGIC, 2, 1, 0, 1, 20, 20], [[0, 4, DENSE, 0]], SyncIntegrityError, "payload sizes its table does not"),
+    ([MAGIC, 2, 1, 0, 1, 24, 16], [[0, 4, DENSE, 0]], SyncIntegrityError, "payload sizes its table does not"),
+    ([MAGIC, 2, 1, 0, 1, 16, 16], [[1, 4, DENSE, 0]], SyncIntegrityError, "malformed table row [1, 4, 4, 0]"),
+]
+
+
+def _malformed_frames(rank, world_size):
+    from sync.wire import recv_frame
+    messages = []
+    for words, table, error, _ in MALFORMED:
+        if rank == 0:
+            _send_words(words, table)
+        else:
+            with pytest.raises(error) as caught:
+                recv_frame(0, None, "cpu", [4], lambda kind: ("weight_sync", [torch.float32], None))
+            messages.append(str(caught.value))
+        dist.barrier()
+    return messages
+
+
+@pytest.mark.slow
+def test_frames_with_a_consistent_check_but_impossible_contents_are_refused_before_anything_is_allocated():
+    """A header's check catches damage on the way, not a sender out of step or another program on the group:
+    a message without the magic word (even one whose other words pass the check), a row count beyond the
+    receiver's tensors (here 2**40 rows, whose table alone would be 32 TiB to allocate), payload sizes the
+    table does not account for (raw bytes, or uncompressed wire bytes unequal to raw), and a table row naming
+    a tensor the receiver does not have must each be refused as they arrive, by name, before the receiver
+    allocates or posts receives for them."""
+    _, messages = run_ranks(_malformed_frames, 2)
+    assert len(messages) == len(MALFORMED)
+    for (_, _, _, expected), message in zip(MALFORMED, messages):
+        assert expected in message, message
+
+
+
+# ----- encodings: ties, and symbol streams the sender never produces ------------------------------------------
+
+@pytest.mark.parametrize("n, changed, dtype, expected", [
+    (8, range(7), torch.uint8, DENSE),        # dense 8 bytes = bitmap 1 + 7 values: dense (no positions)
+    (64, range(0, 64, 8), torch.bool, 3),     # 1-byte gaps 8 + 8 = bitmap 8 + 8: the bitmap (no escapes to add)
+], ids=["dense over bitmap", "bitmap over gaps"])
+def test_a_tie_in_size_goes_to_the_encoding_cheaper_to_apply(n, changed, dtype, expected):
+    """sync/patch.py: each tensor travels in the smallest encoding "by exact size"; on a tie, the one cheaper
+    to apply (dense before a bitmap before gaps). Sizes here are equal by hand (see the ids); the choice shows
+    in the table row and in SyncStats' sparse/dense counts."""
+    from sync.patch import _encode
+    current = torch.ones(n, dtype=dtype)
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[list(changed)] = True
+    encoding, parts, _ = _encode(current, mask, len(changed))
+    assert encoding == expected
+    assert sum(p.numel() * p.element_size() for p in parts) == (n if expected == DENSE else n // 8 + len(changed))
+
+
+def test_a_gap_of_exactly_one_escape_symbol_costs_an_escape():
+    """A gap equal to the escape symbol (255 in 1-byte gaps) cannot travel as itself: it is an escape then a 0,
+    so 1-byte gaps cost 2 symbols + 4 value bytes = 6 bytes, the same as one 2-byte gap, and the tie goes to
+    2-byte gaps; the chosen encoding's bytes are the size it was chosen by, and its positions decode back."""
+    from sync.patch import _decode, _encode
+    mask = torch.zeros(1000, dtype=torch.bool)
+    mask[255] = True                                  # the gap before it: 255
+    encoding, parts, _ = _encode(torch.ones(1000), mask, 1)
+    assert encoding == 1 and parts[0].tolist() == [255] and parts[0].dtype == torch.int16
+    assert _decode(parts[0], encoding, 1000)[0].tolist() == [255]
+    mask[[255, 254]] = torch.tensor([False, True])     # a gap of 254: one 1-byte symbol, 5 bytes
+    encoding, parts, _ = _encode(torch.ones(1000), mask, 1)
+    assert encoding == GAPS8 and parts[0].tolist() == [254]
+    mask[[254, 0, 256]] = torch.tensor([False, True, True])   # gaps 0, 255: 3 symbols + 8 = 11 < 2-byte 12
+    encoding, parts, _ = _encode(torch.ones(1000), mask, 2)
+    assert encoding == GAPS8 and parts[0].tolist() == [0, 255, 0]
+    assert _decode(parts[0], encoding, 1000)[0].tolist() == [0, 256]
+
+
+def test_symbol_streams_a_sender_never_produces_are_flagged():
+    """_decode flags what no sender writes, so that a corrupted payload whose positions still fall inside the
+    tensor (and whose count matches its row) is refused: a gap stream that ends in an escape symbol (255 in
+    1-byte gaps: "skip 255 more" with no change after it), and a bitmap with a bit set in the padding past the
+    tensor's last element. Well-formed streams of the same lengths are not flagged."""
+    from sync.patch import _decode
+    index, flags = _decode(torch.tensor([3, 255], dtype=torch.uint8), GAPS8, 1000)
+    assert index.tolist() == [3] and any(bool(f) for f in flags)
+    index, flags = _decode(torch.tensor([3, 254], dtype=torch.uint8), GAPS8, 1000)
+    assert index.tolist() == [3, 258] and not any(bool(f) for f in flags)
+    index, flags = _decode(torch.tensor([2, 1], dtype=torch.uint8), GAPS8, 4)   # positions 2 and 4 of 0..3
+    assert any(bool(f) for f in flags) and index.tolist() == [2, 3]
+    # 10 elements: 2 bytes, bits 10-15 are padding. Bits 1 and 9 set; then bit 12 as well.
+    index, flags = _decode(torch.tensor([0b10, 0b10], dtype=torch.uint8), 3, 10)
+    assert index.tolist() == [1, 9] and not any(bool(f) for f in flags)
+    index, flags = _decode(torch.tensor([0b10, 0b10010], dtype=torch.uint8), 3, 10)
+    assert index.tolist() == [1, 9] and any(bool(f) for f in flags)
+
+
+# ----- configuration --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: PatchConfig(verify_every=True), "patch.verify_every must be an integer >= 0, got True"),
+    (lambda: PatchConfig(verify_every=-1), "patch.verify_every must be an integer >= 0"),
+    (lambda: PatchConfig(transport_device="gpu"), "patch.transport_device='gpu'"),
+    (lambda: BucketConfig(bucket_device="nccl"), "bucket.bucket_device='nccl'"),
+    (lambda: BucketConfig(bucket_size=True), "bucket.bucket_size must be a positive number of bytes, got True"),
+    (lambda: InitSyncConfig(bucket_size=0), "patch.init_sync.bucket_size must be a positive number of bytes"),
+    (lambda: InitSyncConfig(prefixes=["actor", ""]), "must be None or non-empty strings"),
+])
+def test_each_config_field_refuses_what_its_docs_exclude(build, message):
+    """docs/weight_sync.md: "Bad values are errors naming the field". The fields no other test fed a bad value:
+    a bool where a count is meant (True is an int to Python), devices, the bootstrap's bucket size, and an
+    empty prefix (which would match every key under its `_under` rule only by accident)."""
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        build()
+
+
+def test_config_defaults_and_accepted_edge_values_are_the_documented_ones():
+    """The defaults table of docs/weight_sync.md, and verify_every=0 ("only verify(model) on demand"), which
+    must be accepted: both sides compare configs at init, so a default that moves breaks mixed deployments."""
+    cfg = WeightSyncConfig()
+    assert (cfg.type, cfg.patch.snapshot_device, cfg.patch.transport_device, cfg.patch.verify_every,
+            cfg.patch.compression) == ("patch", "cpu", "cpu", 100, "none")
+    assert (cfg.patch.init_sync.enabled, cfg.patch.init_sync.prefixes, cfg.patch.init_sync.bucket_size) == \
+        (True, None, 128 * 2**20)
+    assert (cfg.bucket.bucket_size, cfg.bucket.bucket_dtype, cfg.bucket.bucket_device, cfg.bucket.load_instant) == \
+        (512 * 2**20, None, "cpu", True)
+    assert PatchConfig(verify_every=0).verify_every == 0
+    assert InitSyncConfig(prefixes=["actor", "critic.net"]).prefixes == ("actor", "critic.net")
