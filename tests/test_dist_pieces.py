@@ -1,5 +1,6 @@
-"""The per-iteration state syncs (coalesced buffer collectives, global mean/std in float64) and the
-gradient buckets' launch rules, against values computed by hand."""
+"""The per-iteration state syncs (coalesced buffer collectives, global mean/std in float64), the gradient
+buckets' launch rules, the learner/rollout roles and the sync plan's expected ledger, against values
+computed by hand."""
 
 import pytest
 import torch
@@ -140,3 +141,45 @@ def test_a_gradient_from_an_earlier_micro_batch_counts_as_received():
     for p, e in zip(head_b.parameters(), expected):
         torch.testing.assert_close(p.grad, e)
         assert p.grad.abs().sum() > 0
+
+
+# ---- dist/roles.py ----------------------------------------------------------------------------------
+
+def test_roles_teams_seeds_and_description_by_hand():
+    """6 ranks with 4 rollout ranks: learners 0, 1; learner 0 owns ranks 2, 3 and learner 1 ranks 4, 5 (module
+    docstring: L + l*K/L ... L + (l+1)*K/L - 1); rollout rank L + j seeds like colocated rank j; colocated runs
+    have every rank learn with its own rank as seed offset."""
+    from dist.roles import Roles, assign_roles
+    roles = [Roles(r, 6, 2, 4) for r in range(6)]
+    assert [r.is_learner for r in roles] == [True, True, False, False, False, False]
+    assert [r.seed_offset for r in roles] == [0, 1, 0, 1, 2, 3]
+    assert roles[0].team_of(0) == [0, 2, 3] and roles[0].team_of(1) == [1, 4, 5]
+    assert roles[0].describe() == "2 learner(s) + 4 rollout rank(s): learner 0 <- rollout ranks [2, 3]; learner 1 <- rollout ranks [4, 5]"
+    one = Roles(1, 2, 1, 1)
+    assert not one.colocated and one.team_of(0) == [0, 1] and not one.is_learner and one.seed_offset == 0
+    co = assign_roles(3, 4, 0)
+    assert co.colocated and co.is_learner and co.seed_offset == 3 and co.per_learner == 0
+    assert co.describe() == "4 colocated rank(s): each collects and learns"
+
+
+# ---- dist/plan.py -----------------------------------------------------------------------------------
+
+def test_plan_occurrences_and_expected_ledger_by_hand():
+    """Calls and bytes a plan predicts, by hand: setup once; iteration every iteration; `every K` floor(n/K)
+    times; a checkpoint row also at the final iteration when that is not a multiple of the interval; rounds
+    multiply calls and bytes; collectives drop out for a one-member group while point-to-point stays."""
+    from dist.plan import PlanRow, expected_ledger, format_plan
+    rows = [PlanRow("a", "r", "broadcast", "setup", [100, 20]),
+            PlanRow("b", "r", "all_reduce", "iteration", [8], rounds=3),
+            PlanRow("c", "r", "send", "every", [5], every=4),
+            PlanRow("d", "r", "all_gather", "checkpoint", [7], every=4),
+            PlanRow("e", "r", "-", "-", [])]
+    assert rows[1].calls == 3
+    assert expected_ledger(rows, 10) == {"a": [2, 120], "b": [30, 240], "c": [2, 10], "d": [2, 14]}
+    assert expected_ledger(rows, 10, final_iteration=10) == {"a": [2, 120], "b": [30, 240], "c": [2, 10], "d": [3, 21]}
+    assert expected_ledger(rows, 8, final_iteration=8)["d"] == [2, 14]
+    assert expected_ledger(rows, 10, collectives=False) == {"c": [2, 10]}
+    text = format_plan([PlanRow("p", "r", "send", "iteration", [1] * 4), PlanRow("q", "r", "send", "iteration", [1024] * 5),
+                        PlanRow("s", "r", "send", "iteration", [1023, 1024, 2 ** 20], rounds=2)], 1)
+    assert "1 B + 1 B + 1 B + 1 B" in text and "5 messages, 5.0 KB in all" in text
+    assert "1023 B + 1.0 KB + 1.0 MB  (x2 steps)" in text and "at world size 1 no collective runs" in text

@@ -288,3 +288,15 @@ def test_two_ranks_simulate_on_their_own_gpu_with_their_own_seed(tmp_path):
         ("cuda:0", base_seed, True), ("cuda:1", base_seed + 1, True)]
     for key in state0:
         assert torch.equal(state0[key], state1[key]), f"{key} diverged across ranks"
+
+
+def test_isaaclab_reset_spreads_over_the_whole_limit_and_refuses_env_state(make):
+    """reset spreads episode_length over [0, max_episode_length) (all of it, as RSL-RL does), and the adapter
+    refuses checkpointed env state by name instead of silently dropping it."""
+    env = make(num_envs=256, seed=1)
+    env.reset()
+    lengths = env.unwrapped.episode_length_buf
+    assert lengths.min() == 0 and lengths.max() == MAX_EPISODE_LENGTH - 1
+    with pytest.raises(ValueError, match="Isaac Lab adapter has no checkpointed state"):
+        env.load_state_dict({"curriculum": 1})
+    env.load_state_dict({})
