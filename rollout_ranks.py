@@ -248,13 +248,18 @@ def request_weights(syncer, copy, learner: int, group, have: int, need: int) -> 
         try:
             version = syncer.apply(copy)
         except SyncIntegrityError as error:
-            what = str(error).removesuffix(f"; {RESYNC_HINT}").removesuffix(f"; {LINK_LOST}")
-            raise RunError(f"the weights (version {served}) from learner rank {learner} failed their integrity "
-                           f"check: {what}. A run-time failure, not a setting: torchrun --max-restarts restarts the "
-                           f"job from its last checkpoint, or continue with --resume auto") from error
+            raise integrity_failure(error, f"the weights (version {served}) from learner rank {learner}") from error
     if version != served:
         raise RunError(f"the learner announced weights version {served} but sent version {version}")
     return version
+
+
+def integrity_failure(error: SyncIntegrityError, what: str) -> RunError:
+    """sync/'s integrity error as the one line a rollout rank ends with: nothing in the run recovers the weights
+    (sync/'s resync() hint is for a caller that keeps going), a restart from the last checkpoint does."""
+    reason = str(error).removesuffix(f"; {RESYNC_HINT}").removesuffix(f"; {LINK_LOST}")
+    return RunError(f"{what} failed their integrity check: {reason}. A run-time failure, not a setting: torchrun "
+                    f"--max-restarts restarts the job from its last checkpoint, or continue with --resume auto")
 
 
 def request_plan_rows(out: str, back: str, peers: int) -> list[PlanRow]:
@@ -312,7 +317,10 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
             "reset_obs": {"actor_obs": obs["policy"].cpu(), "critic_obs": obs["critic"].cpu()}}
     spec_size = send_object(spec, learner, roles.batches_group, "setup")
     syncer = make_weight_syncer(weight_sync_config(cfg), learner, [roles.rank], roles.weights_group)
-    version = syncer.init_receiver(copy)      # start - 1: the first request brings the learners' weights
+    try:
+        version = syncer.init_receiver(copy)      # start - 1: the first request brings the learners' weights
+    except SyncIntegrityError as error:
+        raise integrity_failure(error, f"the initial weights from learner rank {learner}") from error
     sender = BatchSender(learner, roles.batches_group, layout, state_bytes, torch.device("cpu"))
     plan = [setup_plan_row([spec_size], "send"), *sender.plan_rows(cfg.log.save_every),
             *request_plan_rows("send", "recv", 1), *weight_plan_rows(syncer)]

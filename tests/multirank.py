@@ -8,8 +8,9 @@ Usage inside a test:
 
     results = run_ranks(body, world_size=2, args=(x,))   # list, one entry per rank
 
-Each rank joins a fresh gloo process group on 127.0.0.1 with a free port, runs `fn(rank, world_size,
-*args)`, and sends its return value back through a queue. A rank that raises makes `run_ranks` raise
+Each rank (a fresh process, forked from a server that imported torch once) joins a gloo process
+group on 127.0.0.1 with a free port, runs `fn(rank, world_size, *args)`, and sends its return value
+back through a queue. A rank that raises makes `run_ranks` raise
 with that rank's traceback, so failures read like ordinary test failures.
 """
 
@@ -49,12 +50,21 @@ def _worker(rank, world_size, port, fn, args, queue, init_group):
             dist.destroy_process_group()
 
 
+def _context():
+    """Fresh processes as `spawn` makes them, forked from a server that imported torch once per test session:
+    the 2-3 s import is paid once, not by every rank of every test (the server runs no torch op, so its
+    children start with no threads or device state)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.multirank"])
+    return ctx
+
+
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, init_group: bool = True) -> list:
     """Spawn `world_size` gloo processes running `fn(rank, world_size, *args)`; return their results by rank.
 
     With `init_group=False` the process group is left to `fn` (torchrun's environment variables are set).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, init_group)) for r in range(world_size)]

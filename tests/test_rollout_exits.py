@@ -50,6 +50,44 @@ def test_corrupted_weights_end_the_rollout_rank_with_one_line(tmp_path, kind):
             job.kill_all()
 
 
+# Rank 1 receives the patch bootstrap (the whole initial weights, sent at init) with its trailer's first checksum
+# flipped: init_receiver refuses it before any request.
+CORRUPT_BOOTSTRAP = """
+import os
+import sync.wire
+if os.environ["RANK"] == "1":
+    sums, seen = sync.wire.Frame.sums, []
+    def corrupted(self):
+        if not seen and self.trailer is not None:
+            seen.append(self.version)
+            self.wait()
+            self.trailer[0] ^= 1
+        return sums(self)
+    sync.wire.Frame.sums = corrupted
+"""
+
+
+@pytest.mark.slow
+def test_corrupted_initial_weights_end_the_rollout_rank_with_one_line(tmp_path):
+    ranks = plain_ranks(tmp_path, "--rollout.sync", "patch", prelude=CORRUPT_BOOTSTRAP)
+    try:
+        codes = [job.finish(60) for job in ranks]
+        learner, rollout = (job.output() for job in ranks)
+        assert codes == [1, 1], learner + rollout
+        errors = [line for line in rollout.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in rollout, rollout
+        assert ("error: the initial weights from learner rank 0 failed their integrity check: weight sync: the "
+                "checksums of frame version -1 failed their check (trailer corrupted). A run-time failure") \
+            in errors[0], rollout
+        assert "--resume auto" in errors[0] and "resync()" not in errors[0]
+        learner_errors = [line for line in learner.splitlines() if line.startswith("error:")]
+        assert len(learner_errors) == 1 and "rollout rank 1" in learner_errors[0], learner
+        assert "Traceback" not in learner and "terminate called" not in learner, learner
+    finally:
+        for job in ranks:
+            job.kill_all()
+
+
 class ContendedLock:
     """A lock that says (`waited`) when a thread found it taken."""
 
