@@ -11,15 +11,16 @@ import torch
 from dist import comm
 from tests.test_rollout_ranks import plain_ranks
 
-# Rank 1 (the rollout rank) receives version 2 of the weights with its trailer's first checksum flipped, as a bit
-# flipped on the way would leave it: sync/ refuses the update with a SyncIntegrityError.
-CORRUPT_VERSION_2 = """
+# Rank 1 (the rollout rank) receives the frame of weights version {version} with its trailer's first checksum
+# flipped, as a bit flipped on the way would leave it: sync/ refuses it with a SyncIntegrityError. Version -1 is
+# patch's bootstrap at init (the whole initial weights, before any request); version 2 an update.
+CORRUPT_VERSION = """
 import os
 import sync.wire
 if os.environ["RANK"] == "1":
     sums = sync.wire.Frame.sums
     def corrupted(self):
-        if self.version == 2 and self.trailer is not None:
+        if self.version == {version} and self.trailer is not None:
             self.wait()
             self.trailer[0] ^= 1
         return sums(self)
@@ -28,60 +29,25 @@ if os.environ["RANK"] == "1":
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["patch", "bucket"])
-def test_corrupted_weights_end_the_rollout_rank_with_one_line(tmp_path, kind):
-    ranks = plain_ranks(tmp_path, "--rollout.sync", kind, prelude=CORRUPT_VERSION_2)
+@pytest.mark.parametrize("kind, version, what", [("patch", 2, "the weights (version 2)"),
+                                                 ("bucket", 2, "the weights (version 2)"),
+                                                 ("patch", -1, "the initial weights")])
+def test_corrupted_weights_end_the_rollout_rank_with_one_line(tmp_path, kind, version, what):
+    ranks = plain_ranks(tmp_path, "--rollout.sync", kind, prelude=CORRUPT_VERSION.format(version=version))
     try:
         codes = [job.finish(60) for job in ranks]
         learner, rollout = (job.output() for job in ranks)
         assert codes == [1, 1], learner + rollout
         errors = [line for line in rollout.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in rollout, rollout
-        assert ("the weights (version 2) from learner rank 0 failed their integrity check: weight sync: the "
-                "checksums of frame version 2 failed their check (trailer corrupted). A run-time failure") in errors[0]
+        assert errors[0].startswith(f"error: {what} from learner rank 0 failed their integrity check: weight sync: "
+                                    f"the checksums of frame version {version} failed their check (trailer corrupted). "
+                                    f"A run-time failure"), rollout
         assert "--resume auto" in errors[0] and "resync()" not in errors[0]    # sync/'s hint is for its own callers
         # the learner fails with its own error for a rollout rank that is gone, without a traceback or an abort
         learner_errors = [line for line in learner.splitlines() if line.startswith("error:")]
         assert len(learner_errors) == 1, learner
         assert learner_errors[0].startswith("error: rollout rank 1 died or stalled"), learner
-        assert "Traceback" not in learner and "terminate called" not in learner, learner
-    finally:
-        for job in ranks:
-            job.kill_all()
-
-
-# Rank 1 receives the patch bootstrap (the whole initial weights, sent at init) with its trailer's first checksum
-# flipped: init_receiver refuses it before any request.
-CORRUPT_BOOTSTRAP = """
-import os
-import sync.wire
-if os.environ["RANK"] == "1":
-    sums, seen = sync.wire.Frame.sums, []
-    def corrupted(self):
-        if not seen and self.trailer is not None:
-            seen.append(self.version)
-            self.wait()
-            self.trailer[0] ^= 1
-        return sums(self)
-    sync.wire.Frame.sums = corrupted
-"""
-
-
-@pytest.mark.slow
-def test_corrupted_initial_weights_end_the_rollout_rank_with_one_line(tmp_path):
-    ranks = plain_ranks(tmp_path, "--rollout.sync", "patch", prelude=CORRUPT_BOOTSTRAP)
-    try:
-        codes = [job.finish(60) for job in ranks]
-        learner, rollout = (job.output() for job in ranks)
-        assert codes == [1, 1], learner + rollout
-        errors = [line for line in rollout.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "Traceback" not in rollout, rollout
-        assert ("error: the initial weights from learner rank 0 failed their integrity check: weight sync: the "
-                "checksums of frame version -1 failed their check (trailer corrupted). A run-time failure") \
-            in errors[0], rollout
-        assert "--resume auto" in errors[0] and "resync()" not in errors[0]
-        learner_errors = [line for line in learner.splitlines() if line.startswith("error:")]
-        assert len(learner_errors) == 1 and "rollout rank 1" in learner_errors[0], learner
         assert "Traceback" not in learner and "terminate called" not in learner, learner
     finally:
         for job in ranks:
