@@ -67,3 +67,15 @@ def bits_equal(a: dict, b: dict) -> bool:
 def snapshot(state: dict) -> dict:
     """A host copy (the state may live on a GPU: see DEVICE in test_sync_patch.py)."""
     return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+def sync_once(syncer, rank: int, state: dict, change, keys=None) -> dict:
+    """Rank 0 sends version 1 after `change(state)`, rank 1 applies it; both return a snapshot of their state."""
+    if rank == 0:
+        syncer.init_sender(state, keys)
+        change(state)
+        syncer.sync(state, 1)
+    else:
+        syncer.init_receiver(state)
+        assert syncer.apply(state) == 1
+    return snapshot(state)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from multirank import run_ranks
 from sync import BucketConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
-from test_sync_common import bits_equal, snapshot
+from test_sync_common import bits_equal, snapshot, sync_once
 
 
 # ----- patch: periodic verification and verify(model) -----------------------------------------------------
@@ -163,14 +163,7 @@ def _zero_sized_views(rank, world_size):
     else:
         state = {"w": torch.zeros(8), "e1": torch.zeros(0, 3), "e2": torch.zeros(0, 3)}
     syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
-    if rank == 0:
-        syncer.init_sender(state)
-        state["w"][5] = 2.0
-        syncer.sync(state, 1)
-        return snapshot(state)
-    syncer.init_receiver(state)
-    assert syncer.apply(state) == 1
-    return snapshot(state)
+    return sync_once(syncer, rank, state, lambda s: s["w"].__setitem__(5, 2.0))
 
 
 @pytest.mark.slow
@@ -200,15 +193,11 @@ def _staged_with_frozen_first(rank, world_size):
     cfg = WeightSyncConfig(type="bucket", bucket=BucketConfig(load_instant=False))
     syncer = make_weight_syncer(cfg, src=0, dsts=[1])
     state = {"frozen": torch.zeros(5), "b": torch.zeros(5), "c": torch.zeros(3)}
-    if rank == 0:
-        syncer.init_sender(state, keys=["b", "c"])
-        state["b"].copy_(torch.arange(5.0))
-        state["c"].copy_(torch.tensor([7.0, 8.0, 9.0]))
-        syncer.sync(state, 1)
-        return snapshot(state)
-    syncer.init_receiver(state)
-    assert syncer.apply(state) == 1
-    return snapshot(state)
+
+    def change(s):
+        s["b"].copy_(torch.arange(5.0))
+        s["c"].copy_(torch.tensor([7.0, 8.0, 9.0]))
+    return sync_once(syncer, rank, state, change, keys=["b", "c"])
 
 
 @pytest.mark.slow
