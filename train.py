@@ -108,7 +108,7 @@ def main(cfg: Config, typed: frozenset[str] = frozenset()) -> tuple[torch.nn.Mod
     shuffle = torch.Generator().manual_seed(cfg.seed + rank)
     stateful = {"model": model, "optimizer": optimizer, "env": env, "reward_normalizer": reward_normalizer}
     if checkpoint is not None:
-        restore(checkpoint, resume_path, stateful, shuffle, roles, device)
+        restore(checkpoint, resume_path, stateful, shuffle, roles, device, cfg.ppo)
     obs = env.reset()[0] if env is not None else None
     first = {f: obs[g] for f, g in OBS_GROUP.items()} if env is not None else team.spec["reset_obs"]
     for storage_field, normalizer in model.normalizers().items():
@@ -259,12 +259,17 @@ def finished(device: torch.device) -> float:
     return time.time()
 
 
-def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torch.device) -> None:
+def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torch.device, ppo) -> None:
     """Load a checkpoint into the built objects; RNG states are restored per rank when the layout matches.
 
     Buffers declared `local` (per-env running state such as the reward normalizer's running returns)
-    keep their fresh values: envs restart their episodes, so that state restarts too.
+    keep their fresh values: envs restart their episodes, so that state restarts too. The optimizer takes
+    this run's --ppo.adam-eps, and its --ppo.learning-rate where that differs from the checkpoint's run
+    (else the restored LR, which the adaptive schedule moved): a restart with the same flags continues
+    exactly, a new LR typed on resume is used.
     """
+    saved_lr = state.get("config", {}).get("ppo", {}).get("learning_rate")
+    settings = {"eps": ppo.adam_eps, **({"lr": ppo.learning_rate} if saved_lr not in (None, ppo.learning_rate) else {})}
     for key, obj in stateful.items():
         if obj is None:
             continue
@@ -275,7 +280,7 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
         if isinstance(obj, RewardNormalizer):
             saved = {**saved, **{k: v for k, v in obj.state_dict().items() if obj.BUFFER_POLICY.get(k) == "local"}}
         if isinstance(obj, torch.optim.Optimizer):   # this run's Adam implementation, the saved values
-            saved = saved_state_for(obj, saved)
+            saved = saved_state_for(obj, saved, settings)
         try:
             obj.load_state_dict(saved)
         except (RuntimeError, ValueError, KeyError) as exc:
@@ -306,6 +311,9 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
               f"everything else is restored", flush=True)
     if roles.rank == 0:
         print(f"[syncppo] resumed {path} at iteration {state['iteration']}", flush=True)
+        if "lr" in settings:
+            print(f"[syncppo] --ppo.learning-rate {ppo.learning_rate:g} replaces the checkpoint's LR (its run "
+                  f"started at {saved_lr:g})", flush=True)
 
 
 def team_checkpoint(gathered: torch.Tensor, spec: dict, roles) -> dict:

@@ -13,7 +13,8 @@ from configs.typed_flags import env_reads
 from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
 from dist.errors import UsageError
 
-# Fields that decide tensor shapes or which states a checkpoint holds: a mismatch fails before build.
+# Fields that decide tensor shapes or which states a checkpoint holds, or that only shape a new policy (its
+# initial weights and action std, which the checkpoint's replace): a mismatch fails before build.
 MUST_MATCH = {
     "--env.name": ("env", "name"), "--env.task": ("env", "task"), "--env.num-envs": ("env", "num_envs"),
     "--env.num-motions": ("env", "num_motions"), "--policy.actor-hidden": ("policy", "actor_hidden"),
@@ -21,6 +22,7 @@ MUST_MATCH = {
     "--policy.normalize-actor-obs": ("policy", "normalize_actor_obs"),
     "--policy.normalize-critic-obs": ("policy", "normalize_critic_obs"),
     "--ppo.normalize-rewards": ("ppo", "normalize_rewards"),
+    "--policy.init-noise-std": ("policy", "init_noise_std"), "--policy.orthogonal-init": ("policy", "orthogonal_init"),
 }
 
 

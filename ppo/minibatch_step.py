@@ -69,15 +69,17 @@ def build_optimizer(params, cfg, device: torch.device) -> torch.optim.Adam:
                             fused=True, capturable=device.type == "cuda")
 
 
-def saved_state_for(optimizer: torch.optim.Optimizer, saved: dict) -> dict:
+def saved_state_for(optimizer: torch.optim.Optimizer, saved: dict, settings: dict | None = None) -> dict:
     """A checkpoint's optimizer state_dict `saved`, made to load into `optimizer` as this run built it: the
     saved LR, moments and step counts, with this optimizer's implementation (fused, capturable, foreach)
     and kind of LR (a float, or a device tensor as --ppo.capture-step needs). `load_state_dict` alone would
     bring back the saving run's implementation, so a checkpoint of the host path could not resume with
-    --ppo.capture-step (nor, on CUDA, the other way round)."""
+    --ppo.capture-step (nor, on CUDA, the other way round). `settings` (e.g. {"eps": 1e-5}) replace the
+    saved group values of the same names."""
     groups = []
     for built, group in zip(optimizer.param_groups, saved["param_groups"]):
-        group = {**group, **{key: built[key] for key in ("fused", "capturable", "foreach") if key in built}}
+        group = {**group, **{key: built[key] for key in ("fused", "capturable", "foreach") if key in built},
+                 **(settings or {})}
         lr = float(group["lr"])
         group["lr"] = torch.tensor(lr, dtype=built["lr"].dtype, device=built["lr"].device) \
             if isinstance(built["lr"], torch.Tensor) else lr

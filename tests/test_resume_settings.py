@@ -1,0 +1,69 @@
+"""What a resumed run takes from its flags and what from the checkpoint: the optimizer's eps always from the
+flags, its LR from the flags only when they name another LR than the checkpoint's run (a restart with the same
+command line continues the adapted LR exactly), and a policy's start (init std, orthogonal init) never: a
+checkpoint replaces it, so a flag that asks for another one is refused."""
+
+import glob
+
+import pytest
+import torch
+
+import train
+from dist.errors import UsageError
+from ppo.minibatch_step import saved_state_for
+from tests.test_config_errors import cfg_with
+
+
+def test_saved_state_for_replaces_the_named_settings_and_keeps_the_state():
+    params = [torch.nn.Parameter(torch.tensor([1.0, -2.0]))]
+    before = torch.optim.Adam(params, lr=1e-3, eps=1e-8, foreach=True)
+    params[0].grad = torch.tensor([0.5, 0.25])
+    before.step()
+    saved = before.state_dict()
+    after = torch.optim.Adam(params, lr=7.0, eps=7.0, foreach=True)
+    after.load_state_dict(saved_state_for(after, saved, {"eps": 1e-5}))
+    assert after.param_groups[0]["eps"] == 1e-5 and after.param_groups[0]["lr"] == 1e-3   # saved LR, new eps
+    after.load_state_dict(saved_state_for(after, saved, {"lr": 5e-4}))
+    assert after.param_groups[0]["lr"] == 5e-4 and after.param_groups[0]["eps"] == 1e-8
+    assert torch.equal(after.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
+    assert after.state_dict()["state"][0]["step"].item() == 1
+
+
+def saved_run(tmp_path, **changes):
+    cfg = cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=2, log__root=str(tmp_path / "a"),
+                   log__print_every=100, **changes)
+    train.main(cfg)
+    (ckpt,) = glob.glob(str(tmp_path / "a" / "tracking" / "*" / "model_2.pt"))
+    return ckpt, torch.load(ckpt, weights_only=True)
+
+
+def resumed_optimizer(tmp_path, ckpt, name, **changes):
+    """One more iteration from `ckpt`; the optimizer settings it saved (under the fixed schedule the LR it
+    resumed with)."""
+    train.main(cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=3, resume=ckpt,
+                        log__root=str(tmp_path / name), log__print_every=100, **changes))
+    (written,) = glob.glob(str(tmp_path / name / "tracking" / "*" / "model_3.pt"))
+    return torch.load(written, weights_only=True)["optimizer"]["param_groups"][0]
+
+
+def test_a_resumed_run_takes_a_new_lr_and_eps_and_keeps_the_adapted_lr_otherwise(tmp_path, capsys):
+    ckpt, saved = saved_run(tmp_path, ppo__learning_rate=1e-3)
+    adapted = saved["optimizer"]["param_groups"][0]["lr"]
+    assert adapted != 1e-3                           # the adaptive schedule moved it in 2 iterations
+    fixed = {"ppo__schedule": "fixed"}
+    same = resumed_optimizer(tmp_path, ckpt, "same", ppo__learning_rate=1e-3, **fixed)
+    assert same["lr"] == adapted and same["eps"] == saved["optimizer"]["param_groups"][0]["eps"]
+    assert "replaces the checkpoint's LR" not in capsys.readouterr().out
+    new = resumed_optimizer(tmp_path, ckpt, "new", ppo__learning_rate=2e-4, ppo__adam_eps=1e-5, **fixed)
+    assert new["lr"] == 2e-4 and new["eps"] == 1e-5
+    assert "--ppo.learning-rate 0.0002 replaces the checkpoint's LR (its run started at 0.001)" in \
+        capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag, change", [("--policy.init-noise-std", {"policy__init_noise_std": 0.3}),
+                                          ("--policy.orthogonal-init", {"policy__orthogonal_init": True})])
+def test_a_resumed_run_refuses_another_policy_start(tmp_path, flag, change):
+    ckpt, _ = saved_run(tmp_path)
+    with pytest.raises(UsageError, match=f"{flag} .* does not match .* in the checkpoint"):
+        train.main(cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=3, resume=ckpt,
+                            log__root=str(tmp_path / "b"), **change))
