@@ -53,6 +53,11 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
             continue
         ours, theirs = getattr(getattr(cfg, section), name), saved.get(section, {}).get(name)
         if theirs is not None and tuple_or_value(ours) != tuple_or_value(theirs):
+            total = cfg.env.global_num_envs
+            if name == "num_envs" and total:      # split already: ours = total / ranks
+                raise UsageError(f"--env.global-num-envs {total} gives {ours} envs per rank on {total // ours} "
+                                 f"rank(s), the checkpoint {path!r} has {theirs} per rank; pass --env.global-num-envs "
+                                 f"{theirs * (total // ours)} to resume it")
             hint = " per rank (use --env.global-num-envs for a total)" if name == "num_envs" else ""
             raise UsageError(f"{flag} {ours!r} does not match {theirs!r}{hint} in the checkpoint {path!r}; "
                              f"pass {flag} {theirs!r} to resume it")

@@ -67,3 +67,11 @@ def test_a_resumed_run_refuses_another_policy_start(tmp_path, flag, change):
     with pytest.raises(UsageError, match=f"{flag} .* does not match .* in the checkpoint"):
         train.main(cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=3, resume=ckpt,
                             log__root=str(tmp_path / "b"), **change))
+
+
+def test_a_global_env_count_that_does_not_fit_names_the_global_count_that_does(tmp_path):
+    ckpt, _ = saved_run(tmp_path)                     # 16 envs per rank, one rank
+    with pytest.raises(UsageError, match=r"--env.global-num-envs 32 gives 32 envs per rank on 1 rank\(s\), the "
+                                         r"checkpoint .* has 16 per rank; pass --env.global-num-envs 16 to resume it"):
+        train.main(cfg_with(env__global_num_envs=32, ppo__num_steps=8, max_iterations=3, resume=ckpt,
+                            log__root=str(tmp_path / "b")))
