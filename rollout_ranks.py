@@ -33,6 +33,7 @@ import threading
 import torch
 
 from configs import Config
+from configs.typed_flags import env_label
 from dist import comm
 from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, naming, recv_object, send_object,
                           setup_plan_row)
@@ -362,7 +363,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
             with autocast:
                 batch, obs = collect_rollout(copy, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, stats,
                                              record_returns=cfg.log.episode_returns)
-            check_finite(batch, cfg.env.task or cfg.env.name, roles.rank)
+            check_finite(batch, env_label(cfg), roles.rank)
             batch["flags"] = torch.tensor([version, stop.signal_name is not None, stop.launcher_gone()],
                                           dtype=torch.float64)
             batch["sums"], batch["counts"] = stats.sums, stats.counts

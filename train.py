@@ -22,7 +22,7 @@ import tyro
 
 from configs import PRESETS, Config, resolve_num_envs, validate
 from configs.resume import check_resume_fits, resolve_resume
-from configs.typed_flags import typed_flags
+from configs.typed_flags import env_label, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
 from dist.checkpoint import (check_writable_root, gather_rng_states, load_checkpoint, open_run_dir, rng_plan_row,
@@ -155,7 +155,7 @@ def main(cfg: Config, typed: frozenset[str] = frozenset()) -> tuple[torch.nn.Mod
         if team is None:
             batch, obs = collect_rollout(model, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, episodes,
                                          record_returns=cfg.log.episode_returns and is_main)
-            check_finite(batch, cfg.env.task or cfg.env.name, rank)    # before anything enters a normalizer
+            check_finite(batch, env_label(cfg), rank)    # before anything enters a normalizer
         else:
             batch, remote = team.receive(iteration)
             episodes.sums += remote["sums"].to(device)

@@ -74,3 +74,9 @@ def check_typed_flags(cfg, typed: frozenset[str]) -> None:
 def env_reads(cfg, flag: str) -> bool:
     """Whether the configured env reads `flag` (True for flags of every env): a resume compares only those."""
     return cfg.env.name in ENV_ONLY.get(flag, (cfg.env.name,))
+
+
+def env_label(cfg) -> str:
+    """The env as messages name it: the task for the envs that read --env.task, else --env.name (a preset's
+    task left over under another --env.name would name an env the run does not simulate)."""
+    return cfg.env.task if env_reads(cfg, "--env.task") and cfg.env.task else cfg.env.name

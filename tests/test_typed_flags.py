@@ -7,7 +7,7 @@ import pytest
 
 from configs import Config, preset, validate
 from configs.resume import check_resume_fits
-from configs.typed_flags import check_typed_flags, typed_flags
+from configs.typed_flags import check_typed_flags, env_label, typed_flags
 from dist.errors import UsageError
 from test_config_errors import cfg_with, run_cli
 
@@ -104,6 +104,14 @@ def test_a_resume_compares_only_the_fields_the_env_reads():
     saved = {"config": {"env": {"name": "tracking", "task": "", "num_motions": 8}}, "iteration": 1}
     with pytest.raises(UsageError, match="--env.num-motions 64 does not match 8"):
         check_resume_fits(saved, cfg_with(), "ckpt.pt", restarted=False)
+
+
+def test_messages_name_the_env_the_run_simulates():
+    mujoco = preset("mujoco")
+    assert env_label(mujoco) == mujoco.env.task == "Hopper-v4"
+    mujoco.env.name = "cartpole"                # the preset's task stays behind, unread
+    assert env_label(mujoco) == "cartpole"
+    assert env_label(cfg_with(env__name="gymnasium", env__task="")) == "gymnasium"
 
 
 # ---- through the command line: a few subprocesses (2-3 s each) ------------------------------------------
