@@ -211,22 +211,26 @@ class Link:
         into = None if staged is not None else (lambda o: flat[o] if o in flat and flat[o].dtype == dtypes[o]
                                                 and flat[o].device.type == self.device.type else None)  # gloo: host
         plan = plan_buckets([self.numels[o] * dtypes[o].itemsize for o in ordinals], bucket_size)
+        # A frame of another kind is a queued update (a resync drops them) or else a resync's, sized by its own
+        # dtypes and never written, so that it is taken in whole before check_kind refuses it.
+        other = (UPDATE, drop, None, drop_decompress) if drop else (SETUP, [self.dtypes[k] for k in self.keys], None)
         version = None
         for index, members in enumerate(plan):
             frame = None
             while frame is None or index == 0 and drop and frame.kind != kind:
                 if frame is not None:
                     frame.wait()
-                frame = recv_frame(self.src, self.group, self.device, self.numels, lambda k: (purpose, dtypes, into)
-                                   if k == kind or not drop else (UPDATE, drop, None, drop_decompress),
+                frame = recv_frame(self.src, self.group, self.device, self.numels,
+                                   lambda k: (purpose, dtypes, into) if k == kind else other,
                                    self.staging if staged is None else None)
             try:
                 check_kind(frame, kind)
                 if frame.table[:, 0].tolist() != [ordinals[i] for i in members] or version not in (None, frame.version):
                     raise SyncIntegrityError(
                         f"weight sync: bucket {index} of {len(plan)} at version {frame.version} carries tensors "
-                        f"{frame.table[:, 0].tolist()}, expected {[ordinals[i] for i in members]} at version "
-                        f"{version}; sender and receiver disagree on the bucket plan", model_written=staged is None)
+                        f"{frame.table[:, 0].tolist()}, expected {[ordinals[i] for i in members]}"
+                        f"{'' if version is None else f' at version {version}'}; sender and receiver disagree on "
+                        f"the bucket plan", model_written=staged is None)
             except BaseException:
                 frame.wait()  # its receives are posted: take them in, or the link stalls and resync() cannot drain it
                 raise

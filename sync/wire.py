@@ -235,7 +235,10 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
 
 
 def check_kind(frame: Frame, kind: int) -> None:
+    """Refuse a frame of another kind, once it is taken in whole (its receives are posted: left, they would
+    stall the link and resync() could not drain it)."""
     if frame.kind != kind:
+        frame.wait()
         raise RuntimeError(f"weight sync: expected a message of kind {kind}, got kind {frame.kind}; sender and "
                            "receiver disagree on which call comes next (sync/resync/apply)")
 

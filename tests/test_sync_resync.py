@@ -1,12 +1,12 @@
 """resync() and refused frames: queued compressed patches are drained, a damaged compressed payload or a refused
-multi-bucket resync leaves the link resyncable, and a refused trailer after an in-place receive says the model
-was written."""
+multi-bucket resync leaves the link resyncable, a refused trailer after an in-place receive says the model
+was written, and an apply() that meets a resync refuses it by its kind and leaves the link in step."""
 
 import pytest
 import torch
 
 from multirank import run_ranks
-from sync import PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from sync import BucketConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
 from test_sync_common import bits_equal, make_state, random_update, snapshot
 
 
@@ -162,3 +162,41 @@ def _multi_bucket_resync_damaged(rank, world_size, mode):
 def test_resync_recovers_after_a_refused_multi_bucket_resync(mode):
     sender, receiver = run_ranks(_multi_bucket_resync_damaged, 2, args=(mode,), timeout=60)
     assert bits_equal(receiver, sender)
+
+
+def _apply_meets_a_resync(rank, world_size, cfg):
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    state = {"w": torch.zeros(1_000_000), "b": torch.zeros(5)}
+    if rank == 0:
+        syncer.init_sender(state)
+        for version in (1, 2):          # resync(1) meets the receiver's apply; the receiver's resync takes resync(2)
+            state["w"] += 1
+            syncer.resync(state, version)
+        state["b"] += 3
+        syncer.sync(state, 3)
+        return snapshot(state)
+    syncer.init_receiver(state)
+    refused = None
+    try:
+        syncer.apply(state)
+    except (RuntimeError, SyncIntegrityError) as error:
+        refused = f"{type(error).__name__}: {error}"      # a string: the error would keep the frame alive
+    assert syncer.resync(state) == 2 and syncer.apply(state) == 3
+    return refused, snapshot(state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [WeightSyncConfig(type="patch"),
+                                 WeightSyncConfig(type="patch", patch=PatchConfig(compression="zstd")),
+                                 WeightSyncConfig(type="bucket"),
+                                 WeightSyncConfig(type="bucket", bucket=BucketConfig(bucket_dtype="bfloat16"))],
+                         ids=["patch", "patch-zstd", "bucket", "bucket-bf16"])
+def test_an_apply_that_meets_a_resync_refuses_it_by_kind_and_the_link_recovers(cfg):
+    """The sender resynced while the receiver waited in apply(): the resync's frame is refused by its kind,
+    taken in whole and never written (a bfloat16 bucket wire must not size it, or it reads as a corrupt
+    header), so the next resync pair and the update after it arrive in step."""
+    sender, (refused, received) = run_ranks(_apply_meets_a_resync, 2, args=(cfg,), timeout=30)
+    update_kind = 2 if cfg.type == "patch" else 1
+    assert refused == (f"RuntimeError: weight sync: expected a message of kind {update_kind}, got kind 3; sender and "
+                       f"receiver disagree on which call comes next (sync/resync/apply)")
+    assert bits_equal(received, sender)
