@@ -75,7 +75,10 @@ class LearnerTeam:
 
     def __init__(self, cfg: Config, roles, device, start_iteration: int):
         self.cfg, self.roles, self.rollouts = cfg, roles, roles.team[1:]
-        received = [recv_object(src, roles.batches_group, "setup") for src in self.rollouts]
+        received = []
+        for src in self.rollouts:
+            with naming(src):
+                received.append(recv_object(src, roles.batches_group, "setup"))
         specs, self.spec_sizes = [spec for spec, _ in received], [size for _, size in received]
         for src, spec in zip(self.rollouts[1:], specs[1:]):
             if {k: spec[k] for k in ("obs_dims", "num_actions", "num_envs", "log_keys")} != \
@@ -99,7 +102,11 @@ class LearnerTeam:
         """Batch `iteration` of every rollout rank, joined along the env axis, and what rode with it (the
         weight version, stop flags, metric sums). Crosses ranks: the team's `batches` messages (see
         dist/batches.py), once per iteration."""
-        batches = self.receiver.take()
+        try:
+            batches = self.receiver.take()
+        except comm.CollectiveError:
+            self.weights.check()    # a failed weight-serving thread is the cause: its rollout rank waits for weights
+            raise
         flags = torch.stack([b.pop("flags") for b in batches])
         versions, signal, gone = flags[:, 0], flags[:, 1].max().item(), flags[:, 2].max().item()
         lag = iteration - int(versions.min())
@@ -288,8 +295,8 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     seed_everything(cfg.seed + j)                 # the seeds colocated rank j would use
     try:
         env = make_env(cfg.env, device, seed=cfg.seed + j, base_seed=cfg.seed)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+    except ValueError as exc:   # the learners build no env: the first rollout rank says it
+        raise UsageError(str(exc), say_here=j == 0) from exc
     copy = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions).to(device)
     low_precision = cfg.rollout.dtype != "float32"
     if low_precision:
@@ -316,10 +323,12 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     spec = {"obs_dims": env.obs_dims, "num_actions": env.num_actions, "num_envs": N, "log_keys": tuple(env.log_keys),
             "layout": layout, "state_layout": state_layout, "state_bytes": state_bytes,
             "reset_obs": {"actor_obs": obs["policy"].cpu(), "critic_obs": obs["critic"].cpu()}}
-    spec_size = send_object(spec, learner, roles.batches_group, "setup")
+    with naming(learner, "learner"):
+        spec_size = send_object(spec, learner, roles.batches_group, "setup")
     syncer = make_weight_syncer(weight_sync_config(cfg), learner, [roles.rank], roles.weights_group)
     try:
-        version = syncer.init_receiver(copy)      # start - 1: the first request brings the learners' weights
+        with naming(learner, "learner"):
+            version = syncer.init_receiver(copy)      # start - 1: the first request brings the learners' weights
     except SyncIntegrityError as error:
         raise integrity_failure(error, f"the initial weights from learner rank {learner}") from error
     sender = BatchSender(learner, roles.batches_group, layout, state_bytes, torch.device("cpu"))

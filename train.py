@@ -73,7 +73,7 @@ def main(cfg: Config, typed: frozenset[str] = frozenset()) -> tuple[torch.nn.Mod
     device, is_main = info.device, rank == 0
     if device.type == "cpu":
         keep_freed_host_memory()      # the update's activations stop page-faulting (glibc; see dist/setup.py)
-    roles = assign_roles(rank, world, cfg.rollout.ranks)
+    roles = assign_roles(rank, world, cfg.rollout.ranks, cfg.dist.timeout_s)
     start_iteration = checkpoint["iteration"] if checkpoint else 0
     if not roles.is_learner:
         copy, plan = run_rollout_rank(cfg, roles, device, checkpoint, start_iteration)
@@ -329,8 +329,8 @@ def cli(cfg: Config, typed: frozenset[str] = frozenset()) -> int:
     try:
         main(cfg, typed)
         return 0
-    except UsageError as exc:        # identical on every rank: say it once per node
-        if local_rank == 0:
+    except UsageError as exc:        # identical on every rank: said once per node, unless only some ranks meet it
+        if local_rank == 0 if exc.say_here is None else exc.say_here:
             print(f"error: {exc}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside
         code, failure = 2, exc
     except (RunError, comm.CollectiveError) as exc:

@@ -10,7 +10,13 @@ Anything else is a bug and keeps its traceback.
 
 
 class UsageError(ValueError):
-    """Bad input; the message starts with the flag to fix."""
+    """Bad input; the message starts with the flag to fix. `say_here`: whether this rank prints it; None for
+    an error every rank meets alike (said once per node), True or False where only some ranks can meet it
+    (a rollout rank's env, which no learner builds)."""
+
+    def __init__(self, message: str, say_here: bool | None = None):
+        super().__init__(message)
+        self.say_here = say_here
 
 
 class RunError(RuntimeError):

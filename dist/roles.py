@@ -13,6 +13,7 @@ Groups (created by every rank, in the same order, once at start-up):
 """
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as torch_dist
 
@@ -61,19 +62,25 @@ class Roles:
         return [learner, *range(first, first + self.per_learner)]
 
 
-def assign_roles(rank: int, world_size: int, num_rollouts: int) -> Roles:
-    """The roles, with their process groups when rollout ranks exist.
+def assign_roles(rank: int, world_size: int, num_rollouts: int, timeout_s: float | None = None) -> Roles:
+    """The roles, with their process groups when rollout ranks exist. `timeout_s`: how long a message or
+    collective in those groups waits for a peer (--dist.timeout-s; a new group does not inherit the world's,
+    it would wait torch's default of 30 minutes).
 
     Crosses ranks: new_group is collective over all ranks: 2 + 2L groups created once at start-up.
     """
     roles = Roles(rank, world_size, world_size - num_rollouts, num_rollouts)
     if roles.colocated:
         return roles
-    roles.learner_group = torch_dist.new_group(list(range(roles.num_learners)))
-    roles.rollout_group = torch_dist.new_group(list(range(roles.num_learners, world_size)))
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+
+    def new_group(ranks: list[int]):
+        return torch_dist.new_group(ranks, timeout=timeout)
+    roles.learner_group = new_group(list(range(roles.num_learners)))
+    roles.rollout_group = new_group(list(range(roles.num_learners, world_size)))
     for learner in range(roles.num_learners):
         team = roles.team_of(learner)
-        batches, weights = torch_dist.new_group(team), torch_dist.new_group(team)
+        batches, weights = new_group(team), new_group(team)
         if rank in team:
             roles.team, roles.batches_group, roles.weights_group = team, batches, weights
     return roles

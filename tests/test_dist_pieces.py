@@ -162,6 +162,31 @@ def test_roles_teams_seeds_and_description_by_hand():
     assert co.describe() == "4 colocated rank(s): each collects and learns"
 
 
+def _silent_partner_in_a_team_group(rank, world_size):
+    """Rank 0 waits for a message rank 1 never sends, in their team's batches group made with a 2 s timeout;
+    rank 1 waits (on the world group, torch's long default) until rank 0 says how its receive ended."""
+    import torch.distributed as dist
+    from dist.roles import assign_roles
+    roles = assign_roles(rank, world_size, 1, timeout_s=2.0)
+    if rank == 1:
+        return dist.recv(torch.zeros(1), src=0)
+    try:
+        dist.recv(torch.zeros(1), src=1, group=roles.batches_group)
+        outcome = "received"
+    except RuntimeError as error:           # gloo: a timeout (DistBackendError is a RuntimeError)
+        outcome = "timed out" if "timed out" in str(error).lower() or "timeout" in str(error).lower() else str(error)
+    dist.send(torch.zeros(1), dst=1)
+    return outcome
+
+
+@pytest.mark.slow
+def test_rollout_groups_wait_for_a_peer_only_as_long_as_dist_timeout_s():
+    """--dist.timeout-s bounds every wait in the rollout layout's groups too (new_group does not inherit the
+    world group's timeout: without passing it, a stalled partner held the other rank for 30 minutes)."""
+    outcome, _ = run_ranks(_silent_partner_in_a_team_group, 2, timeout=60)
+    assert outcome == "timed out"
+
+
 # ---- dist/plan.py -----------------------------------------------------------------------------------
 
 def test_plan_occurrences_and_expected_ledger_by_hand():

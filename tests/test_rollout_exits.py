@@ -153,3 +153,53 @@ def test_a_learner_whose_launcher_is_gone_closes_its_team_before_it_leaves(tmp_p
     finally:
         for job in ranks:
             job.kill_all()
+
+
+@pytest.mark.slow
+def test_an_env_only_a_rollout_rank_builds_says_its_error_there_and_the_learner_names_that_rank(tmp_path):
+    ranks = plain_ranks(tmp_path, "--env.name", "gymnasium", "--env.task", "NoSuchTask-v0")
+    try:
+        codes = [job.finish(60) for job in ranks]
+        learner, rollout = (job.output() for job in ranks)
+        assert codes == [1, 2], learner + rollout
+        errors = [line for line in rollout.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "NoSuchTask-v0" in errors[0] and "Traceback" not in rollout, rollout
+        learner_errors = [line for line in learner.splitlines() if line.startswith("error:")]
+        assert len(learner_errors) == 1 and learner_errors[0].startswith("error: rollout rank 1 died or stalled"), learner
+    finally:
+        for job in ranks:
+            job.kill_all()
+
+
+# The learner's weight-serving thread fails sending version 3 (as a send that timed out would), while its main
+# thread waits for batch 3, which the rollout rank cannot collect without those weights.
+SERVING_FAILS_AT_3 = """
+import os
+if os.environ["RANK"] == "0":
+    import sync.bucket
+    from dist import comm
+    sync_ = sync.bucket.BucketSyncer.sync
+    def failing(self, state_dict, version):
+        if version == 3:
+            raise comm.CollectiveError("send for 'weight_sync' failed: injected")
+        return sync_(self, state_dict, version)
+    sync.bucket.BucketSyncer.sync = failing
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_weight_serving_thread_is_the_learners_error_not_its_rollout_rank(tmp_path):
+    """The learner's wait for the batch ends within --dist.timeout-s (the rollout groups take it too) and reports
+    the serving thread's failure, the cause, not the batch that never came."""
+    ranks = plain_ranks(tmp_path, "--rollout.sync", "bucket", "--dist.timeout-s", "5", prelude=SERVING_FAILS_AT_3)
+    try:
+        codes = [job.finish(60) for job in ranks]
+        learner, rollout = (job.output() for job in ranks)
+        assert codes == [1, 1], learner + rollout
+        errors = [line for line in learner.splitlines() if line.startswith("error:")]
+        assert errors == ["error: rollout rank 1 died or stalled: send for 'weight_sync' failed: injected"], learner
+        assert "Traceback" not in learner and "Traceback" not in rollout, learner + rollout
+        assert "error: learner rank 0 died or stalled" in rollout, rollout
+    finally:
+        for job in ranks:
+            job.kill_all()
