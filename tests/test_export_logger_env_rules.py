@@ -1,0 +1,306 @@
+"""Rules of three small modules that the heavier tests only reach through training, pinned one by one:
+
+- ppo/export.py: the ONNX graph's interface (input `obs`, output `actions`, a free batch dimension), where the
+  files go when no --out is given (the checkpoint's folder, also from the command line), the refusal of an
+  unwritable --out and of a checkpoint dict without a run config, the summary line and the note about the run's
+  action scale/clip.
+- ppo/logger.py: the console line (iteration count, formats, ETA) against a fake clock, `-` for non-finite
+  metrics, every tag of a `log` call written at its step (read back with TensorBoard's EventAccumulator), a run
+  directory that does not exist yet, and the wait past the newest earlier event file (fake clock, no sleeping).
+- envs/__init__.py: `make_env` builds the env that --env.name names and hands it every setting of its EnvConfig
+  (episode length, seeds, motion library size and sampling floor, action scale/clip, observation groups,
+  launcher flags, task overrides), and refuses an unknown name.
+
+Expected values are computed here by hand or with numpy, never by the code under test.
+"""
+
+import dataclasses
+import os
+import sys
+
+import gymnasium
+import numpy as np
+import pytest
+import torch
+
+import envs.isaaclab
+from configs.config import EnvConfig, PolicyConfig
+from envs import CartPole, GymnasiumEnv, IsaacLabEnv, Tracking, make_env
+from envs.motions import MotionLibrary
+from ppo import export
+from ppo import logger as logger_module
+from ppo.actor_critic import build_actor_critic
+from ppo.logger import RunLogger, wait_past_earlier_event_files
+from tests.fake_isaaclab import TASK, Record, fake_modules, spec
+
+CPU = torch.device("cpu")
+
+
+# ---- ppo/export.py ------------------------------------------------------------------------------------
+
+def small_checkpoint(path, normalize_actor_obs: bool = True, env: dict | None = None) -> str:
+    """A checkpoint with the entries export reads: actor 5 -> 8 -> 8 -> 3 (ELU), critic 6 -> 8 -> 1."""
+    torch.manual_seed(0)
+    cfg = PolicyConfig(actor_hidden=(8, 8), critic_hidden=(8,), normalize_actor_obs=normalize_actor_obs)
+    model = build_actor_critic(cfg, {"policy": 5, "critic": 6}, 3)
+    if normalize_actor_obs:
+        model.actor_normalizer.mean.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0, 100.0]))
+        model.actor_normalizer.std.copy_(torch.tensor([2.0, 0.5, 1.0, 1e-3, 10.0]))
+    torch.save({"model": model.state_dict(), "config": {"policy": dataclasses.asdict(cfg), "env": env or {}}}, path)
+    return str(path)
+
+
+def numpy_actions(path: str, obs: np.ndarray) -> np.ndarray:
+    """The mean action by hand in float64: normalize (eps 1e-8, clip 10), then Linear/ELU/Linear/ELU/Linear."""
+    state = torch.load(path, weights_only=True)["model"]
+    x = obs.astype(np.float64)
+    if "actor_normalizer.mean" in state:
+        mean, std = state["actor_normalizer.mean"].double().numpy(), state["actor_normalizer.std"].double().numpy()
+        x = np.clip((x - mean) / (std + 1e-8), -10.0, 10.0)
+    for i in (0, 2, 4):
+        x = x @ state[f"actor.{i}.weight"].double().numpy().T + state[f"actor.{i}.bias"].double().numpy()
+        if i < 4:
+            x = np.where(x > 0, x, np.expm1(np.minimum(x, 0)))
+    return x
+
+
+@pytest.fixture
+def torchscript_only(monkeypatch):
+    """Skip the ONNX file (seconds per export) in tests about other things than the ONNX graph."""
+    monkeypatch.setattr(export, "onnx_missing", lambda: "not installed: onnx (left out by this test)")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in expm1:RuntimeWarning")
+def test_onnx_graph_reads_obs_writes_actions_for_any_batch(tmp_path):
+    """A deployment feeds `obs` and fetches `actions` by name, with its own batch size (not the export's 1)."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    path = small_checkpoint(tmp_path / "model_3.pt")
+    written = export.export(path, str(tmp_path / "out"))
+    graph = onnx.load(written["onnx"])
+    assert [i.name for i in graph.graph.input] == ["obs"] and [o.name for o in graph.graph.output] == ["actions"]
+    (batch, obs_dim) = graph.graph.input[0].type.tensor_type.shape.dim
+    assert batch.dim_param and not batch.HasField("dim_value") and obs_dim.dim_value == 5
+    (batch_out, actions_dim) = graph.graph.output[0].type.tensor_type.shape.dim
+    assert batch_out.dim_param and actions_dim.dim_value == 3
+    obs = np.random.default_rng(0).normal(size=(7, 5)).astype(np.float32) * 30.0
+    (actions,) = ReferenceEvaluator(graph).run(["actions"], {"obs": obs})
+    assert actions.shape == (7, 3) and actions.dtype == np.float32
+    np.testing.assert_allclose(actions, numpy_actions(path, obs), rtol=1e-4, atol=1e-5)
+
+
+def test_without_out_the_files_go_next_to_the_checkpoint(tmp_path, monkeypatch, torchscript_only):
+    """Not into the working directory: also from the command line, whose --out defaults to the same folder."""
+    run_dir, elsewhere = tmp_path / "runs" / "cartpole" / "2026", tmp_path / "elsewhere"
+    run_dir.mkdir(parents=True)
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    path = small_checkpoint(run_dir / "model_3.pt")
+    written = export.export(path)
+    assert written["torchscript"] == str(run_dir / "model_3.policy.pt")
+    assert os.listdir(elsewhere) == []
+    os.remove(written["torchscript"])
+    monkeypatch.setattr(sys, "argv", ["ppo.export", path])
+    export.main()
+    assert os.path.isfile(run_dir / "model_3.policy.pt") and os.listdir(elsewhere) == []
+
+
+def test_an_unwritable_out_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    # The tests run as root, for whom every folder is writable: the permission check is answered here instead.
+    path = small_checkpoint(tmp_path / "model_3.pt")
+    out = tmp_path / "read-only"
+    out.mkdir()
+    monkeypatch.setattr(export.os, "access", lambda p, mode: not os.path.samefile(p, out))
+    with pytest.raises(ValueError, match=r"--out .*read-only.* is not writable"):
+        export.export(path, str(out))
+    assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("state", [{"model": {}}, {"config": {}}, [1, 2]])
+def test_a_checkpoint_without_model_or_config_is_a_one_line_error(tmp_path, state):
+    path = tmp_path / "model_1.pt"
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=r"is not a train.py checkpoint \(it needs 'model' and 'config' entries\)"):
+        export.export(str(path), str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("normalized, words", [(True, "with"), (False, "no")])
+def test_summary_line_names_sizes_and_the_normalizer(tmp_path, capsys, torchscript_only, normalized, words):
+    path = small_checkpoint(tmp_path / "model_3.pt", normalized)
+    export.export(path, str(tmp_path / "out"))
+    out = capsys.readouterr().out
+    assert f"[export] {path}: obs dim 5 -> 3 actions ({words} observation normalizer)\n" in out
+
+
+@pytest.mark.parametrize("env, note", [
+    ({}, None),
+    ({"action_scale": 1.0, "action_clip": None}, None),
+    ({"action_scale": 0.5}, "scaled actions by 0.5 and clipped them to None"),
+    ({"action_scale": 1.0, "action_clip": 2.0}, "scaled actions by 1.0 and clipped them to 2.0"),
+    ({"action_scale": 0.25, "action_clip": 3.0}, "scaled actions by 0.25 and clipped them to 3.0"),
+])
+def test_export_notes_the_runs_action_scale_and_clip(tmp_path, capsys, torchscript_only, env, note):
+    path = small_checkpoint(tmp_path / "model_3.pt", env=env)
+    export.export(path, str(tmp_path / "out"))
+    out = capsys.readouterr().out
+    if note is None:
+        assert "note:" not in out
+    else:
+        assert f"[export] note: the run {note} before the simulator; the exported policy outputs them unscaled" in out
+
+
+# ---- ppo/logger.py ------------------------------------------------------------------------------------
+
+class FakeClock:
+    """Stands in for the `time` module of ppo/logger.py: `time()` reads `now`, `sleep(s)` advances it."""
+
+    def __init__(self, now: float):
+        self.now, self.sleeps = now, []
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += 0.25
+
+
+def tb_scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_console_line_counts_formats_and_eta_by_hand(tmp_path, monkeypatch, capsys):
+    clock = FakeClock(1000.0)
+    monkeypatch.setattr(logger_module, "time", clock)
+    logger = RunLogger(str(tmp_path), max_iterations=10, start_iteration=2)     # resumed from model_2.pt
+    clock.now = 1120.0
+    # Iteration index 5 is the 6th of 10 and the 4th of this process: 120 s / 4 x 4 left = 120 s = 2.0 min.
+    logger.print_line(5, {"Perf/total_fps": 1234.4, "Train/mean_reward": 3.5, "Train/mean_episode_length": 20.0,
+                          "Policy/kl": 0.0123, "Loss/learning_rate": 3e-4})
+    logger.close()
+    assert capsys.readouterr().out == ("it     6/10       1234 steps/s  reward     3.50  ep_len   20.0  "
+                                       "kl 0.0123  lr 3.0e-04  ETA   2.0 min\n")
+
+
+def test_console_line_prints_a_dash_for_a_non_finite_metric(tmp_path, capsys):
+    logger = RunLogger(str(tmp_path), 10, 0)
+    logger.print_line(0, {"Perf/total_fps": 1.0, "Policy/kl": 0.0, "Loss/learning_rate": 1e-3,
+                          "Train/mean_reward": float("nan"), "Train/mean_episode_length": float("inf")})
+    logger.close()
+    line = capsys.readouterr().out
+    assert "reward        -  ep_len      -" in line and "nan" not in line and "inf" not in line
+
+
+def test_every_tag_of_a_log_call_is_written_at_its_step_in_a_new_run_directory(tmp_path):
+    run_dir = str(tmp_path / "cartpole" / "2026-01-01_12-00-00")        # does not exist yet: a fresh run
+    logger = RunLogger(run_dir, max_iterations=5, start_iteration=0)
+    logger.log({"Train/mean_reward": 1.5, "Policy/kl": 0.25, "Loss/learning_rate": 0.125}, step=1)
+    logger.log({"Train/mean_reward": 2.5, "Policy/kl": 0.5, "Loss/learning_rate": 0.0625}, step=2)
+    logger.close()
+    assert tb_scalars(run_dir, "Train/mean_reward") == [(1, 1.5), (2, 2.5)]
+    assert tb_scalars(run_dir, "Policy/kl") == [(1, 0.25), (2, 0.5)]
+    assert tb_scalars(run_dir, "Loss/learning_rate") == [(1, 0.125), (2, 0.0625)]
+
+
+T = 1_700_000_000
+
+
+def test_wait_lasts_until_the_second_after_the_newest_event_file(tmp_path, monkeypatch):
+    for name in (f"events.out.tfevents.{T - 5}.host.1.0",          # older attempt
+                 f"events.out.tfevents.{T + 1}.host.2.0",          # newest: made in the second T + 1
+                 "events.out.tfevents.corrupt",                    # no creation second: not an event file name
+                 f"notevents.out.tfevents.{T + 9}.host.3.0",       # not an event file
+                 f"model_{T + 9}.pt"):
+        (tmp_path / name).write_bytes(b"")
+    clock = FakeClock(T + 0.5)
+    monkeypatch.setattr(logger_module, "time", clock)
+    wait_past_earlier_event_files(str(tmp_path))
+    assert clock.now == T + 2.0 and all(0 < s <= 0.1 for s in clock.sleeps)     # the first instant past T + 1
+
+
+def test_no_wait_when_every_event_file_is_older_or_there_is_no_directory(tmp_path, monkeypatch):
+    (tmp_path / f"events.out.tfevents.{T - 1}.host.1.0").write_bytes(b"")
+    clock = FakeClock(T + 0.5)
+    monkeypatch.setattr(logger_module, "time", clock)
+    wait_past_earlier_event_files(str(tmp_path))
+    wait_past_earlier_event_files(str(tmp_path / "missing"))
+    assert clock.sleeps == [] and clock.now == T + 0.5
+
+
+# ---- envs/__init__.py ---------------------------------------------------------------------------------
+
+def test_make_env_cartpole_gets_its_episode_length_and_rank_seed():
+    env = make_env(EnvConfig(name="cartpole", num_envs=3, episode_length_s=2.0), CPU, seed=5, base_seed=11)
+    assert type(env) is CartPole and env.num_envs == 3
+    assert env.max_episode_length == 100                       # 2.0 s / 0.02 s
+    assert env.generator.initial_seed() == 5
+
+
+def test_make_env_tracking_gets_every_setting_and_both_seeds():
+    cfg = EnvConfig(name="tracking", num_envs=4, episode_length_s=3.0, num_motions=7, sampling_uniform_floor=0.35)
+    env = make_env(cfg, CPU, seed=5, base_seed=11)
+    assert type(env) is Tracking and env.num_envs == 4
+    assert env.max_episode_length == 150                       # 3.0 s / (0.005 s x 4)
+    assert env.generator.initial_seed() == 5                   # per rank
+    assert env.sampler.uniform_floor == 0.35 and env.sampler.global_counts.shape == (2, 7)
+    library = MotionLibrary(7, env.num_joints, 11, CPU)        # shared by every rank: from base_seed
+    assert env.motions.num_motions == 7
+    torch.testing.assert_close(env.motions.sines, library.sines, rtol=0, atol=0)
+    other_rank = make_env(cfg, CPU, seed=6, base_seed=11)
+    torch.testing.assert_close(other_rank.motions.sines, env.motions.sines, rtol=0, atol=0)
+
+
+def test_make_env_gymnasium_gets_task_action_scale_clip_and_rank_seed():
+    cfg = EnvConfig(name="gymnasium", task="Pendulum-v1", num_envs=2, action_scale=0.5, action_clip=1.5)
+    env = make_env(cfg, CPU, seed=5, base_seed=11)
+    try:
+        assert type(env) is GymnasiumEnv and env.num_envs == 2 and env.env.spec.id == "Pendulum-v1"
+        assert env.action_scale == 0.5 and env.action_clip == 1.5
+        assert env.generator.initial_seed() == 5
+        # Pendulum's bounds are +-2: 4 x 0.5 = 2 is clipped to 1.5, -1 x 0.5 passes.
+        torch.testing.assert_close(env.env_actions(torch.tensor([[4.0], [-1.0]])), torch.tensor([[1.5], [-0.5]]))
+    finally:
+        env.env.close()
+
+
+def test_make_env_isaaclab_gets_groups_actions_launcher_flags_overrides_and_rank_seed(monkeypatch):
+    record = Record()
+    modules = fake_modules(record)
+    launcher_flags = []
+    fake_launch = modules["isaaclab.app"].launch_simulation
+
+    def launch_simulation(cfg, launcher_args=None):
+        launcher_flags.append(vars(launcher_args).copy())
+        return fake_launch(cfg, launcher_args)
+
+    modules["isaaclab.app"].launch_simulation = launch_simulation
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(gymnasium.registry, TASK, spec(record))
+    monkeypatch.setattr(envs.isaaclab, "simulation_device", lambda device: "cuda:0")
+    cfg = EnvConfig(name="isaaclab", task=TASK, num_envs=4, actor_obs_groups=("critic",),
+                    critic_obs_groups=("policy", "critic"), action_scale=2.0, action_clip=1.5,
+                    launcher_args="--viz none", task_overrides=("physics=ovphysx",))
+    env = make_env(cfg, CPU, seed=7, base_seed=99)
+    try:
+        assert type(env) is IsaacLabEnv and env.num_envs == 4
+        assert env.group_names == {"policy": ("critic",), "critic": ("policy", "critic")}
+        assert env.obs_dims == {"policy": 4, "critic": 3 + 4}     # fake groups: policy 3, critic a 2x2 history
+        (launch,) = record.launches
+        assert launch["physics"] == "ovphysx" and launch["seed"] == 7 and launch["num_envs"] == 4
+        assert launcher_flags[0]["visualizer"] == ["none"]
+        assert env.generator.initial_seed() == 7
+        torch.testing.assert_close(env.env_actions(torch.tensor([[0.5, -1.0]])), torch.tensor([[1.0, -1.5]]))
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("name", ["mujoco", "", "Cartpole"])
+def test_make_env_refuses_an_unknown_name(name):
+    with pytest.raises(ValueError, match=rf"unknown --env.name '{name}'; choose cartpole, tracking, gymnasium or "
+                                         rf"isaaclab"):
+        make_env(EnvConfig(name=name, num_envs=2), CPU, seed=0, base_seed=0)
