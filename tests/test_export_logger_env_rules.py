@@ -32,6 +32,7 @@ from ppo import logger as logger_module
 from ppo.actor_critic import build_actor_critic
 from ppo.logger import RunLogger, wait_past_earlier_event_files
 from tests.fake_isaaclab import TASK, Record, fake_modules, spec
+from tests.test_tools import numpy_actions as numpy_actions_of_state
 
 CPU = torch.device("cpu")
 
@@ -51,17 +52,9 @@ def small_checkpoint(path, normalize_actor_obs: bool = True, env: dict | None = 
 
 
 def numpy_actions(path: str, obs: np.ndarray) -> np.ndarray:
-    """The mean action by hand in float64: normalize (eps 1e-8, clip 10), then Linear/ELU/Linear/ELU/Linear."""
+    """The mean action by hand in float64 (tests/test_tools.py), from the checkpoint at `path`."""
     state = torch.load(path, weights_only=True)["model"]
-    x = obs.astype(np.float64)
-    if "actor_normalizer.mean" in state:
-        mean, std = state["actor_normalizer.mean"].double().numpy(), state["actor_normalizer.std"].double().numpy()
-        x = np.clip((x - mean) / (std + 1e-8), -10.0, 10.0)
-    for i in (0, 2, 4):
-        x = x @ state[f"actor.{i}.weight"].double().numpy().T + state[f"actor.{i}.bias"].double().numpy()
-        if i < 4:
-            x = np.where(x > 0, x, np.expm1(np.minimum(x, 0)))
-    return x
+    return numpy_actions_of_state(state, obs, "actor_normalizer.mean" in state)
 
 
 @pytest.fixture
