@@ -245,7 +245,7 @@ def request_weights(syncer, copy, learner: int, group, have: int, need: int) -> 
     """A rollout rank's request (see WeightServer.serve): the newest weights, at least version `need`. Crosses
     ranks: (have, need) up, the served version down, sync/'s update when it is newer than `have`. Returns the
     version now in `copy`; `need` < 0 says done (nothing comes back). Weights that fail sync/'s integrity checks
-    raise RunError: nothing in the run recovers them (resync() is for a caller of sync/ that keeps going)."""
+    raise RunError (integrity_failure)."""
     with naming(learner, "learner"):
         comm.send(torch.tensor([have, need]), "weight_request", learner, group)
         if need < 0:
@@ -323,14 +323,13 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     spec = {"obs_dims": env.obs_dims, "num_actions": env.num_actions, "num_envs": N, "log_keys": tuple(env.log_keys),
             "layout": layout, "state_layout": state_layout, "state_bytes": state_bytes,
             "reset_obs": {"actor_obs": obs["policy"].cpu(), "critic_obs": obs["critic"].cpu()}}
+    syncer = make_weight_syncer(weight_sync_config(cfg), learner, [roles.rank], roles.weights_group)
     with naming(learner, "learner"):
         spec_size = send_object(spec, learner, roles.batches_group, "setup")
-    syncer = make_weight_syncer(weight_sync_config(cfg), learner, [roles.rank], roles.weights_group)
-    try:
-        with naming(learner, "learner"):
+        try:
             version = syncer.init_receiver(copy)      # start - 1: the first request brings the learners' weights
-    except SyncIntegrityError as error:
-        raise integrity_failure(error, f"the initial weights from learner rank {learner}") from error
+        except SyncIntegrityError as error:
+            raise integrity_failure(error, f"the initial weights from learner rank {learner}") from error
     sender = BatchSender(learner, roles.batches_group, layout, state_bytes, torch.device("cpu"))
     plan = [setup_plan_row([spec_size], "send"), *sender.plan_rows(cfg.log.save_every),
             *request_plan_rows("send", "recv", 1), *weight_plan_rows(syncer)]

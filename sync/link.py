@@ -199,20 +199,18 @@ class Link:
 
         Crosses ranks: one frame per bucket from the sender; with `drop` (a resync: the value dtype per
         ordinal of updates) first any number of queued update frames, received whole and dropped, counted
-        under the purpose they were sent with (`drop_decompress`: how to take in their payload when the
-        updates are compressed). Every tensor is checked against the trailer's checksums as soon
-        as it arrived. When writing, values already in the receiver's dtype and on the transport device arrive
-        straight in the model, so a failed check leaves it written (`model_written`: the receiver then refuses
-        updates until resync()); a model on a GPU fed over gloo is written from a host staging buffer. A refused
-        bucket's remaining buckets are received and dropped before the error is raised.
+        under the purpose they were sent with (`drop_decompress`: how to take in their payload when compressed);
+        without, a frame of another kind (a resync's) is received whole, unwritten, and refused. Every tensor is
+        checked against the trailer's checksums as soon as it arrived. When writing, values already in the
+        receiver's dtype and on the transport device arrive straight in the model, so a failed check leaves it
+        written (`model_written`: the receiver then refuses updates until resync()); a GPU model fed over gloo is
+        written from a host staging buffer. The buckets after a refused one are received and dropped first.
         """
         ordinals = [self.ordinal[k] for k in keys]
         flat = {self.ordinal[k]: tensors[k].view(-1) for k in keys} if staged is None else {}
         into = None if staged is not None else (lambda o: flat[o] if o in flat and flat[o].dtype == dtypes[o]
                                                 and flat[o].device.type == self.device.type else None)  # gloo: host
         plan = plan_buckets([self.numels[o] * dtypes[o].itemsize for o in ordinals], bucket_size)
-        # A frame of another kind is a queued update (a resync drops them) or else a resync's, sized by its own
-        # dtypes and never written, so that it is taken in whole before check_kind refuses it.
         other = (UPDATE, drop, None, drop_decompress) if drop else (SETUP, [self.dtypes[k] for k in self.keys], None)
         version = None
         for index, members in enumerate(plan):
@@ -223,17 +221,14 @@ class Link:
                 frame = recv_frame(self.src, self.group, self.device, self.numels,
                                    lambda k: (purpose, dtypes, into) if k == kind else other,
                                    self.staging if staged is None else None)
-            try:
-                check_kind(frame, kind)
-                if frame.table[:, 0].tolist() != [ordinals[i] for i in members] or version not in (None, frame.version):
-                    raise SyncIntegrityError(
-                        f"weight sync: bucket {index} of {len(plan)} at version {frame.version} carries tensors "
-                        f"{frame.table[:, 0].tolist()}, expected {[ordinals[i] for i in members]}"
-                        f"{'' if version is None else f' at version {version}'}; sender and receiver disagree on "
-                        f"the bucket plan", model_written=staged is None)
-            except BaseException:
+            check_kind(frame, kind)
+            expected = [ordinals[i] for i in members]
+            if frame.table[:, 0].tolist() != expected or version not in (None, frame.version):
                 frame.wait()  # its receives are posted: take them in, or the link stalls and resync() cannot drain it
-                raise
+                raise SyncIntegrityError(
+                    f"weight sync: bucket {index} of {len(plan)} at version {frame.version} carries tensors "
+                    f"{frame.table[:, 0].tolist()}, expected {expected}{'' if version is None else f' at version {version}'}; "
+                    "sender and receiver disagree on the bucket plan", model_written=staged is None)
             got = [tensor_checksum(frame.row(r)[1]) for r in range(len(members))]  # each as soon as it arrived
             try:
                 sums = frame.sums()

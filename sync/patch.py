@@ -181,10 +181,9 @@ class PatchSyncer(Link):
 
     def _recv(self, staging) -> Frame:
         dtypes = [self.dtypes[k] for k in self.keys]
-        decompress = None if self.cfg.patch.compression == "none" else zstd_decompress
-        # another kind (a resync's frame: uncompressed, setup traffic) is taken in whole, then refused by its kind
-        frame = recv_frame(self.src, self.group, self.device, self.numels, lambda kind: (UPDATE, dtypes, None, decompress)
-                           if kind == KIND_PATCH else (SETUP, dtypes, None, None), staging)
+        update = (UPDATE, dtypes, None, None if self.cfg.patch.compression == "none" else zstd_decompress)
+        frame = recv_frame(self.src, self.group, self.device, self.numels,  # another kind: a resync's, uncompressed
+                           lambda kind: update if kind == KIND_PATCH else (SETUP, dtypes, None, None), staging)
         check_kind(frame, KIND_PATCH)
         return frame
 
