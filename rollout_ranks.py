@@ -33,6 +33,7 @@ import threading
 import torch
 
 from configs import Config
+from configs.resume import shared_env_seed
 from configs.typed_flags import env_label
 from dist import comm
 from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, naming, recv_object, send_object,
@@ -81,8 +82,7 @@ class LearnerTeam:
                 received.append(recv_object(src, roles.batches_group, "setup"))
         specs, self.spec_sizes = [spec for spec, _ in received], [size for _, size in received]
         for src, spec in zip(self.rollouts[1:], specs[1:]):
-            if {k: spec[k] for k in ("obs_dims", "num_actions", "num_envs", "log_keys")} != \
-                    {k: specs[0][k] for k in ("obs_dims", "num_actions", "num_envs", "log_keys")}:
+            if any(spec[k] != specs[0][k] for k in ("obs_dims", "num_actions", "num_envs", "log_keys")):
                 raise RunError(f"rollout rank {src} built a different env than rollout rank {self.rollouts[0]}")
         self.spec = specs[0]
         self.num_envs = len(self.rollouts) * self.spec["num_envs"]
@@ -294,7 +294,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     j, learner = roles.rollout_index, roles.team[0]
     seed_everything(cfg.seed + j)                 # the seeds colocated rank j would use
     try:
-        env = make_env(cfg.env, device, seed=cfg.seed + j, base_seed=cfg.seed)
+        env = make_env(cfg.env, device, seed=cfg.seed + j, base_seed=shared_env_seed(cfg, checkpoint))
     except ValueError as exc:   # the learners build no env: the first rollout rank says it
         raise UsageError(str(exc), say_here=j == 0) from exc
     copy = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions).to(device)
@@ -304,7 +304,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
             p.data = p.data.to(getattr(torch, cfg.rollout.dtype))
     if checkpoint is not None:
         env.load_state_dict(checkpoint["env"])
-        if checkpoint.get("layout") == [roles.num_learners, roles.num_rollouts]:
+        if (checkpoint.get("layout"), checkpoint["config"]["seed"]) == ([roles.num_learners, roles.num_rollouts], cfg.seed):
             rng = checkpoint["rollout_rng"][j]
             torch.set_rng_state(rng["torch"].cpu())
             env.generator.set_state(rng["env"].cpu())

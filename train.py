@@ -21,7 +21,7 @@ import torch
 import tyro
 
 from configs import PRESETS, Config, resolve_num_envs, validate
-from configs.resume import check_resume_fits, resolve_resume
+from configs.resume import check_resume_fits, resolve_resume, shared_env_seed
 from configs.typed_flags import env_label, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
@@ -86,7 +86,7 @@ def main(cfg: Config, typed: frozenset[str] = frozenset()) -> tuple[torch.nn.Mod
     env = team = sampler = None
     if roles.colocated:
         try:
-            env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=cfg.seed)
+            env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=shared_env_seed(cfg, checkpoint))
         except ValueError as exc:     # the adapters name the --env flag that does not fit the simulator
             raise UsageError(str(exc)) from exc
         obs_dims, num_actions, N, log_keys = env.obs_dims, env.num_actions, env.num_envs, tuple(env.log_keys)
@@ -108,7 +108,7 @@ def main(cfg: Config, typed: frozenset[str] = frozenset()) -> tuple[torch.nn.Mod
     shuffle = torch.Generator().manual_seed(cfg.seed + rank)
     stateful = {"model": model, "optimizer": optimizer, "env": env, "reward_normalizer": reward_normalizer}
     if checkpoint is not None:
-        restore(checkpoint, resume_path, stateful, shuffle, roles, device, cfg.ppo)
+        restore(checkpoint, resume_path, stateful, shuffle, roles, device, cfg)
     obs = env.reset()[0] if env is not None else None
     first = {f: obs[g] for f, g in OBS_GROUP.items()} if env is not None else team.spec["reset_obs"]
     for storage_field, normalizer in model.normalizers().items():
@@ -259,8 +259,9 @@ def finished(device: torch.device) -> float:
     return time.time()
 
 
-def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torch.device, ppo) -> None:
-    """Load a checkpoint into the built objects; RNG states are restored per rank when the layout matches.
+def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torch.device, cfg: Config) -> None:
+    """Load a checkpoint into the built objects; RNG states are restored per rank when the layout and --seed
+    match the checkpoint's run (a --seed typed on resume restarts the streams from it instead).
 
     Buffers declared `local` (per-env running state such as the reward normalizer's running returns)
     keep their fresh values: envs restart their episodes, so that state restarts too. The optimizer takes
@@ -268,6 +269,7 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
     (else the restored LR, which the adaptive schedule moved): a restart with the same flags continues
     exactly, a new LR typed on resume is used.
     """
+    ppo, saved_seed = cfg.ppo, state.get("config", {}).get("seed")
     saved_lr = state.get("config", {}).get("ppo", {}).get("learning_rate")
     settings = {"eps": ppo.adam_eps, **({"lr": ppo.learning_rate} if saved_lr not in (None, ppo.learning_rate) else {})}
     for key, obj in stateful.items():
@@ -294,13 +296,18 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
     ours = {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(),
             **({"env": stateful["env"].generator.get_state()} if stateful["env"] is not None else {})}
     fits = all(key in rng and rng[key].numel() == value.numel() for key, value in ours.items())
-    if same_layout and fits:
+    if same_layout and fits and saved_seed in (None, cfg.seed):
         torch.set_rng_state(rng["torch"].cpu())
         shuffle.set_state(rng["shuffle"].cpu())
         if stateful["env"] is not None:
             stateful["env"].generator.set_state(rng["env"].cpu())
         if "cuda" in rng and device.type == "cuda":   # sampling on the GPU draws from it (dist.checkpoint.rng_states)
             torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
+    elif same_layout and fits:
+        if roles.rank == 0:
+            print(f"[syncppo] --seed {cfg.seed} is not the checkpoint run's ({saved_seed}): RNG streams restart from "
+                  f"--seed + rank; everything else is restored (the env's content, e.g. the tracking motion "
+                  f"library, stays the checkpoint run's)", flush=True)
     elif same_layout:
         if roles.rank == 0:
             print("[syncppo] resuming a checkpoint whose RNG states were saved on another device: RNG streams "

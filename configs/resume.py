@@ -69,6 +69,12 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
     return True
 
 
+def shared_env_seed(cfg, checkpoint: dict | None) -> int:
+    """The seed of what every rank's env shares (the tracking motion library): the checkpoint run's when resuming,
+    because its policy and sampler counts belong to those motions; a new --seed then restarts only the RNG streams."""
+    return checkpoint["config"]["seed"] if checkpoint is not None else cfg.seed
+
+
 def tuple_or_value(x):
     return tuple(x) if isinstance(x, (list, tuple)) else x
 

@@ -95,6 +95,7 @@ def _tracking_cfg(**changes):
     cfg = preset("tracking")                 # actor/critic hidden (128, 128), 512 envs, 64 motions, 400 iterations
     for dotted, value in changes.items():
         section, name = dotted.split("__")
+        assert hasattr(getattr(cfg, section), name), dotted    # setattr would add a field nothing reads
         setattr(getattr(cfg, section), name, value)
     return cfg
 

@@ -19,6 +19,7 @@ def cfg_with(**changes):
     cfg = preset("tracking")
     for dotted, value in changes.items():
         section, field = dotted.split("__") if "__" in dotted else (None, dotted)
+        assert hasattr(getattr(cfg, section) if section else cfg, field), dotted   # else a field nothing reads
         setattr(getattr(cfg, section) if section else cfg, field, value)
     return cfg
 

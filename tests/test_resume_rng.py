@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train
-from configs.config import PPOConfig
+from configs.config import Config
 from dist.checkpoint import rng_states
 
 ROLES_1 = SimpleNamespace(rank=0, num_learners=1, num_rollouts=0)
@@ -41,7 +41,7 @@ def test_resume_restores_the_saved_cuda_rng_state(monkeypatch):
     try:
         train.restore(_checkpoint({"torch": saved_torch, "shuffle": saved_shuffle, "env": saved_env,
                                    "cuda": cuda_state}), "ckpt.pt", {"env": env}, shuffle, ROLES_1,
-                      torch.device("cuda"), PPOConfig())
+                      torch.device("cuda"), Config())
         assert torch.equal(torch.get_rng_state(), saved_torch)
     finally:
         torch.set_rng_state(before)
@@ -60,7 +60,7 @@ def test_resume_with_rng_states_of_another_device_restarts_the_streams_instead_o
     env, shuffle = _Env(seed=1), torch.Generator().manual_seed(2)
     env_before, shuffle_before, torch_before = env.generator.get_state(), shuffle.get_state(), torch.get_rng_state()
     try:
-        train.restore(_checkpoint(saved), "ckpt.pt", {"env": env}, shuffle, ROLES_1, torch.device("cpu"), PPOConfig())
+        train.restore(_checkpoint(saved), "ckpt.pt", {"env": env}, shuffle, ROLES_1, torch.device("cpu"), Config())
         assert torch.equal(torch.get_rng_state(), torch_before)    # all streams restart together
     finally:
         torch.set_rng_state(torch_before)

@@ -1,7 +1,8 @@
 """What a resumed run takes from its flags and what from the checkpoint: the optimizer's eps always from the
 flags, its LR from the flags only when they name another LR than the checkpoint's run (a restart with the same
 command line continues the adapted LR exactly), and a policy's start (init std, orthogonal init) never: a
-checkpoint replaces it, so a flag that asks for another one is refused."""
+checkpoint replaces it, so a flag that asks for another one is refused. A --seed other than the checkpoint run's
+restarts the RNG streams from it; what the envs share (the tracking motion library) stays the checkpoint's."""
 
 import glob
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import train
+from envs.motions import MotionLibrary
 from dist.errors import UsageError
 from ppo.minibatch_step import saved_state_for
 from tests.test_config_errors import cfg_with
@@ -75,3 +77,31 @@ def test_a_global_env_count_that_does_not_fit_names_the_global_count_that_does(t
                                          r"checkpoint .* has 16 per rank; pass --env.global-num-envs 16 to resume it"):
         train.main(cfg_with(env__global_num_envs=32, ppo__num_steps=8, max_iterations=3, resume=ckpt,
                             log__root=str(tmp_path / "b")))
+
+
+def test_a_new_seed_on_resume_restarts_the_rng_streams_and_keeps_the_motion_library(tmp_path, monkeypatch, capsys):
+    ckpt, saved = saved_run(tmp_path, seed=1)
+    built, restored = [], []
+    make_env, restore = train.make_env, train.restore
+
+    def recording_make_env(*args, **kwargs):
+        built.append(make_env(*args, **kwargs))
+        return built[-1]
+
+    def recording_restore(*args):
+        before = torch.get_rng_state()                # the stream seeded from --seed + rank
+        restore(*args)
+        restored.append((before, torch.get_rng_state()))
+
+    monkeypatch.setattr(train, "make_env", recording_make_env)
+    monkeypatch.setattr(train, "restore", recording_restore)
+    for seed in (1, 2):
+        train.main(cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=3, resume=ckpt, seed=seed,
+                            log__root=str(tmp_path / f"seed{seed}"), log__print_every=100))
+    assert torch.equal(restored[0][1], saved["rng"][0]["torch"])     # same --seed: the saved streams continue
+    before, after = restored[1]                                         # another: they restart from --seed + rank
+    assert torch.equal(after, before) and not torch.equal(after, saved["rng"][0]["torch"])
+    assert "--seed 2 is not the checkpoint run's (1): RNG streams restart" in capsys.readouterr().out
+    library = MotionLibrary(built[1].motions.num_motions, built[1].num_joints, 1, torch.device("cpu"))
+    for env in built:                                 # the checkpoint run's motions, which its policy learned
+        assert torch.equal(env.motions.sines, library.sines) and torch.equal(env.motions.bias, library.bias)

@@ -17,6 +17,7 @@ def small_tracking(root, iterations=3, **overrides):
     cfg.policy.actor_hidden = cfg.policy.critic_hidden = (32, 32)
     cfg.log.root, cfg.log.save_every, cfg.log.print_every = str(root), 2, 100
     for key, value in overrides.items():
+        assert hasattr(cfg, key), key                 # setattr would add a field nothing reads
         setattr(cfg, key, value)
     return cfg
 
