@@ -14,7 +14,8 @@ import train
 from configs import preset
 from dist import comm
 from dist.plan import expected_ledger
-from rollout_ranks import WeightServer, request_weights
+from rollout_weights import WeightServer, request_weights
+from rollout_ranks import weight_sync_config
 from sync import WeightSyncConfig, make_weight_syncer
 from tests.multirank import free_port, run_ranks
 from tests.torchrun_job import Job
@@ -112,6 +113,36 @@ def test_checkpoints_resume_across_layouts(tmp_path):
         assert torch.equal(learner[key], value), key
 
 
+def counting_dones(rank, world_size, cfg):
+    """train.main, returning how many episodes ended in each batch this rank collected (none on a learner)."""
+    import rollout_ranks
+    dones, collect = [], rollout_ranks.collect_rollout
+
+    def counted(*args, **kwargs):
+        batch, obs = collect(*args, **kwargs)
+        dones.append(int(batch["dones"].sum()))
+        return batch, obs
+
+    rollout_ranks.collect_rollout = counted
+    train.main(cfg)
+    return dones
+
+
+@pytest.mark.slow
+def test_async_checkpoints_count_the_episodes_of_the_saved_iterations_only(tmp_path):
+    """With S = 2 a rollout rank has collected two batches past a save when it reads the decision; those are
+    collected again on resume, so the checkpoint's sampler visits must be the episodes of batches 0..i of both
+    rollout ranks (every ended episode is one visit), not of 0..i + 2."""
+    cfg = small(tmp_path, iterations=6, ranks=2, mode="async", sync="bucket", max_staleness=2)
+    _, first, second = run_ranks(counting_dones, 3, args=(cfg,))
+    assert len(first) == len(second) == 6 and sum(first[4:] + second[4:]) > 0    # later batches end episodes too
+    for saved in (2, 4, 6):
+        (path,) = glob.glob(str(tmp_path / "tracking" / "*" / f"model_{saved}.pt"))
+        counts = torch.load(path, weights_only=True)["env"]["sampler"]
+        assert counts["global_counts"][0].sum().item() == sum(first[:saved] + second[:saved]), saved
+        assert counts["local_counts"].abs().sum().item() == 0, saved
+
+
 def plain_ranks(tmp_path, *args, prelude=None):
     """Two `python train.py` processes with torchrun's variables: no launcher to kill or signal them (`prelude`:
     see tests/torchrun_job.Job)."""
@@ -160,7 +191,7 @@ def serve_after_three_versions(rank, world_size, kind):
     cfg = preset("tracking")
     cfg.rollout.sync = kind
     if rank == 0:
-        server = WeightServer(cfg, 0, [1], group)
+        server = WeightServer(weight_sync_config(cfg), 0, [1], group, cfg.dist.timeout_s)
         server.start(model, 1)
         for version in (2, 3, 4):
             with torch.no_grad():
