@@ -41,10 +41,14 @@ def _bucket_updates(rank, world_size, settings_list, receiver_dtype):
         else:
             model = on_device(cast_floats(make_state(seed=100 + rank), receiver_dtype))
             syncer.init_receiver(model)
+            staged, recv_update = [], syncer.recv_update
+            syncer.recv_update = lambda: staged.append(1) or recv_update()    # apply() looks it up on the instance
             history = []
             for version in (1, 2, 3):
                 assert syncer.apply(model) == version
                 history.append(snapshot(model))
+            # load_instant=false stages each update whole before writing it; true writes buckets as they land
+            assert len(staged) == (0 if syncer.cfg.bucket.load_instant else 3), settings
             results.append(history)
     return results
 

@@ -77,6 +77,9 @@ def test_compression_changes_only_the_wire_and_two_receivers_match():
     (_, plain), (_, packed) = sender
     assert [s.payload_bytes for s in plain] == [s.payload_bytes for s in packed]
     assert [s.changed_elements for s in plain] == [s.changed_elements for s in packed]
+    # and the wire does change: every sizable payload travels compressed (equal stats would pass with zstd unused)
+    assert all(z.wire_bytes < p.wire_bytes for p, z in zip(plain, packed) if p.payload_bytes > 1000)
+    assert any(p.payload_bytes > 1000 for p in plain)
 
 
 def _hand_sized(rank, world_size, receiver_dtype):

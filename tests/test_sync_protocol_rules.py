@@ -197,7 +197,11 @@ def _staged_with_frozen_first(rank, world_size):
     def change(s):
         s["b"].copy_(torch.arange(5.0))
         s["c"].copy_(torch.tensor([7.0, 8.0, 9.0]))
-    return sync_once(syncer, rank, state, change, keys=["b", "c"])
+    staged, recv_update = [], syncer.recv_update
+    syncer.recv_update = lambda: staged.append(1) or recv_update()    # apply() looks it up on the instance
+    result = sync_once(syncer, rank, state, change, keys=["b", "c"])
+    assert len(staged) == rank, "the receiver's update must go through the staged path"
+    return result
 
 
 @pytest.mark.slow
