@@ -158,6 +158,13 @@ def test_tracking_observation_layout_and_reset_state():
     keep = ~(terminated | truncated)
     torch.testing.assert_close(obs["policy"][keep, :6], env.q[keep], rtol=0, atol=0)
     torch.testing.assert_close(obs["policy"][keep, 6:12], 0.1 * env.qd[keep], rtol=0, atol=1e-7)
+    # ...and the critic's link ends of q and of the reference, which the step's zero actions pulled apart.
+    ref_q = np.stack([reference(env.motions, int(i), float(t))[0] for i, t in zip(env.motion_ids, env.motion_time)])
+    q_ends = body_positions(env.q.double().numpy()).reshape(n, 12)
+    assert np.abs(q_ends - body_positions(ref_q).reshape(n, 12)).max() > 1e-2
+    after = obs["critic"].double().numpy()
+    np.testing.assert_allclose(after[:, p:p + 12], q_ends, atol=2e-5)
+    np.testing.assert_allclose(after[:, p + 12:p + 24], body_positions(ref_q).reshape(n, 12), atol=2e-5)
     np.testing.assert_allclose(critic.shape[1], p + 2 * 2 * 6 + 1)
 
 

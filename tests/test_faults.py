@@ -127,8 +127,10 @@ def test_a_stalled_rank_fails_the_others_naming_the_collective():
     assert "Timed out waiting 2000ms" in message            # --dist.timeout-s reached the backend
 
 
-def test_two_runs_in_the_same_second_get_their_own_directories(tmp_path):
+def test_two_runs_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "strftime", lambda fmt: "2026-12-01_06-00-00")    # the same second, whatever the clock
     first, second = create_run_dir(str(tmp_path), None), create_run_dir(str(tmp_path), "job-7")
+    assert os.path.basename(second) == os.path.basename(first) + "-2"
     assert first != second and os.path.isdir(first) and os.path.isdir(second)
     assert open(os.path.join(second, "run_id")).read() == "job-7"
 
