@@ -21,7 +21,8 @@ import torch
 import tyro
 
 from configs import PRESETS, Config, resolve_num_envs, validate
-from configs.resume import check_resume_fits, resolve_resume, shared_env_seed
+from configs.resume import (check_resume_fits, continue_saved_config, resolve_resume, resume_auto_flags,
+                            shared_env_seed)
 from configs.typed_flags import env_label, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
@@ -49,12 +50,15 @@ from ppo.update import ppo_update, update_plan_rows
 OBS_GROUP = {"actor_obs": "policy", "critic_obs": "critic"}   # storage field -> observation group
 
 
-def main(cfg: Config, typed: frozenset[str] = frozenset()) -> tuple[torch.nn.Module, dict[str, float], list]:
-    """Train (or print the plan, with --dry-run); return the model, the last logged scalars and the sync plan."""
+def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Module, dict[str, float], list]:
+    """Train (or print the plan, with --dry-run); return the model, the last logged scalars and the sync plan.
+
+    `typed`: the flags of the command line (cli). A resumed run then keeps its checkpoint's settings except
+    these and the launch ones (configs/resume.py); None (a program's config) takes `cfg` as it is."""
     # ---- every check that needs neither a process group nor an env: nothing is built or written yet --
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     envs_scope = resolve_num_envs(cfg, world)
-    validate(cfg, world, typed)       # typed: the command line's flags, refused where they have no effect
+    validate(cfg, world, typed or frozenset())   # typed: the command line's flags, refused where they have no effect
     if cfg.rollout.ranks and cfg.dist.device == "auto":
         cfg.dist.device = "cpu"       # rollout ranks stage everything on the host over gloo (docs/rollout_ranks.md)
     resolve_device(cfg.dist.device)
@@ -63,6 +67,13 @@ def main(cfg: Config, typed: frozenset[str] = frozenset()) -> tuple[torch.nn.Mod
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     resume_path, run_dir = resolve_resume(cfg, experiment_dir)
     checkpoint = load_checkpoint(resume_path) if resume_path else None
+    if checkpoint is not None and typed is not None:      # continue the run's settings, not the preset's
+        changed = continue_saved_config(cfg, checkpoint["config"], typed)
+        envs_scope = resolve_num_envs(cfg, world)
+        validate(cfg, world, typed)
+        if rank == 0:
+            print(f"[syncppo] resuming with the settings of {resume_path}'s run"
+                  + (f"; changed by this command line: {', '.join(changed)}" if changed else ""), flush=True)
     if checkpoint is not None and not check_resume_fits(checkpoint, cfg, resume_path, restarted):
         if rank == 0:
             print(f"[syncppo] {resume_path} already reached --max-iterations {cfg.max_iterations}: done", flush=True)
@@ -240,7 +251,7 @@ def main(cfg: Config, typed: frozenset[str] = frozenset()) -> tuple[torch.nn.Mod
         if stop_signal and not last:
             if is_main:
                 print(f"[syncppo] stopped on request (SIGINT/SIGTERM) after iteration {iteration + 1}; saved {path}; "
-                      f"continue with --resume {path} or --resume auto", flush=True)
+                      f"continue with --resume {path} or {resume_auto_flags(cfg)}", flush=True)
             break
     if is_main:
         logger.close()
@@ -317,7 +328,8 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
               f"on {roles.num_learners} + {roles.num_rollouts}: RNG streams restart from --seed + rank; "
               f"everything else is restored", flush=True)
     if roles.rank == 0:
-        print(f"[syncppo] resumed {path} at iteration {state['iteration']}", flush=True)
+        print(f"[syncppo] {'would resume' if cfg.dry_run else 'resumed'} {path} at iteration {state['iteration']}",
+              flush=True)
         if "lr" in settings:
             print(f"[syncppo] --ppo.learning-rate {ppo.learning_rate:g} replaces the checkpoint's LR (its run "
                   f"started at {saved_lr:g})", flush=True)

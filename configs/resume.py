@@ -5,8 +5,11 @@ Three ways to continue, all resolved here on every rank from the file system alo
 - `--resume auto`: the newest checkpoint of this experiment, continued in its own run directory;
 - a torchrun restart (`--max-restarts`, TORCHELASTIC_RESTART_COUNT > 0): the last complete checkpoint
   of the run directory the first attempt created (found by TORCHELASTIC_RUN_ID), continued in place.
+From the command line, a resumed run keeps the settings of the checkpoint's run: only the flags typed now,
+and the launch settings (LAUNCH: ranks, devices, where runs go), come from this command line.
 """
 
+import dataclasses
 import os
 
 from configs.typed_flags import env_reads
@@ -24,6 +27,62 @@ MUST_MATCH = {
     "--ppo.normalize-rewards": ("ppo", "normalize_rewards"),
     "--policy.init-noise-std": ("policy", "init_noise_std"), "--policy.orthogonal-init": ("policy", "orthogonal_init"),
 }
+
+
+# What a resumed run never takes from its checkpoint: how this launch finds and writes runs, how many ranks do
+# what (--dist.*, --rollout.*: resume works across layouts), how a step runs, and the env kind (the preset's).
+LAUNCH = {"--resume", "--dry-run", "--env.name", "--log.root", "--log.experiment", "--ppo.capture-step"}
+LAUNCH_SECTIONS = ("dist", "rollout")
+
+
+def settings(cfg):
+    """(flag, owner, field name, path in the saved config) of every setting: `--ppo.num-epochs` is
+    (cfg.ppo, "num_epochs", ("ppo", "num_epochs"))."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            for g in dataclasses.fields(value):
+                yield f"--{f.name}.{g.name.replace('_', '-')}", value, g.name, (f.name, g.name)
+        else:
+            yield f"--{f.name.replace('_', '-')}", cfg, f.name, (f.name,)
+
+
+def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> list[str]:
+    """Give `cfg` every setting of the checkpoint's run that the command line did not type (launch settings
+    excepted), so that a resumed run continues as it was started, not with the preset's defaults. Returns the
+    typed flags that change one of them, each as `FLAG VALUE (the checkpoint's run: FLAG VALUE)`."""
+    changed = []
+    env_count_typed = bool({"--env.num-envs", "--env.global-num-envs"} & typed)   # one setting in two fields
+    for flag, owner, name, path in settings(cfg):
+        section = saved if len(path) == 1 else saved.get(path[0], {})
+        if path[-1] not in section or flag in LAUNCH or path[0] in LAUNCH_SECTIONS:
+            continue                  # a field the checkpoint's version did not have keeps this run's value
+        ours, theirs = getattr(owner, name), section[path[-1]]
+        if isinstance(ours, tuple) and isinstance(theirs, (list, tuple)):
+            theirs = tuple(theirs)
+        if flag in typed:
+            if ours != theirs:
+                changed.append(f"{as_flag(flag, ours)} (the checkpoint's run: {as_flag(flag, theirs)})")
+        elif not (env_count_typed and flag in ("--env.num-envs", "--env.global-num-envs")):
+            setattr(owner, name, theirs)
+    return changed
+
+
+def resume_auto_flags(cfg) -> str:
+    """The flags that make `--resume auto` find this run: the log root and experiment when not the defaults."""
+    root = f" --log.root {cfg.log.root}" if cfg.log.root != type(cfg.log)().root else ""
+    named = cfg.log.experiment not in ("", cfg.env.name)       # else the runs are under the env's name
+    return f"--resume auto{root}" + (f" --log.experiment {cfg.log.experiment}" if named else "")
+
+
+def as_flag(flag: str, value) -> str:
+    """`value` as it is typed on the command line: `--policy.actor-hidden 128 128`, `--ppo.no-normalize-rewards`."""
+    if isinstance(value, bool):
+        section, _, name = flag.rpartition(".")
+        return flag if value else f"{section}.no-{name}" if section else f"--no-{name[2:]}"
+    if isinstance(value, (list, tuple)):
+        return " ".join([flag, *map(str, value)])
+    return f"{flag} {value if value != '' else repr(value)}"
 
 
 def resolve_resume(cfg, experiment_dir: str) -> tuple[str, str | None]:
@@ -58,9 +117,12 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
                 raise UsageError(f"--env.global-num-envs {total} gives {ours} envs per rank on {total // ours} "
                                  f"rank(s), the checkpoint {path!r} has {theirs} per rank; pass --env.global-num-envs "
                                  f"{theirs * (total // ours)} to resume it")
+            if flag == "--env.name":      # the preset's choice, never taken from the checkpoint
+                raise UsageError(f"--env.name {ours} does not match {theirs} in the checkpoint {path!r}: resume it "
+                                 f"with a {theirs} preset (train.py PRESET), or pass --env.name {theirs}")
             hint = " per rank (use --env.global-num-envs for a total)" if name == "num_envs" else ""
-            raise UsageError(f"{flag} {ours!r} does not match {theirs!r}{hint} in the checkpoint {path!r}; "
-                             f"pass {flag} {theirs!r} to resume it")
+            raise UsageError(f"{as_flag(flag, ours)} does not match the checkpoint's {as_flag(flag, theirs)}{hint} "
+                             f"({path!r}); leave the flag out to keep the checkpoint's")
     if state["iteration"] >= cfg.max_iterations:
         if restarted:
             return False

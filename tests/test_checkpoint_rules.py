@@ -115,19 +115,21 @@ def test_resume_fits_when_shapes_match_in_any_sequence_type_or_are_absent_from_a
     assert check_resume_fits(_saved(), _tracking_cfg(), "ckpt.pt", restarted=False) is True
 
 
-@pytest.mark.parametrize("sections, flag", [
-    ({"policy": {"actor_hidden": [64, 64]}}, "--policy.actor-hidden"),
-    ({"policy": {"critic_hidden": (256,)}}, "--policy.critic-hidden"),
-    ({"policy": {"activation": "tanh"}}, "--policy.activation"),
-    ({"policy": {"normalize_actor_obs": True}}, "--policy.normalize-actor-obs"),
-    ({"ppo": {"normalize_rewards": True}}, "--ppo.normalize-rewards"),
+@pytest.mark.parametrize("sections, ours, theirs", [
+    ({"policy": {"actor_hidden": [64, 64]}}, "--policy.actor-hidden 128 128", "--policy.actor-hidden 64 64"),
+    ({"policy": {"critic_hidden": (256,)}}, "--policy.critic-hidden 128 128", "--policy.critic-hidden 256"),
+    ({"policy": {"activation": "tanh"}}, "--policy.activation elu", "--policy.activation tanh"),
+    ({"policy": {"normalize_actor_obs": True}}, "--policy.no-normalize-actor-obs", "--policy.normalize-actor-obs"),
+    ({"ppo": {"normalize_rewards": True}}, "--ppo.no-normalize-rewards", "--ppo.normalize-rewards"),
 ])
-def test_resume_refuses_a_checkpoint_whose_shapes_or_states_differ_naming_the_flag(sections, flag):
+def test_resume_refuses_a_checkpoint_whose_shapes_or_states_differ_naming_the_flag(sections, ours, theirs):
     """Each field of MUST_MATCH decides a tensor shape or which states a checkpoint holds (a reward normalizer,
-    observation normalizers): a mismatch must fail before anything is built, naming the flag to pass."""
+    observation normalizers): a mismatch must fail before anything is built, naming the flag and the checkpoint's
+    value as it would be typed."""
     from configs.resume import check_resume_fits
     from dist.errors import UsageError
-    with pytest.raises(UsageError, match=f"^{flag} .* does not match .* pass {flag} "):
+    with pytest.raises(UsageError, match=f"^{ours} does not match the checkpoint's {theirs} \\('ckpt.pt'\\); leave "
+                                         f"the flag out to keep the checkpoint's$"):
         check_resume_fits(_saved(**sections), _tracking_cfg(), "ckpt.pt", restarted=False)
 
 

@@ -2,7 +2,8 @@
 flags, its LR from the flags only when they name another LR than the checkpoint's run (a restart with the same
 command line continues the adapted LR exactly), and a policy's start (init std, orthogonal init) never: a
 checkpoint replaces it, so a flag that asks for another one is refused. A --seed other than the checkpoint run's
-restarts the RNG streams from it; what the envs share (the tracking motion library) stays the checkpoint's."""
+restarts the RNG streams from it; what the envs share (the tracking motion library) stays the checkpoint's.
+From the command line, everything not typed (launch settings aside) continues the checkpoint run's settings."""
 
 import glob
 
@@ -12,6 +13,8 @@ import torch
 import train
 from envs.motions import MotionLibrary
 from dist.errors import UsageError
+from configs.resume import resume_auto_flags
+from configs.typed_flags import typed_flags
 from ppo.minibatch_step import saved_state_for
 from tests.test_config_errors import cfg_with
 
@@ -66,7 +69,7 @@ def test_a_resumed_run_takes_a_new_lr_and_eps_and_keeps_the_adapted_lr_otherwise
                                           ("--policy.orthogonal-init", {"policy__orthogonal_init": True})])
 def test_a_resumed_run_refuses_another_policy_start(tmp_path, flag, change):
     ckpt, _ = saved_run(tmp_path)
-    with pytest.raises(UsageError, match=f"{flag} .* does not match .* in the checkpoint"):
+    with pytest.raises(UsageError, match=f"^{flag}.* does not match the checkpoint's --policy\\."):
         train.main(cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=3, resume=ckpt,
                             log__root=str(tmp_path / "b"), **change))
 
@@ -105,3 +108,26 @@ def test_a_new_seed_on_resume_restarts_the_rng_streams_and_keeps_the_motion_libr
     library = MotionLibrary(built[1].motions.num_motions, built[1].num_joints, 1, torch.device("cpu"))
     for env in built:                                 # the checkpoint run's motions, which its policy learned
         assert torch.equal(env.motions.sines, library.sines) and torch.equal(env.motions.bias, library.bias)
+
+
+def test_a_resume_from_the_command_line_continues_the_runs_settings_and_takes_only_the_typed_flags(tmp_path, capsys):
+    """Not the preset's defaults: `--resume auto` after a stop must go on with the run's own batch size, entropy
+    bonus and seed, while a typed flag changes its setting and is listed, and launch settings (where runs go)
+    come from this command line."""
+    ckpt, _ = saved_run(tmp_path, ppo__entropy_coef=0.02, ppo__num_epochs=2, seed=3)
+    root = str(tmp_path / "b")
+    argv = ["tracking", "--resume", ckpt, "--max-iterations", "3", "--ppo.num-epochs", "4", "--log.root", root]
+    train.main(cfg_with(resume=ckpt, max_iterations=3, ppo__num_epochs=4, log__root=root), typed_flags(argv))
+    (written,) = glob.glob(str(tmp_path / "b" / "tracking" / "*" / "model_3.pt"))
+    config = torch.load(written, weights_only=True)["config"]
+    assert config["ppo"]["entropy_coef"] == 0.02 and config["seed"] == 3          # the preset has 0.005 and 1
+    assert config["env"]["num_envs"] == 16 and config["ppo"]["num_steps"] == 8     # the preset: 512 x 24
+    assert config["log"]["print_every"] == 100 and config["ppo"]["num_epochs"] == 4 and config["log"]["root"] == root
+    out = capsys.readouterr().out
+    assert "changed by this command line: --ppo.num-epochs 4 (the checkpoint's run: --ppo.num-epochs 2)" in out
+
+
+def test_the_resume_auto_hint_names_a_log_root_and_experiment_that_are_not_the_defaults():
+    assert resume_auto_flags(cfg_with()) == "--resume auto"               # tracking's experiment is its env's name
+    assert resume_auto_flags(cfg_with(log__root="/data/r", log__experiment="g1")) == \
+        "--resume auto --log.root /data/r --log.experiment g1"

@@ -102,7 +102,7 @@ def test_a_resume_compares_only_the_fields_the_env_reads():
     saved = {"config": {"env": {"name": "cartpole", "task": "Hopper-v4", "num_motions": 8}}, "iteration": 1}
     assert check_resume_fits(saved, cfg_with(env__name="cartpole"), "ckpt.pt", restarted=False)
     saved = {"config": {"env": {"name": "tracking", "task": "", "num_motions": 8}}, "iteration": 1}
-    with pytest.raises(UsageError, match="--env.num-motions 64 does not match 8"):
+    with pytest.raises(UsageError, match="--env.num-motions 64 does not match the checkpoint's --env.num-motions 8 "):
         check_resume_fits(saved, cfg_with(), "ckpt.pt", restarted=False)
 
 
