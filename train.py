@@ -35,7 +35,7 @@ from dist.plan import format_plan
 from dist.roles import assign_roles
 from dist.setup import init_distributed, keep_freed_host_memory, resolve_device, seed_everything, shutdown
 from dist.stats import metrics_plan_rows, reduce_metrics, sum_counts, sum_counts_plan_rows
-from dist.stop import STOP_KEYS, StopRequests
+from dist.stop import STOP_KEYS, SecondInterrupt, StopRequests
 from dist.verify import verify_plan_rows, verify_replicas
 from envs import make_env
 from ppo.actor_critic import build_actor_critic
@@ -355,8 +355,9 @@ def cli(cfg: Config, typed: frozenset[str] = frozenset()) -> int:
     except (RunError, comm.CollectiveError) as exc:
         print(f"error: {exc}\n", end="", file=sys.stderr, flush=True)
         code, failure = 1, exc
-    except KeyboardInterrupt as exc:
-        print("error: interrupted by a second Ctrl-C: nothing saved since the last checkpoint", file=sys.stderr)
+    except KeyboardInterrupt as exc:     # a first Ctrl-C waits for the iteration's end only while training
+        when = "by a second Ctrl-C" if isinstance(exc, SecondInterrupt) else "by Ctrl-C outside the training loop"
+        print(f"error: interrupted {when}: nothing saved since the last checkpoint", file=sys.stderr)
         code, failure = 130, exc
     # The failure's frames hold gloo work objects; freed only at interpreter exit, after the process
     # group's threads, they can abort the process ("terminate called without an active exception"):

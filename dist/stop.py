@@ -5,7 +5,7 @@ runner adds `local_flags()` to the metrics it already all-reduces once per itera
 reads the same summed flags back.
 
 - SIGINT (Ctrl-C) or SIGTERM: finish the iteration, stop, rank 0 writes a checkpoint.
-- A second SIGINT, more than a second after the first, raises KeyboardInterrupt at once. (torchrun
+- A second SIGINT, more than a second after the first, raises SecondInterrupt (a KeyboardInterrupt) at once. (torchrun
   forwards the terminal's Ctrl-C to ranks that already got it from the terminal: that duplicate,
   within the second, is not a second request.)
 - The launcher (torchrun) gone, i.e. this process re-parented: stop without writing anything, since
@@ -21,6 +21,11 @@ import torch
 STOP_KEYS = ("Control/stop_signal", "Control/launcher_gone")
 
 
+class SecondInterrupt(KeyboardInterrupt):
+    """The Ctrl-C that does not wait for the iteration to end (a plain KeyboardInterrupt is one that came before
+    the handlers were installed, or after they were restored)."""
+
+
 class StopRequests:
     def __init__(self, watch_launcher: bool):
         self.signal_name: str | None = None
@@ -33,7 +38,7 @@ class StopRequests:
         now = time.monotonic()
         if signum == signal.SIGINT:
             if self._first_sigint is not None and now - self._first_sigint > 1.0:
-                raise KeyboardInterrupt
+                raise SecondInterrupt
             self._first_sigint = self._first_sigint or now
         self.signal_name = self.signal_name or signal.Signals(signum).name
 

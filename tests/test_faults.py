@@ -18,7 +18,7 @@ from dist import comm
 from dist.checkpoint import create_run_dir, save_checkpoint
 from dist.errors import RunError
 from dist.setup import init_distributed
-from dist.stop import StopRequests
+from dist.stop import SecondInterrupt, StopRequests
 from tests.multirank import run_ranks
 from tests.torchrun_job import Job, alive
 
@@ -102,10 +102,20 @@ def test_second_ctrl_c_interrupts_at_once_but_a_forwarded_duplicate_does_not():
         stop._on_signal(signal.SIGINT, None)          # torchrun's forwarded copy, within the second: ignored
         assert stop.signal_name == "SIGINT"
         stop._first_sigint -= 2.0
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(SecondInterrupt):
             stop._on_signal(signal.SIGINT, None)
     finally:
         stop.restore_default_handlers()
+
+
+@pytest.mark.parametrize("interrupt, said", [(SecondInterrupt, "by a second Ctrl-C"),
+                                              (KeyboardInterrupt, "by Ctrl-C outside the training loop")])
+def test_an_interrupt_says_whether_it_was_a_second_ctrl_c(monkeypatch, capsys, interrupt, said):
+    """A Ctrl-C during start-up (a long one with Isaac Lab) is the first one the user sent: it must not be
+    reported as a second."""
+    monkeypatch.setattr(train, "main", lambda cfg, typed: (_ for _ in ()).throw(interrupt()))
+    assert train.cli(preset("cartpole")) == 130
+    assert capsys.readouterr().err == f"error: interrupted {said}: nothing saved since the last checkpoint\n"
 
 
 def stalled_body(rank, world_size):
