@@ -25,6 +25,27 @@ REQUIRED_KEYS = ("format", "model", "optimizer", "iteration", "learning_rate", "
 _CHECKPOINT = re.compile(r"model_(\d+)\.pt$")
 
 
+def read_torch_file(path: str, map_location="cpu"):
+    """torch.load(weights_only=True) of a file meant to be a training checkpoint; ValueError says what the file is
+    instead (torch's own message advises weights_only=False, which is neither safe nor the fix)."""
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            started = f.read(4) == b"PK\x03\x04"       # a zip's first entry, without its closing directory
+        raise ValueError("a truncated or damaged checkpoint (its zip archive does not end); resume from another one"
+                         if started else "not a torch checkpoint (torch.save writes a zip archive; this file is not one)")
+    with zipfile.ZipFile(path) as archive:
+        if any(name.endswith("/constants.pkl") for name in archive.namelist()):
+            raise ValueError("an exported policy (TorchScript), not a training checkpoint: pass the model_<k>.pt it "
+                             "was exported from")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        text = str(exc)
+        detail = next((line.strip() for line in text.splitlines() if "Unpickler error" in line),
+                      text.split(" In PyTorch 2.6")[0].splitlines()[0] if text else "")
+        raise ValueError(f"not a readable torch checkpoint ({type(exc).__name__}: {detail})") from None
+
+
 def load_checkpoint(path: str, map_location="cpu") -> dict:
     """Load and validate a checkpoint; a file that is not one of ours raises naming what is wrong."""
     if not os.path.exists(path):
@@ -34,10 +55,9 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
     if not os.path.isfile(path):      # a device or a pipe: reading it could block or never end
         raise UsageError(f"--resume {path!r} is not a regular file; pass a model_<iteration>.pt file, or auto")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-        raise UsageError(f"--resume {path!r} is not a readable torch checkpoint ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        state = read_torch_file(path, map_location)
+    except ValueError as exc:
+        raise UsageError(f"--resume {path!r} is {exc}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UsageError(f"--resume {path!r} is not a syncppo checkpoint (expected format {FORMAT!r})")
     missing = [k for k in REQUIRED_KEYS if k not in state]

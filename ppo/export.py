@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from configs.config import PolicyConfig
+from dist.checkpoint import read_torch_file
 from ppo.actor_critic import ActorCritic, build_actor_critic
 from ppo.normalizer import ObsNormalizer
 
@@ -48,9 +49,9 @@ class DeterministicActor(nn.Module):
 def load_policy(path: str) -> tuple[ActorCritic, dict]:
     """The checkpoint's actor-critic (on the CPU, eval mode) and its run config (a dict)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-        raise ValueError(f"CKPT {path!r} is not a readable torch checkpoint ({type(exc).__name__})") from None
+        state = read_torch_file(path)
+    except ValueError as exc:
+        raise ValueError(f"CKPT {path!r} is {exc}") from None
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise ValueError(f"CKPT {path!r} is not a train.py checkpoint (it needs 'model' and 'config' entries)")
     config, weights = state["config"], state["model"]

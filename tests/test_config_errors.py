@@ -54,6 +54,7 @@ def test_global_env_budget_splits_across_ranks_or_fails():
     assert "per rank" in resolve_num_envs(per_rank, 4) and per_rank.env.num_envs == 512
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_resume_path_errors(tmp_path):
     with pytest.raises(UsageError, match="--resume .* does not exist"):
         train.main(cfg_with(resume=str(tmp_path / "missing.pt")))
@@ -61,8 +62,23 @@ def test_resume_path_errors(tmp_path):
         train.main(cfg_with(resume=str(tmp_path)))
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable torch checkpoint"):
+    with pytest.raises(ValueError, match=r"is not a torch checkpoint \(torch.save writes a zip archive; this file is "
+                                         r"not one\)$"):
         train.main(cfg_with(resume=str(garbage)))
+    truncated = tmp_path / "truncated.pt"
+    torch.save({"iteration": 3}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"is a truncated or damaged checkpoint \(its zip archive does not end\)"):
+        train.main(cfg_with(resume=str(truncated)))
+    exported = tmp_path / "model_3.policy.pt"
+    torch.jit.script(torch.nn.Linear(2, 1)).save(str(exported))
+    with pytest.raises(ValueError, match=r"is an exported policy \(TorchScript\), not a training checkpoint: pass the "
+                                         r"model_<k>.pt it was exported from$"):
+        train.main(cfg_with(resume=str(exported)))
+    pickled = tmp_path / "pickled.pt"
+    torch.save({"a": torch.nn.Linear(2, 1)}, pickled)                # a module: refused by weights_only loading
+    with pytest.raises(ValueError, match=r"is not a readable torch checkpoint \(UnpicklingError: .*Unsupported global"):
+        train.main(cfg_with(resume=str(pickled)))
     foreign = tmp_path / "foreign.pt"
     torch.save({"state_dict": {}}, foreign)
     with pytest.raises(ValueError, match="not a syncppo checkpoint"):

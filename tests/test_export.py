@@ -84,7 +84,7 @@ def test_bad_checkpoint_path_is_one_line_and_status_2(tmp_path):
     not_a_checkpoint = tmp_path / "notes.txt"
     not_a_checkpoint.write_text("hello")
     for path, message in ((tmp_path / "missing.pt", "no such checkpoint file"),
-                          (not_a_checkpoint, "not a readable torch checkpoint")):
+                          (not_a_checkpoint, "is not a torch checkpoint (torch.save writes a zip archive")):
         result = subprocess.run([sys.executable, "-m", "ppo.export", str(path)], cwd=REPO, capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
