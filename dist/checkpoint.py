@@ -10,6 +10,7 @@ import contextlib
 import glob
 import os
 import re
+import tempfile
 import time
 import uuid
 import zipfile
@@ -209,8 +210,11 @@ def check_writable_root(root: str) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise UsageError(f"--log.root {root!r}: {probe!r} is a file, not a directory; pick another --log.root")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"--log.root {root!r}: {probe!r} is not writable; pick a directory you can write to")
+    try:     # a directory made and removed: os.access says yes to root even where mkdir fails (/proc, some mounts)
+        os.rmdir(tempfile.mkdtemp(prefix=".syncppo-probe-", dir=probe))
+    except OSError as exc:
+        raise UsageError(f"--log.root {root!r}: {probe!r} is not writable ({exc.strerror}); pick a directory you can "
+                         f"write to") from None
 
 
 def rng_states(env=None, shuffle: torch.Generator | None = None,

@@ -143,6 +143,9 @@ def test_log_root_that_is_a_file_fails_before_the_env_is_built(tmp_path, monkeyp
     monkeypatch.setattr(train, "make_env", lambda *a, **k: pytest.fail("env built before the check"))
     with pytest.raises(UsageError, match="--log.root .* is a file"):
         train.main(cfg_with(log__root=str(blocker / "runs")))
+    # /proc refuses new directories even to root, for whom os.access(W_OK) says yes: the check must try one
+    with pytest.raises(UsageError, match=r"^--log.root '/proc/syncppo-runs': '/proc' is not writable \("):
+        train.main(cfg_with(log__root="/proc/syncppo-runs"))
 
 
 def saved_run(tmp_path, iterations=2, **changes):
