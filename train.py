@@ -11,7 +11,10 @@ on the same code path (collectives become no-ops). Bad input is one line on stde
 before anything is built or written.
 """
 
+import contextlib
 import dataclasses
+import io
+import json
 import os
 import sys
 import time
@@ -349,16 +352,17 @@ def cli(cfg: Config, typed: frozenset[str] = frozenset()) -> int:
         main(cfg, typed)
         return 0
     except UsageError as exc:        # identical on every rank: said once per node, unless only some ranks meet it
-        if local_rank == 0 if exc.say_here is None else exc.say_here:
-            print(f"error: {exc}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside
-        code, failure = 2, exc
+        code, failure, message, say = 2, exc, f"error: {exc}", local_rank == 0 if exc.say_here is None else exc.say_here
     except (RunError, comm.CollectiveError) as exc:
-        print(f"error: {exc}\n", end="", file=sys.stderr, flush=True)
-        code, failure = 1, exc
+        code, failure, message, say = 1, exc, f"error: {exc}", True
     except KeyboardInterrupt as exc:     # a first Ctrl-C waits for the iteration's end only while training
         when = "by a second Ctrl-C" if isinstance(exc, SecondInterrupt) else "by Ctrl-C outside the training loop"
-        print(f"error: interrupted {when}: nothing saved since the last checkpoint", file=sys.stderr)
-        code, failure = 130, exc
+        code, failure, message, say = 130, exc, f"error: interrupted {when}: nothing saved since the last checkpoint", True
+    if say:
+        print(f"{message}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):   # torchrun's failure summary shows it as the root cause
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:   # (else `error_file: <N/A>`)
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
     # The failure's frames hold gloo work objects; freed only at interpreter exit, after the process
     # group's threads, they can abort the process ("terminate called without an active exception"):
     # release them and tear the group down now.
@@ -374,5 +378,8 @@ def cli(cfg: Config, typed: frozenset[str] = frozenset()) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(tyro.extras.overridable_config_cli({name: (fn.__doc__, fn()) for name, fn in PRESETS.items()}),
-                 typed_flags(sys.argv[1:])))
+    quiet = int(os.environ.get("LOCAL_RANK", 0)) > 0        # tyro's help and parse errors: once per node, as ours
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
+            contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        config = tyro.extras.overridable_config_cli({name: (fn.__doc__, fn()) for name, fn in PRESETS.items()})
+    sys.exit(cli(config, typed_flags(sys.argv[1:])))

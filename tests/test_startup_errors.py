@@ -1,6 +1,7 @@
 """Start-up errors that used to end in a traceback, late or silently: device and backend flags, rollout ranks
 with Isaac Lab, an Isaac Lab env that fails to build under Kit."""
 
+import json
 import os
 import subprocess
 import sys
@@ -84,3 +85,19 @@ def test_a_bad_obs_group_under_kit_is_reported_naming_the_flag(tmp_path):
     assert result.returncode != 0
     assert "error: --env.critic-obs-groups: this task has no observation group 'privileged'" in result.stderr, \
         result.stderr
+
+
+def test_under_torchrun_parse_errors_print_once_per_node_and_our_errors_reach_torchrun_s_summary(tmp_path):
+    """tyro's own messages (help, an unknown flag) would print once per rank; our one line goes to the error file
+    torchrun names as the root cause (without it the summary says `error_file: <N/A>`)."""
+    def run(*args, **env):
+        return subprocess.run([sys.executable, "train.py", "tracking", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    other_rank = run("--ppo.no-such-flag", "3", LOCAL_RANK="1")
+    assert other_rank.returncode == 2 and other_rank.stdout == other_rank.stderr == ""
+    first_rank = run("--ppo.no-such-flag", "3", LOCAL_RANK="0")
+    assert first_rank.returncode == 2 and "--ppo.no-such-flag" in first_rank.stderr
+    error_file = tmp_path / "error.json"
+    ours = run("--env.num-envs", "0", LOCAL_RANK="1", TORCHELASTIC_ERROR_FILE=str(error_file))
+    assert ours.returncode == 2 and ours.stderr == ""                  # said by local rank 0 only
+    assert json.loads(error_file.read_text())["message"] == "error: --env.num-envs must be positive, got 0"
