@@ -7,9 +7,11 @@ torchrun it also holds `run_id` so a restarted job (same TORCHELASTIC_RUN_ID) fi
 """
 
 import contextlib
+import fcntl
 import glob
 import os
 import re
+import socket
 import tempfile
 import time
 import uuid
@@ -188,13 +190,46 @@ def create_run_dir(experiment_dir: str, run_id: str | None) -> str:
     raise RunError(f"could not create a run directory under {experiment_dir}: 999 runs started in one second?")
 
 
+_LOCKED: dict[str, object] = {}     # run directory -> its open lock file, held until the process exits
+
+
+def lock_run_dir(run_dir: str) -> None:
+    """Hold RUN_DIR/.lock (flock) for the life of this process: a second run continuing the same directory at the
+    same time (`--resume auto` typed twice, or picking a live run) would overwrite its checkpoints, remove its
+    in-progress saves as stale and write its curves twice. The OS releases the lock when the process dies."""
+    path = os.path.realpath(run_dir)
+    if path in _LOCKED:           # a previous run of this process (tests, notebooks) ended without exiting
+        _LOCKED.pop(path).close()
+    lock = open(os.path.join(path, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise UsageError(f"run directory {run_dir} is in use by another run ({holder}); wait for it to end, or "
+                         f"resume from one of its checkpoints with --resume PATH (a new directory)") from None
+    except OSError as exc:        # a file system without locks (some network mounts): say so, and go on
+        print(f"[syncppo] cannot lock {run_dir} ({exc.strerror}): two runs continuing it at once would overwrite "
+              f"each other's checkpoints", flush=True)
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    _LOCKED[path] = lock
+
+
 def open_run_dir(existing: str | None, experiment_dir: str, run_id: str | None) -> str:
-    """Rank 0, once the run is known good: continue in `existing` (stale temporaries removed) or create one.
+    """Rank 0, once the run is known good: continue in `existing` (stale temporaries removed) or create one,
+    and lock it for this run (lock_run_dir).
 
     The run id (torchrun's TORCHELASTIC_RUN_ID) is recorded so that a restart of this job finds it.
     """
     if existing is None:
-        return create_run_dir(experiment_dir, run_id)
+        run_dir = create_run_dir(experiment_dir, run_id)
+        lock_run_dir(run_dir)
+        return run_dir
+    lock_run_dir(existing)        # before anything is removed: a live run's save in progress is not stale
     for path in remove_stale_temporaries(existing):
         print(f"[syncppo] removed {path}, a checkpoint whose save was interrupted", flush=True)
     if run_id:

@@ -6,7 +6,12 @@ way a cluster does: SIGTERM to one rank, kill -9 of a rank or of the launcher.
 
 import glob
 import os
+import re
 import signal
+import socket
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -15,12 +20,14 @@ import torch
 import train
 from configs import preset
 from dist import comm
-from dist.checkpoint import create_run_dir, save_checkpoint
-from dist.errors import RunError
+from dist.checkpoint import create_run_dir, open_run_dir, save_checkpoint
+from dist.errors import RunError, UsageError
 from dist.setup import init_distributed
 from dist.stop import SecondInterrupt, StopRequests
 from tests.multirank import run_ranks
 from tests.torchrun_job import Job, alive
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tb_steps(run_dir: str, tag: str = "Perf/total_fps") -> list[int]:
@@ -90,7 +97,7 @@ def test_ctrl_c_saves_and_resume_auto_continues_in_place(tmp_path):
     cfg = preset("cartpole")
     cfg.log.root, cfg.resume, cfg.max_iterations, cfg.log.print_every = str(tmp_path), "auto", k + 2, 100
     train.main(cfg)
-    assert sorted(os.listdir(run_dir)) == sorted([f"model_{k}.pt", f"model_{k + 2}.pt"] +
+    assert sorted(os.listdir(run_dir)) == sorted([f"model_{k}.pt", f"model_{k + 2}.pt", ".lock"] +
                                                  [f for f in os.listdir(run_dir) if f.startswith("events")])
     assert tb_steps(run_dir) == list(range(1, k + 3))
 
@@ -154,3 +161,30 @@ def test_write_error_names_the_path_and_leaves_no_temporary(tmp_path, monkeypatc
     with pytest.raises(RunError, match=f"could not write checkpoint {path}: No space left on device"):
         save_checkpoint(path, {"iteration": 3})
     assert os.listdir(tmp_path) == []
+
+
+def test_a_run_directory_in_use_is_not_continued_by_a_second_run(tmp_path):
+    """Two runs continuing one directory at once (`--resume auto` typed twice) overwrite each other's checkpoints
+    and remove each other's saves in progress as stale: the second is refused naming the holder, and nothing of
+    the first's is touched; once the holder is gone (the OS drops its lock) the directory continues."""
+    run_dir = create_run_dir(str(tmp_path), None)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from dist.checkpoint import open_run_dir
+        open_run_dir({run_dir!r}, {str(tmp_path)!r}, None)
+        print("locked", flush=True)
+        sys.stdin.read()
+        """)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        in_progress = os.path.join(run_dir, "model_4.pt.tmp-123-abcdef01")    # the holder's save, being written
+        open(in_progress, "wb").write(b"half a checkpoint")
+        with pytest.raises(UsageError, match=rf"^run directory {re.escape(run_dir)} is in use by another run "
+                                             rf"\(pid {holder.pid} on {re.escape(socket.gethostname())}\)"):
+            open_run_dir(run_dir, str(tmp_path), None)
+        assert os.path.exists(in_progress)
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    assert open_run_dir(run_dir, str(tmp_path), None) == run_dir     # released with its process
+    assert not os.path.exists(in_progress)                            # now it is stale
