@@ -4,6 +4,8 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 PRESET  ?= tracking
 ARGS    ?=
+LOGDIR  ?= runs
+PORT    ?= 6006
 # One rank per GPU when CUDA GPUs are visible, else 2 CPU ranks (gloo). Only `GPU N: ...` lines count: without a
 # GPU or a working driver, nvidia-smi -L prints one line of error ("No devices were found") on stdout.
 NPROC   ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); [ "$$n" -gt 0 ] && echo $$n || echo 2)
@@ -20,7 +22,7 @@ ISAACSIM_VERSION ?= 6.2.0.0
 .PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco gpu-wheels setup-mujoco setup-isaaclab export tensorboard clean
 
 help:  ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -91,8 +93,8 @@ export: $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.pt as TorchScript (
 	@[ -n "$(CKPT)" ] || { echo "make export needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2; }
 	$(BIN)/python -m ppo.export $(CKPT) $(ARGS)
 
-tensorboard: $(VENV)/.runtime  ## serve runs/ on port 6006
-	$(BIN)/tensorboard --logdir runs --port 6006
+tensorboard: $(VENV)/.runtime  ## serve LOGDIR=runs (your --log.root) on PORT=6006
+	$(BIN)/tensorboard --logdir $(LOGDIR) --port $(PORT)
 
 clean:  ## remove caches (keeps .venv and runs/: checkpoints are never deleted by make)
 	rm -rf .pytest_cache
