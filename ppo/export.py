@@ -15,6 +15,7 @@ space), which the deployment applies as the simulator did; the export prints the
 import argparse
 import copy
 import importlib.util
+import logging
 import os
 import warnings
 
@@ -80,7 +81,7 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
     if not os.path.isfile(path):
         raise ValueError(f"CKPT {path!r}: no such checkpoint file")
     model, config = load_policy(path)
-    policy = DeterministicActor(model).eval()
+    policy = DeterministicActor(model).eval().requires_grad_(False)   # deployed calls build no autograd graph
     out_dir = out_dir or os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -98,9 +99,19 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
         torch.jit.script(policy).save(stem + ".pt")
     written["torchscript"] = stem + ".pt"
     if not onnx_missing():
-        torch.onnx.export(policy, (example,), stem + ".onnx", input_names=["obs"], output_names=["actions"],
-                          dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True, external_data=False,
-                          verbose=False)
+        # The exporter logs every torchvision operator it skips and warns about torch's own pytree internals:
+        # nothing a user can act on.
+        registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+        level = registration.level
+        registration.setLevel(logging.ERROR)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+                torch.onnx.export(policy, (example,), stem + ".onnx", input_names=["obs"], output_names=["actions"],
+                                  dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True, external_data=False,
+                                  verbose=False)
+        finally:
+            registration.setLevel(level)
         written["onnx"] = stem + ".onnx"
     env = config.get("env", {})
     scale, clip = env.get("action_scale", 1.0), env.get("action_clip")

@@ -46,9 +46,11 @@ def reference_actions(path: str, obs: torch.Tensor) -> torch.Tensor:
 # onnx's reference ELU evaluates expm1 on both branches of its where(): large inputs overflow the unused one.
 @pytest.mark.filterwarnings("ignore:overflow encountered in expm1:RuntimeWarning")
 @pytest.mark.parametrize("name", ["mujoco", "cartpole"])
-def test_exported_policy_acts_like_the_checkpoint(tmp_path, name):
+def test_exported_policy_acts_like_the_checkpoint(tmp_path, name, capfd):
     path = checkpoint(tmp_path, name)
+    capfd.readouterr()
     written = export.export(path, str(tmp_path / "exported"))
+    assert capfd.readouterr().err == ""              # no exporter log lines or torch-internal warnings
     assert set(written) == {"torchscript", "onnx"}
     assert sorted(os.listdir(tmp_path / "exported")) == ["model_1.policy.onnx", "model_1.policy.pt"]   # one file each
     scripted = torch.jit.load(written["torchscript"])
@@ -58,6 +60,7 @@ def test_exported_policy_acts_like_the_checkpoint(tmp_path, name):
     expected = reference_actions(path, obs)
     normalizer_std = torch.load(path, weights_only=True)["model"].get("actor_normalizer.std")
     assert (normalizer_std is not None) == (name == "mujoco")       # one preset with, one without a normalizer
+    assert not scripted(obs).requires_grad           # a deployed call builds no autograd graph
     with torch.no_grad():
         torch.testing.assert_close(scripted(obs), expected, rtol=0, atol=0)
     import onnx
