@@ -157,6 +157,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     if is_main:
         run_dir = open_run_dir(run_dir, experiment_dir, os.environ.get("TORCHELASTIC_RUN_ID"))
         logger = RunLogger(run_dir, cfg.max_iterations, start_iteration)   # continues the curves at start + 1
+        with open(os.path.join(run_dir, f"config_{start_iteration}.json"), "w") as f:   # what ran from here on
+            json.dump({"command": sys.argv, "config": dataclasses.asdict(cfg)}, f, indent=1)
         print(f"[syncppo] writing to {run_dir}", flush=True)
 
     episodes = EpisodeStats(N, metric_keys, device)

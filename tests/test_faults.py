@@ -97,7 +97,7 @@ def test_ctrl_c_saves_and_resume_auto_continues_in_place(tmp_path):
     cfg = preset("cartpole")
     cfg.log.root, cfg.resume, cfg.max_iterations, cfg.log.print_every = str(tmp_path), "auto", k + 2, 100
     train.main(cfg)
-    assert sorted(os.listdir(run_dir)) == sorted([f"model_{k}.pt", f"model_{k + 2}.pt", ".lock"] +
+    assert sorted(os.listdir(run_dir)) == sorted([f"model_{k}.pt", f"model_{k + 2}.pt", ".lock", "config_0.json", f"config_{k}.json"] +
                                                  [f for f in os.listdir(run_dir) if f.startswith("events")])
     assert tb_steps(run_dir) == list(range(1, k + 3))
 

@@ -1,6 +1,7 @@
 """End to end through train.main: ranks stay bitwise equal, resume works, cartpole learns."""
 
 import glob
+import json
 import os
 
 import pytest
@@ -62,6 +63,12 @@ def test_resume_continues_from_the_saved_iteration_and_state(tmp_path):
     assert saved["optimizer"]["state"][0]["step"].item() == 2 * steps_per_iteration
     assert final["optimizer"]["state"][0]["step"].item() == 3 * steps_per_iteration
     assert final["config"]["resume"] == ckpt
+    # Each start writes what it ran with, readable without torch: from iteration 0, and from 2 in the new directory.
+    (first,) = glob.glob(os.path.join(tmp_path, "a", "tracking", "*", "config_*.json"))
+    (second,) = glob.glob(os.path.join(tmp_path, "b", "tracking", "*", "config_*.json"))
+    assert os.path.basename(first) == "config_0.json" and os.path.basename(second) == "config_2.json"
+    assert json.load(open(first))["config"] == json.loads(json.dumps(saved["config"]))
+    assert json.load(open(second))["config"]["resume"] == ckpt
 
 
 def test_a_host_path_checkpoint_resumes_with_capture_step(tmp_path):
