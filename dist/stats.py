@@ -57,9 +57,9 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, bat
     return n, new_mean, new_m2
 
 
-def merge_plan_row(dim: int, purpose: str = "normalizer") -> PlanRow:
-    """The plan row of one merge_moments call per iteration over `dim` features."""
-    return PlanRow(purpose, "merge (n, mean, M2)", "all_reduce", "iteration", [(1 + 2 * dim) * 8])
+def merge_plan_row(dim: int, of: str, purpose: str = "normalizer") -> PlanRow:
+    """The plan row of one merge_moments call per iteration over `dim` features of `of` (what is normalized)."""
+    return PlanRow(purpose, f"merge (n, mean, M2) of {of}", "all_reduce", "iteration", [(1 + 2 * dim) * 8])
 
 
 def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor],

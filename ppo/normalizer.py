@@ -49,8 +49,8 @@ class ObsNormalizer(nn.Module):
         self.mean.copy_(self.mean64)
         self.std.copy_((self.m2 / self.count).sqrt())
 
-    def plan_rows(self) -> list[PlanRow]:
-        return [merge_plan_row(self.mean.numel())]
+    def plan_rows(self, of: str) -> list[PlanRow]:
+        return [merge_plan_row(self.mean.numel(), of)]
 
 
 class RewardNormalizer(nn.Module):
@@ -92,4 +92,4 @@ class RewardNormalizer(nn.Module):
         self.std.copy_((self.m2[0] / self.count).sqrt())
 
     def plan_rows(self) -> list[PlanRow]:
-        return [merge_plan_row(1)]
+        return [merge_plan_row(1, "returns")]

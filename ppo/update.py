@@ -88,6 +88,6 @@ def update_plan_rows(model, grad_sync, cfg) -> list[PlanRow]:
              PlanRow("optimizer", "local, same by construction", "-")]
     if cfg.advantage_norm == "global":
         rows += mean_std_plan_rows("advantages")
-    for normalizer in model.normalizers().values():
-        rows += normalizer.plan_rows()
+    for field, normalizer in model.normalizers().items():
+        rows += normalizer.plan_rows(field)
     return rows
