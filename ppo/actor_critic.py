@@ -83,6 +83,17 @@ class ActorCritic(nn.Module):
     def value(self, critic_obs: torch.Tensor) -> torch.Tensor:
         return self.critic(self.critic_normalizer(critic_obs)).squeeze(-1)
 
+    def describe(self) -> str:
+        """The networks as the start-up prints them: `actor 17-128-128-6, critic 33-128-128-1 (elu), 44,167
+        parameters` (an empty --policy.actor-hidden is a linear policy: it shows)."""
+        def sizes(net):
+            linears = [m for m in net if isinstance(m, nn.Linear)]
+            return "-".join(str(n) for n in [linears[0].in_features] + [m.out_features for m in linears])
+        activation = next((type(m).__name__.lower() for net in (self.actor, self.critic) for m in net
+                           if not isinstance(m, nn.Linear)), "no activation")
+        return (f"actor {sizes(self.actor)}, critic {sizes(self.critic)} ({activation}), "
+                f"{sum(p.numel() for p in self.parameters()):,} parameters")
+
     def normalizers(self) -> dict[str, ObsNormalizer]:
         """Active normalizers keyed by the rollout-storage field they learn from."""
         pairs = {"actor_obs": self.actor_normalizer, "critic_obs": self.critic_normalizer}
