@@ -156,7 +156,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
             p.data = p.data.to(getattr(torch, cfg.rollout.dtype))
     if checkpoint is not None:
         env.load_state_dict(checkpoint["env"])
-        same_run = checkpoint["config"]["seed"] == cfg.seed
+        same_run = checkpoint["config"].get("seed", cfg.seed) == cfg.seed
         if checkpoint.get("layout") == [roles.num_learners, roles.num_rollouts] and same_run:
             rng = checkpoint["rollout_rng"][j]
             torch.set_rng_state(rng["torch"].cpu())
@@ -204,7 +204,9 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     counted = {}    # iteration -> this rank's sampler counts from collecting it, until its decision is read
 
     def read_decision() -> bool:
-        """The learners' (stop, save) for the next undecided iteration; True if they stopped there."""
+        """The learners' (stop, save) for the next undecided iteration; True if they stopped there. Crosses ranks:
+        the decision down (`control`); at a save, the sampler-count sum among the rollout ranks, then this rank's
+        state up (`checkpoint`)."""
         nonlocal decided
         must_stop, save = sender.decision()
         decided += 1

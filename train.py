@@ -29,8 +29,8 @@ from configs.resume import (check_resume_fits, continue_saved_config, resolve_re
 from configs.typed_flags import env_label, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
-from dist.checkpoint import (check_writable_root, gather_rng_states, load_checkpoint, open_run_dir, rng_plan_row,
-                             rng_states, save_checkpoint)
+from dist.checkpoint import (check_writable_root, gather_rng_states, load_checkpoint, lock_run_dir, open_run_dir,
+                             release_run_dirs, rng_plan_row, rng_states, save_checkpoint)
 from dist.errors import RunError, UsageError
 from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows
@@ -60,27 +60,29 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     these and the launch ones (configs/resume.py); None (a program's config) takes `cfg` as it is."""
     # ---- every check that needs neither a process group nor an env: nothing is built or written yet --
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    envs_scope = resolve_num_envs(cfg, world)
+    experiment_dir = os.path.join(cfg.log.root, cfg.log.experiment or cfg.env.name)   # launch settings: final
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    resume_path, run_dir = resolve_resume(cfg, experiment_dir)
+    checkpoint = load_checkpoint(resume_path) if resume_path else None
+    changed = []                      # from the command line a resumed run continues its own settings
+    if checkpoint is not None and typed is not None:
+        changed = continue_saved_config(cfg, checkpoint["config"], typed)
+    envs_scope, env_seed = resolve_num_envs(cfg, world), shared_env_seed(cfg, checkpoint)
     validate(cfg, world, typed or frozenset())   # typed: the command line's flags, refused where they have no effect
     if cfg.rollout.ranks and cfg.dist.device == "auto":
         cfg.dist.device = "cpu"       # rollout ranks stage everything on the host over gloo (docs/rollout_ranks.md)
     resolve_device(cfg.dist.device)
     check_writable_root(cfg.log.root)
-    experiment_dir = os.path.join(cfg.log.root, cfg.log.experiment or cfg.env.name)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    resume_path, run_dir = resolve_resume(cfg, experiment_dir)
-    checkpoint = load_checkpoint(resume_path) if resume_path else None
-    if checkpoint is not None and typed is not None:      # continue the run's settings, not the preset's
-        changed = continue_saved_config(cfg, checkpoint["config"], typed)
-        envs_scope = resolve_num_envs(cfg, world)
-        validate(cfg, world, typed)
-        if rank == 0:
-            print(f"[syncppo] resuming with the settings of {resume_path}'s run"
-                  + (f"; changed by this command line: {', '.join(changed)}" if changed else ""), flush=True)
     if checkpoint is not None and not check_resume_fits(checkpoint, cfg, resume_path, restarted):
         if rank == 0:
             print(f"[syncppo] {resume_path} already reached --max-iterations {cfg.max_iterations}: done", flush=True)
         return None, {}, []
+    if checkpoint is not None and rank == 0:
+        if typed is not None:
+            print(f"[syncppo] resuming with the settings of {resume_path}'s run"
+                  + (f"; changed by this command line: {', '.join(changed)}" if changed else ""), flush=True)
+        if run_dir is not None and not cfg.dry_run:
+            lock_run_dir(run_dir)     # before anything is built: a live run's directory is refused now
 
     # ---- distributed set-up and roles; rollout ranks (--rollout.ranks) go their own way ------------
     info = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
@@ -100,7 +102,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     env = team = sampler = None
     if roles.colocated:
         try:
-            env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=shared_env_seed(cfg, checkpoint))
+            env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=env_seed)
         except ValueError as exc:     # the adapters name the --env flag that does not fit the simulator
             raise UsageError(str(exc)) from exc
         obs_dims, num_actions, N, log_keys = env.obs_dims, env.num_actions, env.num_envs, tuple(env.log_keys)
@@ -158,8 +160,11 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     if is_main:
         run_dir = open_run_dir(run_dir, experiment_dir, os.environ.get("TORCHELASTIC_RUN_ID"))
         logger = RunLogger(run_dir, cfg.max_iterations, start_iteration)   # continues the curves at start + 1
-        with open(os.path.join(run_dir, f"config_{start_iteration}.json"), "w") as f:   # what ran from here on
-            json.dump({"command": sys.argv, "config": dataclasses.asdict(cfg)}, f, indent=1)
+        try:                          # what ran from here on, readable without torch
+            with open(os.path.join(run_dir, f"config_{start_iteration}.json"), "w") as f:
+                json.dump({"command": sys.argv, "config": dataclasses.asdict(cfg)}, f, indent=1)
+        except OSError as exc:
+            raise RunError(f"could not write {run_dir}/config_{start_iteration}.json: {exc.strerror}") from None
         print(f"[syncppo] writing to {run_dir}", flush=True)
 
     episodes = EpisodeStats(N, metric_keys, device)
@@ -252,7 +257,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
                 lr = float(optimizer.param_groups[0]["lr"])    # a device tensor with --ppo.capture-step
                 save_checkpoint(path, {**{k: v.state_dict() for k, v in stateful.items() if v is not None},
                                        "iteration": iteration + 1, "learning_rate": lr,
-                                       "config": dataclasses.asdict(cfg), "rng": rngs, **extra})
+                                       "config": dataclasses.asdict(cfg), "rng": rngs, "env_seed": env_seed, **extra})
                 print(f"[syncppo] saved {path}", flush=True)
         if stop_signal and not last:
             if is_main:
@@ -261,6 +266,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             break
     if is_main:
         logger.close()
+        release_run_dirs()
     if team is not None:
         team.close()
     stop.restore_default_handlers()
@@ -348,7 +354,7 @@ def team_checkpoint(gathered: torch.Tensor, spec: dict, roles) -> dict:
     return {"env": env_state, "rollout_rng": rollout_rngs, "layout": [roles.num_learners, roles.num_rollouts]}
 
 
-def cli(cfg: Config, typed: frozenset[str] = frozenset()) -> int:
+def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
     """Run `main`; turn user errors into one line on stderr (status 2) and run-time failures into one line (1)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
@@ -360,11 +366,12 @@ def cli(cfg: Config, typed: frozenset[str] = frozenset()) -> int:
         code, failure, message, say = 1, exc, f"error: {exc}", True
     except KeyboardInterrupt as exc:     # a first Ctrl-C waits for the iteration's end only while training
         when = "by a second Ctrl-C" if isinstance(exc, SecondInterrupt) else "by Ctrl-C outside the training loop"
-        code, failure, message, say = 130, exc, f"error: interrupted {when}: nothing saved since the last checkpoint", True
+        message = f"error: interrupted {when}: nothing saved since the last checkpoint"
+        code, failure, say = 130, exc, True
     if say:
         print(f"{message}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):   # torchrun's failure summary shows it as the root cause
-        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:   # (else `error_file: <N/A>`)
+        with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:   # (else <N/A>)
             json.dump({"message": message, "timestamp": int(time.time())}, f)
     # The failure's frames hold gloo work objects; freed only at interpreter exit, after the process
     # group's threads, they can abort the process ("terminate called without an active exception"):
@@ -374,6 +381,7 @@ def cli(cfg: Config, typed: frozenset[str] = frozenset()) -> int:
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
     shutdown()
+    release_run_dirs()
     # Recorded as an uncaught exception would be, so exit handlers (Isaac Lab closes Kit with the
     # process's status) see a failure rather than a clean exit.
     sys.last_exc = sys.last_value = failure

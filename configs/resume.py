@@ -11,6 +11,9 @@ and the launch settings (LAUNCH: ranks, devices, where runs go), come from this 
 
 import dataclasses
 import os
+import shlex
+import types
+import typing
 
 from configs.typed_flags import env_reads
 from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
@@ -30,49 +33,75 @@ MUST_MATCH = {
 
 
 # What a resumed run never takes from its checkpoint: how this launch finds and writes runs, how many ranks do
-# what (--dist.*, --rollout.*: resume works across layouts), how a step runs, and the env kind (the preset's).
-LAUNCH = {"--resume", "--dry-run", "--env.name", "--log.root", "--log.experiment", "--ppo.capture-step"}
-LAUNCH_SECTIONS = ("dist", "rollout")
+# what (--dist.*, --rollout.ranks: resume works across layouts), how a step runs or Kit starts, and the env kind
+# (the preset's). How rollout ranks collect (--rollout.mode, dtype, ...) is the run's and continues.
+LAUNCH = {"--resume", "--dry-run", "--env.name", "--env.launcher-args", "--log.root", "--log.experiment",
+          "--ppo.capture-step", "--rollout.ranks"}
+LAUNCH_SECTIONS = ("dist",)
 
 
 def settings(cfg):
-    """(flag, owner, field name, path in the saved config) of every setting: `--ppo.num-epochs` is
-    (cfg.ppo, "num_epochs", ("ppo", "num_epochs"))."""
+    """(flag, owner, field, path in the saved config) of every setting: `--ppo.num-epochs` is
+    (cfg.ppo, its `num_epochs` field, ("ppo", "num_epochs"))."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             for g in dataclasses.fields(value):
-                yield f"--{f.name}.{g.name.replace('_', '-')}", value, g.name, (f.name, g.name)
+                yield f"--{f.name}.{g.name.replace('_', '-')}", value, g, (f.name, g.name)
         else:
-            yield f"--{f.name.replace('_', '-')}", cfg, f.name, (f.name,)
+            yield f"--{f.name.replace('_', '-')}", cfg, f, (f.name,)
 
 
 def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> list[str]:
     """Give `cfg` every setting of the checkpoint's run that the command line did not type (launch settings
-    excepted), so that a resumed run continues as it was started, not with the preset's defaults. Returns the
-    typed flags that change one of them, each as `FLAG VALUE (the checkpoint's run: FLAG VALUE)`."""
+    excepted), so that a resumed run continues as it was started, not with the preset's defaults; a field the
+    checkpoint's version did not have takes its default (the behaviour before it existed). Returns the typed
+    flags that change a setting, each as `FLAG VALUE (the checkpoint's run: FLAG VALUE)`."""
+    name = saved.get("env", {}).get("name")
+    if name is not None and name != cfg.env.name:      # every other env setting would be the wrong env's
+        raise UsageError(f"--env.name {cfg.env.name} does not match the checkpoint's --env.name {name}: resume it "
+                         f"with the preset it was trained with (train.py PRESET), or pass --env.name {name}")
     changed = []
     env_count_typed = bool({"--env.num-envs", "--env.global-num-envs"} & typed)   # one setting in two fields
-    for flag, owner, name, path in settings(cfg):
+    for flag, owner, field, path in settings(cfg):
         section = saved if len(path) == 1 else saved.get(path[0], {})
-        if path[-1] not in section or flag in LAUNCH or path[0] in LAUNCH_SECTIONS:
-            continue                  # a field the checkpoint's version did not have keeps this run's value
-        ours, theirs = getattr(owner, name), section[path[-1]]
-        if isinstance(ours, tuple) and isinstance(theirs, (list, tuple)):
-            theirs = tuple(theirs)
-        if flag in typed:
-            if ours != theirs:
-                changed.append(f"{as_flag(flag, ours)} (the checkpoint's run: {as_flag(flag, theirs)})")
-        elif not (env_count_typed and flag in ("--env.num-envs", "--env.global-num-envs")):
-            setattr(owner, name, theirs)
+        if flag in LAUNCH or path[0] in LAUNCH_SECTIONS or \
+                (env_count_typed and flag in ("--env.num-envs", "--env.global-num-envs")):
+            continue
+        ours = getattr(owner, field.name)
+        if path[-1] not in section:
+            theirs = field.default if field.default is not dataclasses.MISSING else ours
+        else:
+            theirs = section[path[-1]]
+            theirs = tuple(theirs) if isinstance(ours, tuple) and isinstance(theirs, list) else theirs
+            if not fits_type(theirs, field.type):
+                raise UsageError(f"the checkpoint's run has {as_flag(flag, theirs)}, which this version does not "
+                                 f"accept ({getattr(field.type, '__name__', field.type)}); pass {flag} to choose")
+        if flag not in typed:
+            setattr(owner, field.name, theirs)
+        elif ours != theirs:
+            changed.append(f"{as_flag(flag, ours)} (the checkpoint's run: {as_flag(flag, theirs)})")
     return changed
 
 
+def fits_type(value, annotation) -> bool:
+    """Whether a saved value is one the field accepts: a Literal's options, int, float, bool, str, tuple, None."""
+    origin, options = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return value in options
+    if origin in (typing.Union, types.UnionType):
+        return any(fits_type(value, option) for option in options)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, origin or annotation) if (origin or annotation) is not type(None) else value is None
+
+
 def resume_auto_flags(cfg) -> str:
-    """The flags that make `--resume auto` find this run: the log root and experiment when not the defaults."""
-    root = f" --log.root {cfg.log.root}" if cfg.log.root != type(cfg.log)().root else ""
-    named = cfg.log.experiment not in ("", cfg.env.name)       # else the runs are under the env's name
-    return f"--resume auto{root}" + (f" --log.experiment {cfg.log.experiment}" if named else "")
+    """The flags that make `--resume auto` find this run: its log root when not the default, and its experiment."""
+    root = f" --log.root {shlex.quote(cfg.log.root)}" if cfg.log.root != type(cfg.log)().root else ""
+    return f"--resume auto{root} --log.experiment {shlex.quote(cfg.log.experiment or cfg.env.name)}"
 
 
 def as_flag(flag: str, value) -> str:
@@ -132,9 +161,12 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
 
 
 def shared_env_seed(cfg, checkpoint: dict | None) -> int:
-    """The seed of what every rank's env shares (the tracking motion library): the checkpoint run's when resuming,
-    because its policy and sampler counts belong to those motions; a new --seed then restarts only the RNG streams."""
-    return checkpoint["config"]["seed"] if checkpoint is not None else cfg.seed
+    """The seed of what every rank's env shares (the tracking motion library): the checkpoint's when resuming,
+    because its policy and sampler counts belong to those motions; a new --seed then restarts only the RNG
+    streams. Saved as `env_seed`, so a run resumed with another --seed keeps its motions on every later resume."""
+    if checkpoint is None:
+        return cfg.seed
+    return checkpoint.get("env_seed", checkpoint["config"].get("seed", cfg.seed))
 
 
 def tuple_or_value(x):

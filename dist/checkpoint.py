@@ -35,7 +35,8 @@ def read_torch_file(path: str, map_location="cpu"):
         with open(path, "rb") as f:
             started = f.read(4) == b"PK\x03\x04"       # a zip's first entry, without its closing directory
         raise ValueError("a truncated or damaged checkpoint (its zip archive does not end); resume from another one"
-                         if started else "not a torch checkpoint (torch.save writes a zip archive; this file is not one)")
+                         if started else
+                         "not a torch checkpoint (torch.save writes a zip archive; this file is not one)")
     with zipfile.ZipFile(path) as archive:
         if any(name.endswith("/constants.pkl") for name in archive.namelist()):
             raise ValueError("an exported policy (TorchScript), not a training checkpoint: pass the model_<k>.pt it "
@@ -100,6 +101,9 @@ def malformed_entry(state: dict) -> str:
         return f"its config section {sections[0]!r} is not a dict"
     if not plain_int(state["iteration"]) or state["iteration"] < 0:
         return f"its iteration is {state['iteration']!r}, not an integer >= 0"
+    for name, seed in (("env_seed", state.get("env_seed", 0)), ("config's seed", state["config"].get("seed", 0))):
+        if not plain_int(seed) or not 0 <= seed < 2**32:
+            return f"its {name} is {seed!r}, not an integer in [0, 2**32)"
     rng = state["rng"]
     if not isinstance(rng, list) or not rng or not all(isinstance(r, dict) for r in rng):
         return "its 'rng' is not a non-empty list of per-rank dicts"
@@ -190,16 +194,17 @@ def create_run_dir(experiment_dir: str, run_id: str | None) -> str:
     raise RunError(f"could not create a run directory under {experiment_dir}: 999 runs started in one second?")
 
 
-_LOCKED: dict[str, object] = {}     # run directory -> its open lock file, held until the process exits
+_LOCKED: dict[str, object] = {}     # run directory -> its open lock file, held until release_run_dirs
 
 
 def lock_run_dir(run_dir: str) -> None:
-    """Hold RUN_DIR/.lock (flock) for the life of this process: a second run continuing the same directory at the
-    same time (`--resume auto` typed twice, or picking a live run) would overwrite its checkpoints, remove its
-    in-progress saves as stale and write its curves twice. The OS releases the lock when the process dies."""
+    """Hold RUN_DIR/.lock (flock) until release_run_dirs() (the run's end) or the process's: a second run
+    continuing the same directory at the same time (`--resume auto` typed twice, or picking a live run) would
+    overwrite its checkpoints, remove its in-progress saves as stale and write its curves twice. The OS releases
+    the lock when the process dies. Rank 0 only; a directory this process holds already is kept."""
     path = os.path.realpath(run_dir)
-    if path in _LOCKED:           # a previous run of this process (tests, notebooks) ended without exiting
-        _LOCKED.pop(path).close()
+    if path in _LOCKED:
+        return
     lock = open(os.path.join(path, ".lock"), "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -217,6 +222,12 @@ def lock_run_dir(run_dir: str) -> None:
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     lock.flush()
     _LOCKED[path] = lock
+
+
+def release_run_dirs() -> None:
+    """Let other runs continue the directories this process locked (its run ended, or failed)."""
+    while _LOCKED:
+        _LOCKED.popitem()[1].close()
 
 
 def open_run_dir(existing: str | None, experiment_dir: str, run_id: str | None) -> str:

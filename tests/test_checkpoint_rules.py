@@ -216,7 +216,7 @@ def test_continuing_a_run_directory_records_the_new_job_and_clears_temporaries(t
     (run / "run_id").write_text("job-old")
     assert open_run_dir(str(run), str(tmp_path), "job-new") == str(run)
     assert (run / "run_id").read_text() == "job-new" and find_run_dir(str(tmp_path), "job-new") == str(run)
-    assert sorted(p.name for p in run.iterdir()) == ["model_4.pt", "run_id"]
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "model_4.pt", "run_id"]
 
 
 

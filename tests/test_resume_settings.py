@@ -13,7 +13,7 @@ import torch
 import train
 from envs.motions import MotionLibrary
 from dist.errors import UsageError
-from configs.resume import resume_auto_flags
+from configs.resume import continue_saved_config, resume_auto_flags
 from configs.typed_flags import typed_flags
 from ppo.minibatch_step import saved_state_for
 from tests.test_config_errors import cfg_with
@@ -105,7 +105,14 @@ def test_a_new_seed_on_resume_restarts_the_rng_streams_and_keeps_the_motion_libr
     before, after = restored[1]                                         # another: they restart from --seed + rank
     assert torch.equal(after, before) and not torch.equal(after, saved["rng"][0]["torch"])
     assert "--seed 2 is not the checkpoint run's (1): RNG streams restart" in capsys.readouterr().out
+    # The seed-2 run saves the seed its motions came from; resuming that checkpoint (its config says seed 2) must
+    # not regenerate them from 2 (a torchrun restart of the resumed run would have switched motions mid-run).
+    (reseeded,) = glob.glob(str(tmp_path / "seed2" / "tracking" / "*" / "model_3.pt"))
+    assert torch.load(reseeded, weights_only=True)["env_seed"] == 1
+    train.main(cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=4, resume=reseeded, seed=2,
+                        log__root=str(tmp_path / "again"), log__print_every=100))
     library = MotionLibrary(built[1].motions.num_motions, built[1].num_joints, 1, torch.device("cpu"))
+    assert len(built) == 3
     for env in built:                                 # the checkpoint run's motions, which its policy learned
         assert torch.equal(env.motions.sines, library.sines) and torch.equal(env.motions.bias, library.bias)
 
@@ -128,6 +135,42 @@ def test_a_resume_from_the_command_line_continues_the_runs_settings_and_takes_on
 
 
 def test_the_resume_auto_hint_names_a_log_root_and_experiment_that_are_not_the_defaults():
-    assert resume_auto_flags(cfg_with()) == "--resume auto"               # tracking's experiment is its env's name
-    assert resume_auto_flags(cfg_with(log__root="/data/r", log__experiment="g1")) == \
-        "--resume auto --log.root /data/r --log.experiment g1"
+    assert resume_auto_flags(cfg_with()) == "--resume auto --log.experiment tracking"
+    assert resume_auto_flags(cfg_with(log__root="/data/my runs", log__experiment="g1")) == \
+        "--resume auto --log.root '/data/my runs' --log.experiment g1"
+
+
+def test_typed_flags_are_checked_against_the_settings_the_run_continues_with(tmp_path):
+    """--ppo.reward-clip applies only with reward normalization: on resume that is the checkpoint run's setting,
+    not the preset's (which does not normalize rewards), so the flag must be accepted and applied."""
+    ckpt, _ = saved_run(tmp_path, ppo__normalize_rewards=True)
+    root = str(tmp_path / "b")
+    argv = ["tracking", "--resume", ckpt, "--max-iterations", "3", "--ppo.reward-clip", "5", "--log.root", root]
+    train.main(cfg_with(resume=ckpt, max_iterations=3, ppo__reward_clip=5.0, log__root=root), typed_flags(argv))
+    (written,) = glob.glob(str(tmp_path / "b" / "tracking" / "*" / "model_3.pt"))
+    ppo = torch.load(written, weights_only=True)["config"]["ppo"]
+    assert ppo["normalize_rewards"] is True and ppo["reward_clip"] == 5.0
+
+
+def test_continue_saved_config_by_field_kind():
+    """Launch settings stay this command line's (layout, transport, Kit's flags); how rollout ranks collect is
+    the run's; a field the checkpoint's version lacked takes its default, not the preset's value; a saved value
+    this version does not accept is refused by name; another env kind is refused before anything is taken."""
+    cfg = cfg_with(ppo__entropy_coef=0.3)            # stands for a preset whose value differs from the default
+    saved = {"env": {"name": "tracking", "launcher_args": "--viz kit", "num_motions": 8},
+             "rollout": {"ranks": 3, "mode": "async", "dtype": "bfloat16"}, "dist": {"backend": "nccl"},
+             "ppo": {"num_epochs": 2}, "log": {"root": "/elsewhere"}, "seed": 7}
+    typed = frozenset({"--ppo.num-epochs"})          # as if `--ppo.num-epochs 5` was typed
+    assert continue_saved_config(cfg, saved, typed) == ["--ppo.num-epochs 5 (the checkpoint's run: --ppo.num-epochs 2)"]
+    assert cfg.ppo.num_epochs == 5
+    assert (cfg.rollout.mode, cfg.rollout.dtype, cfg.rollout.ranks) == ("async", "bfloat16", 0)
+    assert (cfg.dist.backend, cfg.env.launcher_args, cfg.log.root) == ("auto", "", "runs")
+    assert (cfg.env.num_motions, cfg.seed, cfg.ppo.entropy_coef) == (8, 7, 0.005)
+    with pytest.raises(UsageError, match=r"^the checkpoint's run has --ppo.schedule cosine, which this version does "
+                                         r"not accept .*; pass --ppo.schedule to choose$"):
+        continue_saved_config(cfg_with(), {"ppo": {"schedule": "cosine"}}, frozenset())
+    with pytest.raises(UsageError, match=r"^the checkpoint's run has --ppo.num-epochs 5.0, "):
+        continue_saved_config(cfg_with(), {"ppo": {"num_epochs": 5.0}}, frozenset())
+    with pytest.raises(UsageError, match=r"^--env.name cartpole does not match the checkpoint's --env.name tracking: "
+                                         r"resume it with the preset it was trained with"):
+        continue_saved_config(cfg_with(env__name="cartpole"), {"env": {"name": "tracking"}}, frozenset())
