@@ -43,8 +43,9 @@ from dist.verify import verify_plan_rows, verify_replicas
 from envs import make_env
 from ppo.actor_critic import build_actor_critic
 from ppo.logger import RunLogger
-from ppo.minibatch_step import build_optimizer, saved_state_for
+from ppo.minibatch_step import build_optimizer
 from ppo.normalizer import RewardNormalizer
+from ppo.restore import restore
 from ppo.rollout import TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout, fill_storage
 from rollout_ranks import LearnerTeam, restore_team_states, run_rollout_rank
 from ppo.storage import RolloutStorage
@@ -280,71 +281,6 @@ def finished(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.time()
-
-
-def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torch.device, cfg: Config) -> None:
-    """Load a checkpoint into the built objects; RNG states are restored per rank when the layout and --seed
-    match the checkpoint's run (a --seed typed on resume restarts the streams from it instead).
-
-    Buffers declared `local` (per-env running state such as the reward normalizer's running returns)
-    keep their fresh values: envs restart their episodes, so that state restarts too. The optimizer takes
-    this run's --ppo.adam-eps, and its --ppo.learning-rate where that differs from the checkpoint's run
-    (else the restored LR, which the adaptive schedule moved): a restart with the same flags continues
-    exactly, a new LR typed on resume is used.
-    """
-    ppo, saved_seed = cfg.ppo, state.get("config", {}).get("seed")
-    saved_lr = state.get("config", {}).get("ppo", {}).get("learning_rate")
-    settings = {"eps": ppo.adam_eps, **({"lr": ppo.learning_rate} if saved_lr not in (None, ppo.learning_rate) else {})}
-    for key, obj in stateful.items():
-        if obj is None:
-            continue
-        if key not in state:
-            raise UsageError(f"--resume {path!r} has no {key!r} state (saved with other flags, e.g. "
-                             f"--ppo.normalize-rewards?)")
-        saved = state[key]
-        if isinstance(obj, RewardNormalizer):
-            saved = {**saved, **{k: v for k, v in obj.state_dict().items() if obj.BUFFER_POLICY.get(k) == "local"}}
-        if isinstance(obj, torch.optim.Optimizer):   # this run's Adam implementation, the saved values
-            saved = saved_state_for(obj, saved, settings)
-        try:
-            obj.load_state_dict(saved)
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise UsageError(f"--resume {path!r}: its {key} does not fit this run (other env or --policy.* "
-                             f"sizes?): {str(exc).splitlines()[0]}") from None
-    saved_layout = state.get("layout", [len(state["rng"]), 0])
-    same_layout = saved_layout == [roles.num_learners, roles.num_rollouts]
-    rng = state["rng"][roles.rank] if same_layout else {}
-    # This process's generators (a cuda env generator has a 16-byte state, a CPU one 5056 bytes): states
-    # saved on another device do not fit them, so the streams restart as for another layout.
-    ours = {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(),
-            **({"env": stateful["env"].generator.get_state()} if stateful["env"] is not None else {})}
-    fits = all(key in rng and rng[key].numel() == value.numel() for key, value in ours.items())
-    if same_layout and fits and saved_seed in (None, cfg.seed):
-        torch.set_rng_state(rng["torch"].cpu())
-        shuffle.set_state(rng["shuffle"].cpu())
-        if stateful["env"] is not None:
-            stateful["env"].generator.set_state(rng["env"].cpu())
-        if "cuda" in rng and device.type == "cuda":   # sampling on the GPU draws from it (dist.checkpoint.rng_states)
-            torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
-    elif same_layout and fits:
-        if roles.rank == 0:
-            print(f"[syncppo] --seed {cfg.seed} is not the checkpoint run's ({saved_seed}): RNG streams restart from "
-                  f"--seed + rank; everything else is restored (the env's content, e.g. the tracking motion "
-                  f"library, stays the checkpoint run's)", flush=True)
-    elif same_layout:
-        if roles.rank == 0:
-            print("[syncppo] resuming a checkpoint whose RNG states were saved on another device: RNG streams "
-                  "restart from --seed + rank; everything else is restored", flush=True)
-    elif roles.rank == 0:
-        print(f"[syncppo] resuming a checkpoint of {saved_layout[0]} learner(s) + {saved_layout[1]} rollout rank(s) "
-              f"on {roles.num_learners} + {roles.num_rollouts}: RNG streams restart from --seed + rank; "
-              f"everything else is restored", flush=True)
-    if roles.rank == 0:
-        print(f"[syncppo] {'would resume' if cfg.dry_run else 'resumed'} {path} at iteration {state['iteration']}",
-              flush=True)
-        if "lr" in settings:
-            print(f"[syncppo] --ppo.learning-rate {ppo.learning_rate:g} replaces the checkpoint's LR (its run "
-                  f"started at {saved_lr:g})", flush=True)
 
 
 def team_checkpoint(gathered: torch.Tensor, spec: dict, roles) -> dict:

@@ -86,7 +86,7 @@ def corrupt_member(path: str) -> str:
 
 
 def malformed_entry(state: dict) -> str:
-    """What in the loaded dict has the wrong type or size for `train.restore` to use, or "" when all fits."""
+    """What in the loaded dict has the wrong type or size for `ppo.restore` to use, or "" when all fits."""
     def plain_int(x):
         return isinstance(x, int) and not isinstance(x, bool)
     for key in ("model", "optimizer", "env", "config"):

@@ -49,7 +49,7 @@ def test_cli_says_an_overflowing_episode_length_in_one_line(tmp_path, capsys):
     assert err.startswith("error: --env.episode-length-s 1e+20 is too long") and err.count("\n") == 1, err
 
 
-# ---- damaged checkpoints: the right format tag, but entries that train.restore cannot use ---------------
+# ---- damaged checkpoints: the right format tag, but entries that ppo.restore cannot use ---------------
 
 def fresh_checkpoint(path, num_envs=16):
     """What train.main saves after an iteration, built without training (model, optimizer, env, RNG)."""

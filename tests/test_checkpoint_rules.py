@@ -1,4 +1,4 @@
-"""Checkpoints and resume: entries train.restore cannot use are refused by name, which checkpoint and run a
+"""Checkpoints and resume: entries ppo.restore cannot use are refused by name, which checkpoint and run a
 resume starts from, which saved configs fit, named tensors and RNG states round trips, and the replica
 check's plan rows."""
 
@@ -32,7 +32,7 @@ _DROP = object()
     ({"optimizer": {"param_groups": [], "state": []}}, r"its 'optimizer' has no 'param_groups' list and 'state' dict"),
 ])
 def test_checkpoint_entries_train_restore_cannot_use_are_refused_by_name(tmp_path, changes, message):
-    """load_checkpoint's promise: a file train.restore cannot use is one UsageError naming what is wrong, not a
+    """load_checkpoint's promise: a file ppo.restore cannot use is one UsageError naming what is wrong, not a
     KeyError, TypeError or a silent run from a wrong layout. The entries no other test damaged: a missing RNG
     list, a bool iteration (True is an int to Python), a layout that disagrees with the number of learner RNG
     states or counts negative rollout ranks, rollout RNG states that are not dicts, a config section that is

@@ -1,19 +1,18 @@
-"""train.restore puts back every RNG stream a checkpoint saved, or restarts them all when they cannot fit."""
+"""ppo.restore puts back every RNG stream a checkpoint saved, or restarts them all when they cannot fit."""
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
-import train
 from configs.config import Config
 from dist.checkpoint import rng_states
+from ppo.restore import restore
 
 ROLES_1 = SimpleNamespace(rank=0, num_learners=1, num_rollouts=0)
 
 
 class _Env:
-    """The two things train.restore touches on an env: its generator and load_state_dict."""
+    """The two things ppo.restore touches on an env: its generator and load_state_dict."""
 
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
@@ -39,7 +38,7 @@ def test_resume_restores_the_saved_cuda_rng_state(monkeypatch):
     env, shuffle = _Env(seed=1), torch.Generator().manual_seed(2)
     before = torch.get_rng_state()
     try:
-        train.restore(_checkpoint({"torch": saved_torch, "shuffle": saved_shuffle, "env": saved_env,
+        restore(_checkpoint({"torch": saved_torch, "shuffle": saved_shuffle, "env": saved_env,
                                    "cuda": cuda_state}), "ckpt.pt", {"env": env}, shuffle, ROLES_1,
                       torch.device("cuda"), Config())
         assert torch.equal(torch.get_rng_state(), saved_torch)
@@ -60,7 +59,7 @@ def test_resume_with_rng_states_of_another_device_restarts_the_streams_instead_o
     env, shuffle = _Env(seed=1), torch.Generator().manual_seed(2)
     env_before, shuffle_before, torch_before = env.generator.get_state(), shuffle.get_state(), torch.get_rng_state()
     try:
-        train.restore(_checkpoint(saved), "ckpt.pt", {"env": env}, shuffle, ROLES_1, torch.device("cpu"), Config())
+        restore(_checkpoint(saved), "ckpt.pt", {"env": env}, shuffle, ROLES_1, torch.device("cpu"), Config())
         assert torch.equal(torch.get_rng_state(), torch_before)    # all streams restart together
     finally:
         torch.set_rng_state(torch_before)
