@@ -63,6 +63,13 @@ def batch_layout(T: int, N: int, obs_dims: dict, num_actions: int, num_keys: int
     return Layout(fields)
 
 
+def describe_rollout(cfg: Config) -> str:
+    """How the rollout ranks collect, as the start-up says it (a resume continues these from its checkpoint)."""
+    r = cfg.rollout
+    lag = f"async, at most {r.max_staleness} version(s) stale" if r.mode == "async" else "sync (on-policy)"
+    return f"; {lag}, weights by {r.sync}, copy in {r.dtype}, recompute {r.recompute}"
+
+
 def weight_sync_config(cfg: Config) -> WeightSyncConfig:
     return WeightSyncConfig(type=cfg.rollout.sync)
 

@@ -24,8 +24,7 @@ import torch
 import tyro
 
 from configs import PRESETS, Config, resolve_num_envs, validate
-from configs.resume import (check_resume_fits, continue_saved_config, resolve_resume, resume_auto_flags,
-                            shared_env_seed)
+from configs.resume import check_resume_fits, continue_saved_config, resolve_resume, shared_env_seed
 from configs.typed_flags import env_label, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
@@ -47,7 +46,7 @@ from ppo.minibatch_step import build_optimizer
 from ppo.normalizer import RewardNormalizer
 from ppo.restore import restore
 from ppo.rollout import TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout, fill_storage
-from rollout_ranks import LearnerTeam, restore_team_states, run_rollout_rank
+from rollout_ranks import LearnerTeam, describe_rollout, restore_team_states, run_rollout_rank
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update, update_plan_rows
 
@@ -65,9 +64,9 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     resume_path, run_dir = resolve_resume(cfg, experiment_dir)
     checkpoint = load_checkpoint(resume_path) if resume_path else None
-    changed = []                      # from the command line a resumed run continues its own settings
+    changed = kept = []               # from the command line a resumed run continues its own settings
     if checkpoint is not None and typed is not None:
-        changed = continue_saved_config(cfg, checkpoint["config"], typed)
+        changed, kept = continue_saved_config(cfg, checkpoint["config"], typed)
     envs_scope, env_seed = resolve_num_envs(cfg, world), shared_env_seed(cfg, checkpoint)
     validate(cfg, world, typed or frozenset())   # typed: the command line's flags, refused where they have no effect
     if cfg.rollout.ranks and cfg.dist.device == "auto":
@@ -79,11 +78,12 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             print(f"[syncppo] {resume_path} already reached --max-iterations {cfg.max_iterations}: done", flush=True)
         return None, {}, []
     if checkpoint is not None and rank == 0:
-        if typed is not None:
-            print(f"[syncppo] resuming with the settings of {resume_path}'s run"
-                  + (f"; changed by this command line: {', '.join(changed)}" if changed else ""), flush=True)
         if run_dir is not None and not cfg.dry_run:
             lock_run_dir(run_dir)     # before anything is built: a live run's directory is refused now
+        if typed is not None:
+            print(f"[syncppo] resuming with the settings of {resume_path}'s run"
+                  + (f" (unlike the preset: {', '.join(kept)})" if kept else "")
+                  + (f"; changed by this command line: {', '.join(changed)}" if changed else ""), flush=True)
 
     # ---- distributed set-up and roles; rollout ranks (--rollout.ranks) go their own way ------------
     info = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
@@ -147,7 +147,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             rng_plan_row(rng_states(env, shuffle, device), cfg.log.save_every)]
     if is_main:
         print(f"[syncppo] world size {world}, backend {info.backend}, device {device} (one per rank); {envs_scope}\n"
-              f"[syncppo] {roles.describe()}\n"
+              f"[syncppo] {roles.describe()}{'' if roles.colocated else describe_rollout(cfg)}\n"
               f"[syncppo] {learners} {'ranks' if roles.colocated else 'learner(s)'} x {N} envs x {T} steps = "
               f"{learners * N * T} transitions per iteration\n"
               f"[syncppo] {model.describe()}\n"
@@ -263,7 +263,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         if stop_signal and not last:
             if is_main:
                 print(f"[syncppo] stopped on request (SIGINT/SIGTERM) after iteration {iteration + 1}; saved {path}; "
-                      f"continue with --resume {path} or {resume_auto_flags(cfg)}", flush=True)
+                      f"continue it in place with the same preset and launch flags and --resume "
+                      f"{os.path.abspath(run_dir)}", flush=True)
             break
     if is_main:
         logger.close()
@@ -290,6 +291,13 @@ def team_checkpoint(gathered: torch.Tensor, spec: dict, roles) -> dict:
     return {"env": env_state, "rollout_rng": rollout_rngs, "layout": [roles.num_learners, roles.num_rollouts]}
 
 
+def tell_torchrun(message: str) -> None:
+    """Write this rank's error where torchrun's failure summary reads its root cause (else `error_file: <N/A>`)."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+
+
 def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
     """Run `main`; turn user errors into one line on stderr (status 2) and run-time failures into one line (1)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -306,9 +314,7 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
         code, failure, say = 130, exc, True
     if say:
         print(f"{message}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):   # torchrun's failure summary shows it as the root cause
-        with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:   # (else <N/A>)
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    tell_torchrun(message)
     # The failure's frames hold gloo work objects; freed only at interpreter exit, after the process
     # group's threads, they can abort the process ("terminate called without an active exception"):
     # release them and tear the group down now.
@@ -326,7 +332,12 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
 
 if __name__ == "__main__":
     quiet = int(os.environ.get("LOCAL_RANK", 0)) > 0        # tyro's help and parse errors: once per node, as ours
-    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
-            contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
-        config = tyro.extras.overridable_config_cli({name: (fn.__doc__, fn()) for name, fn in PRESETS.items()})
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
+                contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+            config = tyro.extras.overridable_config_cli({name: (fn.__doc__, fn()) for name, fn in PRESETS.items()})
+    except SystemExit as exc:
+        if exc.code:                  # not --help
+            tell_torchrun("error: the command line could not be parsed: see the parser's message (local rank 0)")
+        raise
     sys.exit(cli(config, typed_flags(sys.argv[1:])))

@@ -3,6 +3,7 @@
 Three ways to continue, all resolved here on every rank from the file system alone (no communication):
 - `--resume PATH`: that checkpoint, continued in a new run directory;
 - `--resume auto`: the newest checkpoint of this experiment, continued in its own run directory;
+- `--resume RUN_DIR`: that run directory's newest checkpoint, continued in place (what a stopped run prints);
 - a torchrun restart (`--max-restarts`, TORCHELASTIC_RESTART_COUNT > 0): the last complete checkpoint
   of the run directory the first attempt created (found by TORCHELASTIC_RUN_ID), continued in place.
 From the command line, a resumed run keeps the settings of the checkpoint's run: only the flags typed now,
@@ -11,7 +12,6 @@ and the launch settings (LAUNCH: ranks, devices, where runs go), come from this 
 
 import dataclasses
 import os
-import shlex
 import types
 import typing
 
@@ -52,16 +52,17 @@ def settings(cfg):
             yield f"--{f.name.replace('_', '-')}", cfg, f, (f.name,)
 
 
-def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> list[str]:
+def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list[str], list[str]]:
     """Give `cfg` every setting of the checkpoint's run that the command line did not type (launch settings
     excepted), so that a resumed run continues as it was started, not with the preset's defaults; a field the
     checkpoint's version did not have takes its default (the behaviour before it existed). Returns the typed
-    flags that change a setting, each as `FLAG VALUE (the checkpoint's run: FLAG VALUE)`."""
+    flags that change a setting, each as `FLAG VALUE (the checkpoint's run: FLAG VALUE)`, and the settings
+    taken from the checkpoint that differ from what `cfg` had (the preset's), as `FLAG VALUE`."""
     name = saved.get("env", {}).get("name")
     if name is not None and name != cfg.env.name:      # every other env setting would be the wrong env's
         raise UsageError(f"--env.name {cfg.env.name} does not match the checkpoint's --env.name {name}: resume it "
                          f"with the preset it was trained with (train.py PRESET), or pass --env.name {name}")
-    changed = []
+    changed, kept = [], []
     env_count_typed = bool({"--env.num-envs", "--env.global-num-envs"} & typed)   # one setting in two fields
     for flag, owner, field, path in settings(cfg):
         section = saved if len(path) == 1 else saved.get(path[0], {})
@@ -79,9 +80,11 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> list[str]:
                                  f"accept ({getattr(field.type, '__name__', field.type)}); pass {flag} to choose")
         if flag not in typed:
             setattr(owner, field.name, theirs)
+            if ours != theirs:
+                kept.append(as_flag(flag, theirs))
         elif ours != theirs:
             changed.append(f"{as_flag(flag, ours)} (the checkpoint's run: {as_flag(flag, theirs)})")
-    return changed
+    return changed, kept
 
 
 def fits_type(value, annotation) -> bool:
@@ -96,12 +99,6 @@ def fits_type(value, annotation) -> bool:
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, origin or annotation) if (origin or annotation) is not type(None) else value is None
-
-
-def resume_auto_flags(cfg) -> str:
-    """The flags that make `--resume auto` find this run: its log root when not the default, and its experiment."""
-    root = f" --log.root {shlex.quote(cfg.log.root)}" if cfg.log.root != type(cfg.log)().root else ""
-    return f"--resume auto{root} --log.experiment {shlex.quote(cfg.log.experiment or cfg.env.name)}"
 
 
 def as_flag(flag: str, value) -> str:
@@ -127,6 +124,12 @@ def resolve_resume(cfg, experiment_dir: str) -> tuple[str, str | None]:
             raise UsageError(f"--resume auto: no checkpoint under {experiment_dir!r}; check --log.root and "
                              f"--log.experiment, or start without --resume")
         return latest_checkpoint(run_dir), run_dir
+    if os.path.isdir(cfg.resume):
+        path = latest_checkpoint(cfg.resume)
+        if path is None:
+            raise UsageError(f"--resume {cfg.resume!r} is a directory without a model_<iteration>.pt checkpoint; pass "
+                             f"a run directory that has one, a checkpoint file, or auto")
+        return path, cfg.resume
     return cfg.resume, None
 
 
@@ -149,7 +152,7 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
             if flag == "--env.name":      # the preset's choice, never taken from the checkpoint
                 raise UsageError(f"--env.name {ours} does not match {theirs} in the checkpoint {path!r}: resume it "
                                  f"with a {theirs} preset (train.py PRESET), or pass --env.name {theirs}")
-            hint = " per rank (use --env.global-num-envs for a total)" if name == "num_envs" else ""
+            hint = " per rank" if name == "num_envs" else ""      # a resume needs the same count per rank
             raise UsageError(f"{as_flag(flag, ours)} does not match the checkpoint's {as_flag(flag, theirs)}{hint} "
                              f"({path!r}); leave the flag out to keep the checkpoint's")
     if state["iteration"] >= cfg.max_iterations:

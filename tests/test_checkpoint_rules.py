@@ -172,6 +172,13 @@ def test_resolve_resume_restarts_auto_and_first_attempts(tmp_path, monkeypatch):
     assert resolve_resume(SimpleNamespace(resume="auto"), str(tmp_path)) == (str(new / "model_2.pt"), str(new))
     with pytest.raises(UsageError, match="--resume auto: no checkpoint under"):
         resolve_resume(SimpleNamespace(resume="auto"), str(tmp_path / "elsewhere"))
+    # A run directory (what a stopped run prints) is that run, in place, from its newest checkpoint, even when
+    # another run of the experiment is newer (a sweep): here the older one.
+    _touch(old / "model_10.pt", mtime=1_000_000)
+    assert resolve_resume(SimpleNamespace(resume=str(old)), str(tmp_path)) == (str(old / "model_10.pt"), str(old))
+    with pytest.raises(UsageError, match=r"--resume '.*elsewhere' is a directory without a model_<iteration>.pt "):
+        (tmp_path / "elsewhere").mkdir()
+        resolve_resume(SimpleNamespace(resume=str(tmp_path / "elsewhere")), str(tmp_path))
 
 
 

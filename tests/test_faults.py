@@ -91,8 +91,10 @@ def test_ctrl_c_saves_and_resume_auto_continues_in_place(tmp_path):
     job.wait_for(r"^it +2/")
     job.signal(signal.SIGINT)
     assert job.finish(60) == 0, job.output()
-    k, path = (lambda m: (int(m.group(1)), m.group(2)))(job.wait_for(r"after iteration (\d+); saved (\S+);"))
+    stopped = job.wait_for(r"after iteration (\d+); saved (\S+); continue it in place .* --resume (\S+)$")
+    k, path = int(stopped.group(1)), stopped.group(2)
     run_dir = os.path.dirname(path)
+    assert stopped.group(3) == os.path.abspath(run_dir)         # the hint names this run, not the newest one
     open(os.path.join(run_dir, f"model_{k + 5}.pt.tmp-999-deadbeef"), "wb").write(b"half a checkpoint")
     cfg = preset("cartpole")
     cfg.log.root, cfg.resume, cfg.max_iterations, cfg.log.print_every = str(tmp_path), "auto", k + 2, 100

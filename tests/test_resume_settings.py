@@ -13,7 +13,7 @@ import torch
 import train
 from envs.motions import MotionLibrary
 from dist.errors import UsageError
-from configs.resume import continue_saved_config, resume_auto_flags
+from configs.resume import continue_saved_config
 from configs.typed_flags import typed_flags
 from ppo.minibatch_step import saved_state_for
 from tests.test_config_errors import cfg_with
@@ -131,13 +131,9 @@ def test_a_resume_from_the_command_line_continues_the_runs_settings_and_takes_on
     assert config["env"]["num_envs"] == 16 and config["ppo"]["num_steps"] == 8     # the preset: 512 x 24
     assert config["log"]["print_every"] == 100 and config["ppo"]["num_epochs"] == 4 and config["log"]["root"] == root
     out = capsys.readouterr().out
-    assert "changed by this command line: --ppo.num-epochs 4 (the checkpoint's run: --ppo.num-epochs 2)" in out
-
-
-def test_the_resume_auto_hint_names_a_log_root_and_experiment_that_are_not_the_defaults():
-    assert resume_auto_flags(cfg_with()) == "--resume auto --log.experiment tracking"
-    assert resume_auto_flags(cfg_with(log__root="/data/my runs", log__experiment="g1")) == \
-        "--resume auto --log.root '/data/my runs' --log.experiment g1"
+    assert "'s run (unlike the preset: --env.num-envs 16, --ppo.num-steps 8, --ppo.entropy-coef 0.02, --log.print-every " \
+           "100, --seed 3); changed by this command line: --ppo.num-epochs 4 (the checkpoint's run: --ppo.num-epochs " \
+           "2), --max-iterations 3 (the checkpoint's run: --max-iterations 2)\n" in out
 
 
 def test_typed_flags_are_checked_against_the_settings_the_run_continues_with(tmp_path):
@@ -161,7 +157,11 @@ def test_continue_saved_config_by_field_kind():
              "rollout": {"ranks": 3, "mode": "async", "dtype": "bfloat16"}, "dist": {"backend": "nccl"},
              "ppo": {"num_epochs": 2}, "log": {"root": "/elsewhere"}, "seed": 7}
     typed = frozenset({"--ppo.num-epochs"})          # as if `--ppo.num-epochs 5` was typed
-    assert continue_saved_config(cfg, saved, typed) == ["--ppo.num-epochs 5 (the checkpoint's run: --ppo.num-epochs 2)"]
+    changed, kept = continue_saved_config(cfg, saved, typed)
+    assert changed == ["--ppo.num-epochs 5 (the checkpoint's run: --ppo.num-epochs 2)"]
+    assert {"--env.num-motions 8", "--ppo.entropy-coef 0.005", "--rollout.mode async", "--rollout.dtype bfloat16",
+            "--seed 7"} <= set(kept)              # what differs from `cfg` (the preset); launch settings are not
+    assert not [k for k in kept if k.startswith(("--rollout.ranks", "--dist.", "--env.launcher", "--log.root"))]
     assert cfg.ppo.num_epochs == 5
     assert (cfg.rollout.mode, cfg.rollout.dtype, cfg.rollout.ranks) == ("async", "bfloat16", 0)
     assert (cfg.dist.backend, cfg.env.launcher_args, cfg.log.root) == ("auto", "", "runs")

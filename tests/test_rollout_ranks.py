@@ -15,7 +15,7 @@ from configs import preset
 from dist import comm
 from dist.plan import expected_ledger
 from rollout_weights import WeightServer, request_weights
-from rollout_ranks import weight_sync_config
+from rollout_ranks import describe_rollout, weight_sync_config
 from sync import WeightSyncConfig, make_weight_syncer
 from tests.multirank import free_port, run_ranks
 from tests.torchrun_job import Job
@@ -224,3 +224,12 @@ def test_a_rollout_rank_that_fell_behind_gets_the_newest_weights_in_one_update(k
     assert after_first["weight_sync"][0] <= update.calls and after_first["weight_sync"][1] <= sum(update.call_bytes)
     assert ledger["weight_sync"] == after_first["weight_sync"]          # the second request moved no weights
     assert ledger["weight_request"] == [5, 3 * 16 + 2 * 8]              # (have, need) x 3, version x 2
+
+
+def test_the_start_up_says_how_rollout_ranks_collect():
+    """A resume continues --rollout.mode and the rest from its checkpoint: the start-up line must show them."""
+    assert describe_rollout(small("/unused", ranks=1)) == \
+        "; sync (on-policy), weights by patch, copy in float32, recompute auto"
+    assert describe_rollout(small("/unused", ranks=1, mode="async", max_staleness=2, sync="bucket", dtype="bfloat16",
+                                  recompute="off")) == \
+        "; async, at most 2 version(s) stale, weights by bucket, copy in bfloat16, recompute off"

@@ -93,8 +93,10 @@ def test_under_torchrun_parse_errors_print_once_per_node_and_our_errors_reach_to
     def run(*args, **env):
         return subprocess.run([sys.executable, "train.py", "tracking", *args], cwd=REPO, capture_output=True, text=True,
                               timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
-    other_rank = run("--ppo.no-such-flag", "3", LOCAL_RANK="1")
+    parse_error = tmp_path / "parse_error.json"
+    other_rank = run("--ppo.no-such-flag", "3", LOCAL_RANK="1", TORCHELASTIC_ERROR_FILE=str(parse_error))
     assert other_rank.returncode == 2 and other_rank.stdout == other_rank.stderr == ""
+    assert json.loads(parse_error.read_text())["message"].startswith("error: the command line could not be parsed")
     first_rank = run("--ppo.no-such-flag", "3", LOCAL_RANK="0")
     assert first_rank.returncode == 2 and "--ppo.no-such-flag" in first_rank.stderr
     error_file = tmp_path / "error.json"
