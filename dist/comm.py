@@ -47,6 +47,11 @@ def use_group(group) -> None:
     _GROUP = group
 
 
+def backend() -> str:
+    """The backend of the current group (nccl averages in the collective; gloo has no AVG)."""
+    return torch_dist.get_backend(_GROUP)
+
+
 def world_size() -> int:
     """Ranks taking part in this module's collectives (1 without a process group)."""
     return torch_dist.get_world_size(_GROUP) if torch_dist.is_available() and torch_dist.is_initialized() else 1

@@ -17,11 +17,13 @@ take the gradient dtype (float32 for fp32 parameters: counts stay exact below 2*
 Per optimizer step, with q micro-batches (gradients accumulate locally; only the last backward
 communicates, so the accumulation window is exactly one minibatch):
 
+    sync = GradSync(model.parameters(), mode="bucketed", bucket_mb=25, num_extras=2)   # once, after init
+    ...
     sync.zero_grad()
     for i, micro in enumerate(micro_batches):
         loss = ...                               # forward
         if i == q - 1:
-            sync.arm(extras)                     # the next backward is the minibatch boundary
+            sync.arm(extras)                     # the next backward is the minibatch boundary (None: no extras)
         (loss / q).backward()
     summed_extras = sync.synchronize()           # wait: grads averaged, identical on every rank
     norm = sync.clip_(max_norm)                  # global norm of the synchronized gradient
@@ -35,14 +37,17 @@ silently missing gradient usually means a bug in the loss; `unused="zero"` treat
 gradient (still averaged, so ranks stay identical). Calls out of that order raise rather than return a
 wrong gradient: arm() again after the armed backward, zero_grad() or clip_() between arm() and
 synchronize(). A parameter listed twice (a trunk shared by actor and critic) is synchronized once.
+
+The all-reduces run in dist.comm's current group (the whole world unless `comm.use_group(group)` set one)
+and are counted in `dist.comm.LEDGER`. To copy this file into another project, take dist/comm.py and
+dist/plan.py with it (the imports are relative, so the package may have any name); torch >= 2.1.
 """
 
 import torch
-import torch.distributed as torch_dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dist import comm
-from dist.plan import PlanRow
+from . import comm
+from .plan import PlanRow
 
 
 class _Bucket:
@@ -83,11 +88,11 @@ class GradSync:
     def __init__(self, params, mode: str = "flat", bucket_mb: float = 25.0, num_extras: int = 0,
                  unused: str = "error"):
         if mode not in ("flat", "bucketed"):
-            raise ValueError(f"--dist.grad-sync must be flat or bucketed, got {mode!r}")
+            raise ValueError(f"GradSync mode (--dist.grad-sync) must be flat or bucketed, got {mode!r}")
         if unused not in ("error", "zero"):
-            raise ValueError(f"--dist.unused-params must be error or zero, got {unused!r}")
+            raise ValueError(f"GradSync unused (--dist.unused-params) must be error or zero, got {unused!r}")
         if mode == "bucketed" and not bucket_mb > 0:
-            raise ValueError(f"--dist.bucket-mb must be positive, got {bucket_mb}")
+            raise ValueError(f"GradSync bucket_mb (--dist.bucket-mb) must be positive, got {bucket_mb}")
         # Deduplicated: a shared parameter listed twice (e.g. actor + critic parameters with a common trunk)
         # is one gradient, one bucket slot and one hook, as in DDP.
         self.params = list({id(p): p for p in params if p.requires_grad}.values())
@@ -176,7 +181,7 @@ class GradSync:
 
         NCCL averages in the collective (AVG); gloo has no AVG, so it sums and `synchronize` divides.
         """
-        if comm.world_size() > 1 and torch_dist.get_backend() == "nccl":
+        if comm.world_size() > 1 and comm.backend() == "nccl":
             return comm.all_reduce(buffer, "gradients", op="avg", async_op=async_op)
         return comm.all_reduce(buffer, "gradients", op="sum", async_op=async_op)
 
@@ -198,10 +203,11 @@ class GradSync:
         if missing and self.unused == "error":
             names = ", ".join(f"#{i} of shape {tuple(p.shape)}" for i, p in missing[:5])
             raise RuntimeError(f"{len(missing)} parameter(s) received no gradient this step ({names}); fix the "
-                               f"loss, or pass --dist.unused-params zero to average them as zero gradients")
+                               f"loss, or average them as zero gradients: GradSync(..., unused=\"zero\"), "
+                               f"--dist.unused-params zero in train.py")
         self._launch_ready(force=True)      # flat: the one bucket; bucketed: only buckets with unused params
         world = comm.world_size()
-        averaged_by_backend = world > 1 and torch_dist.get_backend() == "nccl"
+        averaged_by_backend = world > 1 and comm.backend() == "nccl"
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()

@@ -103,7 +103,8 @@ def test_missing_gradient_is_an_error_naming_the_parameter():
     sync.zero_grad()
     sync.arm()
     loss_fn(net, *data(0)).backward()
-    with pytest.raises(RuntimeError, match=r"2 parameter\(s\) received no gradient.*--dist.unused-params zero"):
+    with pytest.raises(RuntimeError, match=r"2 parameter\(s\) received no gradient.*unused=\"zero\"\), "
+                                           r"--dist.unused-params zero"):
         sync.synchronize()
 
 
