@@ -24,7 +24,8 @@ import torch
 import tyro
 
 from configs import PRESETS, Config, resolve_num_envs, validate
-from configs.resume import check_resume_fits, continue_saved_config, resolve_resume, shared_env_seed
+from configs.resume import (check_resume_fits, continue_saved_config, resolve_resume, resume_command,
+                            shared_env_seed)
 from configs.typed_flags import env_label, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
@@ -262,9 +263,9 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
                 print(f"[syncppo] saved {path}", flush=True)
         if stop_signal and not last:
             if is_main:
+                launcher = " (under the same torchrun options)" if "TORCHELASTIC_RUN_ID" in os.environ else ""
                 print(f"[syncppo] stopped on request (SIGINT/SIGTERM) after iteration {iteration + 1}; saved {path}; "
-                      f"continue it in place with the same preset and launch flags and --resume "
-                      f"{os.path.abspath(run_dir)}", flush=True)
+                      f"continue it in place{launcher} with: {resume_command(sys.argv[1:], run_dir)}", flush=True)
             break
     if is_main:
         logger.close()

@@ -12,6 +12,7 @@ and the launch settings (LAUNCH: ranks, devices, where runs go), come from this 
 
 import dataclasses
 import os
+import shlex
 import types
 import typing
 
@@ -99,6 +100,17 @@ def fits_type(value, annotation) -> bool:
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, origin or annotation) if (origin or annotation) is not type(None) else value is None
+
+
+def resume_command(argv: list[str], run_dir: str) -> str:
+    """The command that continues `run_dir` in place: this run's (preset and flags, launch ones included) with
+    --resume RUN_DIR instead of any --resume; launcher options (torchrun's) are not in argv."""
+    kept, skip = [], False
+    for token in argv:
+        if not skip and token != "--resume" and not token.startswith("--resume="):
+            kept.append(token)
+        skip = token == "--resume"
+    return shlex.join(["train.py", *kept, "--resume", os.path.abspath(run_dir)])
 
 
 def as_flag(flag: str, value) -> str:

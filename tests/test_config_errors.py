@@ -160,7 +160,8 @@ def test_checkpoint_that_does_not_fit_fails_before_the_env_is_built(tmp_path, mo
     ckpt = saved_run(tmp_path)
     monkeypatch.setattr(train, "make_env", lambda *a, **k: pytest.fail("env built before the check"))
     new_root = str(tmp_path / "b")
-    with pytest.raises(UsageError, match=r"--env.num-envs 32 does not match the checkpoint's --env.num-envs 16 per rank"):
+    with pytest.raises(UsageError, match=r"--env.num-envs 32 does not match the checkpoint's --env.num-envs 16 "
+                                         r"per rank"):
         train.main(cfg_with(env__num_envs=32, ppo__num_steps=8, resume=ckpt, log__root=new_root))
     with pytest.raises(UsageError, match=r"--policy.actor-hidden 64 64 does not match the "
                                          r"checkpoint's --policy.actor-hidden 128 128 "):

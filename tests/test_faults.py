@@ -7,6 +7,7 @@ way a cluster does: SIGTERM to one rank, kill -9 of a rank or of the launcher.
 import glob
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -91,16 +92,18 @@ def test_ctrl_c_saves_and_resume_auto_continues_in_place(tmp_path):
     job.wait_for(r"^it +2/")
     job.signal(signal.SIGINT)
     assert job.finish(60) == 0, job.output()
-    stopped = job.wait_for(r"after iteration (\d+); saved (\S+); continue it in place .* --resume (\S+)$")
+    stopped = job.wait_for(r"after iteration (\d+); saved (\S+); continue it in place with: (.*)$")
     k, path = int(stopped.group(1)), stopped.group(2)
     run_dir = os.path.dirname(path)
-    assert stopped.group(3) == os.path.abspath(run_dir)         # the hint names this run, not the newest one
+    # this run's command, resuming this run (not the experiment's newest one, which in a sweep may be another)
+    assert stopped.group(3) == shlex.join(["train.py", *cartpole_args(tmp_path), "--resume",
+                                           os.path.abspath(run_dir)])
     open(os.path.join(run_dir, f"model_{k + 5}.pt.tmp-999-deadbeef"), "wb").write(b"half a checkpoint")
     cfg = preset("cartpole")
     cfg.log.root, cfg.resume, cfg.max_iterations, cfg.log.print_every = str(tmp_path), "auto", k + 2, 100
     train.main(cfg)
-    assert sorted(os.listdir(run_dir)) == sorted([f"model_{k}.pt", f"model_{k + 2}.pt", ".lock", "config_0.json", f"config_{k}.json"] +
-                                                 [f for f in os.listdir(run_dir) if f.startswith("events")])
+    expected = [f"model_{k}.pt", f"model_{k + 2}.pt", ".lock", "config_0.json", f"config_{k}.json"]
+    assert sorted(os.listdir(run_dir)) == sorted(expected + [f for f in os.listdir(run_dir) if f.startswith("events")])
     assert tb_steps(run_dir) == list(range(1, k + 3))
 
 

@@ -13,7 +13,7 @@ import torch
 import train
 from envs.motions import MotionLibrary
 from dist.errors import UsageError
-from configs.resume import continue_saved_config
+from configs.resume import continue_saved_config, resume_command
 from configs.typed_flags import typed_flags
 from ppo.minibatch_step import saved_state_for
 from tests.test_config_errors import cfg_with
@@ -131,9 +131,9 @@ def test_a_resume_from_the_command_line_continues_the_runs_settings_and_takes_on
     assert config["env"]["num_envs"] == 16 and config["ppo"]["num_steps"] == 8     # the preset: 512 x 24
     assert config["log"]["print_every"] == 100 and config["ppo"]["num_epochs"] == 4 and config["log"]["root"] == root
     out = capsys.readouterr().out
-    assert "'s run (unlike the preset: --env.num-envs 16, --ppo.num-steps 8, --ppo.entropy-coef 0.02, --log.print-every " \
-           "100, --seed 3); changed by this command line: --ppo.num-epochs 4 (the checkpoint's run: --ppo.num-epochs " \
-           "2), --max-iterations 3 (the checkpoint's run: --max-iterations 2)\n" in out
+    assert "'s run (unlike the preset: --env.num-envs 16, --ppo.num-steps 8, --ppo.entropy-coef 0.02, " \
+           "--log.print-every 100, --seed 3); changed by this command line: --ppo.num-epochs 4 (the checkpoint's " \
+           "run: --ppo.num-epochs 2), --max-iterations 3 (the checkpoint's run: --max-iterations 2)\n" in out
 
 
 def test_typed_flags_are_checked_against_the_settings_the_run_continues_with(tmp_path):
@@ -174,3 +174,9 @@ def test_continue_saved_config_by_field_kind():
     with pytest.raises(UsageError, match=r"^--env.name cartpole does not match the checkpoint's --env.name tracking: "
                                          r"resume it with the preset it was trained with"):
         continue_saved_config(cfg_with(env__name="cartpole"), {"env": {"name": "tracking"}}, frozenset())
+
+
+def test_the_resume_command_is_this_run_s_own_with_its_directory():
+    argv = ["cartpole", "--resume", "auto", "--seed", "3", "--resume=x.pt", "--log.root", "my runs"]
+    assert resume_command(argv, "/r/cartpole/2026") == \
+        "train.py cartpole --seed 3 --log.root 'my runs' --resume /r/cartpole/2026"
