@@ -65,7 +65,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     resume_path, run_dir = resolve_resume(cfg, experiment_dir)
     checkpoint = load_checkpoint(resume_path) if resume_path else None
-    changed = kept = []               # from the command line a resumed run continues its own settings
+    changed, kept = [], []            # from the command line a resumed run continues its own settings
     if checkpoint is not None and typed is not None:
         changed, kept = continue_saved_config(cfg, checkpoint["config"], typed)
     envs_scope, env_seed = resolve_num_envs(cfg, world), shared_env_seed(cfg, checkpoint)

@@ -61,8 +61,7 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
     taken from the checkpoint that differ from what `cfg` had (the preset's), as `FLAG VALUE`."""
     name = saved.get("env", {}).get("name")
     if name is not None and name != cfg.env.name:      # every other env setting would be the wrong env's
-        raise UsageError(f"--env.name {cfg.env.name} does not match the checkpoint's --env.name {name}: resume it "
-                         f"with the preset it was trained with (train.py PRESET), or pass --env.name {name}")
+        refuse_other_env(cfg.env.name, name)
     changed, kept = [], []
     env_count_typed = bool({"--env.num-envs", "--env.global-num-envs"} & typed)   # one setting in two fields
     for flag, owner, field, path in settings(cfg):
@@ -88,6 +87,12 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
     return changed, kept
 
 
+def refuse_other_env(ours: str, theirs: str):
+    """--env.name is the preset's choice, never taken from a checkpoint: another env kind cannot continue."""
+    raise UsageError(f"--env.name {ours} does not match the checkpoint's --env.name {theirs}: resume it with the "
+                     f"preset it was trained with (train.py PRESET), or pass --env.name {theirs}")
+
+
 def fits_type(value, annotation) -> bool:
     """Whether a saved value is one the field accepts: a Literal's options, int, float, bool, str, tuple, None."""
     origin, options = typing.get_origin(annotation), typing.get_args(annotation)
@@ -99,7 +104,9 @@ def fits_type(value, annotation) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, origin or annotation) if (origin or annotation) is not type(None) else value is None
+    if annotation is type(None):
+        return value is None
+    return isinstance(value, origin or annotation)
 
 
 def resume_command(argv: list[str], run_dir: str) -> str:
@@ -161,9 +168,8 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
                 raise UsageError(f"--env.global-num-envs {total} gives {ours} envs per rank on {total // ours} "
                                  f"rank(s), the checkpoint {path!r} has {theirs} per rank; pass --env.global-num-envs "
                                  f"{theirs * (total // ours)} to resume it")
-            if flag == "--env.name":      # the preset's choice, never taken from the checkpoint
-                raise UsageError(f"--env.name {ours} does not match {theirs} in the checkpoint {path!r}: resume it "
-                                 f"with a {theirs} preset (train.py PRESET), or pass --env.name {theirs}")
+            if flag == "--env.name":
+                refuse_other_env(ours, theirs)
             hint = " per rank" if name == "num_envs" else ""      # a resume needs the same count per rank
             raise UsageError(f"{as_flag(flag, ours)} does not match the checkpoint's {as_flag(flag, theirs)}{hint} "
                              f"({path!r}); leave the flag out to keep the checkpoint's")
