@@ -94,7 +94,9 @@ def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments
 
     Crosses ranks: header, table, each payload segment (or one compressed blob) and the trailer, to each
     receiver, all non-blocking; `sums()` (each row's checksum after the update) runs while the payload is
-    in flight. Returns once every send completed, so that the caller may then commit what it sent.
+    in flight. Returns once every send completed, so that the caller may then commit what it sent. When
+    `sums()` raises, the receivers get a trailer that they refuse (the link stays in step for resync()) and the
+    error is raised here.
     """
     order, _, raw = layout([(s.dtype, s.numel()) for s in segments])
     payload = [segments[i].reshape(-1) for i in order if segments[i].numel()]
@@ -106,9 +108,18 @@ def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments
     words = torch.tensor([MAGIC, kind, version, base, len(table), wire, raw], dtype=torch.int64)
     head = [torch.cat([words, checksum([words, table]).view(1)]).to(device)] + ([table.to(device)] if len(table) else [])
     works = [comm.isend(t, purpose, dst, group) for t in head + payload for dst in dsts]
-    after = sums() if len(table) else []
-    if len(table):
-        trailer = torch.stack([torch.as_tensor(s).cpu() for s in after])
+    try:
+        after = sums() if len(table) else []
+        trailer = torch.stack([torch.as_tensor(s).cpu() for s in after]) if len(table) else None
+    except BaseException:
+        # The receivers hold this frame's header, table and payload and wait for its trailer: send one that they
+        # refuse (its check is off by one), so that the link stays in step for resync(), then raise.
+        zeros = torch.zeros(len(table), dtype=torch.int64)
+        refused = torch.cat([zeros, (checksum([words, zeros]) + 1).view(1)]).to(device)
+        for work in works + [comm.isend(refused, purpose, dst, group) for dst in dsts]:
+            work.wait()
+        raise
+    if trailer is not None:
         trailer = torch.cat([trailer, checksum([words, trailer]).view(1)]).to(device)
         works += [comm.isend(trailer, purpose, dst, group) for dst in dsts]
     for work in works:
@@ -157,7 +168,8 @@ class Frame:
         sums = self.trailer[:-1].cpu()
         if int(checksum([self.words(), sums])) != int(self.trailer[-1]):
             raise SyncIntegrityError(f"weight sync: the checksums of frame version {self.version} failed their "
-                                     f"check (trailer corrupted); {RESYNC_HINT}")
+                                     f"check (trailer corrupted, or the sender failed while computing them: see "
+                                     f"its error); {RESYNC_HINT}")
         return sums.tolist()
 
 

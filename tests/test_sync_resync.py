@@ -1,6 +1,7 @@
 """resync() and refused frames: queued compressed patches are drained, a damaged compressed payload or a refused
 multi-bucket resync leaves the link resyncable, a refused trailer after an in-place receive says the model
-was written, and an apply() that meets a resync refuses it by its kind and leaves the link in step."""
+was written, an apply() that meets a resync refuses it by its kind and leaves the link in step, and a
+sender whose checksums fail ends its frame so that the link recovers."""
 
 import pytest
 import torch
@@ -200,3 +201,53 @@ def test_an_apply_that_meets_a_resync_refuses_it_by_kind_and_the_link_recovers(c
     assert refused == (f"RuntimeError: weight sync: expected a message of kind {update_kind}, got kind 3; sender and "
                        f"receiver disagree on which call comes next (sync/resync/apply)")
     assert bits_equal(received, sender)
+
+
+def _sender_fails_computing_checksums(rank, world_size, mode):
+    import sync.link
+    import sync.patch
+    import sync.wire
+
+    syncer = make_weight_syncer(WeightSyncConfig(type=mode), src=0, dsts=[1])
+    state = make_state(seed=0)
+    if rank == 0:
+        g = torch.Generator().manual_seed(1)
+        syncer.init_sender(state)
+        random_update(state, g, 0.1)
+        real = sync.wire.send_frame
+
+        def failing(kind, version, base, table, segments, sums, *rest):  # e.g. a device error in the checksum
+            def fail():
+                raise ArithmeticError("checksum failed on the device")
+            return real(kind, version, base, table, segments, fail, *rest)
+
+        module = sync.patch if mode == "patch" else sync.link
+        module.send_frame = failing
+        try:
+            with pytest.raises(ArithmeticError, match="checksum failed on the device"):
+                syncer.sync(state, 1)
+        finally:
+            module.send_frame = real
+        assert syncer.version == 0      # nothing committed: the next patch would still carry the changes
+        syncer.resync(state, 2)
+        random_update(state, g, 0.1)
+        syncer.sync(state, 3)
+        return snapshot(state)
+    syncer.init_receiver(state)
+    before = snapshot(state)
+    with pytest.raises(SyncIntegrityError, match="the sender failed while computing them") as error:
+        syncer.apply(state)
+    assert error.value.model_written == (mode == "bucket")   # bucket receives straight into the model
+    if mode == "patch":
+        assert bits_equal(state, before)
+    assert syncer.resync(state) == 2 and syncer.apply(state) == 3
+    return snapshot(state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["patch", "bucket"])
+def test_a_sender_that_fails_computing_checksums_ends_the_frame_and_the_link_recovers(mode):
+    """sums() raising after the payload went out: the receivers get a trailer they refuse (they were waiting for
+    one), the sender raises its own error, and a resync pair brings both back in step."""
+    sender, receiver = run_ranks(_sender_fails_computing_checksums, 2, args=(mode,), timeout=60)
+    assert bits_equal(receiver, sender)
