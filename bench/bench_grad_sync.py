@@ -323,12 +323,14 @@ def main() -> None:
     print(f"gradient sync, {args.world} {args.backend} rank(s) on {args.device}"
           f"{' (world size 1: no cross-rank traffic, sync cost is only the local path)' if args.world == 1 else ''}, "
           f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, batch {args.batch}/rank; "
-          f"variants interleaved, median of {args.iters} rounds after {args.warmup} warm-up, slowest rank")
+          f"variants interleaved, median of {args.iters} rounds after {args.warmup} warm-up, slowest rank"
+          + ("; --quick: a smoke run, its ratios move by tens of percent from run to run" if args.quick else ""))
     print("models: " + ", ".join(f"{name} = {n:,} params ({n * 4 / MB:.1f} MB of fp32 grads)"
                                  for name, n in params.items()))
     print(f"peak +MB: {rows[0]['source']} growth, fresh processes per variant, max over ranks; "
           f"grad+comm MB: counted from the objects")
     print_table(rows)
+
 
 if __name__ == "__main__":
     main()

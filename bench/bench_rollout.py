@@ -1,7 +1,7 @@
 """Rollout ranks (`--rollout.ranks`): colocated vs 1 learner + 1 rollout rank, weight-sync bytes and time, learning.
 
     python bench/bench_rollout.py            # all three parts (about an hour on 2 loaded cores)
-    python bench/bench_rollout.py --quick    # throughput on tracking and one weight-sync case (about a minute)
+    python bench/bench_rollout.py --quick    # throughput on tracking and one weight-sync case (1-2 minutes)
     python bench/bench_rollout.py --parts sync learning --out bench/out/rollout
 
 Every number comes from real `torchrun --nproc-per-node 2 train.py ...` jobs (gloo, 2 processes, one
@@ -36,6 +36,7 @@ thread each), read back from the TensorBoard file the learner writes.
 import argparse
 import glob
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -335,13 +336,19 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
     except OSError as exc:     # a file of that name, a read-only place: one line, before any job starts
         parser.error(f"--out {args.out!r} cannot hold run directories ({exc.strerror or type(exc).__name__})")
-    scratch = tempfile.mkdtemp(prefix="run_", dir=args.out)
-    print(f"bench_rollout: {', '.join(args.parts)}; runs under {args.out}; load average {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} cores at start", flush=True)
-    if "throughput" in args.parts:
-        throughput(args, os.path.join(scratch, "throughput"))
-    if "sync" in args.parts:
-        weight_sync(args, os.path.join(scratch, "sync"))
+    scratch = tempfile.mkdtemp(prefix="run_", dir=args.out)   # throughput and sync jobs: removed when done
+    print(f"bench_rollout: {', '.join(args.parts)}; runs under {scratch}; load average {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} cores at start" + ("; --quick: one round, the ratios move by tens of percent "
+                                                   "from run to run" if args.quick else ""), flush=True)
+    try:
+        if "throughput" in args.parts:
+            throughput(args, os.path.join(scratch, "throughput"))
+        if "sync" in args.parts:
+            weight_sync(args, os.path.join(scratch, "sync"))
+    except BaseException:
+        print(f"bench_rollout: the jobs' run directories are kept in {scratch}", file=sys.stderr, flush=True)
+        raise
+    shutil.rmtree(scratch)
     if "learning" in args.parts:
         learning(args, os.path.join(args.out, "learning"))
     print(f"load average {os.getloadavg()[0]:.1f} at the end", flush=True)

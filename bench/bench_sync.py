@@ -5,7 +5,7 @@ elements changed since the last sync); bucket and naive send everything whatever
 gives patch's bytes against the information limit for fp32 and bf16 receivers. Optionally, the density a
 real PPO iteration of the `tracking` preset produces, from consecutive checkpoints of train.py.
 
-    python bench/bench_sync.py              # ~10M parameters: time and bytes tables, about a minute
+    python bench/bench_sync.py              # ~10M parameters: time and bytes tables, a few minutes
     python bench/bench_sync.py --quick      # ~1M parameters, three densities: seconds
     python bench/bench_sync.py --ppo        # also train 3 iterations of `tracking` and sync its checkpoints
     python bench/bench_sync.py --checkpoints a/model_1.pt a/model_2.pt a/model_3.pt   # PPO part from these
@@ -23,9 +23,11 @@ log2(C(n, k)) / 8 bytes for the positions, per tensor, in the receiver's dtype.
 """
 
 import argparse
+import atexit
 import glob
 import math
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -209,6 +211,7 @@ def worker(rank: int, port: int, args, queue) -> None:
 def ppo_checkpoints(iterations: int = 3) -> list:
     """Train the tracking preset for a few iterations and return its checkpoints (one per iteration)."""
     root = tempfile.mkdtemp(prefix="bench_sync_")
+    atexit.register(shutil.rmtree, root, True)        # the checkpoints are only read by this run
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, os.path.join(repo, "train.py"), "tracking", "--max-iterations", str(iterations),
                     "--log.save-every", "1", "--log.root", root], check=True, cwd=repo)
@@ -217,8 +220,10 @@ def ppo_checkpoints(iterations: int = 3) -> list:
 
 
 def print_tables(tables: dict, args) -> None:
-    print(f"\nTime: {args.size} fp32 parameters, fp32 receiver; median of {args.repeats} (naive, mode) pairs")
-    print("| mode | density | naive s | mode s | time vs naive (median) | min-max |")
+    print(f"\nTime: {args.size} fp32 parameters, fp32 receiver; {args.repeats} (naive, mode) pairs. Times are medians; "
+          f"the ratio is the median of per-pair ratios (the naive send's time moves from pair to pair), not the "
+          f"ratio of the medians" + ("; --quick: 3 pairs, a smoke run" if args.quick else ""))
+    print("| mode | elements changed | naive s | mode s | time vs naive (median) | min-max |")
     print("|---|---|---|---|---|---|")
     for r in tables["time"]:
         print(f"| {r['mode']} | {r['density']:.2%} | {r['naive']:.3f} | {r['seconds']:.3f} | {r['ratio']:.2f} | "
