@@ -92,6 +92,25 @@ def test_bench_grad_sync_bad_numbers_are_one_line(bench_grad_sync, monkeypatch, 
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"bench_grad_sync.py: error: {flags[0]} must be ")
 
 
+# ---- bench/fault_drills.py ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, code", [(["--help"], 0), (["--bogus"], 2)])
+def test_fault_drills_help_and_bad_flags_run_no_drill(monkeypatch, capsys, flags, code):
+    """`--help` (or a typo) used to be ignored: it ran all seven torchrun drills (minutes, 170 MB left in /tmp)."""
+    fault_drills = load_bench("fault_drills")
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a drill was started")
+
+    monkeypatch.setattr(fault_drills, "drill", must_not_run)
+    monkeypatch.setattr(sys, "argv", ["fault_drills.py", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        fault_drills.main()
+    assert exit_info.value.code == code
+    out, err = capsys.readouterr()
+    assert ("--keep" in out) if code == 0 else err.splitlines()[-1].endswith("unrecognized arguments: --bogus")
+
+
 # ---- ppo/logger.py ------------------------------------------------------------------------------------
 
 def tb_scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
