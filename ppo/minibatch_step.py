@@ -64,9 +64,13 @@ def build_optimizer(params, cfg, device: torch.device) -> torch.optim.Adam:
     computes the same either way)."""
     if not cfg.capture_step:
         return torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.adam_eps, foreach=True)
-    dtype = torch.float64 if device.type == "cpu" else torch.float32
-    return torch.optim.Adam(params, lr=torch.tensor(cfg.learning_rate, dtype=dtype, device=device), eps=cfg.adam_eps,
+    return torch.optim.Adam(params, lr=lr_tensor(cfg.learning_rate, device), eps=cfg.adam_eps,
                             fused=True, capturable=device.type == "cuda")
+
+
+def lr_tensor(lr: float, device: torch.device) -> torch.Tensor:
+    """The LR as --ppo.capture-step's fused Adam reads it: float64 on CPU, float32 on CUDA (see build_optimizer)."""
+    return torch.tensor(lr, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
 
 
 def saved_state_for(optimizer: torch.optim.Optimizer, saved: dict, settings: dict | None = None) -> dict:
@@ -106,9 +110,11 @@ class SyncFreeStep:
 
     def __init__(self, model, optimizer, grad_sync, cfg):
         group = optimizer.param_groups[0]
-        if len(optimizer.param_groups) != 1 or not group.get("fused") or not isinstance(group["lr"], torch.Tensor):
+        if len(optimizer.param_groups) != 1 or not group.get("fused"):
             raise ValueError("--ppo.capture-step needs the fused Adam with a tensor LR that "
                              "ppo.minibatch_step.build_optimizer(params, cfg, device) returns")
+        if not isinstance(group["lr"], torch.Tensor):   # assigned before this step existed (the linear schedule)
+            group["lr"] = lr_tensor(float(group["lr"]), group["params"][0].device)
         self.model, self.optimizer, self.grad_sync, self.cfg = model, optimizer, grad_sync, cfg
         self.opt_lr = group["lr"]                       # the tensor the fused kernel reads (graph-stable)
         self.lr = self.opt_lr.detach().double().clone()

@@ -35,7 +35,8 @@ def test_device_lr_rule_gives_the_host_rule_bit_for_bit():
     assert {host} <= {lr_min, lr_max} or lr_min < host < lr_max
 
 
-def run_update(capture: bool, poison_minibatch: int | None = None, iterations: int = 2, **overrides):
+def run_update(capture: bool, poison_minibatch: int | None = None, iterations: int = 2, linear: bool = False,
+               **overrides):
     model = make_model()
     storage = RolloutStorage(T, N, OBS, A, DEVICE)
     fill(storage, 0, model)
@@ -58,6 +59,8 @@ def run_update(capture: bool, poison_minibatch: int | None = None, iterations: i
     advantages, returns = storage.advantages.clone(), storage.returns.clone()
     for it in range(iterations):
         storage.advantages, storage.returns = advantages, returns
+        if linear:      # as train.py's linear schedule: a float, before every update (the first included)
+            optimizer.param_groups[0]["lr"] = 1e-3 * (1.0 - it / iterations)
         stats.append(ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(7 + it)))
     return model, optimizer, stats
 
@@ -73,6 +76,18 @@ def test_sync_free_update_equals_host_update_exactly(overrides):
             assert torch.equal(s_h[key], s_d[key]), key
     assert dev_stats == host_stats          # LR, KL, loss means and skip counts, as floats
     assert host_stats[-1]["learning_rate"] != 1e-3 or overrides.get("schedule") == "fixed"
+
+
+def test_linear_schedule_assigning_the_lr_before_the_first_update_equals_the_host_update():
+    """train.py assigns the linear schedule's LR (a float) before the first update, so before the sync-free step
+    exists: that step refused the optimizer ('needs the fused Adam with a tensor LR'), ending every
+    --ppo.capture-step run with the linear schedule (the mujoco preset's) after its first rollout."""
+    host_model, _, host_stats = run_update(False, iterations=3, linear=True, schedule="linear")
+    dev_model, _, dev_stats = run_update(True, iterations=3, linear=True, schedule="linear")
+    for p, q in zip(host_model.parameters(), dev_model.parameters()):
+        assert torch.equal(p, q)
+    assert dev_stats == host_stats
+    assert [s["learning_rate"] for s in dev_stats] == [1e-3 * (1.0 - it / 3) for it in range(3)]
 
 
 def test_non_finite_step_is_skipped_exactly_as_on_the_host():
