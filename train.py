@@ -300,7 +300,8 @@ def tell_torchrun(message: str) -> None:
 
 
 def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
-    """Run `main`; turn user errors into one line on stderr (status 2) and run-time failures into one line (1)."""
+    """Run `main`; turn user errors into one line on stderr (status 2) and run-time failures into one line (1); an
+    unexpected exception prints its traceback and that line (1). Each tears the process group down at once."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
         main(cfg, typed)
@@ -313,6 +314,11 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
         when = "by a second Ctrl-C" if isinstance(exc, SecondInterrupt) else "by Ctrl-C outside the training loop"
         message = f"error: interrupted {when}: nothing saved since the last checkpoint"
         code, failure, say = 130, exc, True
+    except Exception as exc:         # a bug, not bad input: its traceback, then the same teardown as a run-time failure
+        traceback.print_exc()       # (without it, other ranks blocked on this one waited out --dist.timeout-s)
+        code, failure, say = 1, exc, True
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        message = f"error: unexpected {type(exc).__name__} (traceback above): {first}"
     if say:
         print(f"{message}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside
     tell_torchrun(message)

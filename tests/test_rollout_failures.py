@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent("""
         def failing(self, iteration):
             if iteration == 1:
                 time.sleep(1)          # the rollout rank has its weights by now: the thread waits for a request
-                raise RunError("injected learner failure")
+                raise {error}("injected learner failure")
             return receive(self, iteration)
         rollout_ranks.LearnerTeam.receive = failing
     else:
@@ -51,12 +51,16 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_a_failing_learner_exits_with_its_error_not_an_abort(tmp_path):
+@pytest.mark.parametrize("error", ["RunError", "ZeroDivisionError"])
+def test_a_failing_learner_exits_with_its_error_not_an_abort(tmp_path, error):
+    """A run-time failure, and an unexpected exception (a bug): its traceback, then the same one line and the same
+    teardown; the rollout rank fails at once, not after --dist.timeout-s (600 s here: waiting it out fails the
+    test's 60 s bound; an unexpected exception used to leave the process group up, so it did)."""
     script = tmp_path / "fail.py"
-    script.write_text(SCRIPT.format(root=ROOT))
+    script.write_text(SCRIPT.format(root=ROOT, error=error))
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(script), "cartpole", "--max-iterations", "100", "--log.root",
-                               str(tmp_path), "--rollout.ranks", "1", "--dist.timeout-s", "20"],
+                               str(tmp_path), "--rollout.ranks", "1", "--dist.timeout-s", "600"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
                                    "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -71,7 +75,10 @@ def test_a_failing_learner_exits_with_its_error_not_an_abort(tmp_path):
     assert "serving threads alive at exit: []" in learner, learner
     assert procs[0].returncode == 1 and "terminate called" not in learner, learner
     errors = [line for line in learner.splitlines() if line.startswith(("error:", "[syncppo] serving weights"))]
-    assert errors == ["error: injected learner failure"], learner          # one line, the learner's own
+    expected = "error: injected learner failure" if error == "RunError" else \
+        "error: unexpected ZeroDivisionError (traceback above): injected learner failure"
+    assert errors == [expected], learner          # one line, the learner's own
+    assert ("Traceback" in learner) == (error != "RunError"), learner
     assert procs[1].returncode == 1 and "learner rank 0 died or stalled" in outputs[1], outputs[1]
 
 
