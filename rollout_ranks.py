@@ -154,7 +154,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     seed_everything(cfg.seed + j)                 # the seeds colocated rank j would use
     try:
         env = make_env(cfg.env, device, seed=cfg.seed + j, base_seed=shared_env_seed(cfg, checkpoint))
-    except ValueError as exc:   # the learners build no env: the first rollout rank says it
+    except (ValueError, ImportError) as exc:   # the learners build no env: the first rollout rank says it
         raise UsageError(str(exc), say_here=j == 0) from exc
     copy = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions).to(device)
     low_precision = cfg.rollout.dtype != "float32"

@@ -105,7 +105,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     if roles.colocated:
         try:
             env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=env_seed)
-        except ValueError as exc:     # the adapters name the --env flag that does not fit the simulator
+        except (ValueError, ImportError) as exc:   # the adapters name the --env flag or the package to install
             raise UsageError(str(exc)) from exc
         obs_dims, num_actions, N, log_keys = env.obs_dims, env.num_actions, env.num_envs, tuple(env.log_keys)
         sampler = env.sampler         # with rollout ranks the sampler lives there (summed in their group)

@@ -37,8 +37,9 @@ class GymnasiumEnv:
         try:
             self.env = gym.make_vec(task, num_envs=num_envs, vectorization_mode="sync",
                                     vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
-        except gym.error.DependencyNotInstalled as exc:      # e.g. mujoco missing for a MuJoCo task
-            raise ImportError(f"--env.task {task}: {exc}; {INSTALL_HINT}") from exc
+        except gym.error.DependencyNotInstalled as exc:   # mujoco missing for a MuJoCo task, box2d for CarRacing...
+            hint = f"; {INSTALL_HINT}" if "mujoco" in str(exc).lower() else ""   # gymnasium's message says the rest
+            raise ImportError(f"--env.task {task}: {exc}{hint}") from exc
         action_space, obs_space = self.env.single_action_space, self.env.single_observation_space
         if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
             raise ValueError(f"--env.task {task}: needs a 1-D continuous (Box) action space, got {action_space}")

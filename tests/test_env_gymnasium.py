@@ -136,6 +136,23 @@ def test_a_task_missing_its_simulator_names_the_install_command(monkeypatch):
         GymnasiumEnv("NeedsMujoco-v0", 1, torch.device("cpu"), seed=0)
 
 
+def test_a_task_missing_another_simulator_is_one_line_from_the_cli_without_the_mujoco_hint(monkeypatch, tmp_path,
+                                                                                          capsys):
+    """gymnasium's own message says what to install (Box2D here); train.py caught only ValueError from the env build,
+    so this was a traceback, and the hint named make setup-mujoco whatever was missing."""
+    message = 'Box2D is not installed, run `pip install "gymnasium[box2d]"`'
+
+    def needs_box2d(**kwargs):
+        raise gymnasium.error.DependencyNotInstalled(message)
+
+    monkeypatch.setitem(gymnasium.registry, "NeedsBox2d-v0", gymnasium.envs.registration.EnvSpec(
+        "NeedsBox2d-v0", entry_point=needs_box2d, max_episode_steps=10))
+    cfg = preset("mujoco")
+    cfg.env.task, cfg.dry_run, cfg.log.root = "NeedsBox2d-v0", True, str(tmp_path)
+    assert train.cli(cfg) == 2
+    assert capsys.readouterr().err == f"error: --env.task NeedsBox2d-v0: {message}\n"
+
+
 def test_mujoco_preset_is_cleanrl_ppo_continuous_action():
     cfg = preset("mujoco")
     assert (cfg.env.name, cfg.env.task, cfg.env.num_envs, cfg.ppo.num_steps) == ("gymnasium", "Hopper-v4", 1, 2048)
