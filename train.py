@@ -36,7 +36,8 @@ from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows
 from dist.plan import format_plan
 from dist.roles import assign_roles
-from dist.setup import init_distributed, keep_freed_host_memory, resolve_device, seed_everything, shutdown
+from dist.setup import (init_distributed, keep_freed_host_memory, launch_int, launch_rank_and_world, resolve_device,
+                        seed_everything, shutdown)
 from dist.stats import metrics_plan_rows, reduce_metrics, sum_counts, sum_counts_plan_rows
 from dist.stop import STOP_KEYS, SecondInterrupt, StopRequests
 from dist.verify import verify_plan_rows, verify_replicas
@@ -60,9 +61,9 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     `typed`: the flags of the command line (cli). A resumed run then keeps its checkpoint's settings except
     these and the launch ones (configs/resume.py); None (a program's config) takes `cfg` as it is."""
     # ---- every check that needs neither a process group nor an env: nothing is built or written yet --
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = launch_rank_and_world()
     experiment_dir = os.path.join(cfg.log.root, cfg.log.experiment or cfg.env.name)   # launch settings: final
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    restarted = launch_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
     resume_path, run_dir = resolve_resume(cfg, experiment_dir)
     checkpoint = load_checkpoint(resume_path) if resume_path else None
     changed, kept = [], []            # from the command line a resumed run continues its own settings
@@ -299,15 +300,21 @@ def tell_torchrun(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
+def first_on_node() -> bool:
+    """Whether this is local rank 0, which says what every rank would (an unreadable LOCAL_RANK counts: main() then
+    refuses it, and someone must say so)."""
+    value = os.environ.get("LOCAL_RANK", "0")
+    return not value.strip().isdigit() or int(value) == 0
+
+
 def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
     """Run `main`; turn user errors into one line on stderr (status 2) and run-time failures into one line (1); an
     unexpected exception prints its traceback and that line (1). Each tears the process group down at once."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
         main(cfg, typed)
         return 0
     except UsageError as exc:        # identical on every rank: said once per node, unless only some ranks meet it
-        code, failure, message, say = 2, exc, f"error: {exc}", local_rank == 0 if exc.say_here is None else exc.say_here
+        code, failure, message, say = 2, exc, f"error: {exc}", first_on_node() if exc.say_here is None else exc.say_here
     except (RunError, comm.CollectiveError) as exc:
         code, failure, message, say = 1, exc, f"error: {exc}", True
     except KeyboardInterrupt as exc:     # a first Ctrl-C waits for the iteration's end only while training
@@ -338,7 +345,7 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    quiet = int(os.environ.get("LOCAL_RANK", 0)) > 0        # tyro's help and parse errors: once per node, as ours
+    quiet = not first_on_node()        # tyro's help and parse errors: once per node, as ours
     try:
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
                 contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():

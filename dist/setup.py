@@ -25,13 +25,34 @@ class DistInfo:
     device: torch.device
 
 
+def launch_int(name: str, default: int, low: int = 0) -> int:
+    """An integer that torchrun sets in the environment (RANK, WORLD_SIZE, LOCAL_RANK, ...), `default` when unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if not value.strip().isdigit() or int(value) < low:
+        alone = ", or unset it to run one process" if name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") else ""
+        raise UsageError(f"environment variable {name}={value!r} is not an integer >= {low}: torchrun sets it; "
+                         f"launch with torchrun{alone}")
+    return int(value)
+
+
+def launch_rank_and_world() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) from torchrun's environment, (0, 1) without it; checked."""
+    rank, world_size = launch_int("RANK", 0), launch_int("WORLD_SIZE", 1, low=1)
+    if rank >= world_size:
+        raise UsageError(f"environment variables RANK={rank} and WORLD_SIZE={world_size}: a rank must be below the "
+                         f"world size (torchrun sets both; launch with torchrun)")
+    return rank, world_size
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     """cuda:LOCAL_RANK or cpu, checked before any process group or env exists (no communication)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = launch_int("LOCAL_RANK", 0)
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise UsageError("--dist.device cuda was asked for but torch sees no CUDA device; use --dist.device cpu")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    local_world = launch_int("LOCAL_WORLD_SIZE", local_rank + 1, low=1)
     if use_cuda and local_world > torch.cuda.device_count():
         raise UsageError(f"--nproc-per-node {local_world} starts more ranks than the {torch.cuda.device_count()} "
                          f"visible GPU(s); start at most that many processes per node")
@@ -49,9 +70,15 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     of the previous round; the group's keys are therefore prefixed by TORCHELASTIC_RESTART_COUNT so a
     restarted gloo group never connects to a dead worker's old address.
     """
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world_size = launch_rank_and_world()
+    local_rank = launch_int("LOCAL_RANK", 0)
+    if world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:
+            raise UsageError(f"WORLD_SIZE={world_size} without {' and '.join(missing)}: the ranks cannot find "
+                             f"each other; launch with torchrun (it sets them), or set them to rank 0's host and a "
+                             f"free port")
+        launch_int("MASTER_PORT", 0, low=1)
     dev = resolve_device(device)
     use_cuda = dev.type == "cuda"
     if use_cuda:
@@ -65,7 +92,7 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
             timeout = timedelta(seconds=timeout_s)
             kwargs = {"backend": backend, "timeout": timeout, "device_id": dev if use_cuda else None}
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-                store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], launch_int("MASTER_PORT", 0), world_size,
                                             is_master=False, timeout=timeout)
                 restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
                 kwargs.update(store=torch_dist.PrefixStore(f"syncppo/restart{restart}", store), rank=rank,

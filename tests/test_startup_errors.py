@@ -46,6 +46,33 @@ def test_nccl_on_the_cpu_is_one_line_naming_the_flag(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "cartpole")
 
 
+# ---- torchrun's variables set by hand: one line naming the variable, before anything is built -------------
+
+@pytest.mark.parametrize("env, named", [
+    ({"WORLD_SIZE": "abc"}, "environment variable WORLD_SIZE='abc' is not an integer >= 1"),
+    ({"WORLD_SIZE": "0"}, "environment variable WORLD_SIZE='0' is not an integer >= 1"),
+    ({"RANK": "x"}, "environment variable RANK='x' is not an integer >= 0"),
+    ({"LOCAL_RANK": "-1"}, "environment variable LOCAL_RANK='-1' is not an integer >= 0"),
+    ({"TORCHELASTIC_RESTART_COUNT": "x"}, "environment variable TORCHELASTIC_RESTART_COUNT='x' is not an integer"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "environment variables RANK=2 and WORLD_SIZE=2: a rank must be below"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2 without MASTER_ADDR and MASTER_PORT"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"},
+     "environment variable MASTER_PORT='abc' is not an integer >= 1"),
+])
+def test_torchrun_variables_set_by_hand_are_one_line_naming_the_variable(tmp_path, capsys, monkeypatch, env, named):
+    """They were int() tracebacks, a ZeroDivisionError, torch's MASTER_ADDR traceback, or (WORLD_SIZE=0) silently one
+    process."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                 "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert train.cli(small(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}") and err.count("\n") == 1, err
+    assert not os.path.exists(tmp_path / "cartpole")
+
+
 # ---- rollout ranks with Isaac Lab: refused at validation, naming --rollout.ranks ---------------------------
 
 def test_rollout_ranks_with_isaaclab_are_refused_before_anything_is_built(monkeypatch):
