@@ -280,17 +280,23 @@ def print_table(rows: list) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small models, batch 64, 1 warm-up + 3 timed steps")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--batch", type=int, default=256, help="samples per rank per step")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10, help="timed steps per variant (medians)")
-    parser.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0, 4.0], help="bucketed caps to run")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: models 20k 0.6M, batch 64, 1 warm-up + "
+                        "3 timed steps, bucket caps 25 0.5 MB, each unless typed")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), help=f"default: {' '.join(MODELS)}")
+    parser.add_argument("--batch", type=int, help="samples per rank per step; default 256")
+    parser.add_argument("--warmup", type=int, help="default 3")
+    parser.add_argument("--iters", type=int, help="timed steps per variant (medians); default 10")
+    parser.add_argument("--bucket-mb", type=float, nargs="+", help="bucketed caps to run; default 25 4")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: gloo on cpu, nccl on cuda")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a hung rank dumps its stacks")
-    parser.add_argument("--world-size", type=int, default=None, help="default: 2 on cpu, every visible GPU on cuda")
+    parser.add_argument("--world-size", type=int, default=None, help="default: 2 on cpu (at most 4 per core), every visible GPU on cuda")
     args = parser.parse_args()
+    defaults = (dict(models=list(QUICK_MODELS), batch=64, warmup=1, iters=3, bucket_mb=[25.0, 0.5]) if args.quick else
+                dict(models=list(MODELS), batch=256, warmup=3, iters=10, bucket_mb=[25.0, 4.0]))
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     # Checked here, before any rank starts (a rank would die with a traceback; --world-size 0 meant "default").
     for flag, value, least in (("--iters", args.iters, 1), ("--batch", args.batch, 1), ("--warmup", args.warmup, 0),
                                ("--world-size", args.world_size, 1)):
@@ -308,10 +314,11 @@ def main() -> None:
     args.world = args.world_size or (torch.cuda.device_count() if args.device == "cuda" else 2)
     if args.device == "cuda" and args.world > torch.cuda.device_count():
         parser.error(f"--world-size {args.world} but only {torch.cuda.device_count()} GPU(s): one process per GPU")
-    args.models = {name: MODELS[name] for name in args.models}
-    if args.quick:
-        args.models, args.batch, args.warmup, args.iters = dict(QUICK_MODELS), 64, 1, 3
-        args.bucket_mb = [25.0, 0.5]
+    cpus = os.cpu_count() or 1
+    if args.device == "cpu" and args.world > 4 * cpus:
+        parser.error(f"--world-size {args.world} is more than 4 ranks per CPU core ({cpus} cores): the timings of "
+                     f"oversubscribed ranks are meaningless")
+    args.models = {name: {**MODELS, **QUICK_MODELS}[name] for name in args.models}
 
     variants = [("fwd+bwd", 0), ("flat", 25.0)] + [("bucketed", mb) for mb in args.bucket_mb] + [("DDP", 0)]
     rows, params = [], {}

@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from importlib.metadata import version
@@ -80,8 +81,8 @@ def run(task: str, ranks: int, seed: int, total_steps: int, args) -> dict:
         code = subprocess.call(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     wall = time.time() - start
-    if code:
-        raise RuntimeError(f"{task} ranks {ranks} seed {seed} exited with {code}; see {log_path}")
+    if code:     # one line, not a traceback: the reason is in the run's log
+        raise SystemExit(f"bench_mujoco: {task} ranks {ranks} seed {seed} exited with {code}; see {log_path}")
     return {"key": run_key(task, ranks, seed, total_steps), "task": task, "ranks": ranks, "seed": seed,
             "steps": iterations * GLOBAL_STEPS_PER_ITERATION, "wall_s": wall, "versions": VERSIONS,
             **final_returns(root, args.last_episodes, args.last_iterations)}
@@ -135,6 +136,32 @@ def table(results: list[dict], last_episodes: int, last_iterations: int) -> str:
     return "\n".join(lines)
 
 
+def check_root(parser: argparse.ArgumentParser, root: str, write: bool) -> None:
+    """Refuse a --root that is not (and cannot become) a directory or, when runs are to be written there, is not
+    writable: checked at its nearest existing ancestor, before any run starts."""
+    probe = os.path.abspath(root)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        parser.error(f"--root {root!r}: {probe!r} is not a directory; pick another --root")
+    if write:
+        try:     # a directory made and removed: os.access says yes to root even where mkdir fails
+            os.rmdir(tempfile.mkdtemp(prefix=".bench-probe-", dir=probe))
+        except OSError as exc:
+            parser.error(f"--root {root!r}: {probe!r} is not writable ({exc.strerror}); pick a directory you can "
+                         f"write to")
+
+
+def check_tasks(parser: argparse.ArgumentParser, tasks: list[str]) -> None:
+    """Refuse a task id gymnasium does not know (train.py would exit on it after the run started)."""
+    import gymnasium     # only here: --table-only does not need it
+    for task in tasks:
+        try:
+            gymnasium.spec(task)
+        except gymnasium.error.Error as exc:
+            parser.error(f"--tasks {task!r}: {exc}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=list(CLEANRL), help="gymnasium task ids")
@@ -150,10 +177,19 @@ def main() -> None:
     for ranks in args.ranks:
         if ranks < 1 or GLOBAL_STEPS_PER_ITERATION % ranks:
             parser.error(f"--ranks {ranks}: must divide the {GLOBAL_STEPS_PER_ITERATION} steps per iteration")
-    if args.jobs < 1 or args.last_episodes < 1:
-        parser.error("--jobs and --last-episodes must be at least 1")
+    for flag, value in (("--jobs", args.jobs), ("--last-episodes", args.last_episodes),
+                        ("--last-iterations", args.last_iterations)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     if args.total_steps < GLOBAL_STEPS_PER_ITERATION * args.last_iterations:
         parser.error(f"--total-steps must cover --last-iterations x {GLOBAL_STEPS_PER_ITERATION} steps")
+    top = 2**32 - max(args.ranks)          # train.py: rank r seeds numpy with seed + r, which must fit 32 bits
+    bad = [seed for seed in args.seeds if not 0 <= seed <= top]
+    if bad:
+        parser.error(f"--seeds must be in [0, {top}], got {', '.join(map(str, bad))}")
+    check_root(parser, args.root, write=not args.table_only)
+    if not args.table_only:
+        check_tasks(parser, args.tasks)
 
     results_path = os.path.join(args.root, "results.jsonl")
     results = load_results(results_path)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dist.checkpoint import read_torch_file  # noqa: E402
 from sync import BucketConfig, PatchConfig, WeightSyncConfig, make_weight_syncer  # noqa: E402
 from sync.patch import _bits as as_bits  # noqa: E402
 
@@ -171,9 +172,37 @@ def bench_bytes(rank: int, name: str, densities: list) -> list:
     return rows
 
 
+def checkpoint_models(paths: list) -> list:
+    """The 'model' state_dict of each train.py checkpoint; ValueError names the first file that is not one, or whose
+    model differs from the first file's in its keys, shapes or dtypes (a checkpoint of another preset)."""
+    models, first = [], None
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ValueError(f"--checkpoints {path!r} " + ("is not a regular file" if os.path.exists(path) else
+                                                           "does not exist"))
+        try:
+            state = read_torch_file(path)
+        except OSError as exc:
+            raise ValueError(f"--checkpoints {path!r} cannot be read ({exc.strerror})") from None
+        except ValueError as exc:
+            raise ValueError(f"--checkpoints {path!r} is {exc}") from None
+        model = state.get("model") if isinstance(state, dict) else None
+        if not isinstance(model, dict) or not model or not all(isinstance(v, torch.Tensor) for v in model.values()):
+            raise ValueError(f"--checkpoints {path!r} is not a train.py checkpoint (no 'model' state_dict entry)")
+        layout = {k: (tuple(v.shape), v.dtype) for k, v in model.items()}
+        first = first or layout
+        if layout != first:
+            key = next(k for k in sorted(layout.keys() | first.keys()) if layout.get(k) != first.get(k))
+            raise ValueError(f"--checkpoints {path!r}: its model differs from {paths[0]!r}'s at {key!r} "
+                             f"({layout.get(key, 'missing')} vs {first.get(key, 'missing')}); pass consecutive "
+                             f"checkpoints of one run")
+        models.append(model)
+    return models
+
+
 def bench_checkpoints(rank: int, paths: list) -> list:
     """Sync consecutive PPO checkpoints (the actor-critic state_dict) with patch and bucket."""
-    states = [torch.load(p, map_location="cpu", weights_only=False)["model"] for p in paths]
+    states = checkpoint_models(paths)
     rows = []
     for receiver_dtype in (torch.float32, torch.bfloat16):
         for mode in ("patch", "bucket"):
@@ -222,7 +251,7 @@ def ppo_checkpoints(iterations: int = 3) -> list:
 def print_tables(tables: dict, args) -> None:
     print(f"\nTime: {args.size} fp32 parameters, fp32 receiver; {args.repeats} (naive, mode) pairs. Times are medians; "
           f"the ratio is the median of per-pair ratios (the naive send's time moves from pair to pair), not the "
-          f"ratio of the medians" + ("; --quick: 3 pairs, a smoke run" if args.quick else ""))
+          f"ratio of the medians" + ("; --quick: a smoke run" if args.quick else ""))
     print("| mode | elements changed | naive s | mode s | time vs naive (median) | min-max |")
     print("|---|---|---|---|---|---|")
     for r in tables["time"]:
@@ -245,22 +274,40 @@ def print_tables(tables: dict, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="~1M parameters, three densities, 3 pairs: seconds")
-    parser.add_argument("--size", default="10M", choices=sorted(SIZES))
-    parser.add_argument("--densities", nargs="+", type=float, default=[0.0001, 0.001, 0.01, 0.1, 0.3, 1.0])
-    parser.add_argument("--repeats", type=int, default=7, help="(naive, mode) pairs per row")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run in seconds: --size 1M --densities 0.001 0.3 1 --repeats 3, each unless typed")
+    parser.add_argument("--size", choices=sorted(SIZES), help="default 10M")
+    parser.add_argument("--densities", nargs="+", type=float,
+                        help="fractions in (0, 1] of elements patch syncs change; default 0.0001 0.001 0.01 0.1 0.3 1")
+    parser.add_argument("--repeats", type=int, help="(naive, mode) pairs per row, at least 1; default 7")
     parser.add_argument("--ppo", action="store_true", help="also sync 3 consecutive checkpoints of the tracking preset")
-    parser.add_argument("--checkpoints", nargs="*", default=None, help="consecutive train.py checkpoints to sync")
+    parser.add_argument("--checkpoints", nargs="*", default=None,
+                        help="consecutive train.py checkpoints of one run to sync (instead of --ppo's)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the time table's weights live")
     args = parser.parse_args()
+    defaults = (dict(size="1M", densities=[0.001, 0.3, 1.0], repeats=3) if args.quick else
+                dict(size="10M", densities=[0.0001, 0.001, 0.01, 0.1, 0.3, 1.0], repeats=7))
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    bad = [d for d in args.densities if not 0 < d <= 1]      # nan fails the comparison too
+    if bad:
+        parser.error(f"--densities must be fractions in (0, 1], got {', '.join(map(str, bad))}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch")
-    if args.quick:
-        args.size, args.densities, args.repeats = "1M", [0.001, 0.3, 1.0], 3
-    if args.ppo and not args.checkpoints:
+    if args.checkpoints is not None:
+        if args.ppo:
+            parser.error("--checkpoints with --ppo: --ppo trains and syncs its own checkpoints; pass one of the two")
+        if len(args.checkpoints) < 2:
+            parser.error("--checkpoints needs at least two consecutive checkpoints")
+        try:
+            checkpoint_models(args.checkpoints)     # checked here: a rank would fail with a traceback
+        except ValueError as exc:
+            parser.error(str(exc))
+    if args.ppo:
         args.checkpoints = ppo_checkpoints()
-    if args.checkpoints is not None and len(args.checkpoints) < 2:
-        parser.error("--checkpoints needs at least two consecutive checkpoints")
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

@@ -1,0 +1,232 @@
+"""The bench scripts' flags: bad values are refused in one line (argparse's exit 2, naming the flag) before any
+rank or training run starts, and --quick fills in only what was not typed. Nothing is benchmarked here: the
+functions that would start ranks or train.py are replaced by ones that raise."""
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+from configs.config import PolicyConfig
+from ppo.actor_critic import build_actor_critic
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(REPO, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Launched(Exception):
+    """Raised where a bench would start its ranks or runs; carries the parsed flags it got."""
+
+
+def usage_error(main, monkeypatch, capsys, argv: list) -> str:
+    """Run main() with argv; it must exit 2 before launching: return argparse's error line."""
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+def launched_args(main, monkeypatch, argv: list):
+    """Run main() with argv up to the launch: the flags as the bench would run them."""
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(Launched) as launch:
+        main()
+    return launch.value.args[0]
+
+
+# ---- bench/bench_sync.py ------------------------------------------------------------------------------
+
+@pytest.fixture
+def bench_sync(monkeypatch):
+    """bench_sync with no way to start its ranks (creating one raises Launched) or to train (--ppo)."""
+    module = load_bench("bench_sync")
+
+    class Context:
+        def SimpleQueue(self):
+            return None
+
+        def Process(self, target, args):
+            raise Launched(args[2])
+
+    monkeypatch.setattr(module, "mp", types.SimpleNamespace(get_context=lambda method: Context()))
+    monkeypatch.setattr(module, "ppo_checkpoints", lambda *a: (_ for _ in ()).throw(AssertionError("it trained")))
+    return module
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),          # was StatisticsError in the ranks
+    (["--repeats", "-2"], "--repeats must be >= 1, got -2"),
+    (["--densities", "nan"], "--densities must be fractions in (0, 1], got nan"),   # was a rank traceback
+    (["--densities", "0.1", "2"], "--densities must be fractions in (0, 1], got 2.0"),   # ran, printed 200%
+    (["--densities", "-0.5"], "--densities must be fractions in (0, 1], got -0.5"),
+    (["--densities", "0"], "--densities must be fractions in (0, 1], got 0.0"),     # changed 1 element per tensor
+    (["--quick", "--repeats", "0"], "--repeats must be >= 1, got 0"),              # --quick hid it
+])
+def test_bench_sync_bad_numbers_are_one_line(bench_sync, monkeypatch, capsys, flags, error):
+    line = usage_error(bench_sync.main, monkeypatch, capsys, ["bench_sync.py", *flags])
+    assert line == f"bench_sync.py: error: {error}"
+
+
+@pytest.mark.parametrize("flags, size, densities, repeats", [
+    ([], "10M", [0.0001, 0.001, 0.01, 0.1, 0.3, 1.0], 7),
+    (["--quick"], "1M", [0.001, 0.3, 1.0], 3),
+    (["--quick", "--repeats", "5"], "1M", [0.001, 0.3, 1.0], 5),            # --quick used to make these 3
+    (["--quick", "--densities", "0.01"], "1M", [0.01], 3),
+    (["--quick", "--size", "10M"], "10M", [0.001, 0.3, 1.0], 3),
+])
+def test_bench_sync_quick_sets_only_what_was_not_typed(bench_sync, monkeypatch, flags, size, densities, repeats):
+    args = launched_args(bench_sync.main, monkeypatch, ["bench_sync.py", *flags])
+    assert (args.size, args.densities, args.repeats) == (size, densities, repeats)
+
+
+def checkpoint(path, hidden=(8, 8), seed=0) -> str:
+    """A train.py-like checkpoint: the actor-critic state_dict under 'model' (hidden sizes stand for a preset)."""
+    torch.manual_seed(seed)
+    cfg = PolicyConfig(actor_hidden=hidden, critic_hidden=hidden)
+    model = build_actor_critic(cfg, {"policy": 5, "critic": 6}, 3)
+    torch.save({"model": model.state_dict(), "config": {"policy": dataclasses.asdict(cfg)}, "iteration": seed}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("missing", "does not exist"),                                   # was FileNotFoundError in the ranks
+    ("directory", "is not a regular file"),
+    ("garbage", "is not a torch checkpoint"),                        # was EOFError / UnpicklingError
+    ("truncated", "is a truncated or damaged checkpoint"),
+    ("no model", "is not a train.py checkpoint (no 'model' state_dict entry)"),
+    ("other preset", "its model differs from"),                      # was 'weight sync: shape or dtype changed'
+])
+def test_bench_sync_bad_checkpoints_are_refused_before_the_ranks(bench_sync, monkeypatch, capsys, tmp_path,
+                                                                 damage, reason):
+    good = checkpoint(tmp_path / "model_1.pt")
+    bad = tmp_path / "model_2.pt"
+    if damage == "directory":
+        bad.mkdir()
+    elif damage == "garbage":
+        bad.write_bytes(b"not a checkpoint\n" * 10)
+    elif damage == "truncated":
+        data = open(checkpoint(bad), "rb").read()
+        bad.write_bytes(data[:len(data) // 2])
+    elif damage == "no model":
+        torch.save({"weights": torch.zeros(3)}, bad)
+    elif damage == "other preset":
+        checkpoint(bad, hidden=(16, 8))
+    line = usage_error(bench_sync.main, monkeypatch, capsys, ["bench_sync.py", "--checkpoints", good, str(bad)])
+    assert line.startswith(f"bench_sync.py: error: --checkpoints {str(bad)!r}") and reason in line, line
+
+
+def test_bench_sync_checkpoints_of_one_run_reach_the_ranks(bench_sync, monkeypatch, tmp_path):
+    paths = [checkpoint(tmp_path / f"model_{i}.pt", seed=i) for i in (1, 2, 3)]
+    args = launched_args(bench_sync.main, monkeypatch, ["bench_sync.py", "--quick", "--checkpoints", *paths])
+    assert args.checkpoints == paths
+    models = bench_sync.checkpoint_models(paths)
+    assert all(torch.equal(m[k], torch.load(p)["model"][k]) for m, p in zip(models, paths) for k in m)
+
+
+def test_bench_sync_ppo_with_checkpoints_is_refused(bench_sync, monkeypatch, capsys, tmp_path):
+    """--ppo was silently ignored when --checkpoints were given (and trained anyway after a bare --checkpoints)."""
+    paths = [checkpoint(tmp_path / f"model_{i}.pt", seed=i) for i in (1, 2)]
+    line = usage_error(bench_sync.main, monkeypatch, capsys, ["bench_sync.py", "--ppo", "--checkpoints", *paths])
+    assert line.startswith("bench_sync.py: error: --checkpoints with --ppo")
+
+
+# ---- bench/bench_grad_sync.py -------------------------------------------------------------------------
+
+@pytest.fixture
+def bench_grad_sync(monkeypatch):
+    module = load_bench("bench_grad_sync")
+    monkeypatch.setattr(module, "launch", lambda args, *rest: (_ for _ in ()).throw(Launched(args)))
+    monkeypatch.setattr(module.os, "cpu_count", lambda: 2)
+    return module
+
+
+def test_bench_grad_sync_refuses_oversubscribed_cpu_ranks(bench_grad_sync, monkeypatch, capsys):
+    """--world-size 100000 on CPU kept spawning ranks until killed."""
+    argv = ["bench_grad_sync.py", "--quick", "--world-size"]
+    line = usage_error(bench_grad_sync.main, monkeypatch, capsys, argv + ["9"])
+    assert line == ("bench_grad_sync.py: error: --world-size 9 is more than 4 ranks per CPU core (2 cores): the "
+                    "timings of oversubscribed ranks are meaningless")
+    args = launched_args(bench_grad_sync.main, monkeypatch, argv + ["8"])
+    assert args.world == 8
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], dict(models=["0.3M", "10M"], batch=256, warmup=3, iters=10, bucket_mb=[25.0, 4.0])),
+    (["--quick"], dict(models=["20k", "0.6M"], batch=64, warmup=1, iters=3, bucket_mb=[25.0, 0.5])),
+    (["--quick", "--iters", "7", "--batch", "32", "--models", "10M", "--bucket-mb", "2"],     # were replaced
+     dict(models=["10M"], batch=32, warmup=1, iters=7, bucket_mb=[2.0])),
+])
+def test_bench_grad_sync_quick_sets_only_what_was_not_typed(bench_grad_sync, monkeypatch, flags, expected):
+    args = launched_args(bench_grad_sync.main, monkeypatch, ["bench_grad_sync.py", *flags])
+    got = dict(vars(args), models=list(args.models))
+    assert {name: got[name] for name in expected} == expected
+
+
+# ---- bench/bench_mujoco.py ----------------------------------------------------------------------------
+
+@pytest.fixture
+def bench_mujoco(monkeypatch):
+    module = load_bench("bench_mujoco")
+    monkeypatch.setattr(module, "run", lambda *a: (_ for _ in ()).throw(Launched(a[-1])))
+    return module
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--seeds", "-1"], "--seeds must be in [0, 4294967294], got -1"),            # train.py exited 2, a traceback
+    (["--seeds", "1", str(2**32 - 1)], "--seeds must be in [0, 4294967294], got 4294967295"),   # 2 ranks: too big
+    (["--last-iterations", "0"], "--last-iterations must be at least 1, got 0"),    # averaged every iteration
+    (["--last-iterations", "-3"], "--last-iterations must be at least 1, got -3"),
+    (["--tasks", "Hopper-v4", "NoSuch-v0"], "--tasks 'NoSuch-v0': Environment `NoSuch` doesn't exist."),
+    (["--tasks", "Hopper"], "--tasks 'Hopper': No registered env with id: Hopper"),
+])
+def test_bench_mujoco_bad_flags_are_one_line(bench_mujoco, monkeypatch, capsys, tmp_path, flags, error):
+    line = usage_error(bench_mujoco.main, monkeypatch, capsys, ["bench_mujoco.py", "--root", str(tmp_path), *flags])
+    assert line == f"bench_mujoco.py: error: {error}"
+
+
+@pytest.mark.parametrize("table_only", [False, True])
+def test_bench_mujoco_root_under_a_file_is_one_line(bench_mujoco, monkeypatch, capsys, tmp_path, table_only):
+    """--root below a file was a NotADirectoryError traceback."""
+    (tmp_path / "afile").write_text("hello")
+    root = str(tmp_path / "afile" / "x")
+    line = usage_error(bench_mujoco.main, monkeypatch, capsys,
+                       ["bench_mujoco.py", "--root", root] + (["--table-only"] if table_only else []))
+    assert line == f"bench_mujoco.py: error: --root {root!r}: {str(tmp_path / 'afile')!r} is not a directory; pick " \
+                   f"another --root"
+
+
+def test_bench_mujoco_good_flags_reach_the_runs(bench_mujoco, monkeypatch, tmp_path):
+    root = str(tmp_path / "new" / "root")
+    args = launched_args(bench_mujoco.main, monkeypatch, ["bench_mujoco.py", "--root", root, "--tasks", "Hopper-v4",
+                                                          "--seeds", "0", "--ranks", "1", "--last-iterations", "1"])
+    assert (args.tasks, args.seeds, args.last_iterations) == (["Hopper-v4"], [0], 1)
+
+
+def test_bench_mujoco_failed_run_is_one_line_naming_its_log(monkeypatch, tmp_path):
+    """A train.py that exits non-zero ended the bench with a RuntimeError traceback."""
+    bench_mujoco = load_bench("bench_mujoco")
+    calls = []
+
+    def train_exits_2(command, **kwargs):
+        calls.append(command)
+        return 2
+
+    monkeypatch.setattr(bench_mujoco, "subprocess", types.SimpleNamespace(call=train_exits_2, STDOUT=-2))
+    monkeypatch.setattr(sys, "argv", ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4",
+                                      "--seeds", "1", "2", "--ranks", "1"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_mujoco.main()
+    log = os.path.join(str(tmp_path), "Hopper-v4", "ranks1", "seed1", "steps1000000", "train.log")
+    assert exit_info.value.code == f"bench_mujoco: Hopper-v4 ranks 1 seed 1 exited with 2; see {log}"
+    assert len(calls) == 1          # the queued run was not started after the failure
