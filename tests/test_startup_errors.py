@@ -73,6 +73,18 @@ def test_torchrun_variables_set_by_hand_are_one_line_naming_the_variable(tmp_pat
     assert not os.path.exists(tmp_path / "cartpole")
 
 
+def test_one_process_says_the_process_group_flags_do_not_apply(tmp_path, capsys, monkeypatch):
+    """`python train.py cartpole --dist.backend gloo` printed `backend none` and nothing about the typed flag."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = small(tmp_path)
+    cfg.dist.backend, cfg.dry_run = "gloo", True
+    assert train.cli(cfg) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("[syncppo] world size 1, backend none (one process: --dist.backend and --dist.timeout-s "
+                            "do not apply), device cpu"), first
+
+
 # ---- rollout ranks with Isaac Lab: refused at validation, naming --rollout.ranks ---------------------------
 
 def test_rollout_ranks_with_isaaclab_are_refused_before_anything_is_built(monkeypatch):
