@@ -91,10 +91,10 @@ setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv
 
 export: $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.pt as TorchScript (+ ONNX if onnx, onnxscript are installed)
 	@[ -n "$(CKPT)" ] || { echo "make export needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2; }
-	$(BIN)/python -m ppo.export $(CKPT) $(ARGS)
+	$(BIN)/python -m ppo.export "$(CKPT)" $(ARGS)
 
 tensorboard: $(VENV)/.runtime  ## serve LOGDIR=runs (your --log.root) on PORT=6006
-	$(BIN)/tensorboard --logdir $(LOGDIR) --port $(PORT)
+	$(BIN)/tensorboard --logdir "$(LOGDIR)" --port $(PORT)
 
 clean:  ## remove caches (keeps .venv and runs/: checkpoints are never deleted by make)
 	rm -rf .pytest_cache
