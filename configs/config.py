@@ -301,8 +301,11 @@ FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38   # sm
 
 
 def check_finite(cfg: Config) -> None:
-    """Every float field must be finite: NaN or inf in a coefficient trains for hours with every step skipped.
-    Every integer (and integer tuple) must fit int64: a larger size or count overflows in torch with a traceback."""
+    """Every float field must be finite: NaN or inf in a coefficient trains for hours with every step skipped; and
+    representable in float32, where every one of them meets a tensor: beyond its range torch raises at first use
+    (clip, reward clip, action clip), below its smallest normal the value is 0 there (a grad-norm cap that zeroes
+    every step). Every integer (and integer tuple) must fit int64: a larger size or count overflows in torch with
+    a traceback."""
     sections = {"": cfg, "env.": cfg.env, "policy.": cfg.policy, "ppo.": cfg.ppo, "dist.": cfg.dist, "log.": cfg.log,
                 "rollout.": cfg.rollout}
     for prefix, section in sections.items():
@@ -310,6 +313,10 @@ def check_finite(cfg: Config) -> None:
             value = getattr(section, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise UsageError(f"--{prefix}{f.name.replace('_', '-')} must be a finite number, got {value}")
+            in_float32 = prefix + f.name not in ("dist.timeout_s", "env.episode_length_s")   # seconds: own ranges
+            if in_float32 and isinstance(value, float) and value and not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
+                raise UsageError(f"--{prefix}{f.name.replace('_', '-')} {value} is 0 or inf in float32, where it is "
+                                 f"used; use 0 or a magnitude in [{FLOAT32_TINY:.1e}, {FLOAT32_MAX:.1e}]")
             ints = value if isinstance(value, tuple) else (value,)
             if any(isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63 for v in ints):
                 raise UsageError(f"--{prefix}{f.name.replace('_', '-')} must fit in 64 bits "

@@ -3,6 +3,7 @@ flag (or the --resume file) and exit status 2, where it used to be a traceback o
 tests/test_config_errors.py holds the earlier cases; none is repeated here."""
 
 import dataclasses
+import re
 import struct
 import zipfile
 
@@ -129,6 +130,19 @@ def test_a_collective_timeout_torch_cannot_represent_names_the_flag(timeout_s):
     with pytest.raises(UsageError, match=r"--dist.timeout-s must be in \[0.001, 1e9\] seconds"):
         validate(cfg_with(dist__timeout_s=timeout_s), world_size=2)
     validate(cfg_with(dist__timeout_s=1e9), world_size=2)        # ran a 2-rank --dry-run
+
+
+@pytest.mark.parametrize("changes, flag", [
+    ({"ppo__clip_param": 1e39}, "--ppo.clip-param 1e+39"),            # RuntimeError from clamp at the first update
+    ({"ppo__reward_clip": 1e300}, "--ppo.reward-clip 1e+300"),        # the same from the reward normalizer
+    ({"env__action_clip": -1e300}, "--env.action-clip -1e+300"),
+    ({"ppo__max_grad_norm": 1e-320}, "--ppo.max-grad-norm 1e-320"),   # 0 in float32: every step changed nothing
+    ({"ppo__entropy_coef": 1e300}, "--ppo.entropy-coef 1e+300"),      # every step skipped as non-finite
+])
+def test_floats_outside_float32_name_the_flag(changes, flag):
+    with pytest.raises(UsageError, match="^" + re.escape(f"{flag} is 0 or inf in float32, where it is used")):
+        validate(cfg_with(**changes))
+    validate(cfg_with(ppo__entropy_coef=0.0, ppo__clip_param=3e38, ppo__max_grad_norm=1.2e-38))   # 0 and the range
 
 
 def test_minibatch_advantage_norm_of_a_single_transition_is_refused():
