@@ -176,7 +176,7 @@ class Config:
     seed: int = 1
     """base seed; rank r uses seed + r"""
     resume: str = ""
-    """checkpoint (.pt) to continue from in a new run directory, or auto: the newest run of this experiment, in place"""
+    """checkpoint (.pt) to continue from in a new run directory, a run directory to continue in place, or auto: the newest run of this experiment, in place"""
     dry_run: bool = False
     """print the start-up summary and the sync plan, then exit without training"""
 

@@ -8,6 +8,8 @@ was checked in the code that reads the field (noted beside it); a field read in 
 Kept apart from configs/config.py, which holds the fields and their value checks.
 """
 
+import os
+
 from dist.errors import UsageError
 
 # Fields that only some envs read (envs/__init__.py passes each env its own).
@@ -60,7 +62,17 @@ def requirement(cfg, flag: str) -> str | None:
         return f"--rollout.ranks K > 0 (the run uses {cfg.rollout.ranks}: every rank collects and learns)"
     if flag == "--rollout.max-staleness" and cfg.rollout.mode != "async":   # sync mode allows lag 0, always
         return f"--rollout.mode async (the run uses {cfg.rollout.mode})"
+    if flag in ("--log.root", "--log.experiment") and os.path.isdir(cfg.resume) and not in_experiment_dir(cfg):
+        return (f"--resume auto, a checkpoint file, or a run directory under --log.root/--log.experiment (the run "
+                f"continues in place in {cfg.resume!r}, configs/resume.py)")
     return None
+
+
+def in_experiment_dir(cfg) -> bool:
+    """Whether the run directory --resume names lies in --log.root/--log.experiment (where the stop message's command,
+    which repeats the run's own flags, points)."""
+    parent = os.path.dirname(os.path.abspath(cfg.resume.rstrip("/")))
+    return os.path.realpath(parent) == os.path.realpath(os.path.join(cfg.log.root, cfg.log.experiment or cfg.env.name))
 
 
 def check_typed_flags(cfg, typed: frozenset[str]) -> None:

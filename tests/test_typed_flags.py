@@ -136,3 +136,24 @@ def test_cli_accepts_the_flag_where_it_applies_and_a_preset_value_that_does_not(
                   "--log.root", str(tmp_path / "runs"))
     assert out.returncode == 0, out.stderr
     assert "1 ranks x 1 envs x 2048 steps" in out.stdout and "sync plan" in out.stdout, out.stdout
+
+
+def test_log_flags_that_do_not_hold_the_resumed_run_directory_are_refused(tmp_path):
+    """--resume RUN_DIR continues in place: a typed --log.root or --log.experiment elsewhere was silently ignored
+    (the checkpoints went on into RUN_DIR). Flags that do hold it (the stop message's command repeats the run's
+    own) and --resume with a checkpoint file (a new run directory under them) are accepted."""
+    run_dir = tmp_path / "runs" / "tracking" / "2026-12-01_09-00-00"
+    run_dir.mkdir(parents=True)
+    (run_dir / "model_3.pt").write_bytes(b"")
+    for changes, flag in (({"log__root": str(tmp_path / "elsewhere")}, "--log.root"),
+                          ({"log__root": str(tmp_path / "runs"), "log__experiment": "other"}, "--log.experiment")):
+        with pytest.raises(UsageError) as exc:
+            check_typed_flags(cfg_with(resume=str(run_dir), **changes), frozenset({flag}))
+        assert str(exc.value) == (f"{flag} applies only with --resume auto, a checkpoint file, or a run directory "
+                                  f"under --log.root/--log.experiment (the run continues in place in "
+                                  f"{str(run_dir)!r}, configs/resume.py)")
+    for resume in (str(run_dir), str(run_dir) + "/", str(run_dir / "model_3.pt")):
+        check_typed_flags(cfg_with(resume=resume, log__root=str(tmp_path / "runs"), log__experiment="tracking"),
+                          frozenset({"--log.root", "--log.experiment"}))
+    check_typed_flags(cfg_with(resume=str(run_dir / "model_3.pt"), log__root=str(tmp_path / "elsewhere")),
+                      frozenset({"--log.root"}))
