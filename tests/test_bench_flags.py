@@ -3,7 +3,6 @@ rank or training run starts, and --quick fills in only what was not typed. Nothi
 functions that would start ranks or train.py are replaced by ones that raise."""
 
 import dataclasses
-import importlib.util
 import os
 import sys
 import types
@@ -13,15 +12,7 @@ import torch
 
 from configs.config import PolicyConfig
 from ppo.actor_critic import build_actor_critic
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(REPO, "bench", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.test_tools import load_bench
 
 
 class Launched(Exception):
