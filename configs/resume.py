@@ -58,7 +58,8 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
     excepted), so that a resumed run continues as it was started, not with the preset's defaults; a field the
     checkpoint's version did not have takes its default (the behaviour before it existed). Returns the typed
     flags that change a setting, each as `FLAG VALUE (the checkpoint's run: FLAG VALUE)`, and the settings
-    taken from the checkpoint that differ from what `cfg` had (the preset's), as `FLAG VALUE`."""
+    taken from the checkpoint that differ from what `cfg` had (the preset's), as `FLAG VALUE`, followed by the
+    saved settings this version does not know (a newer version's), which are dropped, so the start-up says so."""
     name = saved.get("env", {}).get("name")
     if name is not None and name != cfg.env.name:      # every other env setting would be the wrong env's
         refuse_other_env(cfg.env.name, name)
@@ -76,14 +77,22 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
             theirs = section[path[-1]]
             theirs = tuple(theirs) if isinstance(ours, tuple) and isinstance(theirs, list) else theirs
             if not fits_type(theirs, field.type):
+                kind = field.type if typing.get_origin(field.type) is tuple else \
+                    getattr(field.type, "__name__", field.type)       # tuple[int, ...], not "tuple"
                 raise UsageError(f"the checkpoint's run has {as_flag(flag, theirs)}, which this version does not "
-                                 f"accept ({getattr(field.type, '__name__', field.type)}); pass {flag} to choose")
+                                 f"accept ({kind}); pass {flag} to choose")
         if flag not in typed:
             setattr(owner, field.name, theirs)
             if ours != theirs:
                 kept.append(as_flag(flag, theirs))
         elif ours != theirs:
             changed.append(f"{as_flag(flag, ours)} (the checkpoint's run: {as_flag(flag, theirs)})")
+    known = {path for *_, path in settings(cfg)}
+    saved_settings = [((key, sub), item) for key, section in saved.items() if isinstance(section, dict)
+                      for sub, item in section.items()]
+    saved_settings += [((key,), value) for key, value in saved.items() if not isinstance(value, dict)]
+    kept += [f"{as_flag('--' + '.'.join(path).replace('_', '-'), item)} (not known to this version: dropped)"
+             for path, item in saved_settings if path not in known]
     return changed, kept
 
 
@@ -94,10 +103,16 @@ def refuse_other_env(ours: str, theirs: str):
 
 
 def fits_type(value, annotation) -> bool:
-    """Whether a saved value is one the field accepts: a Literal's options, int, float, bool, str, tuple, None."""
+    """Whether a saved value is one the field accepts: a Literal's options, int, float, bool, str, None, a tuple
+    whose elements fit (`tuple[int, ...]`: each an int)."""
     origin, options = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return value in options
+    if origin is tuple and options:
+        if not isinstance(value, tuple):
+            return False
+        each = options[:1] * len(value) if options[-1] is Ellipsis else options
+        return len(value) == len(each) and all(map(fits_type, value, each))
     if origin in (typing.Union, types.UnionType):
         return any(fits_type(value, option) for option in options)
     if annotation is float:

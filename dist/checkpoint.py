@@ -9,6 +9,7 @@ torchrun it also holds `run_id` so a restarted job (same TORCHELASTIC_RUN_ID) fi
 import contextlib
 import fcntl
 import glob
+import math
 import os
 import re
 import socket
@@ -16,6 +17,7 @@ import tempfile
 import time
 import uuid
 import zipfile
+from collections.abc import Callable
 
 import torch
 
@@ -58,18 +60,36 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
         raise UsageError(f"--resume {path!r} is a directory; pass a model_<iteration>.pt file inside it, or auto")
     if not os.path.isfile(path):      # a device or a pipe: reading it could block or never end
         raise UsageError(f"--resume {path!r} is not a regular file; pass a model_<iteration>.pt file, or auto")
+
+    def usable(state) -> None:
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise UsageError(f"--resume {path!r} is not a syncppo checkpoint (expected format {FORMAT!r})")
+        missing = [k for k in REQUIRED_KEYS if k not in state]
+        if missing:
+            raise UsageError(f"--resume {path!r} is missing {missing}; the file is truncated or from another tool")
+        damage = malformed_entry(state)
+        if damage:
+            raise UsageError(f"--resume {path!r} is damaged ({damage}); resume from another checkpoint")
+    return read_checkpoint(path, "--resume", "resume from", usable, map_location)
+
+
+def read_checkpoint(path: str, flag: str, use: str, usable: Callable[[object], None], map_location="cpu") -> dict:
+    """The checks every reader of a checkpoint makes (--resume, export), in this order: a torch archive
+    (read_torch_file) whose CRC-32s match (corrupt_member); `usable(state)`, which raises (a ValueError) for entries
+    this reader cannot use; then no value a healthy run never saves (nonfinite_entry). Each failure is one
+    UsageError naming the file as `flag PATH` and the way out as `use` ("resume from", "export") a checkpoint."""
     try:
         state = read_torch_file(path, map_location)
     except ValueError as exc:
-        raise UsageError(f"--resume {path!r} is {exc}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UsageError(f"--resume {path!r} is not a syncppo checkpoint (expected format {FORMAT!r})")
-    missing = [k for k in REQUIRED_KEYS if k not in state]
-    if missing:
-        raise UsageError(f"--resume {path!r} is missing {missing}; the file is truncated or from another tool")
-    damage = corrupt_member(path) or malformed_entry(state)
+        raise UsageError(f"{flag} {path!r} is {exc}") from None
+    damage = corrupt_member(path)
     if damage:
-        raise UsageError(f"--resume {path!r} is damaged ({damage}); resume from another checkpoint")
+        raise UsageError(f"{flag} {path!r} is damaged ({damage}); {use} another checkpoint")
+    usable(state)
+    bad = nonfinite_entry(state)
+    if bad:
+        raise UsageError(f"{flag} {path!r} has {bad}: the file is damaged or its run diverged; {use} an earlier "
+                         f"model_<k>.pt")
     return state
 
 
@@ -95,6 +115,17 @@ def malformed_entry(state: dict) -> str:
     optimizer = state["optimizer"]
     if not isinstance(optimizer.get("param_groups"), list) or not isinstance(optimizer.get("state"), dict):
         return "its 'optimizer' has no 'param_groups' list and 'state' dict"
+    for i, group in enumerate(optimizer["param_groups"]):
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list) or \
+                not all(plain_int(index) for index in group["params"]):
+            return f"its optimizer param group {i} is not a dict with a 'params' list of indices"
+        lr = group.get("lr")      # a float, or a one-element tensor (--ppo.capture-step)
+        if not (plain_int(lr) or isinstance(lr, float) or isinstance(lr, torch.Tensor) and lr.is_floating_point()
+                and lr.numel() == 1):
+            return f"its optimizer param group {i} has lr {lr!r}, not a number"
+    for index, moments in optimizer["state"].items():
+        if not isinstance(moments, dict):
+            return f"its optimizer state for parameter {index!r} is a {type(moments).__name__}, not a dict"
     sections = [k for k, v in state["config"].items() if not isinstance(v, dict) and k in
                 ("env", "policy", "ppo", "dist", "log", "rollout")]
     if sections:
@@ -115,7 +146,54 @@ def malformed_entry(state: dict) -> str:
     if layout[1] and not (isinstance(rollout_rng, list) and len(rollout_rng) == layout[1]
                           and all(isinstance(r, dict) for r in rollout_rng)):
         return f"its layout has {layout[1]} rollout rank(s) but not as many 'rollout_rng' dicts"
+    ranks = [(f"rng[{i}]", r) for i, r in enumerate(rng)]
+    ranks += [(f"rollout_rng[{i}]", r) for i, r in enumerate(rollout_rng)] if layout[1] else []
+    for where, states in ranks:
+        for name, value in states.items():
+            if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1):
+                kind = (f"a {value.dtype} tensor of {value.dim()} dimension(s)" if isinstance(value, torch.Tensor)
+                        else f"a {type(value).__name__}")
+                return f"its {where}[{name!r}] is {kind}, not an RNG state (a 1-D uint8 tensor)"
     return ""
+
+
+VALUED_ENTRIES = ("model", "optimizer", "reward_normalizer", "env", "learning_rate")
+
+
+def nonfinite_entry(state: dict) -> str:
+    """The first value in VALUED_ENTRIES that a healthy run never saves, as "nan in its model['log_std']", or "":
+    a nan or inf in a floating tensor or float (weights, normalizer statistics, Adam's moments, step counts and
+    LR, sampler counts), or a negative Adam exp_avg_sq (a mean of squares). A healthy run keeps them finite: the
+    update skips a step whose gradient norm is not finite and clips the others, and non-finite observations or
+    rewards stop the run before a normalizer sees them. Integer tensors (counters) are exempt, and RNG states
+    (uint8) are not among the entries. One aminmax per tensor: a single pass that copies nothing (nan reaches both
+    ends)."""
+    for entry in VALUED_ENTRIES:
+        for where, value in _numbers(state.get(entry), entry):
+            if isinstance(value, float):
+                low = high = value
+            elif value.is_floating_point() and value.numel():
+                low, high = (float(end) for end in torch.aminmax(value))
+            else:
+                continue
+            if not math.isfinite(low) or not math.isfinite(high):
+                return f"{'nan' if math.isnan(low) or math.isnan(high) else 'inf'} in its {where}"
+            if low < 0 and where.endswith("['exp_avg_sq']"):
+                return f"a negative value ({low:g}) in its {where}, a mean of squares"
+    return ""
+
+
+def _numbers(value, where: str):
+    """(where, value) of every tensor and float inside nested dicts and lists, `where` as Python would index it:
+    `optimizer['state'][0]['exp_avg']`."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _numbers(item, f"{where}[{i}]")
+    elif isinstance(value, (torch.Tensor, float)):
+        yield where, value
 
 
 def save_checkpoint(path: str, state: dict) -> None:

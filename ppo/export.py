@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from configs.config import PolicyConfig
-from dist.checkpoint import read_torch_file
+from dist.checkpoint import read_checkpoint
 from ppo.actor_critic import ActorCritic, build_actor_critic
 from ppo.normalizer import ObsNormalizer
 
@@ -48,13 +48,13 @@ class DeterministicActor(nn.Module):
 
 
 def load_policy(path: str) -> tuple[ActorCritic, dict]:
-    """The checkpoint's actor-critic (on the CPU, eval mode) and its run config (a dict)."""
-    try:
-        state = read_torch_file(path)
-    except ValueError as exc:
-        raise ValueError(f"CKPT {path!r} is {exc}") from None
-    if not isinstance(state, dict) or "model" not in state or "config" not in state:
-        raise ValueError(f"CKPT {path!r} is not a train.py checkpoint (it needs 'model' and 'config' entries)")
+    """The checkpoint's actor-critic (on the CPU, eval mode) and its run config (a dict). The file passes the checks
+    of a --resume (dist.checkpoint.read_checkpoint: CRC-32s, no nan or inf in what it holds), except that only
+    'model' and 'config' entries are needed."""
+    def usable(state) -> None:
+        if not isinstance(state, dict) or "model" not in state or "config" not in state:
+            raise ValueError(f"CKPT {path!r} is not a train.py checkpoint (it needs 'model' and 'config' entries)")
+    state = read_checkpoint(path, "CKPT", "export", usable)
     config, weights = state["config"], state["model"]
     try:
         policy_cfg = PolicyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in config["policy"].items()})

@@ -35,6 +35,9 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
         if isinstance(obj, RewardNormalizer):
             saved = {**saved, **{k: v for k, v in obj.state_dict().items() if obj.BUFFER_POLICY.get(k) == "local"}}
         if isinstance(obj, torch.optim.Optimizer):   # this run's Adam implementation, the saved values
+            misfit = misshapen_moment(obj, saved)
+            if misfit:
+                raise UsageError(f"--resume {path!r} is damaged ({misfit}); resume from another checkpoint")
             saved = saved_state_for(obj, saved, settings)
         try:
             obj.load_state_dict(saved)
@@ -75,3 +78,17 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
         if "lr" in settings:
             print(f"[syncppo] --ppo.learning-rate {ppo.learning_rate:g} replaces the checkpoint's LR (its run "
                   f"started at {saved_lr:g})", flush=True)
+
+
+def misshapen_moment(optimizer: torch.optim.Optimizer, saved: dict) -> str:
+    """A saved per-parameter state (Adam's exp_avg, exp_avg_sq; the step count aside) whose shape is not its
+    parameter's, or "". Adam's load_state_dict does not compare shapes: the first step would fail on a broadcast.
+    Parameters pair up in order, as load_state_dict pairs them (which refuses a count that differs)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    indices = [i for group in saved["param_groups"] for i in group["params"]]
+    for index, param in zip(indices, params):
+        for name, value in saved["state"].get(index, {}).items():
+            if name != "step" and isinstance(value, torch.Tensor) and value.shape != param.shape:
+                return (f"its optimizer's {name!r} for parameter {index} has shape {list(value.shape)}, the "
+                        f"parameter {list(param.shape)}")
+    return ""
