@@ -24,7 +24,7 @@ import torch
 import tyro
 
 from configs import PRESETS, Config, resolve_num_envs, validate
-from configs.resume import (check_resume_fits, continue_saved_config, resolve_resume, resume_command,
+from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, resolve_resume, resume_command,
                             shared_env_seed)
 from configs.typed_flags import env_label, typed_flags
 from dist import comm
@@ -70,7 +70,10 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     if checkpoint is not None and typed is not None:
         changed, kept = continue_saved_config(cfg, checkpoint["config"], typed)
     envs_scope, env_seed = resolve_num_envs(cfg, world), shared_env_seed(cfg, checkpoint)
-    validate(cfg, world, typed or frozenset())   # typed: the command line's flags, refused where they have no effect
+    try:
+        validate(cfg, world, typed or frozenset())   # typed: command-line flags, refused where they have no effect
+    except UsageError as exc:
+        raise blame_checkpoint(exc, kept, resume_path) from None
     if cfg.rollout.ranks and cfg.dist.device == "auto":
         cfg.dist.device = "cpu"       # rollout ranks stage everything on the host over gloo (docs/rollout_ranks.md)
     resolve_device(cfg.dist.device)

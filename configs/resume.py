@@ -96,6 +96,15 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
     return changed, kept
 
 
+def blame_checkpoint(error: UsageError, kept: list[str], path: str) -> UsageError:
+    """A validate() error about a setting this resume took from the checkpoint (`kept`), saying so: it would read as
+    if typed (`--ppo.num-epochs must be positive, got 0`)."""
+    flag = str(error).split(" ", 1)[0]
+    if not any(setting.split(" ", 1)[0] == flag for setting in kept):
+        return error
+    return UsageError(f"{error} (the value of the checkpoint's run, {path!r}: pass {flag} to change it)")
+
+
 def refuse_other_env(ours: str, theirs: str):
     """--env.name is the preset's choice, never taken from a checkpoint: another env kind cannot continue."""
     raise UsageError(f"--env.name {ours} does not match the checkpoint's --env.name {theirs}: resume it with the "

@@ -230,3 +230,18 @@ def test_the_start_up_line_names_an_unknown_saved_setting(trained, tmp_path, cap
     train.main(cfg_with(resume=path, dry_run=True, max_iterations=2, log__root=root), typed_flags(argv))
     (line,) = [line for line in capsys.readouterr().out.splitlines() if "resuming with the settings" in line]
     assert "--ppo.trust-region 3 (not known to this version: dropped)" in line
+
+
+def test_a_refused_setting_taken_from_the_checkpoint_says_it_came_from_there(trained, tmp_path, capsys):
+    """`--ppo.num-epochs must be positive, got 0` read as if typed; the same error for a typed value stays as it was."""
+    path = damaged(trained, tmp_path, lambda state: state["config"]["ppo"].update(num_epochs=0))
+    root = str(tmp_path / "runs")
+    argv = ["tracking", "--resume", path, "--dry-run", "--log.root", root]
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg_with(resume=path, dry_run=True, log__root=root), typed_flags(argv))
+    assert str(exc.value) == (f"--ppo.num-epochs must be positive, got 0 (the value of the checkpoint's run, {path!r}: "
+                              f"pass --ppo.num-epochs to change it)")
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg_with(resume=path, dry_run=True, log__root=root, ppo__num_epochs=0),
+                   typed_flags([*argv, "--ppo.num-epochs", "0"]))
+    assert str(exc.value) == "--ppo.num-epochs must be positive, got 0"
