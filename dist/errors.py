@@ -5,7 +5,7 @@
 - `RunError`: training started and then met a condition outside the code (a write error, a
   non-finite observation, the launcher gone). The rank that met it prints one line and exits 1.
 
-Anything else is a bug and keeps its traceback.
+Anything else is a bug: the runner prints its traceback, then one line, and exits 1.
 """
 
 
