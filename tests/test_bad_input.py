@@ -142,7 +142,8 @@ def test_a_collective_timeout_torch_cannot_represent_names_the_flag(timeout_s):
 def test_floats_outside_float32_name_the_flag(changes, flag):
     with pytest.raises(UsageError, match="^" + re.escape(f"{flag} is 0 or inf in float32, where it is used")):
         validate(cfg_with(**changes))
-    validate(cfg_with(ppo__entropy_coef=0.0, ppo__clip_param=3e38, ppo__max_grad_norm=1.2e-38))   # 0 and the range
+    validate(cfg_with(ppo__entropy_coef=0.0, ppo__clip_param=3e38, ppo__max_grad_norm=1.2e-38,   # 0, the range
+                      env__action_scale=-1.0))                                                   # and a negative
 
 
 def test_minibatch_advantage_norm_of_a_single_transition_is_refused():

@@ -13,6 +13,7 @@ import torch
 import envs.gymnasium
 import train
 from configs import preset, validate
+from dist.errors import UsageError
 from dist.grad_sync import GradSync
 from envs.gymnasium import GymnasiumEnv
 from ppo.normalizer import RewardNormalizer
@@ -151,6 +152,25 @@ def test_a_task_missing_another_simulator_is_one_line_from_the_cli_without_the_m
     cfg.env.task, cfg.dry_run, cfg.log.root = "NeedsBox2d-v0", True, str(tmp_path)
     assert train.cli(cfg) == 2
     assert capsys.readouterr().err == f"error: --env.task NeedsBox2d-v0: {message}\n"
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_rollout_rank_missing_a_simulator_package_says_so_once(monkeypatch, index):
+    """With rollout ranks no learner builds an env: the first rollout rank says it (a UsageError that only it
+    prints); an ImportError there was a traceback on every rollout rank."""
+    import types
+
+    import rollout_ranks
+
+    def missing(*args, **kwargs):
+        raise ImportError("--env.task NeedsBox2d-v0: Box2D is not installed")
+
+    monkeypatch.setattr(rollout_ranks, "make_env", missing)
+    roles = types.SimpleNamespace(rollout_index=index, team=[0])
+    with pytest.raises(UsageError) as exc:
+        rollout_ranks.run_rollout_rank(preset("mujoco"), roles, torch.device("cpu"), None, 0)
+    assert str(exc.value) == "--env.task NeedsBox2d-v0: Box2D is not installed"
+    assert exc.value.say_here == (index == 0)
 
 
 def test_mujoco_preset_is_cleanrl_ppo_continuous_action():

@@ -59,8 +59,8 @@ def run_update(capture: bool, poison_minibatch: int | None = None, iterations: i
     advantages, returns = storage.advantages.clone(), storage.returns.clone()
     for it in range(iterations):
         storage.advantages, storage.returns = advantages, returns
-        if linear:      # as train.py's linear schedule: a float, before every update (the first included)
-            optimizer.param_groups[0]["lr"] = 1e-3 * (1.0 - it / iterations)
+        if linear:      # as train.py's linear schedule on a resume: a float unlike the config's, before every update
+            optimizer.param_groups[0]["lr"] = 1e-3 * (1.0 - (it + 1) / (iterations + 1))
         stats.append(ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(7 + it)))
     return model, optimizer, stats
 
@@ -87,7 +87,7 @@ def test_linear_schedule_assigning_the_lr_before_the_first_update_equals_the_hos
     for p, q in zip(host_model.parameters(), dev_model.parameters()):
         assert torch.equal(p, q)
     assert dev_stats == host_stats
-    assert [s["learning_rate"] for s in dev_stats] == [1e-3 * (1.0 - it / 3) for it in range(3)]
+    assert [s["learning_rate"] for s in dev_stats] == [1e-3 * (1.0 - (it + 1) / 4) for it in range(3)]   # not cfg's 1e-3
 
 
 def test_non_finite_step_is_skipped_exactly_as_on_the_host():

@@ -54,13 +54,14 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("error", ["RunError", "ZeroDivisionError"])
 def test_a_failing_learner_exits_with_its_error_not_an_abort(tmp_path, error):
     """A run-time failure, and an unexpected exception (a bug): its traceback, then the same one line and the same
-    teardown; the rollout rank fails at once, not after --dist.timeout-s (600 s here: waiting it out fails the
-    test's 60 s bound; an unexpected exception used to leave the process group up, so it did)."""
+    teardown; the rollout rank fails at once, on the closed connection, not after --dist.timeout-s (3600 s here:
+    waiting it out fails the test's 60 s bound; an unexpected exception used to leave the process group up, so it
+    did)."""
     script = tmp_path / "fail.py"
     script.write_text(SCRIPT.format(root=ROOT, error=error))
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(script), "cartpole", "--max-iterations", "100", "--log.root",
-                               str(tmp_path), "--rollout.ranks", "1", "--dist.timeout-s", "600"],
+                               str(tmp_path), "--rollout.ranks", "1", "--dist.timeout-s", "3600"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
                                    "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -80,6 +81,7 @@ def test_a_failing_learner_exits_with_its_error_not_an_abort(tmp_path, error):
     assert errors == [expected], learner          # one line, the learner's own
     assert ("Traceback" in learner) == (error != "RunError"), learner
     assert procs[1].returncode == 1 and "learner rank 0 died or stalled" in outputs[1], outputs[1]
+    assert "Connection closed by peer" in outputs[1], outputs[1]          # gloo's words for a peer gone, not a timeout
 
 
 def decisions_kept(rank, world_size, depth, iterations):
