@@ -10,14 +10,16 @@ were missed. docs/rollout_ranks.md has the whole iteration.
 
 import atexit
 import dataclasses
+import os
 import sys
 import threading
+import traceback
 
 import torch
 
 from dist import comm
 from dist.batches import naming
-from dist.errors import RunError
+from dist.errors import RunError, tell_torchrun
 from dist.plan import PlanRow
 from sync import SyncIntegrityError, WeightSyncConfig, make_weight_syncer
 from sync.wire import LINK_LOST, RESYNC_HINT
@@ -93,8 +95,20 @@ class WeightServer:
             if self.closing or not torch.distributed.is_initialized():
                 return        # the learner already failed and tore the groups down; its error is already reported
             self.failure = exc
-            # One write for the whole line: the main thread reports the same failure on stderr at about this time.
-            print(f"[syncppo] serving weights to rank {dst} failed: {exc}\n", end="", file=sys.stderr, flush=True)
+            if isinstance(exc, comm.CollectiveError):
+                # Its rollout rank died or stalled, so the main thread's wait for that rank's batch fails too and
+                # reports it. One write for the whole line: the main thread's comes at about this time.
+                print(f"[syncppo] serving weights to rank {dst} failed: {exc}\n", end="", file=sys.stderr, flush=True)
+                return
+            # Anything else (a bug): the rollout rank waits for these weights, and the main thread for its next
+            # batch, in receives that nothing else ends before --dist.timeout-s. End the process now, as a failed
+            # rank would be: the rollout rank then fails at once on the closed connection.
+            traceback.print_exc()
+            message = f"error: serving weights to rank {dst} failed: unexpected {type(exc).__name__}: {exc}"
+            print(f"{message}\n", end="", file=sys.stderr, flush=True)
+            tell_torchrun(message)
+            sys.stdout.flush()
+            os._exit(1)
 
     def check(self) -> None:
         if self.failure is not None:

@@ -31,7 +31,7 @@ from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
 from dist.checkpoint import (check_writable_root, gather_rng_states, load_checkpoint, lock_run_dir, open_run_dir,
                              release_run_dirs, rng_plan_row, rng_states, save_checkpoint)
-from dist.errors import RunError, UsageError
+from dist.errors import RunError, UsageError, tell_torchrun
 from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows
 from dist.plan import format_plan
@@ -295,13 +295,6 @@ def team_checkpoint(gathered: torch.Tensor, spec: dict, roles) -> dict:
     of them after the sampler sum) from the first."""
     rollout_rngs, env_state = restore_team_states(gathered.cpu().flatten(), spec)
     return {"env": env_state, "rollout_rng": rollout_rngs, "layout": [roles.num_learners, roles.num_rollouts]}
-
-
-def tell_torchrun(message: str) -> None:
-    """Write this rank's error where torchrun's failure summary reads its root cause (else `error_file: <N/A>`)."""
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
 def first_on_node() -> bool:

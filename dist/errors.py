@@ -8,6 +8,11 @@
 Anything else is a bug: the runner prints its traceback, then one line, and exits 1.
 """
 
+import contextlib
+import json
+import os
+import time
+
 
 class UsageError(ValueError):
     """Bad input; the message starts with the flag to fix. `say_here`: whether this rank prints it; None for
@@ -21,3 +26,10 @@ class UsageError(ValueError):
 
 class RunError(RuntimeError):
     """A run-time failure with a message that says what happened and what was kept."""
+
+
+def tell_torchrun(message: str) -> None:
+    """Write this rank's error where torchrun's failure summary reads its root cause (else `error_file: <N/A>`)."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)

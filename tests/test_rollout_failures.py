@@ -1,5 +1,6 @@
 """Rollout ranks under failure and over long runs: a failing learner exits with its one-line error (no abort from
-a weight-serving thread still inside gloo), and the learner does not keep every decision it ever sent."""
+a weight-serving thread still inside gloo), a bug in a weight-serving thread ends the job at once, and the learner
+does not keep every decision it ever sent."""
 
 import os
 import subprocess
@@ -82,6 +83,54 @@ def test_a_failing_learner_exits_with_its_error_not_an_abort(tmp_path, error):
     assert ("Traceback" in learner) == (error != "RunError"), learner
     assert procs[1].returncode == 1 and "learner rank 0 died or stalled" in outputs[1], outputs[1]
     assert "Connection closed by peer" in outputs[1], outputs[1]          # gloo's words for a peer gone, not a timeout
+
+
+SERVING_BUG = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {root!r})
+    import tyro
+    import train
+    from configs import PRESETS
+    from sync.patch import PatchSyncer
+
+    if os.environ["RANK"] == "0":
+        sync = PatchSyncer.sync
+        def failing(self, state, version):
+            if version == 3:
+                raise ZeroDivisionError("injected serving failure")
+            return sync(self, state, version)
+        PatchSyncer.sync = failing
+    sys.argv = ["train.py", *sys.argv[1:]]
+    sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for n, f in PRESETS.items()}})))
+""")
+
+
+@pytest.mark.slow
+def test_a_bug_in_the_weight_serving_thread_ends_the_job_at_once(tmp_path):
+    """The rollout rank waits for the weights and the learner for the batch that needs them: nothing ended either
+    wait before --dist.timeout-s (3600 s here; the test's bound is 60 s). The learner now ends with the thread's
+    traceback and one line, and its rollout rank fails on the closed connection."""
+    script = tmp_path / "serving_bug.py"
+    script.write_text(SERVING_BUG.format(root=ROOT))
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), "cartpole", "--max-iterations", "100", "--log.root",
+                               str(tmp_path), "--rollout.ranks", "1", "--dist.timeout-s", "3600"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": port})
+             for r in (0, 1)]
+    try:
+        learner, rollout = (p.communicate(timeout=60)[0] for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    errors = [line for line in learner.splitlines() if line.startswith("error:")]
+    assert errors == ["error: serving weights to rank 1 failed: unexpected ZeroDivisionError: injected serving "
+                      "failure"], learner
+    assert procs[0].returncode == 1 and "Traceback" in learner, learner
+    assert procs[1].returncode == 1 and "learner rank 0 died or stalled" in rollout, rollout
+    assert "Connection closed by peer" in rollout, rollout
 
 
 def decisions_kept(rank, world_size, depth, iterations):
