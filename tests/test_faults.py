@@ -5,6 +5,7 @@ way a cluster does: SIGTERM to one rank, kill -9 of a rank or of the launcher.
 """
 
 import glob
+import itertools
 import os
 import re
 import shlex
@@ -107,15 +108,31 @@ def test_ctrl_c_saves_and_resume_auto_continues_in_place(tmp_path):
     assert tb_steps(run_dir) == list(range(1, k + 3))
 
 
-def test_second_ctrl_c_interrupts_at_once_but_a_forwarded_duplicate_does_not():
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_second_ctrl_c_interrupts_at_once_but_a_forwarded_duplicate_does_not(second):
+    """torch 2.13's torchrun starts each rank in its own session: only torchrun gets the terminal's Ctrl-C, and it
+    answers the second one with SIGTERM to the ranks (measured), which finished the iteration and saved."""
     stop = StopRequests(watch_launcher=False)
     try:
         stop._on_signal(signal.SIGINT, None)
-        stop._on_signal(signal.SIGINT, None)          # torchrun's forwarded copy, within the second: ignored
+        stop._on_signal(second, None)                 # a forwarded copy, within the second: ignored
         assert stop.signal_name == "SIGINT"
         stop._first_sigint -= 2.0
         with pytest.raises(SecondInterrupt):
-            stop._on_signal(signal.SIGINT, None)
+            stop._on_signal(second, None)
+    finally:
+        stop.restore_default_handlers()
+
+
+def test_sigterms_alone_never_interrupt_the_iteration(monkeypatch):
+    """A scheduler's SIGTERM (repeated or not, seconds apart) stops at the iteration's end with a checkpoint."""
+    clock = itertools.count(0.0, 5.0)
+    monkeypatch.setattr("dist.stop.time.monotonic", lambda: next(clock))
+    stop = StopRequests(watch_launcher=False)
+    try:
+        for _ in range(3):
+            stop._on_signal(signal.SIGTERM, None)
+            assert stop.signal_name == "SIGTERM"
     finally:
         stop.restore_default_handlers()
 
