@@ -157,7 +157,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
               f"[syncppo] {learners} {'ranks' if roles.colocated else 'learner(s)'} x {N} envs x {T} steps = "
               f"{learners * N * T} transitions per iteration\n"
               f"[syncppo] {model.describe()}\n"
-              f"{format_plan(plan, world)}", flush=True)
+              f"{format_plan(plan, world, learners)}", flush=True)
     if cfg.dry_run:
         if team is not None:
             team.close()

@@ -67,9 +67,15 @@ def _size(n: int) -> str:
     return f"{n:.1f} GB"
 
 
-def format_plan(rows: list[PlanRow], world_size: int) -> str:
-    """The plan as a table; more than 4 messages of a row are summed (`21 messages, 36.2 KB`)."""
-    note = "; at world size 1 no collective runs" if world_size == 1 else ""
+def format_plan(rows: list[PlanRow], world_size: int, collective_size: int | None = None) -> str:
+    """The plan as a table; more than 4 messages of a row are summed (`21 messages, 36.2 KB`). `collective_size`:
+    the ranks of the group the collectives run in, when not all of them (the learners, with rollout ranks)."""
+    if world_size == 1:
+        note = "; at world size 1 no collective runs"
+    elif collective_size == 1:
+        note = "; one learner: its collectives run in a group of one, so none crosses ranks (point-to-point does)"
+    else:
+        note = ""
     table = [("state", "rule", "collective", "cadence", "calls", "bytes per call")]
     for r in rows:
         cadence = {"every": f"every {r.every} it", "checkpoint": "at saves"}.get(r.cadence, r.cadence)
