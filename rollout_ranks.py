@@ -67,7 +67,14 @@ def describe_rollout(cfg: Config) -> str:
     """How the rollout ranks collect, as the start-up says it (a resume continues these from its checkpoint)."""
     r = cfg.rollout
     lag = f"async, at most {r.max_staleness} version(s) stale" if r.mode == "async" else "sync (on-policy)"
-    return f"; {lag}, weights by {r.sync}, copy in {r.dtype}, recompute {r.recompute}"
+    recompute = r.recompute if r.recompute != "auto" else f"auto ({'on' if recompute_on(cfg) else 'off'})"
+    return f"; {lag}, weights by {r.sync}, copy in {r.dtype}, recompute {recompute}"
+
+
+def recompute_on(cfg: Config) -> bool:
+    """--rollout.recompute, with auto on for async mode or a bfloat16 copy (whose log-probs would bias the ratio)."""
+    return {"on": True, "off": False}.get(cfg.rollout.recompute, cfg.rollout.mode == "async" or
+                                          cfg.rollout.dtype != "float32")
 
 
 def weight_sync_config(cfg: Config) -> WeightSyncConfig:
@@ -95,8 +102,7 @@ class LearnerTeam:
         self.device = device
         self.weights = WeightServer(weight_sync_config(cfg), roles.rank, self.rollouts, roles.weights_group,
                                     cfg.dist.timeout_s)
-        self.recompute = {"on": True, "off": False}.get(
-            cfg.rollout.recompute, cfg.rollout.mode == "async" or cfg.rollout.dtype != "float32")
+        self.recompute = recompute_on(cfg)
 
     def start(self, model, version: int) -> None:
         """sync/'s init handshake with each rollout rank; then `version` is served to whoever asks."""

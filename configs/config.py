@@ -152,7 +152,7 @@ class RolloutConfig:
     ranks: int = 0
     """rollout ranks K that run the envs and a policy copy; the other W - K ranks learn (0 = every rank does both)"""
     mode: Literal["sync", "async"] = "sync"
-    """sync: batch k is collected with the weights after update k - 1 (on-policy); async: while the learners update"""
+    """sync: batch k is collected with the weights after update k - 1 (on-policy); async: the next batch is collected while the learners update, with weights up to --rollout.max-staleness versions old"""
     max_staleness: int = 1
     """async: a batch may be collected with weights at most this many versions older than the iteration"""
     sync: Literal["patch", "bucket"] = "patch"
@@ -287,7 +287,7 @@ def validate_rollout(cfg: Config, world_size: int) -> None:
         raise UsageError(f"--rollout.ranks {k} is not a multiple of the {learners} learner(s) left of {world_size} "
                          f"ranks; each learner owns the same number of rollout ranks")
     if cfg.env.global_num_envs:
-        raise UsageError("--env.global-num-envs with --rollout.ranks: give --env.num-envs per rollout rank instead")
+        raise UsageError(GLOBAL_ENVS_WITH_ROLLOUT_RANKS)
     if cfg.dist.device == "cuda":
         raise UsageError("--rollout.ranks runs on CPU devices only for now (batches and weights are staged on the "
                          "host over gloo, and the CUDA path is untested); use --dist.device cpu or auto")
@@ -296,6 +296,8 @@ def validate_rollout(cfg: Config, world_size: int) -> None:
                          "GPUs; use --rollout.ranks 0 (colocated) with Isaac Lab")
 
 
+GLOBAL_ENVS_WITH_ROLLOUT_RANKS = ("--env.global-num-envs with --rollout.ranks: give --env.num-envs per rollout rank "
+                                  "instead")
 EMBEDDED_STEP_S = 0.02    # control step of both embedded envs (cartpole: dt; tracking: 4 x 5 ms substeps)
 FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38   # smallest normal, largest float32
 
@@ -354,6 +356,8 @@ def resolve_num_envs(cfg: Config, world_size: int) -> str:
         return f"--env.num-envs {cfg.env.num_envs} is per rank"
     if cfg.env.global_num_envs >= 2**63:
         raise UsageError(f"--env.global-num-envs must fit in 64 bits ([0, 2**63 - 1]), got {cfg.env.global_num_envs}")
+    if cfg.rollout.ranks:         # first: whatever the budget, it is the thing to change (validate_rollout says it too)
+        raise UsageError(GLOBAL_ENVS_WITH_ROLLOUT_RANKS)
     if cfg.env.global_num_envs % world_size:
         raise UsageError(f"--env.global-num-envs {cfg.env.global_num_envs} is not divisible by the world size "
                          f"{world_size}; pick a multiple of {world_size} or use per-rank --env.num-envs")

@@ -184,3 +184,12 @@ def test_an_experiment_name_too_long_for_a_directory_fails_before_the_build(tmp_
 def test_a_resume_path_that_is_a_device_is_not_called_a_directory():
     with pytest.raises(UsageError, match=r"^--resume '/dev/null' is not a regular file"):
         load_checkpoint("/dev/null")
+
+
+@pytest.mark.parametrize("total", [128, 129, 132])
+def test_a_global_env_budget_with_rollout_ranks_is_refused_first_whatever_the_budget(total):
+    """3 ranks, 2 of them rollout ranks: 128 was 'not divisible by the world size 3', 129 'must be divisible by
+    --ppo.num-mini-batches', and only 132 named the flag combination that cannot work."""
+    cfg = cfg_with(env__global_num_envs=total, rollout__ranks=2)
+    with pytest.raises(UsageError, match=r"^--env.global-num-envs with --rollout.ranks: give --env.num-envs per "):
+        resolve_num_envs(cfg, 3)

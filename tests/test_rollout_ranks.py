@@ -229,7 +229,9 @@ def test_a_rollout_rank_that_fell_behind_gets_the_newest_weights_in_one_update(k
 def test_the_start_up_says_how_rollout_ranks_collect():
     """A resume continues --rollout.mode and the rest from its checkpoint: the start-up line must show them."""
     assert describe_rollout(small("/unused", ranks=1)) == \
-        "; sync (on-policy), weights by patch, copy in float32, recompute auto"
+        "; sync (on-policy), weights by patch, copy in float32, recompute auto (off)"
+    assert describe_rollout(small("/unused", ranks=1, mode="async")).endswith("recompute auto (on)")   # what auto means
+    assert describe_rollout(small("/unused", ranks=1, dtype="bfloat16")).endswith("recompute auto (on)")
     assert describe_rollout(small("/unused", ranks=1, mode="async", max_staleness=2, sync="bucket", dtype="bfloat16",
                                   recompute="off")) == \
         "; async, at most 2 version(s) stale, weights by bucket, copy in bfloat16, recompute off"

@@ -151,7 +151,7 @@ def test_log_flags_that_do_not_hold_the_resumed_run_directory_are_refused(tmp_pa
             check_typed_flags(cfg_with(resume=str(run_dir), **changes), frozenset({flag}))
         assert str(exc.value) == (f"{flag} applies only with --resume auto, a checkpoint file, or a run directory "
                                   f"under --log.root/--log.experiment (the run continues in place in "
-                                  f"{str(run_dir)!r}, configs/resume.py)")
+                                  f"{str(run_dir)!r})")
     for resume in (str(run_dir), str(run_dir) + "/", str(run_dir / "model_3.pt")):
         check_typed_flags(cfg_with(resume=resume, log__root=str(tmp_path / "runs"), log__experiment="tracking"),
                           frozenset({"--log.root", "--log.experiment"}))
