@@ -230,10 +230,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             scalars[f"Comm/{purpose}_calls"], scalars[f"Comm/{purpose}_bytes"] = calls - before[0], nbytes - before[1]
         ledger_before = ledger
         if is_main:
-            logger.log(scalars, step=iteration + 1)
             returns = torch.stack(episodes.ended).flatten().cpu() if episodes.ended else torch.zeros(0)  # in end order
-            for value in returns[~returns.isnan()].tolist():
-                logger.writer.add_scalar("Episode/return", value, iteration + 1)
+            logger.log(scalars, iteration + 1, returns[~returns.isnan()].tolist())
             if (iteration + 1) % cfg.log.print_every == 0 or iteration + 1 == cfg.max_iterations:
                 logger.print_line(iteration, scalars)
         if launcher_gone:     # orphans: no launcher is left to restart or collect the job, so write nothing

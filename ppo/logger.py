@@ -17,9 +17,15 @@ class RunLogger:
         self.max_iterations, self.start_iteration = max_iterations, start_iteration
         self.start_time = time.time()
 
-    def log(self, scalars: dict[str, float], step: int) -> None:
+    def log(self, scalars: dict[str, float], step: int, episode_returns: list[float] = ()) -> None:
+        """One iteration's scalars, and each episode return that ended in it (`Episode/return`, in end order).
+        Flushed at once: a process that ends abruptly (a failed thread's exit, kill -9) keeps its curves up to
+        here, not only up to the writer's last periodic flush (every 2 minutes)."""
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
+        for value in episode_returns:
+            self.writer.add_scalar("Episode/return", value, step)
+        self.writer.flush()
 
     def print_line(self, iteration: int, scalars: dict[str, float]) -> None:
         done = iteration + 1 - self.start_iteration

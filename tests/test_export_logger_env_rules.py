@@ -16,7 +16,9 @@ Expected values are computed here by hand or with numpy, never by the code under
 
 import dataclasses
 import os
+import subprocess
 import sys
+import textwrap
 
 import gymnasium
 import numpy as np
@@ -35,6 +37,7 @@ from tests.fake_isaaclab import TASK, Record, fake_modules, spec
 from tests.test_tools import numpy_actions as numpy_actions_of_state
 
 CPU = torch.device("cpu")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- ppo/export.py ------------------------------------------------------------------------------------
@@ -197,6 +200,24 @@ def test_every_tag_of_a_log_call_is_written_at_its_step_in_a_new_run_directory(t
     assert tb_scalars(run_dir, "Train/mean_reward") == [(1, 1.5), (2, 2.5)]
     assert tb_scalars(run_dir, "Policy/kl") == [(1, 0.25), (2, 0.5)]
     assert tb_scalars(run_dir, "Loss/learning_rate") == [(1, 0.125), (2, 0.0625)]
+
+
+def test_an_iteration_is_on_disk_when_log_returns_even_if_the_process_then_ends_abruptly(tmp_path):
+    """A process that ends without closing the writer (os._exit after a weight-serving thread's bug, kill -9) keeps
+    every logged iteration and its episode returns: the writer flushed only every 2 minutes, so it lost them."""
+    script = tmp_path / "log_then_exit.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {REPO!r})
+        from ppo.logger import RunLogger
+        logger = RunLogger({str(tmp_path / "run")!r}, max_iterations=5, start_iteration=0)
+        logger.log({{"Train/mean_reward": 1.5}}, 1, [3.0, -1.25])
+        logger.log({{"Train/mean_reward": 2.5}}, 2)
+        os._exit(1)
+    """))
+    assert subprocess.run([sys.executable, str(script)]).returncode == 1
+    assert tb_scalars(str(tmp_path / "run"), "Train/mean_reward") == [(1, 1.5), (2, 2.5)]
+    assert tb_scalars(str(tmp_path / "run"), "Episode/return") == [(1, 3.0), (1, -1.25)]
 
 
 T = 1_700_000_000
