@@ -62,7 +62,8 @@ def requirement(cfg, flag: str) -> str | None:
         return f"--rollout.ranks K > 0 (the run uses {cfg.rollout.ranks}: every rank collects and learns)"
     if flag == "--rollout.max-staleness" and cfg.rollout.mode != "async":   # sync mode allows lag 0, always
         return f"--rollout.mode async (the run uses {cfg.rollout.mode})"
-    if flag in ("--log.root", "--log.experiment") and os.path.isdir(cfg.resume) and not in_experiment_dir(cfg):
+    if flag in ("--log.root", "--log.experiment") and cfg.resume != "auto" and os.path.isdir(cfg.resume) \
+            and not in_experiment_dir(cfg):
         return (f"--resume auto, a checkpoint file, or a run directory under --log.root/--log.experiment (the run "
                 f"continues in place in {cfg.resume!r})")
     return None

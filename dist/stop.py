@@ -5,11 +5,11 @@ runner adds `local_flags()` to the metrics it already all-reduces once per itera
 reads the same summed flags back.
 
 - SIGINT (Ctrl-C) or SIGTERM: finish the iteration, stop, rank 0 writes a checkpoint.
-- A second Ctrl-C, more than a second after the first, raises SecondInterrupt (a KeyboardInterrupt) at once: a
-  SIGINT or SIGTERM after a SIGINT. (Where the ranks share the terminal's process group, torchrun forwards the
-  terminal's Ctrl-C to ranks that already got it: that duplicate, within the second, is not a second request.
-  Where torchrun starts each rank in its own session, as torch 2.13 does, only torchrun gets the terminal's
-  Ctrl-C: it forwards the first as SIGINT and answers the second with SIGTERM.)
+- A second Ctrl-C raises SecondInterrupt (a KeyboardInterrupt) at once: a SIGTERM after a SIGINT, or a SIGINT more
+  than a second after the first. (Where torchrun starts each rank in its own session, as torch 2.13 does, only
+  torchrun gets the terminal's Ctrl-C: it forwards the first as SIGINT and answers the second with SIGTERM. Where
+  the ranks share the terminal's process group, torchrun forwards the terminal's Ctrl-C to ranks that already got
+  it: that duplicate SIGINT, within the second, is not a second request.)
 - The launcher (torchrun) gone, i.e. this process re-parented: stop without writing anything, since
   no launcher is left to restart or collect the job.
 """
@@ -38,7 +38,7 @@ class StopRequests:
 
     def _on_signal(self, signum, frame) -> None:
         now = time.monotonic()
-        if self._first_sigint is not None and now - self._first_sigint > 1.0:
+        if self._first_sigint is not None and (signum == signal.SIGTERM or now - self._first_sigint > 1.0):
             raise SecondInterrupt
         if signum == signal.SIGINT:
             self._first_sigint = self._first_sigint or now

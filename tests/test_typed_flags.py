@@ -138,7 +138,7 @@ def test_cli_accepts_the_flag_where_it_applies_and_a_preset_value_that_does_not(
     assert "1 ranks x 1 envs x 2048 steps" in out.stdout and "sync plan" in out.stdout, out.stdout
 
 
-def test_log_flags_that_do_not_hold_the_resumed_run_directory_are_refused(tmp_path):
+def test_log_flags_that_do_not_hold_the_resumed_run_directory_are_refused(tmp_path, monkeypatch):
     """--resume RUN_DIR continues in place: a typed --log.root or --log.experiment elsewhere was silently ignored
     (the checkpoints went on into RUN_DIR). Flags that do hold it (the stop message's command repeats the run's
     own) and --resume with a checkpoint file (a new run directory under them) are accepted."""
@@ -157,3 +157,6 @@ def test_log_flags_that_do_not_hold_the_resumed_run_directory_are_refused(tmp_pa
                           frozenset({"--log.root", "--log.experiment"}))
     check_typed_flags(cfg_with(resume=str(run_dir / "model_3.pt"), log__root=str(tmp_path / "elsewhere")),
                       frozenset({"--log.root"}))
+    (tmp_path / "auto").mkdir()            # --resume auto searches --log.root, whatever the working directory holds
+    monkeypatch.chdir(tmp_path)
+    check_typed_flags(cfg_with(resume="auto", log__root=str(tmp_path / "elsewhere")), frozenset({"--log.root"}))
