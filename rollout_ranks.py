@@ -41,6 +41,7 @@ from dist.setup import seed_everything
 from dist.stats import sum_counts, sum_counts_plan_rows
 from dist.stop import StopRequests
 from envs import make_env
+from envs.base import MissingSimulator
 from ppo.actor_critic import build_actor_critic
 from ppo.rollout import TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout
 from rollout_weights import WeightServer, integrity_failure, request_plan_rows, request_weights, weight_plan_rows
@@ -160,7 +161,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     seed_everything(cfg.seed + j)                 # the seeds colocated rank j would use
     try:
         env = make_env(cfg.env, device, seed=cfg.seed + j, base_seed=shared_env_seed(cfg, checkpoint))
-    except (ValueError, ImportError) as exc:   # the learners build no env: the first rollout rank says it
+    except (ValueError, MissingSimulator) as exc:   # the learners build no env: the first rollout rank says it
         raise UsageError(str(exc), say_here=j == 0) from exc
     copy = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions).to(device)
     low_precision = cfg.rollout.dtype != "float32"

@@ -42,6 +42,7 @@ from dist.stats import metrics_plan_rows, reduce_metrics, sum_counts, sum_counts
 from dist.stop import STOP_KEYS, SecondInterrupt, StopRequests
 from dist.verify import verify_plan_rows, verify_replicas
 from envs import make_env
+from envs.base import MissingSimulator
 from ppo.actor_critic import build_actor_critic
 from ppo.logger import RunLogger
 from ppo.minibatch_step import build_optimizer
@@ -109,7 +110,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     if roles.colocated:
         try:
             env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=env_seed)
-        except (ValueError, ImportError) as exc:   # the adapters name the --env flag or the package to install
+        except (ValueError, MissingSimulator) as exc:   # the adapters name the --env flag or the package to install
             raise UsageError(str(exc)) from exc
         obs_dims, num_actions, N, log_keys = env.obs_dims, env.num_actions, env.num_envs, tuple(env.log_keys)
         sampler = env.sampler         # with rollout ranks the sampler lives there (summed in their group)

@@ -255,12 +255,6 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
     if not FLOAT32_TINY <= cfg.policy.init_noise_std * cfg.policy.init_noise_std <= FLOAT32_MAX:   # log_prob: / std**2
         raise UsageError(f"--policy.init-noise-std {cfg.policy.init_noise_std}: the action variance (its square) is "
                          f"0 or inf in float32; use a value in [{FLOAT32_TINY**0.5:.1e}, {FLOAT32_MAX**0.5:.1e}]")
-    if not FLOAT32_TINY <= cfg.ppo.learning_rate <= FLOAT32_MAX:    # the step is lr x a float32 tensor
-        raise UsageError(f"--ppo.learning-rate {cfg.ppo.learning_rate} is 0 or inf in float32, the optimizer's "
-                         f"precision; use a value in [{FLOAT32_TINY:.1e}, {FLOAT32_MAX:.1e}]")
-    if cfg.ppo.adam_eps < FLOAT32_TINY:     # Adam adds eps to float32 tensors: below this it is 0 (0/0 = nan)
-        raise UsageError(f"--ppo.adam-eps {cfg.ppo.adam_eps} is 0 in float32, the optimizer's precision; "
-                         f"use at least {FLOAT32_TINY:.1e}")
     if cfg.ppo.value_loss_coef < 0 or cfg.ppo.entropy_coef < 0:
         raise UsageError("--ppo.value-loss-coef and --ppo.entropy-coef must be >= 0")
     if any(h <= 0 for h in (*cfg.policy.actor_hidden, *cfg.policy.critic_hidden)):
@@ -304,10 +298,11 @@ FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38   # sm
 
 def check_finite(cfg: Config) -> None:
     """Every float field must be finite: NaN or inf in a coefficient trains for hours with every step skipped; and
-    representable in float32, where every one of them meets a tensor: beyond its range torch raises at first use
-    (clip, reward clip, action clip), below its smallest normal the value is 0 there (a grad-norm cap that zeroes
-    every step). Every integer (and integer tuple) must fit int64: a larger size or count overflows in torch with
-    a traceback."""
+    0 or representable in float32, where nearly all of them meet tensors (none needs more): beyond its range torch
+    raises at first use (clip, reward clip, action clip), below its smallest normal the value is 0 there (a
+    grad-norm cap that zeroes every step, Adam's eps: 0/0; the LR: no step). The seconds of the collective timeout
+    and of an episode have their own ranges. Every integer (and integer tuple) must fit int64: a larger size or
+    count overflows in torch with a traceback."""
     sections = {"": cfg, "env.": cfg.env, "policy.": cfg.policy, "ppo.": cfg.ppo, "dist.": cfg.dist, "log.": cfg.log,
                 "rollout.": cfg.rollout}
     for prefix, section in sections.items():

@@ -22,6 +22,11 @@ from typing import Protocol
 import torch
 
 
+class MissingSimulator(ImportError):
+    """A simulator package the env needs cannot be imported; the message names the flag and what to install. The
+    runner reports it in one line (any other ImportError in an env's code is a bug and keeps its traceback)."""
+
+
 class VecEnv(Protocol):
     num_envs: int
     num_actions: int

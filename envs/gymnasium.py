@@ -13,6 +13,8 @@ is why the mode is set explicitly here.
 
 import torch
 
+from envs.base import MissingSimulator
+
 INSTALL_HINT = "make setup-mujoco   (or: pip install 'gymnasium[mujoco]')"
 
 
@@ -21,8 +23,8 @@ def import_gymnasium():
     try:
         import gymnasium
     except ImportError as exc:
-        raise ImportError(f"--env.name gymnasium needs gymnasium (and mujoco for MuJoCo tasks): "
-                          f"{INSTALL_HINT}") from exc
+        raise MissingSimulator(f"--env.name gymnasium needs gymnasium (and mujoco for MuJoCo tasks): "
+                               f"{INSTALL_HINT}") from exc
     return gymnasium
 
 
@@ -39,7 +41,7 @@ class GymnasiumEnv:
                                     vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
         except gym.error.DependencyNotInstalled as exc:   # mujoco missing for a MuJoCo task, box2d for CarRacing...
             hint = f"; {INSTALL_HINT}" if "mujoco" in str(exc).lower() else ""   # gymnasium's message says the rest
-            raise ImportError(f"--env.task {task}: {exc}{hint}") from exc
+            raise MissingSimulator(f"--env.task {task}: {exc}{hint}") from exc
         action_space, obs_space = self.env.single_action_space, self.env.single_observation_space
         if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
             raise ValueError(f"--env.task {task}: needs a 1-D continuous (Box) action space, got {action_space}")

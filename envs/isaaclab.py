@@ -26,6 +26,8 @@ import warnings
 
 import torch
 
+from envs.base import MissingSimulator
+
 INSTALL_HINT = "make setup-isaaclab   (Isaac Lab 3.0 installed next to this repo, Python 3.12; see README)"
 
 
@@ -45,8 +47,8 @@ def import_isaaclab():
         from isaaclab.app import add_launcher_args, launch_simulation
         from isaaclab_tasks.utils import parse_env_cfg
     except ImportError as exc:
-        raise ImportError(f"--env.name isaaclab needs Isaac Lab 3.0 (isaaclab, isaaclab_tasks; {exc}): "
-                          f"{INSTALL_HINT}") from exc
+        raise MissingSimulator(f"--env.name isaaclab needs Isaac Lab 3.0 (isaaclab, isaaclab_tasks; {exc}): "
+                               f"{INSTALL_HINT}") from exc
     return gymnasium, add_launcher_args, launch_simulation, parse_env_cfg
 
 

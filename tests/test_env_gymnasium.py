@@ -15,6 +15,7 @@ import train
 from configs import preset, validate
 from dist.errors import UsageError
 from dist.grad_sync import GradSync
+from envs.base import MissingSimulator
 from envs.gymnasium import GymnasiumEnv
 from ppo.normalizer import RewardNormalizer
 from ppo.storage import RolloutStorage
@@ -163,7 +164,7 @@ def test_a_rollout_rank_missing_a_simulator_package_says_so_once(monkeypatch, in
     import rollout_ranks
 
     def missing(*args, **kwargs):
-        raise ImportError("--env.task NeedsBox2d-v0: Box2D is not installed")
+        raise MissingSimulator("--env.task NeedsBox2d-v0: Box2D is not installed")
 
     monkeypatch.setattr(rollout_ranks, "make_env", missing)
     roles = types.SimpleNamespace(rollout_index=index, team=[0])
@@ -171,6 +172,13 @@ def test_a_rollout_rank_missing_a_simulator_package_says_so_once(monkeypatch, in
         rollout_ranks.run_rollout_rank(preset("mujoco"), roles, torch.device("cpu"), None, 0)
     assert str(exc.value) == "--env.task NeedsBox2d-v0: Box2D is not installed"
     assert exc.value.say_here == (index == 0)
+
+    def broken(*args, **kwargs):     # an import inside an env's own code failing: a bug, not a missing package
+        raise ImportError("cannot import name 'thing' from 'task_module'")
+
+    monkeypatch.setattr(rollout_ranks, "make_env", broken)
+    with pytest.raises(ImportError, match="cannot import name 'thing'"):      # not made a UsageError (a ValueError)
+        rollout_ranks.run_rollout_rank(preset("mujoco"), roles, torch.device("cpu"), None, 0)
 
 
 def test_mujoco_preset_is_cleanrl_ppo_continuous_action():
