@@ -300,7 +300,7 @@ def first_on_node() -> bool:
     """Whether this is local rank 0, which says what every rank would (an unreadable LOCAL_RANK counts: main() then
     refuses it, and someone must say so)."""
     value = os.environ.get("LOCAL_RANK", "0")
-    return not value.strip().isdigit() or int(value) == 0
+    return not value.strip().isdecimal() or int(value) == 0
 
 
 def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:

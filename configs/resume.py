@@ -19,6 +19,7 @@ import typing
 from configs.typed_flags import env_reads
 from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
 from dist.errors import UsageError
+from dist.setup import launch_int
 
 # Fields that decide tensor shapes or which states a checkpoint holds, or that only shape a new policy (its
 # initial weights and action std, which the checkpoint's replace): a mismatch fails before build.
@@ -157,7 +158,7 @@ def as_flag(flag: str, value) -> str:
 def resolve_resume(cfg, experiment_dir: str) -> tuple[str, str | None]:
     """(checkpoint to load or "", existing run directory to continue in, or None for a new one)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and run_id:
+    if launch_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and run_id:
         run_dir = find_run_dir(experiment_dir, run_id)
         if run_dir is not None:
             return latest_checkpoint(run_dir) or (cfg.resume if cfg.resume != "auto" else ""), run_dir

@@ -30,7 +30,7 @@ def launch_int(name: str, default: int, low: int = 0) -> int:
     value = os.environ.get(name)
     if value is None:
         return default
-    if not value.strip().isdigit() or int(value) < low:
+    if not value.strip().isdecimal() or int(value) < low:
         alone = ", or unset it to run one process" if name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") else ""
         raise UsageError(f"environment variable {name}={value!r} is not an integer >= {low}: torchrun sets it; "
                          f"launch with torchrun{alone}")
@@ -72,7 +72,7 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     """
     rank, world_size = launch_rank_and_world()
     local_rank = launch_int("LOCAL_RANK", 0)
-    if world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if world_size > 1 and not torch_dist.is_initialized() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
         if missing:
             raise UsageError(f"WORLD_SIZE={world_size} without {' and '.join(missing)}: the ranks cannot find "

@@ -52,6 +52,7 @@ def test_nccl_on_the_cpu_is_one_line_naming_the_flag(tmp_path, capsys):
     ({"WORLD_SIZE": "abc"}, "environment variable WORLD_SIZE='abc' is not an integer >= 1"),
     ({"WORLD_SIZE": "0"}, "environment variable WORLD_SIZE='0' is not an integer >= 1"),
     ({"RANK": "x"}, "environment variable RANK='x' is not an integer >= 0"),
+    ({"RANK": "\u00b2"}, "environment variable RANK='\u00b2' is not an integer >= 0"),      # a digit int() cannot read
     ({"LOCAL_RANK": "-1"}, "environment variable LOCAL_RANK='-1' is not an integer >= 0"),
     ({"TORCHELASTIC_RESTART_COUNT": "x"}, "environment variable TORCHELASTIC_RESTART_COUNT='x' is not an integer"),
     ({"WORLD_SIZE": "2", "RANK": "2"}, "environment variables RANK=2 and WORLD_SIZE=2: a rank must be below"),
@@ -71,6 +72,21 @@ def test_torchrun_variables_set_by_hand_are_one_line_naming_the_variable(tmp_pat
     err = capsys.readouterr().err
     assert err.startswith(f"error: {named}") and err.count("\n") == 1, err
     assert not os.path.exists(tmp_path / "cartpole")
+
+
+def test_a_process_group_the_program_made_itself_needs_no_master_address(monkeypatch):
+    """A program that called init_process_group (file:// or tcp:// init) before train.main: torchrun's
+    MASTER_ADDR/MASTER_PORT are not needed, and the group is used as it is."""
+    import torch.distributed as torch_dist
+
+    from dist.setup import init_distributed
+    for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(torch_dist, "is_initialized", lambda: True)
+    info = init_distributed("gloo", "cpu")
+    assert (info.rank, info.world_size, info.backend) == (1, 2, "gloo")
 
 
 def test_one_process_says_the_process_group_flags_do_not_apply(tmp_path, capsys, monkeypatch):
