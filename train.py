@@ -29,8 +29,9 @@ from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_
 from configs.typed_flags import env_label, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
-from dist.checkpoint import (check_writable_root, gather_rng_states, load_checkpoint, lock_run_dir, open_run_dir,
-                             release_run_dirs, rng_plan_row, rng_states, save_checkpoint)
+from dist.checkpoint import (check_writable_root, gather_rng_states, lock_run_dir, open_run_dir, release_run_dirs,
+                             rng_plan_row, rng_states, save_checkpoint)
+from dist.checkpoint_read import load_checkpoint
 from dist.errors import RunError, UsageError, tell_torchrun
 from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows

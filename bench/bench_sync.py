@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist.checkpoint import read_torch_file  # noqa: E402
+from dist.checkpoint_read import read_torch_file  # noqa: E402
 from sync import BucketConfig, PatchConfig, WeightSyncConfig, make_weight_syncer  # noqa: E402
 from sync.patch import _bits as as_bits  # noqa: E402
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from configs.config import PolicyConfig
-from dist.checkpoint import read_checkpoint
+from dist.checkpoint_read import read_checkpoint
 from ppo.actor_critic import ActorCritic, build_actor_critic
 from ppo.normalizer import ObsNormalizer
 
@@ -49,7 +49,7 @@ class DeterministicActor(nn.Module):
 
 def load_policy(path: str) -> tuple[ActorCritic, dict]:
     """The checkpoint's actor-critic (on the CPU, eval mode) and its run config (a dict). The file passes the checks
-    of a --resume (dist.checkpoint.read_checkpoint: CRC-32s, no nan or inf in what it holds), except that only
+    of a --resume (dist.checkpoint_read.read_checkpoint: CRC-32s, no nan or inf in what it holds), except that only
     'model' and 'config' entries are needed."""
     def usable(state) -> None:
         if not isinstance(state, dict) or "model" not in state or "config" not in state:

@@ -12,7 +12,8 @@ import torch
 
 import train
 from configs import preset, resolve_num_envs, validate
-from dist.checkpoint import load_checkpoint, rng_states, save_checkpoint
+from dist.checkpoint import rng_states, save_checkpoint
+from dist.checkpoint_read import load_checkpoint
 from dist.errors import UsageError
 from envs import make_env
 from ppo.actor_critic import build_actor_critic

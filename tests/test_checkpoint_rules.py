@@ -37,7 +37,8 @@ def test_checkpoint_entries_train_restore_cannot_use_are_refused_by_name(tmp_pat
     list, a bool iteration (True is an int to Python), a layout that disagrees with the number of learner RNG
     states or counts negative rollout ranks, rollout RNG states that are not dicts, a config section that is
     not a dict, and an optimizer whose 'state' is not a dict. The undamaged file loads."""
-    from dist.checkpoint import load_checkpoint, save_checkpoint
+    from dist.checkpoint import save_checkpoint
+    from dist.checkpoint_read import load_checkpoint
     from dist.errors import UsageError
     path = str(tmp_path / "model_2.pt")
     save_checkpoint(path, _minimal_checkpoint())

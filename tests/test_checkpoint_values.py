@@ -18,7 +18,8 @@ import torch
 import train
 from configs.resume import continue_saved_config
 from configs.typed_flags import typed_flags
-from dist.checkpoint import load_checkpoint, nonfinite_entry, save_checkpoint
+from dist.checkpoint import save_checkpoint
+from dist.checkpoint_read import load_checkpoint, nonfinite_entry
 from dist.errors import UsageError
 from ppo import export
 from test_bad_input import flip_a_byte_of_tensor_data

@@ -1,0 +1,181 @@
+"""Reading a checkpoint back, every check in one path (--resume, export): a torch archive whose CRC-32s match,
+entries of the types this version writes, and no value a healthy run never saves (nan, inf, a negative Adam
+exp_avg_sq). Each failure is one UsageError naming the file and the way out. dist/checkpoint.py writes them."""
+
+import math
+import os
+import zipfile
+from collections.abc import Callable
+
+import torch
+
+from dist.checkpoint import FORMAT
+from dist.errors import UsageError
+
+REQUIRED_KEYS = ("format", "model", "optimizer", "iteration", "learning_rate", "env", "config", "rng")
+
+
+def read_torch_file(path: str, map_location="cpu"):
+    """torch.load(weights_only=True) of a file meant to be a training checkpoint; ValueError says what the file is
+    instead (torch's own message advises weights_only=False, which is neither safe nor the fix)."""
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            started = f.read(4) == b"PK\x03\x04"       # a zip's first entry, without its closing directory
+        raise ValueError("a truncated or damaged checkpoint (its zip archive does not end); resume from another one"
+                         if started else
+                         "not a torch checkpoint (torch.save writes a zip archive; this file is not one)")
+    with zipfile.ZipFile(path) as archive:
+        if any(name.endswith("/constants.pkl") for name in archive.namelist()):
+            raise ValueError("an exported policy (TorchScript), not a training checkpoint: pass the model_<k>.pt it "
+                             "was exported from")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        text = str(exc)
+        detail = next((line.strip() for line in text.splitlines() if "Unpickler error" in line),
+                      text.split(" In PyTorch 2.6")[0].splitlines()[0] if text else "")
+        raise ValueError(f"not a readable torch checkpoint ({type(exc).__name__}: {detail})") from None
+
+
+def load_checkpoint(path: str, map_location="cpu") -> dict:
+    """Load and validate a checkpoint; a file that is not one of ours raises naming what is wrong."""
+    if not os.path.exists(path):
+        raise UsageError(f"--resume {path!r} does not exist")
+    if os.path.isdir(path):
+        raise UsageError(f"--resume {path!r} is a directory; pass a model_<iteration>.pt file inside it, or auto")
+    if not os.path.isfile(path):      # a device or a pipe: reading it could block or never end
+        raise UsageError(f"--resume {path!r} is not a regular file; pass a model_<iteration>.pt file, or auto")
+
+    def usable(state) -> None:
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise UsageError(f"--resume {path!r} is not a syncppo checkpoint (expected format {FORMAT!r})")
+        missing = [k for k in REQUIRED_KEYS if k not in state]
+        if missing:
+            raise UsageError(f"--resume {path!r} is missing {missing}; the file is truncated or from another tool")
+        damage = malformed_entry(state)
+        if damage:
+            raise UsageError(f"--resume {path!r} is damaged ({damage}); resume from another checkpoint")
+    return read_checkpoint(path, "--resume", "resume from", usable, map_location)
+
+
+def read_checkpoint(path: str, flag: str, use: str, usable: Callable[[object], None], map_location="cpu") -> dict:
+    """The checks every reader of a checkpoint makes (--resume, export), in this order: a torch archive
+    (read_torch_file) whose CRC-32s match (corrupt_member); `usable(state)`, which raises (a ValueError) for entries
+    this reader cannot use; then no value a healthy run never saves (nonfinite_entry). Each failure is one
+    UsageError naming the file as `flag PATH` and the way out as `use` ("resume from", "export") a checkpoint."""
+    try:
+        state = read_torch_file(path, map_location)
+    except ValueError as exc:
+        raise UsageError(f"{flag} {path!r} is {exc}") from None
+    damage = corrupt_member(path)
+    if damage:
+        raise UsageError(f"{flag} {path!r} is damaged ({damage}); {use} another checkpoint")
+    usable(state)
+    bad = nonfinite_entry(state)
+    if bad:
+        raise UsageError(f"{flag} {path!r} has {bad}: the file is damaged or its run diverged; {use} an earlier "
+                         f"model_<k>.pt")
+    return state
+
+
+def corrupt_member(path: str) -> str:
+    """torch.load does not check the archive's CRC-32s: a flipped bit in tensor data would load as wrong weights."""
+    if not zipfile.is_zipfile(path):
+        return ""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"{bad} does not match its CRC-32" if bad else ""
+
+
+def malformed_entry(state: dict) -> str:
+    """What in the loaded dict has the wrong type or size for `ppo.restore` to use, or "" when all fits."""
+    def plain_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+    for key in ("model", "optimizer", "env", "config"):
+        if not isinstance(state[key], dict):
+            return f"its {key!r} is a {type(state[key]).__name__}, not a dict"
+    optimizer = state["optimizer"]
+    if not isinstance(optimizer.get("param_groups"), list) or not isinstance(optimizer.get("state"), dict):
+        return "its 'optimizer' has no 'param_groups' list and 'state' dict"
+    for i, group in enumerate(optimizer["param_groups"]):
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list) or \
+                not all(plain_int(index) for index in group["params"]):
+            return f"its optimizer param group {i} is not a dict with a 'params' list of indices"
+        lr = group.get("lr")      # a float, or a one-element tensor (--ppo.capture-step)
+        if not (plain_int(lr) or isinstance(lr, float) or isinstance(lr, torch.Tensor) and lr.is_floating_point()
+                and lr.numel() == 1):
+            return f"its optimizer param group {i} has lr {lr!r}, not a number"
+    for index, moments in optimizer["state"].items():
+        if not isinstance(moments, dict):
+            return f"its optimizer state for parameter {index!r} is a {type(moments).__name__}, not a dict"
+    sections = [k for k, v in state["config"].items() if not isinstance(v, dict) and k in
+                ("env", "policy", "ppo", "dist", "log", "rollout")]
+    if sections:
+        return f"its config section {sections[0]!r} is not a dict"
+    if not plain_int(state["iteration"]) or state["iteration"] < 0:
+        return f"its iteration is {state['iteration']!r}, not an integer >= 0"
+    for name, seed in (("env_seed", state.get("env_seed", 0)), ("config's seed", state["config"].get("seed", 0))):
+        if not plain_int(seed) or not 0 <= seed < 2**32:
+            return f"its {name} is {seed!r}, not an integer in [0, 2**32)"
+    rng = state["rng"]
+    if not isinstance(rng, list) or not rng or not all(isinstance(r, dict) for r in rng):
+        return "its 'rng' is not a non-empty list of per-rank dicts"
+    layout = state.get("layout", [len(rng), 0])
+    if not (isinstance(layout, list) and len(layout) == 2 and all(plain_int(n) for n in layout)
+            and layout[0] == len(rng) and layout[1] >= 0):
+        return f"its layout {layout!r} does not say [{len(rng)} learner(s), rollout ranks]"
+    rollout_rng = state.get("rollout_rng", [])
+    if layout[1] and not (isinstance(rollout_rng, list) and len(rollout_rng) == layout[1]
+                          and all(isinstance(r, dict) for r in rollout_rng)):
+        return f"its layout has {layout[1]} rollout rank(s) but not as many 'rollout_rng' dicts"
+    ranks = [(f"rng[{i}]", r) for i, r in enumerate(rng)]
+    ranks += [(f"rollout_rng[{i}]", r) for i, r in enumerate(rollout_rng)] if layout[1] else []
+    for where, states in ranks:
+        for name, value in states.items():
+            if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1):
+                kind = (f"a {value.dtype} tensor of {value.dim()} dimension(s)" if isinstance(value, torch.Tensor)
+                        else f"a {type(value).__name__}")
+                return f"its {where}[{name!r}] is {kind}, not an RNG state (a 1-D uint8 tensor)"
+    return ""
+
+
+VALUED_ENTRIES = ("model", "optimizer", "reward_normalizer", "env", "learning_rate")
+
+
+def nonfinite_entry(state: dict) -> str:
+    """The first value in VALUED_ENTRIES that a healthy run never saves, as "nan in its model['log_std']", or "":
+    a nan or inf in a floating tensor or float (weights, normalizer statistics, Adam's moments, step counts and
+    LR, sampler counts), or a negative Adam exp_avg_sq (a mean of squares). A healthy run keeps them finite: the
+    update skips a step whose gradient norm is not finite and clips the others, and non-finite observations or
+    rewards stop the run before a normalizer sees them. Integer tensors (counters) are exempt, and RNG states
+    (uint8) are not among the entries. One aminmax per tensor: a single pass that copies nothing (nan reaches both
+    ends)."""
+    for entry in VALUED_ENTRIES:
+        for where, value in _numbers(state.get(entry), entry):
+            if isinstance(value, float):
+                low = high = value
+            elif value.is_floating_point() and value.numel():
+                low, high = (float(end) for end in torch.aminmax(value))
+            else:
+                continue
+            if not math.isfinite(low) or not math.isfinite(high):
+                return f"{'nan' if math.isnan(low) or math.isnan(high) else 'inf'} in its {where}"
+            if low < 0 and where.endswith("['exp_avg_sq']"):
+                return f"a negative value ({low:g}) in its {where}, a mean of squares"
+    return ""
+
+
+def _numbers(value, where: str):
+    """(where, value) of every tensor and float inside nested dicts and lists, `where` as Python would index it:
+    `optimizer['state'][0]['exp_avg']`."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _numbers(item, f"{where}[{i}]")
+    elif isinstance(value, (torch.Tensor, float)):
+        yield where, value
