@@ -290,7 +290,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: gloo on cpu, nccl on cuda")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a hung rank dumps its stacks")
-    parser.add_argument("--world-size", type=int, default=None, help="default: 2 on cpu (at most 4 per core), every visible GPU on cuda")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="default: 2 on cpu (at most 4 per core), every visible GPU on cuda")
     args = parser.parse_args()
     defaults = (dict(models=list(QUICK_MODELS), batch=64, warmup=1, iters=3, bucket_mb=[25.0, 0.5]) if args.quick else
                 dict(models=list(MODELS), batch=256, warmup=3, iters=10, bucket_mb=[25.0, 4.0]))

@@ -61,8 +61,9 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
 def read_checkpoint(path: str, flag: str, use: str, usable: Callable[[object], None], map_location="cpu") -> dict:
     """The checks every reader of a checkpoint makes (--resume, export), in this order: a torch archive
     (read_torch_file) whose CRC-32s match (corrupt_member); `usable(state)`, which raises (a ValueError) for entries
-    this reader cannot use; then no value a healthy run never saves (nonfinite_entry). Each failure is one
-    UsageError naming the file as `flag PATH` and the way out as `use` ("resume from", "export") a checkpoint."""
+    this reader cannot use (its own error, passed on); then no value a healthy run never saves (nonfinite_entry).
+    Each failure of these checks is one UsageError naming the file as `flag PATH` and the way out as `use`
+    ("resume from", "export") a checkpoint."""
     try:
         state = read_torch_file(path, map_location)
     except ValueError as exc:

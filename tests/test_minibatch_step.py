@@ -87,7 +87,7 @@ def test_linear_schedule_assigning_the_lr_before_the_first_update_equals_the_hos
     for p, q in zip(host_model.parameters(), dev_model.parameters()):
         assert torch.equal(p, q)
     assert dev_stats == host_stats
-    assert [s["learning_rate"] for s in dev_stats] == [1e-3 * (1.0 - (it + 1) / 4) for it in range(3)]   # not cfg's 1e-3
+    assert [s["learning_rate"] for s in dev_stats] == [1e-3 * (1.0 - (it + 1) / 4) for it in range(3)]   # not 1e-3
 
 
 def test_non_finite_step_is_skipped_exactly_as_on_the_host():

@@ -41,8 +41,8 @@ def test_corrupted_weights_end_the_rollout_rank_with_one_line(tmp_path, kind, ve
         errors = [line for line in rollout.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in rollout, rollout
         assert errors[0].startswith(f"error: {what} from learner rank 0 failed their integrity check: weight sync: "
-                                    f"the checksums of frame version {version} failed their check (trailer corrupted, or the "
-                                    f"sender failed while computing them: see its error). "
+                                    f"the checksums of frame version {version} failed their check (trailer corrupted, "
+                                    f"or the sender failed while computing them: see its error). "
                                     f"A run-time failure"), rollout
         assert "--resume auto" in errors[0] and "resync()" not in errors[0]    # sync/'s hint is for its own callers
         # the learner fails with its own error for a rollout rank that is gone, without a traceback or an abort
