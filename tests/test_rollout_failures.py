@@ -3,6 +3,7 @@ a weight-serving thread still inside gloo), a bug in a weight-serving thread end
 does not keep every decision it ever sent."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -82,7 +83,7 @@ def test_a_failing_learner_exits_with_its_error_not_an_abort(tmp_path, error):
     assert errors == [expected], learner          # one line, the learner's own
     assert ("Traceback" in learner) == (error != "RunError"), learner
     assert procs[1].returncode == 1 and "learner rank 0 died or stalled" in outputs[1], outputs[1]
-    assert "Connection closed by peer" in outputs[1], outputs[1]          # gloo's words for a peer gone, not a timeout
+    assert re.search(r"Connection (closed|reset) by peer", outputs[1]), outputs[1]   # a peer gone, not a timeout
 
 
 SERVING_BUG = textwrap.dedent("""
@@ -130,7 +131,7 @@ def test_a_bug_in_the_weight_serving_thread_ends_the_job_at_once(tmp_path):
                       "failure"], learner
     assert procs[0].returncode == 1 and "Traceback" in learner, learner
     assert procs[1].returncode == 1 and "learner rank 0 died or stalled" in rollout, rollout
-    assert "Connection closed by peer" in rollout, rollout
+    assert re.search(r"Connection (closed|reset) by peer", rollout), rollout
 
 
 def decisions_kept(rank, world_size, depth, iterations):
