@@ -85,7 +85,27 @@ def run(task: str, ranks: int, seed: int, total_steps: int, args) -> dict:
         raise SystemExit(f"bench_mujoco: {task} ranks {ranks} seed {seed} exited with {code}; see {log_path}")
     return {"key": run_key(task, ranks, seed, total_steps), "task": task, "ranks": ranks, "seed": seed,
             "steps": iterations * GLOBAL_STEPS_PER_ITERATION, "wall_s": wall, "versions": VERSIONS,
+            "windows": [args.last_episodes, args.last_iterations],
             **final_returns(root, args.last_episodes, args.last_iterations)}
+
+
+def with_windows(results: dict[str, dict], args) -> list[dict]:
+    """The results with their statistics over this command's --last-episodes and --last-iterations, recomputed
+    from each run's TensorBoard file (the table's headers name these windows, whatever a run was recorded with)."""
+    out = []
+    for key, result in results.items():
+        root = os.path.join(args.root, key)
+        windows = [args.last_episodes, args.last_iterations]
+        if glob.glob(os.path.join(root, "mujoco", "*", "events.out.tfevents.*")):
+            try:
+                result = {**result, **final_returns(root, *windows), "windows": windows}
+            except RuntimeError as exc:
+                raise SystemExit(f"bench_mujoco: {exc}") from None
+        elif result.get("windows") != windows:
+            raise SystemExit(f"bench_mujoco: {key} was recorded over windows {result.get('windows', 'unknown')} "
+                             f"(last episodes, iterations) and its TensorBoard file is gone; pass those windows")
+        out.append(result)
+    return out
 
 
 def load_results(path: str) -> dict[str, dict]:
@@ -218,7 +238,7 @@ def main() -> None:
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             for future in [pool.submit(run_and_record, *job) for job in todo]:
                 future.result()
-    print(table(list(results.values()), args.last_episodes, args.last_iterations))
+    print(table(with_windows(results, args), args.last_episodes, args.last_iterations))
 
 
 if __name__ == "__main__":

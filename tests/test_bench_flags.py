@@ -3,6 +3,7 @@ rank or training run starts, and --quick fills in only what was not typed. Nothi
 functions that would start ranks or train.py are replaced by ones that raise."""
 
 import dataclasses
+import json
 import os
 import sys
 import types
@@ -221,3 +222,46 @@ def test_bench_mujoco_failed_run_is_one_line_naming_its_log(monkeypatch, tmp_pat
     log = os.path.join(str(tmp_path), "Hopper-v4", "ranks1", "seed1", "steps1000000", "train.log")
     assert exit_info.value.code == f"bench_mujoco: Hopper-v4 ranks 1 seed 1 exited with 2; see {log}"
     assert len(calls) == 1          # the queued run was not started after the failure
+
+
+def recorded_run(root, key: str, episodes: list, iterations: list, windows: list, stored: tuple) -> None:
+    """A finished run under `root` (its TensorBoard file, unless `episodes` is None) and its results.jsonl line,
+    recorded over `windows` with the statistics `stored`."""
+    from torch.utils.tensorboard import SummaryWriter
+    if episodes is not None:
+        writer = SummaryWriter(str(root / key / "mujoco" / "2026-01-01_00-00-00"))
+        for step, value in enumerate(iterations, start=1):
+            writer.add_scalar("Train/mean_reward", value, step)
+        for value in episodes:
+            writer.add_scalar("Episode/return", value, len(iterations))
+        writer.close()
+    record = {"key": key, "task": "Hopper-v4", "ranks": 1, "seed": 1, "steps": 4096, "wall_s": 60.0,
+              "versions": {"torch": "x"}, "windows": windows, "last_episodes_return": stored[0],
+              "episodes": 99, "last_iterations_return": stored[1]}
+    with open(root / "results.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def test_bench_mujoco_table_statistics_use_the_windows_its_header_names(monkeypatch, capsys, tmp_path):
+    """The header took this command's --last-episodes/--last-iterations over numbers recorded with others."""
+    bench_mujoco = load_bench("bench_mujoco")
+    recorded_run(tmp_path, "Hopper-v4/ranks1/seed1/steps4096", [10.0, 20.0, 40.0], [1.0, 2.0, 6.0], [100, 10],
+                 (999.0, 999.0))
+    monkeypatch.setattr(sys, "argv", ["bench_mujoco.py", "--root", str(tmp_path), "--table-only",
+                                      "--last-episodes", "2", "--last-iterations", "2"])
+    bench_mujoco.main()
+    header, _, row, _ = capsys.readouterr().out.splitlines()
+    assert "last 2 episodes" in header and "last 2 iterations" in header
+    assert "| 30.00 (one seed) | 4.00 (one seed) |" in row         # (20 + 40) / 2 and (2 + 6) / 2, not 999
+
+
+def test_bench_mujoco_table_without_the_run_files_needs_the_recorded_windows(monkeypatch, tmp_path):
+    bench_mujoco = load_bench("bench_mujoco")
+    recorded_run(tmp_path, "Hopper-v4/ranks1/seed1/steps4096", None, [], [100, 10], (12.5, 7.5))
+    monkeypatch.setattr(sys, "argv", ["bench_mujoco.py", "--root", str(tmp_path), "--table-only",
+                                      "--last-episodes", "5"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_mujoco.main()
+    assert exit_info.value.code == ("bench_mujoco: Hopper-v4/ranks1/seed1/steps4096 was recorded over windows "
+                                    "[100, 10] (last episodes, iterations) and its TensorBoard file is gone; pass "
+                                    "those windows")
