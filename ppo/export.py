@@ -121,9 +121,12 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
         print(f"[export] {fmt}: {file}")
     if "onnx" not in written:
         print(f"[export] ONNX skipped, {onnx_missing()}")
-    if scale != 1.0 or clip is not None:
-        print(f"[export] note: the run scaled actions by {scale} and clipped them to {clip} before the simulator; "
-              f"the exported policy outputs them unscaled")
+    steps = ([f"scaled them by {scale}"] if scale != 1.0 else []) + \
+        ([f"clipped them to [-{clip}, {clip}]"] if clip is not None else []) + \
+        (["clipped them to the action space's bounds"] if env.get("name") == "gymnasium" else [])
+    if steps:       # what envs/ did to the actions in training: a deployment must do the same
+        print(f"[export] note: before the simulator, the run {', then '.join(steps)}; the exported policy outputs "
+              f"actions without that")
     return written
 
 

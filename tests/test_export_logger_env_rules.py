@@ -132,18 +132,22 @@ def test_summary_line_names_sizes_and_the_normalizer(tmp_path, capsys, torchscri
 @pytest.mark.parametrize("env, note", [
     ({}, None),
     ({"action_scale": 1.0, "action_clip": None}, None),
-    ({"action_scale": 0.5}, "scaled actions by 0.5 and clipped them to None"),
-    ({"action_scale": 1.0, "action_clip": 2.0}, "scaled actions by 1.0 and clipped them to 2.0"),
-    ({"action_scale": 0.25, "action_clip": 3.0}, "scaled actions by 0.25 and clipped them to 3.0"),
+    ({"action_scale": 0.5}, "scaled them by 0.5"),                               # was "... clipped them to None"
+    ({"action_scale": 1.0, "action_clip": 2.0}, "clipped them to [-2.0, 2.0]"),
+    ({"action_scale": 0.25, "action_clip": 3.0}, "scaled them by 0.25, then clipped them to [-3.0, 3.0]"),
+    ({"name": "gymnasium", "action_scale": 2.0}, "scaled them by 2.0, then clipped them to the action space's bounds"),
+    ({"name": "gymnasium"}, "clipped them to the action space's bounds"),      # always: envs/gymnasium.py
 ])
-def test_export_notes_the_runs_action_scale_and_clip(tmp_path, capsys, torchscript_only, env, note):
+def test_export_notes_what_the_run_did_to_actions_before_the_simulator(tmp_path, capsys, torchscript_only, env,
+                                                                       note):
     path = small_checkpoint(tmp_path / "model_3.pt", env=env)
     export.export(path, str(tmp_path / "out"))
     out = capsys.readouterr().out
     if note is None:
         assert "note:" not in out
     else:
-        assert f"[export] note: the run {note} before the simulator; the exported policy outputs them unscaled" in out
+        assert (f"[export] note: before the simulator, the run {note}; the exported policy outputs actions without "
+                f"that") in out
 
 
 # ---- ppo/logger.py ------------------------------------------------------------------------------------
