@@ -11,6 +11,8 @@ NEXT_STEP mode would instead return the last observation now and silently ignore
 is why the mode is set explicitly here.
 """
 
+import difflib
+
 import torch
 
 from envs.base import MissingSimulator
@@ -33,14 +35,18 @@ class GymnasiumEnv:
                  action_scale: float = 1.0, action_clip: float | None = None):
         gym = import_gymnasium()
         if task not in gym.registry:
-            known = sorted(name for name in gym.registry if name.split("-")[0] == task.split("-")[0])
+            known = sorted(name for name in gym.registry if name.split("-")[0].lower() == task.split("-")[0].lower())
+            close = known or difflib.get_close_matches(task, list(gym.registry), n=3)
             raise ValueError(f"unknown --env.task {task!r} for gymnasium"
-                             + (f"; registered versions: {', '.join(known)}" if known else ""))
+                             + (f"; registered: {', '.join(close)}" if close else ""))
         try:
             self.env = gym.make_vec(task, num_envs=num_envs, vectorization_mode="sync",
                                     vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
-        except gym.error.DependencyNotInstalled as exc:   # mujoco missing for a MuJoCo task, box2d for CarRacing...
-            hint = f"; {INSTALL_HINT}" if "mujoco" in str(exc).lower() else ""   # gymnasium's message says the rest
+        # mujoco missing for a MuJoCo task, box2d for CarRacing; an ImportError for tasks moved to another package
+        # (MuJoCo v2/v3 to gymnasium-robotics). gymnasium's message says what to install.
+        except (gym.error.DependencyNotInstalled, ImportError) as exc:
+            missing_mujoco = isinstance(exc, gym.error.DependencyNotInstalled) and "mujoco" in str(exc).lower()
+            hint = f"; {INSTALL_HINT}" if missing_mujoco else ""
             raise MissingSimulator(f"--env.task {task}: {exc}{hint}") from exc
         action_space, obs_space = self.env.single_action_space, self.env.single_observation_space
         if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:

@@ -116,6 +116,11 @@ def test_sub_envs_get_distinct_seeds_and_a_seed_replays_exactly():
 def test_bad_tasks_are_refused_by_name():
     with pytest.raises(ValueError, match="unknown --env.task 'Hoper-v4'"):
         GymnasiumEnv("Hoper-v4", 1, torch.device("cpu"), seed=0)
+    with pytest.raises(ValueError, match=r"unknown --env.task 'hopper-v4' for gymnasium; registered: .*Hopper-v4"):
+        GymnasiumEnv("hopper-v4", 1, torch.device("cpu"), seed=0)          # case: no suggestion before
+    with pytest.raises(MissingSimulator, match=r"^--env.task Hopper-v3: The mujoco v2 and v3 based environments have "
+                                               r"been moved to the gymnasium-robotics project [^;]*$"):
+        GymnasiumEnv("Hopper-v3", 1, torch.device("cpu"), seed=0)          # gymnasium's ImportError, no mujoco hint
     with pytest.raises(ValueError, match="CartPole-v1: needs a 1-D continuous"):
         GymnasiumEnv("CartPole-v1", 1, torch.device("cpu"), seed=0)
 
