@@ -320,5 +320,5 @@ def test_gymnasium_action_clip_binds_inside_the_bounds_and_bad_tasks_are_refused
         GymnasiumEnv("DictObs-v0", 1, torch.device("cpu"), seed=0)
     with pytest.raises(ValueError, match="NoLimit-v0: has no time limit"):
         GymnasiumEnv("NoLimit-v0", 1, torch.device("cpu"), seed=0)
-    with pytest.raises(ValueError, match="registered versions: .*Hopper-v4"):
+    with pytest.raises(ValueError, match="registered: .*Hopper-v4"):
         GymnasiumEnv("Hopper-v99", 1, torch.device("cpu"), seed=0)
