@@ -70,7 +70,7 @@ class PPOConfig:
     num_epochs: int = 5
     """passes over the rollout per iteration"""
     num_mini_batches: int = 4
-    """minibatches per epoch; each is num-envs / num-mini-batches whole trajectories per rank"""
+    """minibatches per epoch per rank: num-envs / num-mini-batches whole trajectories each, or with --ppo.minibatch-unit transition, num-envs x num-steps / num-mini-batches transitions"""
     num_micro_batches: int = 1
     """split each minibatch into this many micro-batches for memory only (one gradient sync per minibatch)"""
     learning_rate: float = 1e-3
