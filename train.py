@@ -26,7 +26,7 @@ import tyro
 from configs import PRESETS, Config, resolve_num_envs, validate
 from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, resolve_resume, resume_command,
                             shared_env_seed)
-from configs.typed_flags import env_label, typed_flags
+from configs.typed_flags import env_label, env_reads, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
 from dist.checkpoint import (check_writable_root, gather_rng_states, lock_run_dir, open_run_dir, release_run_dirs,
@@ -66,7 +66,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     rank, world = launch_rank_and_world()
     experiment_dir = os.path.join(cfg.log.root, cfg.log.experiment or cfg.env.name)   # launch settings: final
     restarted = launch_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
-    resume_path, run_dir = resolve_resume(cfg, experiment_dir)
+    typed_task = cfg.env.task if "--env.task" in (typed or ()) and env_reads(cfg, "--env.task") else None
+    resume_path, run_dir = resolve_resume(cfg, experiment_dir, typed_task)
     checkpoint = load_checkpoint(resume_path) if resume_path else None
     changed, kept = [], []            # from the command line a resumed run continues its own settings
     if checkpoint is not None and typed is not None:

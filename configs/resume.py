@@ -11,7 +11,10 @@ and the launch settings (LAUNCH: ranks, devices, where runs go), come from this 
 """
 
 import dataclasses
+import glob
+import json
 import os
+import re
 import shlex
 import types
 import typing
@@ -155,17 +158,20 @@ def as_flag(flag: str, value) -> str:
     return f"{flag} {value if value != '' else repr(value)}"
 
 
-def resolve_resume(cfg, experiment_dir: str) -> tuple[str, str | None]:
-    """(checkpoint to load or "", existing run directory to continue in, or None for a new one)."""
+def resolve_resume(cfg, experiment_dir: str, task: str | None = None) -> tuple[str, str | None]:
+    """(checkpoint to load or "", existing run directory to continue in, or None for a new one). `task`: a typed
+    --env.task, which `--resume auto` looks for among the experiment's runs (the mujoco preset's runs of every task
+    share one experiment)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if launch_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and run_id:
         run_dir = find_run_dir(experiment_dir, run_id)
         if run_dir is not None:
             return latest_checkpoint(run_dir) or (cfg.resume if cfg.resume != "auto" else ""), run_dir
     if cfg.resume == "auto":
-        run_dir = newest_run_with_checkpoint(experiment_dir)
+        run_dir = newest_run_with_checkpoint(experiment_dir, lambda d: task is None or saved_task(d) in (None, task))
         if run_dir is None:
-            raise UsageError(f"--resume auto: no checkpoint under {experiment_dir!r}; check --log.root and "
+            of = f" of --env.task {task}" if task else ""
+            raise UsageError(f"--resume auto: no checkpoint{of} under {experiment_dir!r}; check --log.root and "
                              f"--log.experiment, or start without --resume")
         return latest_checkpoint(run_dir), run_dir
     if os.path.isdir(cfg.resume):
@@ -175,6 +181,19 @@ def resolve_resume(cfg, experiment_dir: str) -> tuple[str, str | None]:
                              f"a run directory that has one, a checkpoint file, or auto")
         return path, cfg.resume
     return cfg.resume, None
+
+
+def saved_task(run_dir: str) -> str | None:
+    """The --env.task a run directory's newest start wrote into its config_<iteration>.json (None when unknown)."""
+    starts = {int(m.group(1)): path for path in glob.glob(os.path.join(glob.escape(run_dir), "config_*.json"))
+              if (m := re.search(r"config_(\d+)\.json$", path))}
+    if not starts:
+        return None
+    try:
+        with open(starts[max(starts)]) as f:
+            return json.load(f)["config"]["env"]["task"]
+    except (OSError, ValueError, KeyError, TypeError):      # unreadable, or not this layout
+        return None
 
 
 def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:

@@ -78,10 +78,10 @@ def find_run_dir(experiment_dir: str, run_id: str) -> str | None:
     return None
 
 
-def newest_run_with_checkpoint(experiment_dir: str) -> str | None:
-    """The run directory under `experiment_dir` whose latest checkpoint was written last, if any."""
+def newest_run_with_checkpoint(experiment_dir: str, accept=lambda run_dir: True) -> str | None:
+    """The run directory under `experiment_dir` whose latest checkpoint was written last, of those `accept`s."""
     runs = [(os.path.getmtime(ckpt), d) for d in glob.glob(os.path.join(glob.escape(experiment_dir), "*"))
-            if os.path.isdir(d) and (ckpt := latest_checkpoint(d))]
+            if os.path.isdir(d) and (ckpt := latest_checkpoint(d)) and accept(d)]
     return max(runs)[1] if runs else None
 
 

@@ -2,6 +2,8 @@
 resume starts from, which saved configs fit, named tensors and RNG states round trips, and the replica
 check's plan rows."""
 
+import json
+
 import pytest
 import torch
 
@@ -180,6 +182,29 @@ def test_resolve_resume_restarts_auto_and_first_attempts(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match=r"--resume '.*elsewhere' is a directory without a model_<iteration>.pt "):
         (tmp_path / "elsewhere").mkdir()
         resolve_resume(SimpleNamespace(resume=str(tmp_path / "elsewhere")), str(tmp_path))
+
+
+def test_resume_auto_with_a_typed_task_takes_the_newest_run_of_that_task(tmp_path, monkeypatch):
+    """The mujoco preset's runs of every task share one experiment: `--env.task HalfCheetah-v4 --resume auto` took
+    the newest run of any task (a Hopper one, refused as another task). Runs saved before config_<k>.json existed
+    (no file) are taken as any task."""
+    from types import SimpleNamespace
+    from configs.resume import resolve_resume
+    from dist.errors import UsageError
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    cheetah, hopper, unknown = (tmp_path / f"2026-01-0{day}_00-00-00" for day in (1, 2, 3))
+    for run, task, mtime in ((cheetah, "HalfCheetah-v4", 1_000_000), (hopper, "Hopper-v4", 2_000_000)):
+        _touch(run / "model_5.pt", mtime=mtime)
+        (run / "config_0.json").write_text(json.dumps({"config": {"env": {"task": "Swimmer-v4"}}}))
+        (run / "config_5.json").write_text(json.dumps({"config": {"env": {"task": task}}}))   # the newest start
+    auto = SimpleNamespace(resume="auto")
+    assert resolve_resume(auto, str(tmp_path), "HalfCheetah-v4") == (str(cheetah / "model_5.pt"), str(cheetah))
+    assert resolve_resume(auto, str(tmp_path), "Hopper-v4") == (str(hopper / "model_5.pt"), str(hopper))
+    assert resolve_resume(auto, str(tmp_path)) == (str(hopper / "model_5.pt"), str(hopper))      # not typed: newest
+    with pytest.raises(UsageError, match=r"--resume auto: no checkpoint of --env.task Walker2d-v4 under "):
+        resolve_resume(auto, str(tmp_path), "Walker2d-v4")
+    _touch(unknown / "model_1.pt", mtime=3_000_000)
+    assert resolve_resume(auto, str(tmp_path), "Walker2d-v4") == (str(unknown / "model_1.pt"), str(unknown))
 
 
 
