@@ -238,6 +238,8 @@ def main() -> None:
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             for future in [pool.submit(run_and_record, *job) for job in todo]:
                 future.result()
+    if not results:
+        raise SystemExit(f"bench_mujoco: no finished runs in {os.path.join(args.root, 'results.jsonl')}")
     print(table(with_windows(results, args), args.last_episodes, args.last_iterations))
 
 

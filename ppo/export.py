@@ -78,6 +78,8 @@ def onnx_missing() -> str:
 
 def export(path: str, out_dir: str = "") -> dict[str, str]:
     """Write the TorchScript (and, if possible, ONNX) policy of checkpoint `path`; return {format: file}."""
+    if os.path.isdir(path):
+        raise ValueError(f"CKPT {path!r} is a directory; pass a model_<iteration>.pt file inside it")
     if not os.path.isfile(path):
         raise ValueError(f"CKPT {path!r}: no such checkpoint file")
     model, config = load_policy(path)

@@ -265,3 +265,12 @@ def test_bench_mujoco_table_without_the_run_files_needs_the_recorded_windows(mon
     assert exit_info.value.code == ("bench_mujoco: Hopper-v4/ranks1/seed1/steps4096 was recorded over windows "
                                     "[100, 10] (last episodes, iterations) and its TensorBoard file is gone; pass "
                                     "those windows")
+
+
+def test_bench_mujoco_table_of_no_runs_says_so(monkeypatch, tmp_path):
+    """It printed an empty table and `versions: `."""
+    bench_mujoco = load_bench("bench_mujoco")
+    monkeypatch.setattr(sys, "argv", ["bench_mujoco.py", "--root", str(tmp_path), "--table-only"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_mujoco.main()
+    assert exit_info.value.code == f"bench_mujoco: no finished runs in {tmp_path / 'results.jsonl'}"

@@ -87,6 +87,7 @@ def test_bad_checkpoint_path_is_one_line_and_status_2(tmp_path):
     not_a_checkpoint = tmp_path / "notes.txt"
     not_a_checkpoint.write_text("hello")
     for path, message in ((tmp_path / "missing.pt", "no such checkpoint file"),
+                          (tmp_path, "is a directory; pass a model_<iteration>.pt file inside it"),   # a run dir
                           (not_a_checkpoint, "is not a torch checkpoint (torch.save writes a zip archive")):
         result = subprocess.run([sys.executable, "-m", "ppo.export", str(path)], cwd=REPO, capture_output=True,
                                 text=True, timeout=120)
