@@ -52,15 +52,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("error", ["RunError", "ZeroDivisionError"])
-def test_a_failing_learner_exits_with_its_error_not_an_abort(tmp_path, error):
-    """A run-time failure, and an unexpected exception (a bug): its traceback, then the same one line and the same
-    teardown; the rollout rank fails at once, on the closed connection, not after --dist.timeout-s (3600 s here:
-    waiting it out fails the test's 60 s bound; an unexpected exception used to leave the process group up, so it
-    did)."""
-    script = tmp_path / "fail.py"
-    script.write_text(SCRIPT.format(root=ROOT, error=error))
+def learner_and_rollout_rank(script, tmp_path) -> tuple[list, list]:
+    """Run `script` as rank 0 (the learner) and rank 1 (its rollout rank) of a cartpole job with --dist.timeout-s
+    3600; return their exit codes and outputs. Waiting out that timeout fails the 60 s bound."""
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(script), "cartpole", "--max-iterations", "100", "--log.root",
                                str(tmp_path), "--rollout.ranks", "1", "--dist.timeout-s", "3600"],
@@ -74,15 +68,28 @@ def test_a_failing_learner_exits_with_its_error_not_an_abort(tmp_path, error):
     finally:
         for p in procs:
             p.kill()
+    return [p.returncode for p in procs], outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("error", ["RunError", "ZeroDivisionError"])
+def test_a_failing_learner_exits_with_its_error_not_an_abort(tmp_path, error):
+    """A run-time failure, and an unexpected exception (a bug): its traceback, then the same one line and the same
+    teardown; the rollout rank fails at once, on the closed connection, not after --dist.timeout-s (3600 s here:
+    waiting it out fails the test's 60 s bound; an unexpected exception used to leave the process group up, so it
+    did)."""
+    script = tmp_path / "fail.py"
+    script.write_text(SCRIPT.format(root=ROOT, error=error))
+    codes, outputs = learner_and_rollout_rank(script, tmp_path)
     learner = outputs[0]
     assert "serving threads alive at exit: []" in learner, learner
-    assert procs[0].returncode == 1 and "terminate called" not in learner, learner
+    assert codes[0] == 1 and "terminate called" not in learner, learner
     errors = [line for line in learner.splitlines() if line.startswith(("error:", "[syncppo] serving weights"))]
     expected = "error: injected learner failure" if error == "RunError" else \
         "error: unexpected ZeroDivisionError (traceback above): injected learner failure"
     assert errors == [expected], learner          # one line, the learner's own
     assert ("Traceback" in learner) == (error != "RunError"), learner
-    assert procs[1].returncode == 1 and "learner rank 0 died or stalled" in outputs[1], outputs[1]
+    assert codes[1] == 1 and "learner rank 0 died or stalled" in outputs[1], outputs[1]
     assert re.search(r"Connection (closed|reset) by peer", outputs[1]), outputs[1]   # a peer gone, not a timeout
 
 
@@ -113,24 +120,12 @@ def test_a_bug_in_the_weight_serving_thread_ends_the_job_at_once(tmp_path):
     traceback and one line, and its rollout rank fails on the closed connection."""
     script = tmp_path / "serving_bug.py"
     script.write_text(SERVING_BUG.format(root=ROOT))
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), "cartpole", "--max-iterations", "100", "--log.root",
-                               str(tmp_path), "--rollout.ranks", "1", "--dist.timeout-s", "3600"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
-                                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": port})
-             for r in (0, 1)]
-    try:
-        learner, rollout = (p.communicate(timeout=60)[0] for p in procs)
-    finally:
-        for p in procs:
-            p.kill()
+    codes, (learner, rollout) = learner_and_rollout_rank(script, tmp_path)
     errors = [line for line in learner.splitlines() if line.startswith("error:")]
     assert errors == ["error: serving weights to rank 1 failed: unexpected ZeroDivisionError: injected serving "
                       "failure"], learner
-    assert procs[0].returncode == 1 and "Traceback" in learner, learner
-    assert procs[1].returncode == 1 and "learner rank 0 died or stalled" in rollout, rollout
+    assert codes[0] == 1 and "Traceback" in learner, learner
+    assert codes[1] == 1 and "learner rank 0 died or stalled" in rollout, rollout
     assert re.search(r"Connection (closed|reset) by peer", rollout), rollout
 
 
