@@ -28,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from importlib.metadata import version
@@ -37,6 +36,10 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from dist.checkpoint import check_writable_root  # noqa: E402
+from dist.errors import UsageError  # noqa: E402
+
 CLEANRL = {"HalfCheetah-v4": (1442.64, 46.03), "Walker2d-v4": (2287.95, 571.78), "Hopper-v4": (2382.86, 271.74)}
 GLOBAL_STEPS_PER_ITERATION = 2048
 
@@ -156,22 +159,6 @@ def table(results: list[dict], last_episodes: int, last_iterations: int) -> str:
     return "\n".join(lines)
 
 
-def check_root(parser: argparse.ArgumentParser, root: str, write: bool) -> None:
-    """Refuse a --root that is not (and cannot become) a directory or, when runs are to be written there, is not
-    writable: checked at its nearest existing ancestor, before any run starts."""
-    probe = os.path.abspath(root)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        parser.error(f"--root {root!r}: {probe!r} is not a directory; pick another --root")
-    if write:
-        try:     # a directory made and removed: os.access says yes to root even where mkdir fails
-            os.rmdir(tempfile.mkdtemp(prefix=".bench-probe-", dir=probe))
-        except OSError as exc:
-            parser.error(f"--root {root!r}: {probe!r} is not writable ({exc.strerror}); pick a directory you can "
-                         f"write to")
-
-
 def check_tasks(parser: argparse.ArgumentParser, tasks: list[str]) -> None:
     """Refuse a task id gymnasium does not know (train.py would exit on it after the run started)."""
     import gymnasium     # only here: --table-only does not need it
@@ -207,7 +194,10 @@ def main() -> None:
     bad = [seed for seed in args.seeds if not 0 <= seed <= top]
     if bad:
         parser.error(f"--seeds must be in [0, {top}], got {', '.join(map(str, bad))}")
-    check_root(parser, args.root, write=not args.table_only)
+    try:
+        check_writable_root(args.root, "--root", write=not args.table_only)
+    except UsageError as exc:
+        parser.error(str(exc))
     if not args.table_only:
         check_tasks(parser, args.tasks)
 

@@ -157,17 +157,20 @@ def open_run_dir(existing: str | None, experiment_dir: str, run_id: str | None) 
     return existing
 
 
-def check_writable_root(root: str) -> None:
-    """Fail before anything is built (or created) when --log.root cannot hold run directories."""
+def check_writable_root(root: str, flag: str = "--log.root", write: bool = True) -> None:
+    """Fail before anything is built (or created) when `root` (`flag`: --log.root, a bench's --root) cannot hold
+    run directories, checked at its nearest existing ancestor; `write=False` asks only that it be a directory."""
     probe = os.path.abspath(root)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        raise UsageError(f"--log.root {root!r}: {probe!r} is a file, not a directory; pick another --log.root")
+        raise UsageError(f"{flag} {root!r}: {probe!r} is a file, not a directory; pick another {flag}")
+    if not write:
+        return
     try:     # a directory made and removed: os.access says yes to root even where mkdir fails (/proc, some mounts)
         os.rmdir(tempfile.mkdtemp(prefix=".syncppo-probe-", dir=probe))
     except OSError as exc:
-        raise UsageError(f"--log.root {root!r}: {probe!r} is not writable ({exc.strerror}); pick a directory you can "
+        raise UsageError(f"{flag} {root!r}: {probe!r} is not writable ({exc.strerror}); pick a directory you can "
                          f"write to") from None
 
 

@@ -194,8 +194,8 @@ def test_bench_mujoco_root_under_a_file_is_one_line(bench_mujoco, monkeypatch, c
     root = str(tmp_path / "afile" / "x")
     line = usage_error(bench_mujoco.main, monkeypatch, capsys,
                        ["bench_mujoco.py", "--root", root] + (["--table-only"] if table_only else []))
-    assert line == f"bench_mujoco.py: error: --root {root!r}: {str(tmp_path / 'afile')!r} is not a directory; pick " \
-                   f"another --root"
+    assert line == f"bench_mujoco.py: error: --root {root!r}: {str(tmp_path / 'afile')!r} is a file, not a " \
+                   f"directory; pick another --root"
 
 
 def test_bench_mujoco_good_flags_reach_the_runs(bench_mujoco, monkeypatch, tmp_path):
