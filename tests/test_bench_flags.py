@@ -13,7 +13,7 @@ import torch
 
 from configs.config import PolicyConfig
 from ppo.actor_critic import build_actor_critic
-from tests.test_tools import load_bench
+from tests.test_tools import exit_code, load_bench
 
 
 class Launched(Exception):
@@ -22,10 +22,7 @@ class Launched(Exception):
 
 def usage_error(main, monkeypatch, capsys, argv: list) -> str:
     """Run main() with argv; it must exit 2 before launching: return argparse's error line."""
-    monkeypatch.setattr(sys, "argv", argv)
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    assert exit_info.value.code == 2
+    assert exit_code(main, monkeypatch, argv) == 2
     return capsys.readouterr().err.splitlines()[-1]
 
 

@@ -27,6 +27,14 @@ def load_bench(name: str):
     return module
 
 
+def exit_code(main, monkeypatch, argv: list):
+    """Run a bench's main() with `argv` until it exits (argparse: 0 after --help, 2 on a bad flag); its code."""
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    return exit_info.value.code
+
+
 @pytest.fixture(scope="module")
 def bench_train():
     return load_bench("bench_train")
@@ -85,10 +93,7 @@ def test_bench_grad_sync_bad_numbers_are_one_line(bench_grad_sync, monkeypatch, 
         raise AssertionError("ranks were started with a bad flag")
 
     monkeypatch.setattr(bench_grad_sync, "launch", must_not_launch)
-    monkeypatch.setattr(sys, "argv", ["bench_grad_sync.py", *flags])
-    with pytest.raises(SystemExit) as exit_info:
-        bench_grad_sync.main()
-    assert exit_info.value.code == 2
+    assert exit_code(bench_grad_sync.main, monkeypatch, ["bench_grad_sync.py", *flags]) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"bench_grad_sync.py: error: {flags[0]} must be ")
 
 
@@ -103,10 +108,7 @@ def test_fault_drills_help_and_bad_flags_run_no_drill(monkeypatch, capsys, flags
         raise AssertionError("a drill was started")
 
     monkeypatch.setattr(fault_drills, "drill", must_not_run)
-    monkeypatch.setattr(sys, "argv", ["fault_drills.py", *flags])
-    with pytest.raises(SystemExit) as exit_info:
-        fault_drills.main()
-    assert exit_info.value.code == code
+    assert exit_code(fault_drills.main, monkeypatch, ["fault_drills.py", *flags]) == code
     out, err = capsys.readouterr()
     assert ("--keep" in out) if code == 0 else err.splitlines()[-1].endswith("unrecognized arguments: --bogus")
 
