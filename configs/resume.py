@@ -1,6 +1,6 @@
 """Which checkpoint a run starts from, and whether it fits the config: decided before anything is built.
 
-Three ways to continue, all resolved here on every rank from the file system alone (no communication):
+Four ways to continue, all resolved here on every rank from the file system alone (no communication):
 - `--resume PATH`: that checkpoint, continued in a new run directory;
 - `--resume auto`: the newest checkpoint of this experiment, continued in its own run directory;
 - `--resume RUN_DIR`: that run directory's newest checkpoint, continued in place (what a stopped run prints);

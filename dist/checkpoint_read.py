@@ -21,7 +21,7 @@ def read_torch_file(path: str, map_location="cpu"):
     if not zipfile.is_zipfile(path):
         with open(path, "rb") as f:
             started = f.read(4) == b"PK\x03\x04"       # a zip's first entry, without its closing directory
-        raise ValueError("a truncated or damaged checkpoint (its zip archive does not end); resume from another one"
+        raise ValueError("a truncated or damaged checkpoint (its zip archive does not end); use another one"
                          if started else
                          "not a torch checkpoint (torch.save writes a zip archive; this file is not one)")
     with zipfile.ZipFile(path) as archive:
