@@ -34,7 +34,8 @@ from configs.typed_flags import env_label
 from dist import comm
 from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, naming, recv_object, send_object,
                           setup_plan_row)
-from dist.checkpoint import flatten_state, from_bytes, rng_states, to_bytes, unflatten_state
+from dist.checkpoint import (flatten_state, from_bytes, rng_states, rng_states_fit, set_rng_states, to_bytes,
+                             unflatten_state)
 from dist.errors import RunError, UsageError
 from dist.plan import PlanRow
 from dist.setup import seed_everything
@@ -153,6 +154,19 @@ class LearnerTeam:
                 *self.weights.plan_rows()]
 
 
+def restore_rollout_rng(checkpoint: dict, cfg: Config, roles, env, device) -> None:
+    """Rollout rank j takes the RNG states that rollout rank j saved, when the layout and --seed are the checkpoint
+    run's and the states fit (the learners' rank 0 says when layout or seed differ; rollout rank 0 says this)."""
+    same_run = checkpoint["config"].get("seed", cfg.seed) == cfg.seed
+    if checkpoint.get("layout") == [roles.num_learners, roles.num_rollouts] and same_run:
+        rng = checkpoint["rollout_rng"][roles.rollout_index]
+        if rng_states_fit(rng, env, device=device):
+            set_rng_states(rng, env, device=device)
+        elif roles.rollout_index == 0:
+            print("[syncppo] the rollout ranks' RNG states in the checkpoint do not fit their generators (saved "
+                  "on another device): their streams restart from --seed + rank", flush=True)
+
+
 def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_iteration: int) -> tuple:
     """A rollout rank's whole life: build, agree layouts with its learner, then collect until told to stop.
 
@@ -170,11 +184,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
             p.data = p.data.to(getattr(torch, cfg.rollout.dtype))
     if checkpoint is not None:
         env.load_state_dict(checkpoint["env"])
-        same_run = checkpoint["config"].get("seed", cfg.seed) == cfg.seed
-        if checkpoint.get("layout") == [roles.num_learners, roles.num_rollouts] and same_run:
-            rng = checkpoint["rollout_rng"][j]
-            torch.set_rng_state(rng["torch"].cpu())
-            env.generator.set_state(rng["env"].cpu())
+        restore_rollout_rng(checkpoint, cfg, roles, env, device)
     obs, _ = env.reset()
     T, N = cfg.ppo.num_steps, env.num_envs
     keys = TRAIN_KEYS + tuple(env.log_keys)
@@ -182,7 +192,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
 
     def checkpoint_state() -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of this rank: its RNG states and its env's state, as named tensors."""
-        return {**{f"rng/{k}": v for k, v in rng_states(env).items()},
+        return {**{f"rng/{k}": v for k, v in rng_states(env, device=device).items()},
                 **{f"env/{k}": v for k, v in flatten_state(env.state_dict()).items()}}
 
     state_layout = {name: (tuple(v.shape), v.dtype) for name, v in checkpoint_state().items()}

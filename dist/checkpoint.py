@@ -189,6 +189,27 @@ def rng_states(env=None, shuffle: torch.Generator | None = None,
     return state
 
 
+def rng_states_fit(saved: dict, env=None, shuffle: torch.Generator | None = None,
+                   device: torch.device | None = None) -> bool:
+    """Whether states that `rng_states` saved fit this process's generators: the same ones, of the same sizes. A
+    checkpoint of another device does not (a cuda generator's state is 16 bytes, a CPU one's 5056), nor one saved
+    without the GPU generator that this process samples from."""
+    ours = rng_states(env, shuffle, device)
+    return saved.keys() == ours.keys() and all(saved[k].numel() == ours[k].numel() for k in ours)
+
+
+def set_rng_states(saved: dict, env=None, shuffle: torch.Generator | None = None,
+                   device: torch.device | None = None) -> None:
+    """Put back what `rng_states(env, shuffle, device)` saved (check `rng_states_fit` first)."""
+    torch.set_rng_state(saved["torch"].cpu())
+    if shuffle is not None:
+        shuffle.set_state(saved["shuffle"].cpu())
+    if env is not None:
+        env.generator.set_state(saved["env"].cpu())
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
+
+
 def gather_rng_states(states: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """Every rank's RNG states ({name: uint8 state tensor}, same names and sizes on every rank), by rank.
 

@@ -140,7 +140,24 @@ def malformed_entry(state: dict) -> str:
                 kind = (f"a {value.dtype} tensor of {value.dim()} dimension(s)" if isinstance(value, torch.Tensor)
                         else f"a {type(value).__name__}")
                 return f"its {where}[{name!r}] is {kind}, not an RNG state (a 1-D uint8 tensor)"
+            if not fits_a_generator(name, value):
+                return f"its {where}[{name!r}] ({value.numel()} bytes) is not the state of a torch generator"
     return ""
+
+
+def fits_a_generator(name: str, state: torch.Tensor) -> bool:
+    """Whether a saved RNG state is one that a generator could have: a CPU generator's (a valid mt19937 state;
+    'torch' is always one) or a cuda generator's (16 bytes of Philox seed and offset; 'cuda' is always one)."""
+    cpu = torch.get_rng_state().numel()
+    if state.numel() == 16:
+        return name != "torch"
+    if state.numel() != cpu or name == "cuda":
+        return False
+    try:
+        torch.Generator().set_state(state)
+    except RuntimeError:      # torch checks the mt19937 state's position and seeding fields
+        return False
+    return True
 
 
 VALUED_ENTRIES = ("model", "optimizer", "reward_normalizer", "env", "learning_rate")

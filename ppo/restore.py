@@ -6,6 +6,7 @@ afterwards). What the run's flags change on resume (LR, Adam's eps, --seed) is d
 
 import torch
 
+from dist.checkpoint import rng_states_fit, set_rng_states
 from dist.errors import UsageError
 from ppo.minibatch_step import saved_state_for
 from ppo.normalizer import RewardNormalizer
@@ -22,8 +23,8 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
     (else the restored LR, which the adaptive schedule moved): a restart with the same flags continues
     exactly, a new LR typed on resume is used.
     """
-    ppo, saved_seed = cfg.ppo, state.get("config", {}).get("seed")
-    saved_lr = state.get("config", {}).get("ppo", {}).get("learning_rate")
+    ppo, saved_run = cfg.ppo, state.get("config", {})
+    saved_seed, saved_lr = saved_run.get("seed"), saved_run.get("ppo", {}).get("learning_rate")
     settings = {"eps": ppo.adam_eps, **({"lr": ppo.learning_rate} if saved_lr not in (None, ppo.learning_rate) else {})}
     for key, obj in stateful.items():
         if obj is None:
@@ -47,27 +48,18 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
     saved_layout = state.get("layout", [len(state["rng"]), 0])
     same_layout = saved_layout == [roles.num_learners, roles.num_rollouts]
     rng = state["rng"][roles.rank] if same_layout else {}
-    # This process's generators (a cuda env generator has a 16-byte state, a CPU one 5056 bytes): states
-    # saved on another device do not fit them, so the streams restart as for another layout.
-    ours = {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(),
-            **({"env": stateful["env"].generator.get_state()} if stateful["env"] is not None else {})}
-    fits = all(key in rng and rng[key].numel() == value.numel() for key, value in ours.items())
-    if same_layout and fits and saved_seed in (None, cfg.seed):
-        torch.set_rng_state(rng["torch"].cpu())
-        shuffle.set_state(rng["shuffle"].cpu())
-        if stateful["env"] is not None:
-            stateful["env"].generator.set_state(rng["env"].cpu())
-        if "cuda" in rng and device.type == "cuda":   # sampling on the GPU draws from it (dist.checkpoint.rng_states)
-            torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
-    elif same_layout and fits:
+    fits = same_layout and rng_states_fit(rng, stateful["env"], shuffle, device)
+    if fits and saved_seed in (None, cfg.seed):
+        set_rng_states(rng, stateful["env"], shuffle, device)
+    elif fits:
         if roles.rank == 0:
             print(f"[syncppo] --seed {cfg.seed} is not the checkpoint run's ({saved_seed}): RNG streams restart from "
                   f"--seed + rank; everything else is restored (the env's content, e.g. the tracking motion "
                   f"library, stays the checkpoint run's)", flush=True)
     elif same_layout:
         if roles.rank == 0:
-            print("[syncppo] resuming a checkpoint whose RNG states were saved on another device: RNG streams "
-                  "restart from --seed + rank; everything else is restored", flush=True)
+            print("[syncppo] resuming a checkpoint whose RNG states do not fit this run's generators (saved on "
+                  "another device): RNG streams restart from --seed + rank; everything else is restored", flush=True)
     elif roles.rank == 0:
         print(f"[syncppo] resuming a checkpoint of {saved_layout[0]} learner(s) + {saved_layout[1]} rollout rank(s) "
               f"on {roles.num_learners} + {roles.num_rollouts}: RNG streams restart from --seed + rank; "
@@ -78,6 +70,11 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
         if "lr" in settings:
             print(f"[syncppo] --ppo.learning-rate {ppo.learning_rate:g} replaces the checkpoint's LR (its run "
                   f"started at {saved_lr:g})", flush=True)
+        end, k = saved_run.get("max_iterations"), state["iteration"]
+        if ppo.schedule == "linear" == saved_run.get("ppo", {}).get("schedule") and end not in (None, cfg.max_iterations):
+            now, was = ppo.learning_rate * (1 - k / cfg.max_iterations), (saved_lr or ppo.learning_rate) * (1 - k / end)
+            print(f"[syncppo] --max-iterations {cfg.max_iterations} re-anneals the linear LR (the checkpoint's run "
+                  f"reached 0 at {end}): iteration {k} runs at LR {now:.4g}, not {was:.4g}", flush=True)
 
 
 def misshapen_moment(optimizer: torch.optim.Optimizer, saved: dict) -> str:

@@ -170,6 +170,16 @@ def test_export_checks_the_crc_as_resume_does(trained, tmp_path):
      "its rng[0]['shuffle'] is a torch.float32 tensor of 1 dimension(s), not an RNG state (a 1-D uint8 tensor)"),
     (lambda state: state.update(layout=[1, 1], rollout_rng=[{"torch": torch.zeros(2, 8, dtype=torch.uint8)}]),
      "its rollout_rng[0]['torch'] is a torch.uint8 tensor of 2 dimension(s), not an RNG state"),
+    # Sizes no generator has, or a 5056-byte mt19937 state torch refuses: set_rng_state raised in restore.
+    (replace("rng", 0, "env", value=torch.zeros(100, dtype=torch.uint8)),
+     "its rng[0]['env'] (100 bytes) is not the state of a torch generator"),
+    (replace("rng", 0, "torch", value=torch.zeros(16, dtype=torch.uint8)),   # torch's default generator is a CPU one
+     "its rng[0]['torch'] (16 bytes) is not the state of a torch generator"),
+    (replace("rng", 0, "shuffle", value=torch.zeros(5056, dtype=torch.uint8)),
+     "its rng[0]['shuffle'] (5056 bytes) is not the state of a torch generator"),
+    (lambda state: state.update(layout=[1, 1], rollout_rng=[{"torch": torch.get_rng_state(),
+                                                             "cuda": torch.get_rng_state()}]),
+     "its rollout_rng[0]['cuda'] (5056 bytes) is not the state of a torch generator"),
 ])
 def test_an_entry_restore_cannot_use_is_refused_when_the_file_is_read(trained, tmp_path, change, message):
     path = damaged(trained, tmp_path, change)
