@@ -16,9 +16,13 @@ import dataclasses
 import io
 import json
 import os
+import signal
 import sys
 import time
 import traceback
+
+if __name__ == "__main__":    # Ctrl-C while torch and numpy import (~1.5 s): nothing is written yet, and a
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))   # KeyboardInterrupt there can abort the interpreter
 
 import torch
 import tyro
@@ -343,6 +347,7 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     quiet = not first_on_node()        # tyro's help and parse errors: once per node, as ours
     try:
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \

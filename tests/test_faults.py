@@ -148,6 +148,28 @@ def test_an_interrupt_says_whether_it_was_a_second_ctrl_c(monkeypatch, capsys, i
     assert capsys.readouterr().err == f"error: interrupted {said}: nothing saved since the last checkpoint\n"
 
 
+def test_ctrl_c_while_torch_imports_ends_at_once_without_a_traceback(tmp_path):
+    """The first ~1.5 s of `python train.py` import torch and numpy: a KeyboardInterrupt there printed a traceback
+    of import machinery and now and then aborted the interpreter (134). It now ends the process quietly with 130.
+    A stand-in `torch` whose import waits makes the Ctrl-C land inside the import every time."""
+    (tmp_path / "torch.py").write_text("import pathlib, time\npathlib.Path(__file__).with_name('importing').touch()\n"
+                                       "time.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    job = subprocess.Popen([sys.executable, os.path.join(REPO, "train.py"), "cartpole", "--dry-run"], cwd=tmp_path,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if (tmp_path / "importing").exists() or job.poll() is not None:
+                break
+            time.sleep(0.05)
+        job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert (tmp_path / "importing").exists()
+    assert (job.returncode, out, err) == (130, "", "")
+
+
 def stalled_body(rank, world_size):
     init_distributed("gloo", "cpu", timeout_s=2.0)
     if rank == 1:

@@ -65,6 +65,17 @@ def test_a_resumed_run_takes_a_new_lr_and_eps_and_keeps_the_adapted_lr_otherwise
         capsys.readouterr().out
 
 
+def test_a_resume_with_another_max_iterations_says_where_the_linear_lr_jumps(tmp_path, capsys):
+    """The linear schedule anneals to 0 at --max-iterations: resuming with another one moves the LR at once (here
+    from 0, the end of a 2-iteration run, to 1/3 of the start for 3). The start-up says so with both values."""
+    ckpt, _ = saved_run(tmp_path, ppo__learning_rate=1e-3, ppo__schedule="linear")
+    capsys.readouterr()
+    resumed = resumed_optimizer(tmp_path, ckpt, "longer", ppo__learning_rate=1e-3, ppo__schedule="linear")
+    assert resumed["lr"] == 1e-3 * (1.0 - 2 / 3)          # what iteration 2 ran with, as the line says
+    assert (f"--max-iterations 3 re-anneals the linear LR (the checkpoint's run reached 0 at 2): iteration 2 runs "
+            f"at LR {1e-3 / 3:.4g}, not 0") in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flag, change", [("--policy.init-noise-std", {"policy__init_noise_std": 0.3}),
                                           ("--policy.orthogonal-init", {"policy__orthogonal_init": True})])
 def test_a_resumed_run_refuses_another_policy_start(tmp_path, flag, change):
