@@ -102,6 +102,57 @@ def test_micro_batches_give_the_same_synchronized_and_clipped_gradient(mode):
     assert clipped_norm.item() == pytest.approx(0.05, rel=1e-4)
 
 
+class _AveragedWhenWaited:
+    """A gloo SUM work that divides by the world size when waited: NCCL's AVG, for the branch GradSync takes
+    under NCCL (its buffer averaged by the collective, the extras multiplied back into sums)."""
+
+    def __init__(self, work, tensor, world):
+        self.work, self.tensor, self.world = work, tensor, world
+
+    def wait(self):
+        self.work.wait()
+        self.tensor.div_(self.world)
+        return True
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+
+def sync_grads_under_nccl_rules(rank, world_size, mode):
+    """sync_grads with comm.backend() saying nccl and ReduceOp.AVG done as SUM then divide; returns the same
+    dict, plus how many all-reduces asked for AVG."""
+    import torch.distributed as torch_dist
+    from dist import comm
+    real, averaged = torch_dist.all_reduce, []
+
+    def all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=None, async_op=False):
+        if op != torch_dist.ReduceOp.AVG:
+            return real(tensor, op=op, group=group, async_op=async_op)
+        averaged.append(tensor.numel())
+        work = _AveragedWhenWaited(real(tensor, op=torch_dist.ReduceOp.SUM, group=group, async_op=True), tensor,
+                                   world_size)
+        return work if async_op else work.wait()
+
+    torch_dist.all_reduce, comm.backend = all_reduce, lambda: "nccl"
+    return {**sync_grads(rank, world_size, mode, 2, 0.01), "averaged": len(averaged)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+def test_the_nccl_branch_averages_in_the_collective_and_still_sums_the_extras(mode):
+    """Under NCCL the all-reduce averages (AVG) and GradSync must neither divide again nor return averaged extras.
+    No GPU here: the branch runs on gloo with AVG emulated, and must give the gloo path's numbers bit for bit
+    (at 2 ranks halving and doubling are exact)."""
+    gloo = run_ranks(sync_grads, 2, args=(mode, 2, 0.01))
+    nccl = run_ranks(sync_grads_under_nccl_rules, 2, args=(mode,))
+    for ours, theirs in zip(nccl, gloo):
+        assert ours["averaged"] == theirs["buckets"] == ours["buckets"]      # every bucket asked for AVG
+        for key in ("grads", "clipped"):
+            assert all(torch.equal(x, y) for x, y in zip(ours[key], theirs[key])), key
+        assert torch.equal(ours["norm"], theirs["norm"])
+        assert ours["extras"].tolist() == theirs["extras"].tolist() == [1.0, 2.0]   # summed: ranks 0 + 1, counts
+
+
 def test_missing_gradient_is_an_error_naming_the_parameter():
     net = Net()
     sync = GradSync(net.parameters(), "flat")
