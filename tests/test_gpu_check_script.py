@@ -1,0 +1,70 @@
+"""bench/gpu_check.sh is the only way the GPU targets get measured, on a machine lent for minutes: a flag renamed
+or a test selection that matches nothing would cost that time. Its command lines are checked here on the CPU:
+train.py's parse and plan (--dry-run), the benches' flags against their parsers, pytest's selections collect."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "bench", "gpu_check.sh")
+
+
+def steps() -> list[tuple[str, list[str]]]:
+    """(name, argv) of every `step NAME LIMIT CMD ...` line, with the script's variables put in."""
+    text = open(SCRIPT).read()
+    variables = dict(re.findall(r'^(big|runs)="([^"]*)"$', text, re.M))
+    assert set(variables) == {"big", "runs"}, "the script's shared flags moved: update this test"
+    out = []
+    for line in re.findall(r"^\s*(?:\w+=\S+ )*step (.*?)(?: ;;)?$", text, re.M):
+        for name, value in variables.items():
+            line = line.replace(f"${name}", value)
+        name, _limit, *argv = shlex.split(line.replace("$py", sys.executable))
+        out.append((name, argv))
+    return out
+
+
+def test_the_script_has_the_steps_its_header_names():
+    names = [name for name, _ in steps()]
+    assert {"capture_tests", "bench_train_host", "bench_train_capture", "train_16384_capture", "sync_tests_cuda",
+            "bench_sync_cuda", "torchrun_nccl_1gpu", "pytest_fast", "bench_grad_cuda"} <= set(names)
+
+
+def run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, argv", [s for s in steps() if "train.py" in s[1]], ids=lambda s: str(s)[:40])
+def test_each_training_command_parses_and_plans_on_the_cpu(name, argv, tmp_path):
+    """The same flags with --dry-run (torchrun's own options dropped): parsed, checked, built, plan printed."""
+    argv = argv[argv.index("train.py"):]
+    root = argv.index("--log.root")
+    argv[root + 1] = str(tmp_path)
+    result = run([sys.executable, *argv, "--dry-run"])
+    assert result.returncode == 0, f"{name}: {result.stderr[-2000:]}"
+    assert "sync plan" in result.stdout.lower() or "collective" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("name, argv", [s for s in steps() if any(a.startswith("bench/") for a in s[1])],
+                         ids=lambda s: str(s)[:40])
+def test_each_bench_flag_is_one_its_parser_knows(name, argv):
+    script = next(a for a in argv if a.startswith("bench/"))
+    flags = [a for a in argv[argv.index(script) + 1:] if a.startswith("--")]
+    usage = run([sys.executable, script, "--help"]).stdout
+    known = set(re.findall(r"--[a-z][a-z0-9-]*", usage))
+    assert flags and set(flags) <= known, f"{name}: {sorted(set(flags) - known)} not in {script} --help"
+
+
+@pytest.mark.parametrize("name, argv", [s for s in steps() if "pytest" in s[1]], ids=lambda s: str(s)[:40])
+def test_each_test_selection_collects_tests(name, argv):
+    """pytest exits 5 when a -k or -m selection matches nothing: the step would report a failure, not a result."""
+    result = run([*argv, "--collect-only", "-q"])
+    assert result.returncode == 0, f"{name}: {result.stdout[-1500:]}{result.stderr[-1500:]}"
+    per_file = re.findall(r"^\S+\.py: (\d+)$", result.stdout, re.M)     # -q twice: one line per file
+    assert per_file and all(int(n) > 0 for n in per_file), result.stdout[-1500:]
