@@ -1,7 +1,7 @@
 """Gradient sync side by side: GradSync flat | bucketed vs torch DistributedDataParallel (issue #3, item 10).
 
 Two MLP critics (ELU, MSE loss on a value target): "0.3M" = 256 -> 512, 256, 128 -> 1 (295,937 params,
-the tracking preset's critic shape) and "10M" = 1024 -> 2048, 2048, 1024, 1024, 512, 512 -> 1
+the isaaclab preset's critic hidden sizes) and "10M" = 1024 -> 2048, 2048, 1024, 1024, 512, 512 -> 1
 (10,231,297 params, SONIC's critic hidden sizes). Every variant runs the same model (same seed on every
 rank) on the same per-rank batch (seed + rank); only the gradient sync differs:
 

@@ -1,7 +1,8 @@
 """Thin wrappers around torch.distributed collectives that count every call and byte by purpose.
 
-Every collective the learner issues goes through here with a `purpose` (gradients, advantages, kl,
-normalizer, sampler, metrics, params, checksum, checkpoint), so the start-up sync plan can be checked
+Every collective the learner issues goes through here with a `purpose` (gradients, with the KL riding in
+them; advantages, normalizer, buffers, sampler, metrics, params, checksum, checkpoint; and the point-to-point
+messages of rollout ranks and sync/), so the start-up sync plan can be checked
 against what actually crossed ranks (`LEDGER`). With world size 1 (or no process group) each wrapper
 is a no-op that returns its input: the single-process run is the same code path.
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as torch_dist
 
 # purpose -> [calls, bytes]; bytes = payload of this rank's tensor (what one call moves per rank). A learner's
-# weight-serving threads (rollout_ranks.py) count into it while its main thread reads it, and a thread may add a
+# weight-serving threads (rollout_weights.py) count into it while its main thread reads it, and a thread may add a
 # purpose mid-read: change it only under _COUNTING (`ledger_add`) and read it whole through `ledger_snapshot`.
 LEDGER: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 _COUNTING = threading.Lock()

@@ -1,4 +1,4 @@
-"""Rank-local rollout storage [T, N, ...] and the minibatch generator over whole trajectories.
+"""Rank-local rollout storage [T, N, ...] and the minibatch generator (whole trajectories or single transitions).
 
 Every field a minibatch reads is a column block of ONE packed float buffer [T, N, F], so drawing a
 minibatch is a single `index_select` (one pass over the bytes) instead of one gather per field; the
@@ -25,7 +25,7 @@ class _Column:
 
 
 class RolloutStorage:
-    """Fixed-size buffers for one iteration. `add` writes step t; the update reads whole trajectories."""
+    """Fixed-size buffers for one iteration. `add` writes step t; the update reads minibatches (`minibatches`)."""
 
     FIELDS = ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values",
               "advantages", "returns")
