@@ -164,7 +164,7 @@ def restore_rollout_rng(checkpoint: dict, cfg: Config, roles, env, device) -> No
             set_rng_states(rng, env, device=device)
         elif roles.rollout_index == 0:
             print("[syncppo] the rollout ranks' RNG states in the checkpoint do not fit their generators (saved "
-                  "on another device): their streams restart from --seed + rank", flush=True)
+                  "on another device): their streams restart from --seed + j on rollout rank j", flush=True)
 
 
 def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_iteration: int) -> tuple:

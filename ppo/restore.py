@@ -48,21 +48,23 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
     saved_layout = state.get("layout", [len(state["rng"]), 0])
     same_layout = saved_layout == [roles.num_learners, roles.num_rollouts]
     rng = state["rng"][roles.rank] if same_layout else {}
+    seeds = "their seeds (--seed + rank on a learner, --seed + j on rollout rank j)" if roles.num_rollouts else \
+        "--seed + rank"
     fits = same_layout and rng_states_fit(rng, stateful["env"], shuffle, device)
     if fits and saved_seed in (None, cfg.seed):
         set_rng_states(rng, stateful["env"], shuffle, device)
     elif fits:
         if roles.rank == 0:
             print(f"[syncppo] --seed {cfg.seed} is not the checkpoint run's ({saved_seed}): RNG streams restart from "
-                  f"--seed + rank; everything else is restored (the env's content, e.g. the tracking motion "
+                  f"{seeds}; everything else is restored (the env's content, e.g. the tracking motion "
                   f"library, stays the checkpoint run's)", flush=True)
     elif same_layout:
         if roles.rank == 0:
             print("[syncppo] resuming a checkpoint whose RNG states do not fit this run's generators (saved on "
-                  "another device): RNG streams restart from --seed + rank; everything else is restored", flush=True)
+                  f"another device): RNG streams restart from {seeds}; everything else is restored", flush=True)
     elif roles.rank == 0:
         print(f"[syncppo] resuming a checkpoint of {saved_layout[0]} learner(s) + {saved_layout[1]} rollout rank(s) "
-              f"on {roles.num_learners} + {roles.num_rollouts}: RNG streams restart from --seed + rank; "
+              f"on {roles.num_learners} + {roles.num_rollouts}: RNG streams restart from {seeds}; "
               f"everything else is restored", flush=True)
     if roles.rank == 0:
         print(f"[syncppo] {'would resume' if cfg.dry_run else 'resumed'} {path} at iteration {state['iteration']}",
