@@ -14,6 +14,10 @@ A few `extras` scalars (e.g. the KL sum and count of the adaptive-LR rule) ride 
 last bucket to launch, saving a separate collective: they are summed, the gradients averaged. They
 take the gradient dtype (float32 for fp32 parameters: counts stay exact below 2**24).
 
+GradSync averages gradients only. Unlike DDP it broadcasts nothing at construction: start every rank
+from the same parameters and buffers (same seed, or broadcast them from rank 0 before the first step),
+or the ranks apply identical gradients to different weights and never notice.
+
 Per optimizer step, with q micro-batches (gradients accumulate locally; only the last backward
 communicates, so the accumulation window is exactly one minibatch):
 
@@ -136,7 +140,11 @@ class GradSync:
         self._received.clear()
 
     def arm(self, extras: torch.Tensor | None = None) -> None:
-        """Declare the next backward the minibatch boundary and stage the extras to sum across ranks."""
+        """Declare the next backward the minibatch boundary and stage the extras to sum across ranks.
+
+        No communication here; bucketed, the armed backward itself launches the all-reduces (see
+        `_on_grad_ready`), so every rank must run it.
+        """
         if self._armed and self._armed_received:
             raise RuntimeError("arm() again after the armed backward: call synchronize() first (bucketed, that "
                                "backward's all-reduces are already in flight)")
@@ -153,6 +161,9 @@ class GradSync:
         self._armed_received.clear()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of every parameter. Crosses ranks only in an armed bucketed backward:
+        launches each bucket's all-reduce (`_launch_ready`) once its last gradient arrived, once per
+        optimizer step, to overlap communication with the rest of backward."""
         if self._armed:
             if id(p) in self._armed_received:
                 # Bucketed: this bucket's all-reduce may already be in flight, so the second gradient
@@ -168,7 +179,10 @@ class GradSync:
         self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        """Launch buckets in index order while the next one is complete (or `force`: all the rest)."""
+        """Launch buckets in index order while the next one is complete (or `force`: all the rest).
+
+        Crosses ranks: one asynchronous all-reduce per bucket launched (`_all_reduce`), each once per step.
+        """
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
             if bucket.pending > 0 and not force:

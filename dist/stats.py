@@ -4,12 +4,15 @@ None of these gathers samples: ranks exchange counts, sums and sums of squared d
 value every rank already shares (a running mean, or a global mean computed first), so the bytes are
 O(dim), independent of batch size and world size, and the result equals the statistic over the union
 of all ranks' samples (up to float64 summation order).
+
+To copy this file into another project, take dist/comm.py and dist/plan.py with it (the imports are
+relative, so the package may have any name), as for dist/grad_sync.py.
 """
 
 import torch
 
-from dist import comm
-from dist.plan import PlanRow
+from . import comm
+from .plan import PlanRow
 
 
 def global_mean_std(x: torch.Tensor, purpose: str = "advantages") -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +44,10 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, bat
     ranks, so the sums add up exactly and stay well conditioned); the global batch moments then merge
     with the running ones by Chan's parallel formula, which includes the between-group term
     delta^2 * n_a * n_b / n. Every rank computes the same result, so no broadcast follows.
+
+    With `count` 0, `mean` is only that shift: zeros make the first merge plain sums of squares, which
+    lose about log10(mean^2 / var) digits when |mean| >> std; pass a rough mean that every rank shares
+    instead (ppo/normalizer.py's set_first_shift uses rank 0's first observations).
     """
     shifted = batch.detach().to(torch.float64, copy=True).sub_(mean)   # one temporary, reused for the squares
     batch_count = torch.tensor([float(shifted.shape[0])], dtype=torch.float64, device=batch.device)

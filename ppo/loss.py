@@ -9,9 +9,18 @@ def ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: tor
              entropy_coef: float) -> dict[str, torch.Tensor]:
     """Clipped surrogate + (optionally clipped) value loss - entropy bonus, each a batch mean.
 
-    All inputs are [B] (log-probs summed over action dims). Returns the terms and their weighted sum
-    `loss` = surrogate + value_loss_coef * value_function - entropy_coef * entropy.
+    All inputs are [B] (log-probs and entropies summed over action dims; values squeezed, not [B, 1]:
+    other shapes raise, since [B, 1] - [B] would broadcast to [B, B]). Advantages are used as given
+    (normalize them before, e.g. per minibatch as CleanRL does). Returns the terms and their weighted sum
+    `loss` = surrogate + value_loss_coef * value_function - entropy_coef * entropy, all still attached
+    to the graph (detach them for logging). `surrogate` is the negated clipped objective (a loss);
+    `value_function` is the mean squared error, clipped to old_values +- clip_param when
+    `clip_value_loss`, with no factor 1/2 (as RSL-RL): CleanRL's `vf_coef` c is value_loss_coef = c / 2.
     """
+    inputs = (log_prob, old_log_prob, advantages, values, old_values, returns, entropy)
+    if len({t.shape for t in inputs}) != 1 or log_prob.dim() != 1:
+        raise ValueError(f"ppo_loss expects 7 tensors of shape [B] (log_prob, old_log_prob, advantages, values, "
+                         f"old_values, returns, entropy), got {[tuple(t.shape) for t in inputs]}")
     ratio = torch.exp(log_prob - old_log_prob)
     surrogate = -torch.min(ratio * advantages, ratio.clamp(1.0 - clip_param, 1.0 + clip_param) * advantages).mean()
     if clip_value_loss:

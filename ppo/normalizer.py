@@ -85,7 +85,11 @@ class RewardNormalizer(nn.Module):
 
     @torch.no_grad()
     def update(self) -> None:
-        """Merge this iteration's returns of every rank into the statistics (one all-reduce of 3 float64)."""
+        """Merge this iteration's returns of every rank into the statistics.
+
+        Crosses ranks: one all-reduce of 3 float64 values (see merge_moments); call once per iteration,
+        at the same point on every rank.
+        """
         seen = torch.cat(self._seen)[:, None]
         self._seen.clear()
         self.count, self.mean64, self.m2 = merge_moments(self.count, self.mean64, self.m2, seen)

@@ -21,11 +21,12 @@ class BucketSyncer(Link):
 
     def init_sender(self, state_dict, keys=None, version: int = 0) -> None:
         """Handshake (Link.agree), then check that the keys no sync carries start equal (Link.verify_same_start).
-        `keys`: what every sync carries (None = all)."""
+        `keys`: what every sync carries (None = all). Crosses ranks once, at init: see those two."""
         self.require(sender=True, initialized=False)
         self._start(tensors_of(state_dict), keys, version)
 
     def init_receiver(self, model) -> int:
+        """The receiver's half of init_sender; returns the starting version. Crosses ranks once, at init."""
         self.require(sender=False, initialized=False)
         return self._start(tensors_of(model))
 
@@ -57,7 +58,8 @@ class BucketSyncer(Link):
         return self.stats
 
     def apply(self, model, blocking: bool = True) -> int:
-        """Receive the next update and write it; returns the version now in place. With load_instant each
+        """Receive the next update and write it; returns the version now in place. Crosses ranks: receives
+        the frames (one per bucket) of the sender's matching sync(), once per sync(). With load_instant each
         bucket lands as it arrives, checked (readers are kept out by the lock until the last one lands);
         otherwise all buckets are staged first (blocking=False: see Link.receive), then written."""
         self.require(sender=False)
@@ -76,7 +78,7 @@ class BucketSyncer(Link):
 
     def recv_update(self) -> tuple[int, list]:
         """Receive all buckets of the next update and keep them staged (a buffer each): (version, [(ordinal,
-        values)]); nothing is written."""
+        values)]); nothing is written. Crosses ranks: one frame per bucket from the sender, once per sync()."""
         staged = []
         return self._recv({}, staged), staged
 

@@ -298,6 +298,7 @@ def send_json(obj, dst: int, group, device) -> int:
 
 
 def recv_json(src: int, group, device) -> tuple[object, int]:
+    """Receive send_json's document from `src` (init only): a length word, then the bytes; returns (it, length)."""
     length = comm.recv(torch.empty(1, dtype=torch.int64, device=device), SETUP, src, group)
     data = comm.recv(torch.empty(int(length.item()), dtype=torch.uint8, device=device), SETUP, src, group)
     return json.loads(bytes(data.cpu().tolist()).decode()), data.numel()

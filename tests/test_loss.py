@@ -45,3 +45,15 @@ def test_adaptive_lr_rule():
     assert adaptive_lr(1e-3, kl=0.02, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-3   # boundary: not above 2x
     assert adaptive_lr(1e-5, kl=1.0, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-5     # bounded below
     assert adaptive_lr(9e-3, kl=0.0, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-2     # bounded above
+
+
+def test_ppo_loss_refuses_values_of_shape_b_1():
+    """A critic's [B, 1] output minus [B] returns would broadcast to [B, B]: a wrong value loss, silently."""
+    b = torch.zeros(4)
+    ppo_loss(b, b, b, b, b, b, b, 0.2, True, 0.5, 0.0)
+    try:
+        ppo_loss(b, b, b, b[:, None], b[:, None], b, b, 0.2, True, 0.5, 0.0)
+    except ValueError as exc:
+        assert "[B]" in str(exc) and "(4, 1)" in str(exc)
+    else:
+        raise AssertionError("values of shape [B, 1] were accepted")
