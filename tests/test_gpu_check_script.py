@@ -39,8 +39,14 @@ def run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def selected(keep) -> dict:
+    """parametrize arguments for the steps whose argv `keep` accepts, named by step."""
+    chosen = [s for s in steps() if keep(s[1])]
+    return {"argnames": "name, argv", "argvalues": chosen, "ids": [name for name, _ in chosen]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name, argv", [s for s in steps() if "train.py" in s[1]], ids=lambda s: str(s)[:40])
+@pytest.mark.parametrize(**selected(lambda argv: "train.py" in argv))
 def test_each_training_command_parses_and_plans_on_the_cpu(name, argv, tmp_path):
     """The same flags with --dry-run (torchrun's own options dropped): parsed, checked, built, plan printed."""
     argv = argv[argv.index("train.py"):]
@@ -51,8 +57,8 @@ def test_each_training_command_parses_and_plans_on_the_cpu(name, argv, tmp_path)
     assert "sync plan" in result.stdout.lower() or "collective" in result.stdout, result.stdout[-2000:]
 
 
-@pytest.mark.parametrize("name, argv", [s for s in steps() if any(a.startswith("bench/") for a in s[1])],
-                         ids=lambda s: str(s)[:40])
+@pytest.mark.slow
+@pytest.mark.parametrize(**selected(lambda argv: any(a.startswith("bench/") for a in argv)))
 def test_each_bench_flag_is_one_its_parser_knows(name, argv):
     script = next(a for a in argv if a.startswith("bench/"))
     flags = [a for a in argv[argv.index(script) + 1:] if a.startswith("--")]
@@ -61,7 +67,8 @@ def test_each_bench_flag_is_one_its_parser_knows(name, argv):
     assert flags and set(flags) <= known, f"{name}: {sorted(set(flags) - known)} not in {script} --help"
 
 
-@pytest.mark.parametrize("name, argv", [s for s in steps() if "pytest" in s[1]], ids=lambda s: str(s)[:40])
+@pytest.mark.slow
+@pytest.mark.parametrize(**selected(lambda argv: "pytest" in argv))
 def test_each_test_selection_collects_tests(name, argv):
     """pytest exits 5 when a -k or -m selection matches nothing: the step would report a failure, not a result."""
     result = run([*argv, "--collect-only", "-q"])
