@@ -33,8 +33,8 @@ from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_
 from configs.typed_flags import env_label, env_reads, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
-from dist.checkpoint import (check_writable_root, gather_rng_states, lock_run_dir, open_run_dir, release_run_dirs,
-                             rng_plan_row, rng_states, save_checkpoint)
+from dist.checkpoint import (agree_on_checkpoint, agree_plan_row, check_writable_root, gather_rng_states,
+                             lock_run_dir, open_run_dir, release_run_dirs, rng_plan_row, rng_states, save_checkpoint)
 from dist.checkpoint_read import load_checkpoint
 from dist.errors import RunError, UsageError, tell_torchrun
 from dist.grad_sync import GradSync
@@ -99,6 +99,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
 
     # ---- distributed set-up and roles; rollout ranks (--rollout.ranks) go their own way ------------
     info = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
+    agree_on_checkpoint(checkpoint)               # each rank read --resume on its own filesystem
     device, is_main = info.device, rank == 0
     if device.type == "cpu":
         keep_freed_host_memory()      # the update's activations stop page-faulting (glibc; see dist/setup.py)
@@ -150,7 +151,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
 
     T, learners = cfg.ppo.num_steps, roles.num_learners
     metric_keys = TRAIN_KEYS + log_keys
-    plan = [*broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
+    plan = [agree_plan_row(), *broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
             *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
             *sum_counts_plan_rows(sampler, cfg.dist.sampler_sync_every, cfg.log.save_every),
             *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS)),

@@ -19,6 +19,7 @@ import uuid
 import torch
 
 from dist import comm
+from dist.checksum import checksum
 from dist.errors import RunError, UsageError
 from dist.plan import PlanRow
 
@@ -208,6 +209,36 @@ def set_rng_states(saved: dict, env=None, shuffle: torch.Generator | None = None
         env.generator.set_state(saved["env"].cpu())
     if device is not None and device.type == "cuda":
         torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
+
+
+def agree_on_checkpoint(checkpoint: dict | None) -> None:
+    """Refuse to start unless every rank loaded the same checkpoint, or none did.
+
+    Each rank resolves --resume (and an elastic restart its run directory) on its own filesystem: where
+    nodes do not share one, a node that cannot see the run starts fresh while rank 0 resumes, and the
+    optimizer states, normalizers and iteration counts differ silently (the weights alone are broadcast).
+    Crosses ranks: one all-gather of 3 int64 per rank (loaded or not, iteration, checksum of the saved
+    weights), once at start-up; see `agree_plan_row`.
+    """
+    if comm.world_size() == 1:
+        return
+    mine = [0, 0, 0] if checkpoint is None else \
+        [1, checkpoint["iteration"], int(checksum([t for t in checkpoint["model"].values()]))]
+    rows = comm.all_gather(torch.tensor(mine, dtype=torch.int64).to(comm.device()), "resume").cpu().tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    groups: dict[tuple, list[int]] = {}
+    for rank, row in enumerate(rows):
+        groups.setdefault(tuple(row), []).append(rank)
+    said = "; ".join(f"rank(s) {ranks} " + (f"loaded iteration {row[1]} (weights checksum {row[2]})" if row[0]
+                                             else "loaded no checkpoint") for row, ranks in groups.items())
+    raise UsageError(f"ranks did not load the same checkpoint: {said}. Every rank reads --resume (and, after a "
+                     f"restart, its run directory under --log.root) from its own filesystem: put them where every "
+                     f"node sees the same files")
+
+
+def agree_plan_row() -> PlanRow:
+    return PlanRow("resume", "every rank loaded the same checkpoint", "all_gather", "setup", [24], all_ranks=True)
 
 
 def gather_rng_states(states: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

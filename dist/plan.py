@@ -20,6 +20,7 @@ class PlanRow:
     call_bytes: list[int] = field(default_factory=list)   # bytes of each call in one round
     rounds: int = 1          # rounds per occurrence (e.g. optimizer steps per iteration)
     every: int = 1           # K for cadence "every"; the save interval for "checkpoint"
+    all_ranks: bool = False  # a collective over every rank, not the current group (the learners with rollout ranks)
 
     @property
     def calls(self) -> int:
@@ -46,10 +47,10 @@ def expected_ledger(rows: list[PlanRow], iterations: int, final_iteration: int |
     """{purpose: [calls, bytes]} the plan predicts after the set-up and `iterations` iterations.
 
     `collectives=False` for a rank whose collective group has one member: they are no-ops there, while
-    its point-to-point messages still cross."""
+    its point-to-point messages and the collectives over all ranks still cross."""
     out: dict[str, list[int]] = {}
     for row in rows:
-        if not collectives and row.collective in COLLECTIVES:
+        if not collectives and row.collective in COLLECTIVES and not row.all_ranks:
             continue
         n = row.occurrences(iterations, final_iteration)
         if n and row.calls:
@@ -73,7 +74,8 @@ def format_plan(rows: list[PlanRow], world_size: int, collective_size: int | Non
     if world_size == 1:
         note = "; at world size 1 no collective runs"
     elif collective_size == 1:
-        note = "; one learner: its collectives run in a group of one, so none crosses ranks (point-to-point does)"
+        note = ("; one learner: its collectives run in a group of one, so only those over all ranks and point-to-point "
+                "messages cross")
     else:
         note = ""
     table = [("state", "rule", "collective", "cadence", "calls", "bytes per call")]
@@ -87,7 +89,9 @@ def format_plan(rows: list[PlanRow], world_size: int, collective_size: int | Non
             sizes = " + ".join(_size(b) for b in r.call_bytes)
         if r.call_bytes and r.rounds > 1:
             sizes += f"  (x{r.rounds} steps)"
-        table.append((r.purpose, r.rule, r.collective, cadence, str(r.calls), sizes))
+        collective = f"{r.collective} (all ranks)" if r.all_ranks and collective_size not in (None, world_size) \
+            else r.collective
+        table.append((r.purpose, r.rule, collective, cadence, str(r.calls), sizes))
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     lines = [f"sync plan ({world_size} ranks{note})"]
     for row in table:

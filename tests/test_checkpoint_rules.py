@@ -263,3 +263,46 @@ def test_replica_check_plan_rows():
     assert [(r.purpose, r.collective, r.cadence, r.call_bytes, r.every) for r in rows] == \
         [("checksum", "all_gather", "every", [8], 3), ("checksum", "all_gather", "setup", [8], 1)]
     assert [(r.cadence, r.every) for r in verify_plan_rows(0, True)] == [("setup", 1)]
+
+
+def agree_body(rank, world_size, loads):
+    """agree_on_checkpoint on this rank with the checkpoint `loads[rank]` (None: no checkpoint); the error or "ok"
+    and the ledger's count of the all-gather."""
+    from dist import comm
+    from dist.checkpoint import agree_on_checkpoint
+    from dist.errors import UsageError
+    comm.reset_ledger()
+    spec = loads[rank]
+    checkpoint = None if spec is None else {"iteration": spec[0], "model": {"w": torch.full((3,), float(spec[1]))}}
+    try:
+        agree_on_checkpoint(checkpoint)
+        said = "ok"
+    except UsageError as exc:
+        said = str(exc)
+    return said, dict(comm.LEDGER)
+
+
+@pytest.mark.slow
+def test_ranks_that_loaded_another_checkpoint_or_none_stop_every_rank_at_start():
+    """Each rank reads --resume on its own filesystem: a node without the run directory started fresh while rank 0
+    resumed, and only the broadcast weights agreed (not Adam's moments, normalizers or the iteration). All ranks now
+    gather (loaded, iteration, checksum of the saved weights) once and stop together when they differ."""
+    from dist.checksum import checksum
+    from tests.multirank import run_ranks
+    same = run_ranks(agree_body, 3, args=([(4, 1.0), (4, 1.0), (4, 1.0)],))
+    assert [said for said, _ in same] == ["ok"] * 3
+    assert all(ledger["resume"] == [1, 24] for _, ledger in same)          # the plan row: one 24-byte all-gather
+    weights = int(checksum([torch.full((3,), 1.0)]))
+    fresh = run_ranks(agree_body, 3, args=([(4, 1.0), None, (4, 2.0)],))
+    other = int(checksum([torch.full((3,), 2.0)]))
+    expected = (f"ranks did not load the same checkpoint: rank(s) [0] loaded iteration 4 (weights checksum {weights}); "
+                f"rank(s) [1] loaded no checkpoint; rank(s) [2] loaded iteration 4 (weights checksum {other}). Every "
+                f"rank reads --resume")
+    assert all(said.startswith(expected) and "every node sees the same files" in said for said, _ in fresh)
+
+
+def test_agree_plan_row_is_one_all_gather_of_three_int64_at_setup():
+    from dist.checkpoint import agree_plan_row
+    row = agree_plan_row()
+    assert (row.purpose, row.collective, row.cadence, row.call_bytes, row.all_ranks) == \
+        ("resume", "all_gather", "setup", [3 * 8], True)         # before the learners' group exists: every rank

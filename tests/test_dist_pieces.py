@@ -204,10 +204,13 @@ def test_plan_occurrences_and_expected_ledger_by_hand():
     assert expected_ledger(rows, 10, final_iteration=10) == {"a": [2, 120], "b": [30, 240], "c": [2, 10], "d": [3, 21]}
     assert expected_ledger(rows, 8, final_iteration=8)["d"] == [2, 14]
     assert expected_ledger(rows, 10, collectives=False) == {"c": [2, 10]}
+    everyone = PlanRow("f", "r", "all_gather", "setup", [24], all_ranks=True)   # runs before the learners' group exists
+    assert expected_ledger([*rows, everyone], 10, collectives=False) == {"c": [2, 10], "f": [1, 24]}
     text = format_plan([PlanRow("p", "r", "send", "iteration", [1] * 4), PlanRow("q", "r", "send", "iteration", [1024] * 5),
                         PlanRow("s", "r", "send", "iteration", [1023, 1024, 2 ** 20], rounds=2)], 1)
     assert "1 B + 1 B + 1 B + 1 B" in text and "5 messages, 5.0 KB in all" in text
     assert "1023 B + 1.0 KB + 1.0 MB  (x2 steps)" in text and "at world size 1 no collective runs" in text
-    one_learner = "one learner: its collectives run in a group of one, so none crosses ranks"
+    one_learner = "one learner: its collectives run in a group of one, so only those over all ranks and point-to-point"
     assert one_learner in format_plan(rows, 2, 1).splitlines()[0]         # 1 learner + 1 rollout rank
+    assert "all_gather (all ranks)" in format_plan([everyone], 2, 1) and "(all ranks)" not in format_plan([everyone], 2)
     assert "collective" not in format_plan(rows, 3, 2).splitlines()[0]       # 2 learners: they do

@@ -164,3 +164,26 @@ def test_phase_times_wait_for_the_device(monkeypatch):
     events.clear()
     assert train.finished(torch.device("cpu")) == 123.0
     assert events == [("clock",)]
+
+
+def resume_on_rank_0_only(rank, world_size, resumed, fresh):
+    from dist.errors import UsageError
+    try:
+        train_body(rank, world_size, resumed if rank == 0 else fresh)
+    except UsageError as exc:
+        return str(exc)
+    return "trained"
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_see_the_checkpoint_stops_every_rank_before_anything_is_written(tmp_path):
+    """What a node without the shared --log.root does: rank 0 resumes iteration 2, rank 1 starts fresh. Before,
+    both trained (rank 1's Adam moments, normalizer and iteration its own) until a collective count differed."""
+    train.main(small_tracking(tmp_path / "a", iterations=2))
+    (ckpt,) = glob.glob(os.path.join(tmp_path, "a", "tracking", "*", "model_2.pt"))
+    resumed = small_tracking(tmp_path / "b", iterations=4, resume=ckpt)
+    said = run_ranks(resume_on_rank_0_only, 2, args=(resumed, small_tracking(tmp_path / "b", iterations=4)))
+    assert said[0] == said[1] and said[0].startswith("ranks did not load the same checkpoint: rank(s) [0] loaded "
+                                                     "iteration 2 (weights checksum ")
+    assert "rank(s) [1] loaded no checkpoint" in said[0]
+    assert not (tmp_path / "b").exists()
