@@ -117,6 +117,36 @@ def test_each_bucket_is_all_reduced_only_once_its_whole_minibatch_gradient_is_in
     assert sync.launched[-1][-2:].tolist() == [0.25, 9.0]
 
 
+class ArrivalRecordingGradSync(GradSync):
+    """Notes, for each bucket launch, how many of the armed backward's gradients had arrived by then."""
+
+    def _all_reduce(self, buffer, async_op):
+        self.arrived_at_launch.append(len(self._armed_received))
+        return super()._all_reduce(buffer, async_op)
+
+
+def test_bucketed_all_reduces_start_while_backward_is_still_running():
+    """Backward produces the last layer's gradients first, so buckets are filled from the last registered
+    parameter backwards: the first bucket holds the output layer and its all-reduce launches before the first
+    layer's gradients exist (the overlap `bucketed` is for). Filled in registration order, the first bucket
+    would hold the first layer, whose gradients come last, and every all-reduce would wait for the whole
+    backward, as in `flat`."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    sync = ArrivalRecordingGradSync(net.parameters(), "bucketed", bucket_mb=1000 / 2**20)
+    sync.arrived_at_launch = []
+    assert len(sync.buckets) == 3
+    assert {id(p) for p in sync.buckets[0].params} >= {id(net[4].weight), id(net[4].bias)}
+    assert {id(p) for p in sync.buckets[-1].params} == {id(net[0].weight), id(net[0].bias)}
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    sync.zero_grad()
+    sync.arm()
+    net(x).square().mean().backward()
+    sync.synchronize()
+    assert len(sync.arrived_at_launch) == 3
+    assert sync.arrived_at_launch[0] < 6 and sync.arrived_at_launch[1] < 6    # launched during backward
+
+
 def test_a_bucket_is_filled_up_to_and_including_the_cap():
     """Buckets hold at most bucket_mb: two 1 KB gradients with a 2 KB cap share one bucket (one all-reduce)."""
     params = [nn.Parameter(torch.zeros(256)), nn.Parameter(torch.zeros(256))]

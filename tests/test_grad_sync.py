@@ -164,6 +164,26 @@ def test_missing_gradient_is_an_error_naming_the_parameter():
         sync.synchronize()
 
 
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+def test_a_parameter_used_in_an_earlier_step_but_not_this_one_is_missing(mode):
+    """unused="error" asks about THIS step: a head that got a gradient in the previous step but none now must
+    still be named, not counted as received from before the zero_grad()."""
+    torch.manual_seed(0)
+    trunk, head_a, head_b = nn.Linear(3, 4), nn.Linear(4, 1), nn.Linear(4, 1)
+    sync = GradSync([*trunk.parameters(), *head_a.parameters(), *head_b.parameters()], mode, bucket_mb=1e-4)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    sync.zero_grad()
+    sync.arm()
+    (head_a(trunk(x)) + head_b(trunk(x))).square().mean().backward()     # step 1: every parameter used
+    sync.synchronize()
+    sync.zero_grad()
+    sync.arm()
+    head_a(trunk(x)).square().mean().backward()                           # step 2: head b unused
+    with pytest.raises(RuntimeError, match=r"2 parameter\(s\) received no gradient this step \(#4 of shape \(1, 4\), "
+                                           r"#5 of shape \(1,\)\)"):
+        sync.synchronize()
+
+
 def test_bad_arguments_are_rejected():
     net = Net()
     with pytest.raises(ValueError, match="--dist.grad-sync"):

@@ -102,6 +102,25 @@ def test_non_finite_step_is_skipped_exactly_as_on_the_host():
     assert dev_stats == host_stats
 
 
+@pytest.mark.parametrize("capture", [False, True])
+def test_an_infinite_kl_leaves_the_adaptive_lr_unchanged(capture):
+    """A stored old-policy std of 0 makes KL(old || new) = log(sigma / 0) = +inf on every minibatch (one
+    minibatch per epoch here) while the loss and its gradient stay finite, so every step is taken. The rule must
+    not act on that KL: +inf > 2 * desired_kl would divide the LR by 1.5 at each step. Both paths keep it."""
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, DEVICE)
+    fill(storage, 0, model)
+    storage.action_std[0, 0] = 0.0
+    model.to(DEVICE)
+    cfg = ppo_cfg(capture_step=capture, num_mini_batches=1, schedule="adaptive")
+    optimizer = build_optimizer(model.parameters(), cfg, DEVICE)
+    stats = ppo_update(model, optimizer, storage, GradSync(model.parameters(), num_extras=2), cfg,
+                       generator=torch.Generator().manual_seed(0))
+    assert stats["kl"] == math.inf and stats["skipped_steps"] == 0.0
+    assert stats["learning_rate"] == cfg.learning_rate
+    assert float(optimizer.param_groups[0]["lr"]) == float(torch.tensor(cfg.learning_rate, dtype=LR_DTYPE))
+
+
 def test_fused_adam_found_inf_leaves_parameters_and_state_untouched():
     """The mechanism the skip relies on, checked directly against a copy."""
     torch.manual_seed(0)

@@ -77,6 +77,39 @@ def test_fill_storage_normalizes_rewards_then_adds_the_time_out_bootstrap_and_ru
     np.testing.assert_allclose(storage.advantages.numpy(), adv, rtol=1e-5, atol=1e-5)
 
 
+def test_fill_storage_restarts_the_reward_normalizers_returns_where_episodes_end():
+    """fill_storage hands each step's dones to the reward normalizer, so its running discounted return restarts
+    after every episode end (terminations and time-outs alike): the statistics the next iteration scales by are
+    those of G_t = r_t + gamma * G_{t-1} * (1 - done_{t-1}) per env, and each env's carried return is 0 when its
+    last step ended an episode. Written out in numpy below."""
+    torch.manual_seed(0)
+    T_, N_, gamma = 5, 3, 0.9
+    model = ActorCritic(2, 2, 1, (4,), (4,), normalize_critic_obs=False)
+    g = torch.Generator().manual_seed(8)
+    rewards = torch.rand(T_, N_, generator=g) * 4 + 1          # all positive: a missed restart only adds up
+    dones = torch.zeros(T_, N_, dtype=torch.bool)
+    dones[1, 0], dones[2, 1], dones[4, 1], dones[4, 2] = True, True, True, True
+    batch = {"actor_obs": torch.zeros(T_, N_, 2), "critic_obs": torch.zeros(T_, N_, 2),
+             "actions": torch.zeros(T_, N_, 1), "action_mean": torch.zeros(T_, N_, 1),
+             "action_std": torch.ones(T_, N_, 1), "log_probs": torch.zeros(T_, N_), "values": torch.zeros(T_, N_),
+             "rewards": rewards, "bootstrap": torch.zeros(T_, N_), "dones": dones,
+             "last_critic_obs": torch.zeros(N_, 2)}
+    storage = RolloutStorage(T_, N_, {"policy": 2, "critic": 2}, 1, torch.device("cpu"))
+    rn = RewardNormalizer(N_, gamma=gamma, clip=10.0)
+    fill_storage(storage, batch, model, rn, gamma=gamma, lam=0.95)
+    r, d = rewards.double().numpy(), dones.numpy()
+    returns, carried = np.zeros((T_, N_)), np.zeros(N_)
+    for t in range(T_):
+        carried = gamma * carried + r[t]
+        returns[t] = carried
+        carried = np.where(d[t], 0.0, carried)
+    np.testing.assert_allclose(rn.returns.numpy(), carried, rtol=1e-6)
+    assert rn.returns[1].item() == 0.0 and rn.returns[0].item() > 0.0
+    rn.update()
+    assert rn.count.item() == T_ * N_
+    assert rn.std.item() == pytest.approx(returns.std(), rel=1e-6)
+
+
 class CountingEnv:
     """Two envs whose observation is (steps into the episode k, env id, k^2) and reward k + 10 * env id.
     Env 0 terminates on every 2nd step of its episode, env 1 times out on its 3rd step."""

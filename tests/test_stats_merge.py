@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from dist.stats import global_mean_std, merge_moments, reduce_metrics
+from dist.stats import global_mean_std, merge_moments, reduce_metrics, sum_counts
+from envs.motions import AdaptiveMotionSampler
 from ppo.normalizer import ObsNormalizer
 from tests.multirank import run_ranks
 
@@ -62,6 +63,42 @@ def metrics_body(rank, world_size):
 def test_reduce_metrics_is_count_weighted_and_drops_empty_keys():
     for out in run_ranks(metrics_body, world_size=2):
         assert out == {"a": (10 + 20) / (1 + 2)}
+
+
+def unequal_metrics_body(rank, world_size):
+    # Per-rank means 2.5 and 30 over 4 and 3 samples: a count-weighted mean, a mean of the ranks' means and a
+    # max all differ (the test above has equal per-rank means, so any averaging passes it).
+    sums = {"x": torch.tensor([10.0, 90.0][rank]), "y": torch.tensor([0.0, 7.0][rank])}
+    counts = {"x": torch.tensor([4.0, 3.0][rank]), "y": torch.tensor([0.0, 2.0][rank])}
+    return reduce_metrics(sums, counts)
+
+
+@pytest.mark.slow
+def test_reduce_metrics_weights_each_rank_by_its_count():
+    for out in run_ranks(unequal_metrics_body, world_size=2):
+        assert out["x"] == pytest.approx((10.0 + 90.0) / (4 + 3), rel=1e-12)   # not (2.5 + 30) / 2, not 90 / 4
+        assert out["y"] == pytest.approx(7.0 / 2, rel=1e-12)   # a key only rank 1 counted: rank 0 adds (0, 0)
+
+
+def overlapping_sampler_body(rank, world_size):
+    s = AdaptiveMotionSampler(3, 0.2, "cpu")
+    # Both ranks visit motion 0 (1 and 2 episodes, rank 1's both failed); only rank 0 visits motion 2.
+    ids = torch.tensor([[0, 2, 2], [0, 0, 1]][rank])
+    ended = torch.tensor([[True, True, False], [True, True, False]][rank])
+    failed = torch.tensor([[False, True, True], [True, True, True]][rank])
+    s.record(ids, ended, failed)
+    sum_counts(s)
+    return s.global_counts.clone()
+
+
+@pytest.mark.slow
+def test_sampler_counts_of_a_motion_both_ranks_visited_add_up():
+    """sum_counts must add every rank's counts of the SAME motion (a max or a mean of them is wrong); the
+    sampler test in test_sync_contract has each rank visit a different motion, where max == sum."""
+    visits = [1 + 2, 0, 1]             # motion 0: 1 on rank 0 + 2 on rank 1; motion 2: rank 0's one ended episode
+    failures = [0 + 2, 0, 1]
+    for counts in run_ranks(overlapping_sampler_body, world_size=2):
+        assert counts.tolist() == [[float(v) for v in visits], [float(f) for f in failures]]
 
 
 @pytest.mark.parametrize("offset, scale", [(1e6, 1.0), (5.0, 1e-6)])
