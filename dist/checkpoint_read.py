@@ -147,10 +147,11 @@ def malformed_entry(state: dict) -> str:
 
 def fits_a_generator(name: str, state: torch.Tensor) -> bool:
     """Whether a saved RNG state is one that a generator could have: a CPU generator's (a valid mt19937 state;
-    'torch' is always one) or a cuda generator's (16 bytes of Philox seed and offset; 'cuda' is always one)."""
+    'torch' and 'shuffle' are always one) or a cuda generator's (16 bytes of Philox seed and offset; 'cuda' is
+    always one)."""
     cpu = torch.get_rng_state().numel()
     if state.numel() == 16:
-        return name != "torch"
+        return name not in ("torch", "shuffle")
     if state.numel() != cpu or name == "cuda":
         return False
     try:

@@ -1,8 +1,8 @@
 """Thin wrappers around torch.distributed collectives that count every call and byte by purpose.
 
 Every collective the learner issues goes through here with a `purpose` (gradients, with the KL riding in
-them; advantages, normalizer, buffers, sampler, metrics, params, checksum, checkpoint; and the point-to-point
-messages of rollout ranks and sync/), so the start-up sync plan can be checked
+them; advantages, normalizer, buffers, sampler, metrics, params, checksum, checkpoint, resume; and the
+point-to-point messages of rollout ranks and sync/), so the start-up sync plan can be checked
 against what actually crossed ranks (`LEDGER`). With world size 1 (or no process group) each wrapper
 is a no-op that returns its input: the single-process run is the same code path.
 

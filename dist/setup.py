@@ -101,6 +101,9 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     else:
         backend = "none"
     comm.set_device(dev if backend == "nccl" else torch.device("cpu"))
+    # A main() before this one in the process (tests, a notebook) left comm on its learner or rollout group,
+    # destroyed or not: the collectives before the roles split (the resume agreement) must span every rank.
+    comm.use_group(None)
     return DistInfo(rank, local_rank, world_size, backend, dev)
 
 

@@ -73,7 +73,8 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
             print(f"[syncppo] --ppo.learning-rate {ppo.learning_rate:g} replaces the checkpoint's LR (its run "
                   f"started at {saved_lr:g})", flush=True)
         end, k = saved_run.get("max_iterations"), state["iteration"]
-        if ppo.schedule == "linear" == saved_run.get("ppo", {}).get("schedule") and end not in (None, cfg.max_iterations):
+        both_linear = ppo.schedule == "linear" == saved_run.get("ppo", {}).get("schedule")
+        if both_linear and end not in (None, cfg.max_iterations):
             now, was = ppo.learning_rate * (1 - k / cfg.max_iterations), (saved_lr or ppo.learning_rate) * (1 - k / end)
             print(f"[syncppo] --max-iterations {cfg.max_iterations} re-anneals the linear LR (the checkpoint's run "
                   f"reached 0 at {end}): iteration {k} runs at LR {now:.4g}, not {was:.4g}", flush=True)

@@ -31,6 +31,9 @@ _DROP = object()
     ({"layout": [1, -1]}, r"its layout \[1, -1\] does not say \[1 learner\(s\), rollout ranks\]"),
     ({"layout": [1, 1], "rollout_rng": [3]}, r"1 rollout rank\(s\) but not as many 'rollout_rng' dicts"),
     ({"config": {"env": 3}}, r"its config section 'env' is not a dict"),
+    # The shuffle generator is always a CPU one: a 16-byte (cuda-sized) state could never fit it.
+    ({"rng": [{"torch": torch.get_rng_state(), "shuffle": torch.zeros(16, dtype=torch.uint8)}]},
+     r"its rng\[0\]\['shuffle'\] \(16 bytes\) is not the state of a torch generator"),
     ({"optimizer": {"param_groups": [], "state": []}}, r"its 'optimizer' has no 'param_groups' list and 'state' dict"),
 ])
 def test_checkpoint_entries_train_restore_cannot_use_are_refused_by_name(tmp_path, changes, message):
@@ -299,6 +302,35 @@ def test_ranks_that_loaded_another_checkpoint_or_none_stop_every_rank_at_start()
                 f"rank(s) [1] loaded no checkpoint; rank(s) [2] loaded iteration 4 (weights checksum {other}). Every "
                 f"rank reads --resume")
     assert all(said.startswith(expected) and "every node sees the same files" in said for said, _ in fresh)
+
+
+def agree_in_a_second_run_body(rank, world_size):
+    """A second train.main in one process, as init_distributed and agree_on_checkpoint see it: the first run had
+    1 learner + 1 rollout rank and raised (no shutdown), so dist.comm was left on this rank's group of one."""
+    import torch.distributed as torch_dist
+    from dist import comm
+    from dist.checkpoint import agree_on_checkpoint
+    from dist.errors import UsageError
+    from dist.setup import init_distributed
+    init_distributed("gloo", "cpu", 60.0)
+    groups = [torch_dist.new_group([0]), torch_dist.new_group([1])]     # every rank creates every group
+    comm.use_group(groups[rank])
+    init_distributed("gloo", "cpu", 60.0)        # the second run: the process group is already there
+    try:
+        agree_on_checkpoint(None if rank else {"iteration": 4, "model": {"w": torch.ones(3)}})
+        return "ok"
+    except UsageError as exc:
+        return str(exc)
+
+
+@pytest.mark.slow
+def test_the_agreement_spans_every_rank_after_an_earlier_run_in_the_same_process():
+    """Before init_distributed reset comm's group, each rank's stale group of one made the agreement a no-op:
+    rank 0 resumed and rank 1 started fresh without a word. (After a shutdown the destroyed group reads as size 1
+    too.)"""
+    from tests.multirank import run_ranks
+    said = run_ranks(agree_in_a_second_run_body, 2, init_group=False)
+    assert all(s.startswith("ranks did not load the same checkpoint: rank(s) [0] loaded iteration 4") for s in said)
 
 
 def test_agree_plan_row_is_one_all_gather_of_three_int64_at_setup():

@@ -27,14 +27,20 @@ def _checkpoint(rng: dict) -> dict:
     return {"rng": [rng], "layout": [1, 0], "iteration": 4, "env": {}}
 
 
+def _fake_cuda(monkeypatch) -> list:
+    """A GPU generator on a CPU-only machine: get_rng_state gives 16 bytes, set_rng_state records what it got."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state.clone()))
+    return restored
+
+
 def test_resume_restores_the_saved_cuda_rng_state(monkeypatch):
     """On CUDA, actions are sampled from the CUDA generator (Gaussian.sample on cuda tensors); its state is
     saved in every checkpoint (dist.checkpoint.rng_states) and must come back on resume, as the torch
     CPU, shuffle and env states do."""
     cuda_state = torch.arange(16, dtype=torch.uint8)
-    restored = []
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state.clone()))
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8))
+    restored = _fake_cuda(monkeypatch)
     saved_torch = torch.Generator().manual_seed(11).get_state()
     saved_shuffle = torch.Generator().manual_seed(12).get_state()
     saved_env = torch.Generator().manual_seed(13).get_state()
@@ -84,20 +90,13 @@ def test_rng_states_ask_for_the_cuda_generator_only_on_a_gpu_device(monkeypatch)
     assert asked == [torch.device("cuda:1")] and torch.equal(on_gpu["cuda"], torch.ones(16, dtype=torch.uint8))
 
 
-def _fake_cuda(monkeypatch) -> list:
-    """A GPU generator on a CPU-only machine: get_rng_state gives 16 bytes, set_rng_state records what it got."""
-    restored = []
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state.clone()))
-    return restored
-
-
 def test_a_cpu_checkpoint_resumed_on_a_gpu_restarts_every_stream_and_says_so(monkeypatch, capsys):
     """Saved on the CPU there is no GPU generator state; on a GPU, actions are drawn from one. Restoring the CPU
     streams alone (as before) left the sampling stream at --seed + rank while saying nothing."""
     restored = _fake_cuda(monkeypatch)
     saved = {"torch": torch.Generator().manual_seed(11).get_state(),
-             "shuffle": torch.Generator().manual_seed(12).get_state(), "env": torch.Generator().manual_seed(13).get_state()}
+             "shuffle": torch.Generator().manual_seed(12).get_state(),
+             "env": torch.Generator().manual_seed(13).get_state()}
     env, shuffle = _Env(seed=1), torch.Generator().manual_seed(2)
     env_before, torch_before = env.generator.get_state(), torch.get_rng_state()
     try:
@@ -120,8 +119,8 @@ def test_a_gpu_rollout_rank_saves_and_restores_the_generator_it_samples_from(mon
     env = _Env(seed=1)
     states = rng_states(env, device=torch.device("cuda:0"))
     assert set(states) == {"torch", "env", "cuda"}
-    saved = {"torch": torch.Generator().manual_seed(21).get_state(), "env": torch.Generator().manual_seed(22).get_state(),
-             "cuda": torch.arange(16, dtype=torch.uint8)}
+    saved = {"torch": torch.Generator().manual_seed(21).get_state(),
+             "env": torch.Generator().manual_seed(22).get_state(), "cuda": torch.arange(16, dtype=torch.uint8)}
     cfg = Config(seed=1)
     torch_before = torch.get_rng_state()
     try:
