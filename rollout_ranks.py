@@ -44,6 +44,7 @@ from dist.stop import StopRequests
 from envs import make_env
 from envs.base import MissingSimulator
 from ppo.actor_critic import build_actor_critic
+from ppo.restore import ROLLOUT_SEEDS
 from ppo.rollout import TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout
 from rollout_weights import WeightServer, integrity_failure, request_plan_rows, request_weights, weight_plan_rows
 from sync import SyncIntegrityError, WeightSyncConfig, make_weight_syncer
@@ -164,7 +165,7 @@ def restore_rollout_rng(checkpoint: dict, cfg: Config, roles, env, device) -> No
             set_rng_states(rng, env, device=device)
         elif roles.rollout_index == 0:
             print("[syncppo] the rollout ranks' RNG states in the checkpoint do not fit their generators (saved "
-                  "on another device): their streams restart from --seed + j on rollout rank j", flush=True)
+                  f"on another device): their streams restart from {ROLLOUT_SEEDS}", flush=True)
 
 
 def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_iteration: int) -> tuple:

@@ -85,11 +85,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         cfg.dist.device = "cpu"       # rollout ranks stage everything on the host over gloo (docs/rollout_ranks.md)
     resolve_device(cfg.dist.device)
     check_writable_root(cfg.log.root)
-    if checkpoint is not None and not check_resume_fits(checkpoint, cfg, resume_path, restarted):
-        if rank == 0:
-            print(f"[syncppo] {resume_path} already reached --max-iterations {cfg.max_iterations}: done", flush=True)
-        return None, {}, []
-    if checkpoint is not None and rank == 0:
+    done = checkpoint is not None and not check_resume_fits(checkpoint, cfg, resume_path, restarted)
+    if checkpoint is not None and rank == 0 and not done:
         if run_dir is not None and not cfg.dry_run:
             lock_run_dir(run_dir)     # before anything is built: a live run's directory is refused now
         if typed is not None:
@@ -100,6 +97,11 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     # ---- distributed set-up and roles; rollout ranks (--rollout.ranks) go their own way ------------
     info = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
     agree_on_checkpoint(checkpoint)               # each rank read --resume on its own filesystem
+    if done:          # said after the agreement: a rank that loaded another checkpoint must not be left waiting
+        if rank == 0:
+            print(f"[syncppo] {resume_path} already reached --max-iterations {cfg.max_iterations}: done", flush=True)
+        shutdown()
+        return None, {}, []
     device, is_main = info.device, rank == 0
     if device.type == "cpu":
         keep_freed_host_memory()      # the update's activations stop page-faulting (glibc; see dist/setup.py)

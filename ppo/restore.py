@@ -11,6 +11,8 @@ from dist.errors import UsageError
 from ppo.minibatch_step import saved_state_for
 from ppo.normalizer import RewardNormalizer
 
+ROLLOUT_SEEDS = "--seed + j on rollout rank L + j of L learners"   # the seeds colocated rank j would use
+
 
 def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torch.device, cfg) -> None:
     """Load checkpoint `state` into the built objects (`stateful`: model, optimizer, env, reward_normalizer; None
@@ -48,7 +50,7 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
     saved_layout = state.get("layout", [len(state["rng"]), 0])
     same_layout = saved_layout == [roles.num_learners, roles.num_rollouts]
     rng = state["rng"][roles.rank] if same_layout else {}
-    seeds = "their seeds (--seed + rank on a learner, --seed + j on rollout rank j)" if roles.num_rollouts else \
+    seeds = f"their seeds (--seed + rank on a learner, {ROLLOUT_SEEDS})" if roles.num_rollouts else \
         "--seed + rank"
     fits = same_layout and rng_states_fit(rng, stateful["env"], shuffle, device)
     if fits and saved_seed in (None, cfg.seed):

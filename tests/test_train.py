@@ -187,3 +187,33 @@ def test_a_rank_that_cannot_see_the_checkpoint_stops_every_rank_before_anything_
                                                      "iteration 2 (weights checksum ")
     assert "rank(s) [1] loaded no checkpoint" in said[0]
     assert not (tmp_path / "b").exists()
+
+
+def restart_body(rank, world_size, roots, run_id):
+    """A torchrun restart (restart count 1) of job `run_id` on this rank's --log.root: the agreement's error, or
+    what train.main returned."""
+    from dist.errors import UsageError
+    os.environ.update(TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="1")
+    try:
+        return train_body(rank, world_size, small_tracking(roots[rank], iterations=2))
+    except UsageError as exc:
+        return str(exc)
+
+
+@pytest.mark.slow
+def test_a_restart_of_a_finished_run_is_done_on_every_rank_or_on_none(tmp_path, monkeypatch, capsys):
+    """A torchrun restart whose run already reached --max-iterations trains nothing and says so. When only some
+    ranks see that run (a --log.root not shared), the finished ranks used to exit 0 before the process group
+    formed, leaving the others waiting out --dist.timeout-s; now the agreement stops every rank at once."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    train.main(small_tracking(tmp_path / "shared", iterations=2))
+    (ckpt,) = glob.glob(os.path.join(tmp_path, "shared", "tracking", "*", "model_2.pt"))
+    capsys.readouterr()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert train.main(small_tracking(tmp_path / "shared", iterations=2)) == (None, {}, [])
+    assert f"[syncppo] {ckpt} already reached --max-iterations 2: done" in capsys.readouterr().out
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    said = run_ranks(restart_body, 2, args=([tmp_path / "shared", tmp_path / "elsewhere"], "job-7"))
+    assert said[0] == said[1] and said[0].startswith("ranks did not load the same checkpoint: rank(s) [0] loaded "
+                                                     "iteration 2")
+    assert "rank(s) [1] loaded no checkpoint" in said[0]
