@@ -16,7 +16,6 @@ import sys
 
 import pytest
 
-from tests.multirank import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,9 +23,8 @@ SPAWN = """
 import os, sys
 import torch.distributed as tdist, torch.multiprocessing as mp
 
-def main(rank):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-    tdist.init_process_group("gloo", rank=rank, world_size=2)
+def main(rank):      # a rendezvous file, not a port: nothing to race for, nothing left listening
+    tdist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
     try:
         body(rank)
     finally:
@@ -108,22 +106,34 @@ def body(rank):
 """
 
 
-def run_copy(tmp_path, script, port_arg=True):
+def run_copy(tmp_path, script):
     (tmp_path / "check.py").write_text(script)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(tmp_path), OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "check.py"] + ([str(free_port())] if port_arg else []), cwd=tmp_path,
+    result = subprocess.run([sys.executable, "check.py", str(tmp_path / "rendezvous")], cwd=tmp_path,
                             capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
 
+LOSS_AND_GAE = """
+import torch, loss, gae
+t = torch.tensor
+# ratio 1, so the surrogate is -mean(A) = -1; value loss mean((1 - 2)^2, (1 - 0)^2) = 1; entropy 0.5
+terms = loss.ppo_loss(t([0., 0.]), t([0., 0.]), t([2., 0.]), t([1., 1.]), t([1., 1.]), t([2., 0.]), t([.5, .5]),
+                      0.2, True, 0.5, 0.25)
+print(float(terms["surrogate"]), float(terms["value_function"]), float(terms["loss"]))
+# one env, two steps, gamma = lam = 0.5, V = 0.5 everywhere: deltas 1 + 0.25 - 0.5 = 0.75; A0 = 0.75 + 0.25 * 0.75
+adv, ret = gae.compute_gae(t([[1.], [1.]]), t([[.5], [.5]]), t([[0.], [0.]]), t([.5]), 0.5, 0.5)
+print(adv.flatten().tolist(), ret.flatten().tolist())
+"""
+
+
 def test_loss_and_gae_copied_alone(tmp_path):
     for name in ("loss.py", "gae.py"):
         shutil.copy(os.path.join(REPO, "ppo", name), tmp_path / name)
-    out = run_copy(tmp_path, "import torch, loss, gae\nb = torch.zeros(3)\n"
-                   "print(float(loss.ppo_loss(b, b, b, b, b, b, b, 0.2, True, 0.5, 0.0)['loss']))\n", port_arg=False)
-    assert out.strip() == "0.0"
+    out = run_copy(tmp_path, LOSS_AND_GAE).splitlines()
+    assert out == ["-1.0 1.0 -0.625", "[0.9375, 0.75] [1.4375, 1.25]"]      # -1 + 0.5 * 1 - 0.25 * 0.5
 
 
 @pytest.mark.slow
