@@ -44,6 +44,7 @@ from dist.stop import StopRequests
 from envs import make_env
 from envs.base import MissingSimulator
 from ppo.actor_critic import build_actor_critic
+from ppo.env_check import check_built, check_reset, step_checker
 from ppo.restore import ROLLOUT_SEEDS
 from ppo.rollout import TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout
 from rollout_weights import WeightServer, integrity_failure, request_plan_rows, request_weights, weight_plan_rows
@@ -178,6 +179,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
         env = make_env(cfg.env, device, seed=cfg.seed + j, base_seed=shared_env_seed(cfg, checkpoint))
     except (ValueError, MissingSimulator) as exc:   # the learners build no env: the first rollout rank says it
         raise UsageError(str(exc), say_here=j == 0) from exc
+    check_built(env, env_label(cfg), cfg.env.num_envs)
     copy = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions).to(device)
     low_precision = cfg.rollout.dtype != "float32"
     if low_precision:
@@ -186,8 +188,9 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     if checkpoint is not None:
         env.load_state_dict(checkpoint["env"])
         restore_rollout_rng(checkpoint, cfg, roles, env, device)
-    obs, _ = env.reset()
-    T, N = cfg.ppo.num_steps, env.num_envs
+    reset = env.reset()
+    check_reset(env, reset, env_label(cfg), device)
+    obs, T, N = reset[0], cfg.ppo.num_steps, env.num_envs
     keys = TRAIN_KEYS + tuple(env.log_keys)
     layout = batch_layout(T, N, env.obs_dims, env.num_actions, len(keys), cfg.log.episode_returns)
 
@@ -248,6 +251,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
             env.sampler.local_counts += ahead
         return must_stop
 
+    check_first = step_checker(env, env_label(cfg), device, cfg.ppo.bootstrap_time_outs)   # the run's first step
     try:
         for iteration in range(start_iteration, cfg.max_iterations):
             while decided < iteration - 1 - lag:    # sync: the weights after update k - 1; async: up to S older
@@ -260,7 +264,8 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
             before = env.sampler.local_counts.clone() if env.sampler is not None else None
             with autocast:
                 batch, obs = collect_rollout(copy, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, stats,
-                                             record_returns=cfg.log.episode_returns)
+                                             record_returns=cfg.log.episode_returns, check=check_first
+                                             if iteration == start_iteration else None)
             if env.sampler is not None:
                 counted[iteration] = env.sampler.local_counts - before
             check_finite(batch, env_label(cfg), roles.rank)

@@ -49,6 +49,7 @@ from dist.verify import verify_plan_rows, verify_replicas
 from envs import make_env
 from envs.base import MissingSimulator
 from ppo.actor_critic import build_actor_critic
+from ppo.env_check import check_built, check_reset, step_checker
 from ppo.logger import RunLogger
 from ppo.minibatch_step import build_optimizer
 from ppo.normalizer import RewardNormalizer
@@ -121,6 +122,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=env_seed)
         except (ValueError, MissingSimulator) as exc:   # the adapters name the --env flag or the package to install
             raise UsageError(str(exc)) from exc
+        check_built(env, env_label(cfg), cfg.env.num_envs)   # before the model is built from its sizes
         obs_dims, num_actions, N, log_keys = env.obs_dims, env.num_actions, env.num_envs, tuple(env.log_keys)
         sampler = env.sampler         # with rollout ranks the sampler lives there (summed in their group)
     else:
@@ -141,7 +143,11 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     stateful = {"model": model, "optimizer": optimizer, "env": env, "reward_normalizer": reward_normalizer}
     if checkpoint is not None:
         restore(checkpoint, resume_path, stateful, shuffle, roles, device, cfg)
-    obs = env.reset()[0] if env is not None else None
+    obs = None
+    if env is not None:
+        reset = env.reset()
+        check_reset(env, reset, env_label(cfg), device)
+        obs = reset[0]
     first = {f: obs[g] for f, g in OBS_GROUP.items()} if env is not None else team.spec["reset_obs"]
     for storage_field, normalizer in model.normalizers().items():
         normalizer.set_first_shift(first[storage_field].to(device))   # rank 0's shift wins in the broadcast
@@ -187,13 +193,15 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     episodes = EpisodeStats(N, metric_keys, device)
     ledger_before = comm.ledger_snapshot()       # weight-serving threads count into the ledger meanwhile
     scalars: dict[str, float] = {}
+    check_first = step_checker(env, env_label(cfg), device, cfg.ppo.bootstrap_time_outs)   # the run's first step
     for iteration in range(start_iteration, cfg.max_iterations):
         # ---- rollout: T steps of every local env (no communication), or the rollout ranks' batches ----
         t0 = time.time()
         episodes.start_iteration()
         if team is None:
             batch, obs = collect_rollout(model, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, episodes,
-                                         record_returns=cfg.log.episode_returns and is_main)
+                                         record_returns=cfg.log.episode_returns and is_main,
+                                         check=check_first if iteration == start_iteration else None)
             check_finite(batch, env_label(cfg), rank)    # before anything enters a normalizer
         else:
             batch, remote = team.receive(iteration)

@@ -53,15 +53,20 @@ class EpisodeStats:
 
 @torch.inference_mode()
 def collect_rollout(model, env, obs: dict, num_steps: int, gamma: float, bootstrap: bool, stats: EpisodeStats,
-                    record_returns: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+                    record_returns: bool = False, check=None) -> tuple[dict[str, torch.Tensor], dict]:
     """T steps of every env with `model`; returns the batch ([T, N, ...] fields + `last_critic_obs`) and the
-    observation to continue from. No communication."""
+    observation to continue from. No communication. `check`: called with the first step's result (the run's
+    first rollout checks the env's protocol, ppo/env_check.py)."""
     steps = {name: [] for name in BATCH_FIELDS}
-    for _ in range(num_steps):
+    for step in range(num_steps):
         pi = model.distribution(obs["policy"])
         actions = pi.sample()
         values = model.value(obs["critic"])
-        next_obs, raw_reward, terminated, truncated, extras = env.step(actions)
+        result = env.step(actions)
+        if check is not None and step == 0:
+            check(result)
+        next_obs, raw_reward, terminated, truncated, extras = result
+        truncated = truncated & ~terminated     # flagged both: a termination, never bootstrapped (as the adapters do)
         done = terminated | truncated
         bootstrap_term = torch.zeros_like(raw_reward)
         if bootstrap:   # a time-out is not a failure: gamma * V(obs before the reset), added to the reward later

@@ -1,0 +1,87 @@
+"""Check that an env keeps the VecEnv protocol (envs/base.py) where the runner first meets it, so that a mistake in
+a new env is one line naming the field to fix rather than a shape error deep in the model, or silently wrong numbers.
+
+Run once: on the env as built, on its reset, and on the first step of a run (no host sync; never per step).
+"""
+
+import torch
+
+from dist.errors import RunError
+
+GROUPS = ("policy", "critic")
+PROTOCOL = "see the VecEnv protocol in envs/base.py"
+
+
+def fail(name: str, what: str) -> None:
+    raise RunError(f"env {name!r}: {what} ({PROTOCOL})")
+
+
+def check_built(env, name: str, num_envs: int) -> None:
+    """The env's declared sizes, before anything is built from them."""
+    if env.num_envs != num_envs:
+        fail(name, f"env.num_envs is {env.num_envs}, but {num_envs} envs were asked for (make_env passes "
+                   f"--env.num-envs per rank; the env must build exactly that many)")
+    missing = [g for g in GROUPS if g not in env.obs_dims]
+    if missing:
+        fail(name, f"env.obs_dims has no {' or '.join(map(repr, missing))} group (it has {sorted(env.obs_dims)}); "
+                   f"declare both, giving the critic the policy's observation when it has nothing privileged")
+
+
+def check_obs(obs, env, name: str, where: str, device: torch.device) -> None:
+    if not isinstance(obs, dict):
+        fail(name, f"{where} must be a dict of observation groups, got {type(obs).__name__}")
+    for group in GROUPS:
+        if group not in obs:
+            fail(name, f"{where} has no observation group {group!r} (it has {sorted(obs)})")
+        value, expected = obs[group], (env.num_envs, env.obs_dims[group])
+        if not isinstance(value, torch.Tensor):
+            fail(name, f"{where}[{group!r}] must be a torch.Tensor, got {type(value).__name__}")
+        if tuple(value.shape) != expected:
+            fail(name, f"{where}[{group!r}] has shape {list(value.shape)}, expected [num_envs, obs_dims[{group!r}]] "
+                       f"= {list(expected)}")
+        check_tensor(name, f"{where}[{group!r}]", value, torch.float32, device)
+
+
+def check_tensor(name: str, what: str, value, dtype: torch.dtype, device: torch.device) -> None:
+    if value.dtype != dtype:
+        fail(name, f"{what} has dtype {value.dtype}, expected {dtype}")
+    if value.device != device:
+        fail(name, f"{what} is on {value.device}, expected the run's device {device} (the env gets it from make_env)")
+
+
+def check_reset(env, result, name: str, device: torch.device) -> None:
+    if not (isinstance(result, tuple) and len(result) == 2):
+        fail(name, "reset() must return (obs, extras)")
+    check_obs(result[0], env, name, "reset()'s obs", device)
+
+
+def check_step(env, result, name: str, device: torch.device, bootstrap: bool) -> None:
+    """One step's (obs, reward, terminated, truncated, extras); `bootstrap`: time-outs need extras['final_obs']."""
+    if not (isinstance(result, tuple) and len(result) == 5):
+        fail(name, "step() must return (obs, reward, terminated, truncated, extras)")
+    obs, reward, terminated, truncated, extras = result
+    check_obs(obs, env, name, "step()'s obs", device)
+    for what, value, dtype in (("reward", reward, torch.float32), ("terminated", terminated, torch.bool),
+                               ("truncated", truncated, torch.bool)):
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != (env.num_envs,):
+            shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            fail(name, f"step()'s {what} must be a [num_envs] = [{env.num_envs}] tensor, got {shape}")
+        check_tensor(name, f"step()'s {what}", value, dtype, device)
+    if not isinstance(extras, dict) or "log" not in extras:
+        fail(name, "step()'s extras must be a dict with 'log' ({} when the env logs nothing)")
+    if bootstrap and "final_obs" not in extras:
+        fail(name, "step()'s extras has no 'final_obs': the observation groups before the auto-reset, which a "
+                   "time-out is bootstrapped from (or train with --ppo.no-bootstrap-time-outs)")
+    if "final_obs" in extras:
+        check_obs(extras["final_obs"], env, name, "step()'s extras['final_obs']", device)
+    for key, value in extras["log"].items():
+        if key not in env.log_keys:
+            fail(name, f"step() logged {key!r}, which env.log_keys {tuple(env.log_keys)} does not declare")
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            fail(name, f"step()'s extras['log'][{key!r}] must be a scalar (one value per step, e.g. a mean over "
+                       f"the envs), got shape {list(value.shape)}")
+
+
+def step_checker(env, name: str, device: torch.device, bootstrap: bool):
+    """`collect_rollout`'s `check`: `check_step` on a step's result."""
+    return lambda result: check_step(env, result, name, device, bootstrap)

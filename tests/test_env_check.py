@@ -1,0 +1,97 @@
+"""A new env's protocol mistakes (envs/base.py) are one line naming the thing to fix, from the runner's first contact
+with the env: not a shape error inside the model, and not a run that trains on silently wrong numbers."""
+
+import pytest
+import torch
+
+import train
+from configs import preset
+from dist.errors import RunError
+from envs import CartPole
+from ppo.actor_critic import build_actor_critic
+from ppo.rollout import TRAIN_KEYS, EpisodeStats, collect_rollout
+
+
+class Broken(CartPole):
+    """Cart-pole with one mistake a newcomer makes."""
+
+    def __init__(self, num_envs, device, seed, mistake):
+        super().__init__(num_envs + 3 if mistake == "num_envs" else num_envs, device, seed)
+        self.mistake = mistake
+        if mistake == "no_critic_dim":
+            self.obs_dims = {"policy": 4}
+        if mistake == "log_scalar":
+            self.log_keys = ("Episode/x",)
+
+    def _observe(self):
+        obs = super()._observe()
+        if self.mistake == "obs_shape":
+            obs["policy"] = obs["policy"][:, :3]
+        if self.mistake == "obs_float64":
+            obs["critic"] = obs["critic"].double()
+        if self.mistake == "no_critic_obs":
+            del obs["critic"]
+        return obs
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, extras = super().step(actions)
+        if self.mistake == "reward_shape":
+            reward = reward[:, None]
+        if self.mistake == "done_int":
+            terminated, truncated = terminated.long(), truncated.long()
+        if self.mistake == "both":
+            truncated = torch.ones_like(truncated)
+            terminated = truncated
+        if self.mistake == "no_final_obs":
+            del extras["final_obs"]
+        if self.mistake == "log_undeclared":
+            extras["log"] = {"Episode/x": reward.mean()}
+        if self.mistake == "log_scalar":
+            extras["log"] = {"Episode/x": reward}
+        return obs, reward, terminated, truncated, extras
+
+
+MISTAKES = {
+    "num_envs": r"env.num_envs is 11, but 8 envs were asked for",
+    "no_critic_dim": r"env.obs_dims has no 'critic' group \(it has \['policy'\]\)",
+    "no_critic_obs": r"reset\(\)'s obs has no observation group 'critic' \(it has \['policy'\]\)",
+    "obs_shape": r"reset\(\)'s obs\['policy'\] has shape \[8, 3\], expected \[num_envs, "
+                 r"obs_dims\['policy'\]\] = \[8, 4\]",
+    "obs_float64": r"reset\(\)'s obs\['critic'\] has dtype torch.float64, expected torch.float32",
+    "reward_shape": r"step\(\)'s reward must be a \[num_envs\] = \[8\] tensor, got \[8, 1\]",
+    "done_int": r"step\(\)'s terminated has dtype torch.int64, expected torch.bool",
+    "no_final_obs": r"step\(\)'s extras has no 'final_obs'",
+    "log_undeclared": r"step\(\) logged 'Episode/x', which env.log_keys \(\) does not declare",
+    "log_scalar": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar .* got shape \[8\]",
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_env_protocol_mistake_is_one_line_naming_it(mistake, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "make_env", lambda cfg, device, seed, base_seed: Broken(cfg.num_envs, device, seed,
+                                                                                        mistake))
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 8, 4, 2, 1
+    cfg.log.root = str(tmp_path)
+    with pytest.raises(RunError, match=r"^env 'cartpole': " + MISTAKES[mistake]):
+        train.main(cfg)
+
+
+def test_a_correct_env_passes_and_no_final_obs_is_fine_without_bootstrap(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "make_env", lambda cfg, device, seed, base_seed: Broken(cfg.num_envs, device, seed,
+                                                                                        "no_final_obs"))
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 8, 4, 2, 1
+    cfg.log.root, cfg.ppo.bootstrap_time_outs = str(tmp_path), False
+    train.main(cfg)
+    monkeypatch.setattr(train, "make_env", lambda cfg, device, seed, base_seed: Broken(cfg.num_envs, device, seed, ""))
+    cfg.ppo.bootstrap_time_outs = True
+    train.main(cfg)
+
+
+def test_a_step_flagged_both_terminated_and_truncated_is_a_termination_never_bootstrapped():
+    env = Broken(8, "cpu", 0, "both")         # every env, every step: both flags set
+    model = build_actor_critic(preset("cartpole").policy, env.obs_dims, env.num_actions)
+    batch, _ = collect_rollout(model, env, env.reset()[0], 3, 0.99, True, EpisodeStats(8, TRAIN_KEYS, "cpu"))
+    assert batch["dones"].all()
+    assert torch.equal(batch["bootstrap"], torch.zeros(3, 8))     # gamma * V(final obs) would be nonzero
