@@ -3,14 +3,18 @@
     obs, extras = env.reset()
     obs, reward, terminated, truncated, extras = env.step(actions)
 
-- `obs` is a dict of observation groups, at least `policy` and `critic`, each a [num_envs, dim] tensor.
+- `obs` is a dict of observation groups, at least `policy` and `critic` (the same tensor twice when the critic
+  has nothing privileged), each a float32 [num_envs, obs_dims[group]] tensor on `device`.
+- `reward` is a float32 [num_envs] tensor; `num_envs` is exactly the count the env was built with.
 - `terminated` (failure: no bootstrap) and `truncated` (time-out: bootstrap from the value function)
-  are separate bool [num_envs] tensors; an env never sets both.
+  are separate bool [num_envs] tensors (not ints: the runner negates them with `~`); an env that
+  sets both for a step is taken as terminated.
 - `step` resets finished envs itself; the returned `obs` is already the first observation of the next
   episode. `extras["final_obs"]` holds the observation groups *before* that reset (equal to `obs`
   for envs that did not finish), which is what a time-out must be bootstrapped from.
-- `extras["log"]` maps names to scalar tensors (episode metrics of envs that just finished); the runner
-  averages them over an iteration and across ranks. `log_keys` declares every name that can appear,
+- `extras["log"]` maps names to scalars (a 0-d tensor or a number), e.g. a mean over the envs; each value
+  counts once, whatever the number of envs behind it: the runner averages the values over the steps of an
+  iteration that logged the name, and across ranks. `log_keys` declares every name that can appear,
   up front: the cross-rank metrics vector must have the same layout on every rank even when one
   rank has not logged a key yet.
 - `sampler` is the env's adaptive sampler (counts summed across ranks by the runner), or None.
