@@ -79,7 +79,8 @@ class RolloutStorage:
         """
         count = self.num_envs if unit == "trajectory" else self.num_envs * self.num_steps
         if count % num_mini_batches:
-            raise ValueError(f"{count} {unit}s per rank are not divisible by num_mini_batches ({num_mini_batches})")
+            what = "trajectories (envs)" if unit == "trajectory" else "transitions"
+            raise ValueError(f"{count} {what} per rank are not divisible by num_mini_batches ({num_mini_batches})")
         size = count // num_mini_batches
         perm = torch.randperm(count, generator=generator, device="cpu").to(self.data.device)
         for i in range(num_mini_batches):
