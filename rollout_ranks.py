@@ -188,9 +188,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     if checkpoint is not None:
         env.load_state_dict(checkpoint["env"])
         restore_rollout_rng(checkpoint, cfg, roles, env, device)
-    reset = env.reset()
-    check_reset(env, reset, env_label(cfg), device)
-    obs, T, N = reset[0], cfg.ppo.num_steps, env.num_envs
+    obs, T, N = check_reset(env, env.reset(), env_label(cfg), device), cfg.ppo.num_steps, env.num_envs
     keys = TRAIN_KEYS + tuple(env.log_keys)
     layout = batch_layout(T, N, env.obs_dims, env.num_actions, len(keys), cfg.log.episode_returns)
 

@@ -143,11 +143,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     stateful = {"model": model, "optimizer": optimizer, "env": env, "reward_normalizer": reward_normalizer}
     if checkpoint is not None:
         restore(checkpoint, resume_path, stateful, shuffle, roles, device, cfg)
-    obs = None
-    if env is not None:
-        reset = env.reset()
-        check_reset(env, reset, env_label(cfg), device)
-        obs = reset[0]
+    obs = check_reset(env, env.reset(), env_label(cfg), device) if env is not None else None
     first = {f: obs[g] for f, g in OBS_GROUP.items()} if env is not None else team.spec["reset_obs"]
     for storage_field, normalizer in model.normalizers().items():
         normalizer.set_first_shift(first[storage_field].to(device))   # rank 0's shift wins in the broadcast

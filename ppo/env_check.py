@@ -49,10 +49,12 @@ def check_tensor(name: str, what: str, value, dtype: torch.dtype, device: torch.
         fail(name, f"{what} is on {value.device}, expected the run's device {device} (the env gets it from make_env)")
 
 
-def check_reset(env, result, name: str, device: torch.device) -> None:
+def check_reset(env, result, name: str, device: torch.device) -> dict:
+    """reset()'s (obs, extras), checked; returns obs."""
     if not (isinstance(result, tuple) and len(result) == 2):
         fail(name, "reset() must return (obs, extras)")
     check_obs(result[0], env, name, "reset()'s obs", device)
+    return result[0]
 
 
 def check_step(env, result, name: str, device: torch.device, bootstrap: bool) -> None:
