@@ -114,10 +114,27 @@ def test_cli_unknown_preset_and_help():
     ({"log__experiment": "../../x"}, "--log.experiment"),
     ({"log__experiment": ".."}, "--log.experiment"),
     ({"dist__timeout_s": 0.0}, "--dist.timeout-s"),
+    ({"max_iterations": 2**63}, "--max-iterations must fit in 64 bits"),   # one past the largest int64
 ])
 def test_inputs_that_used_to_train_for_hours_or_crash_name_the_flag(changes, flag):
     with pytest.raises(UsageError, match=flag.replace(".", r"\.")):
         validate(cfg_with(**changes))
+
+
+@pytest.mark.parametrize("changes", [
+    {"env__episode_length_s": 0.02},                          # exactly one 0.02 s control step
+    {"dist__timeout_s": 0.001},                               # the lower end of [0.001, 1e9]
+    {"dist__timeout_s": 1e9},                                 # the upper end
+    {"ppo__gamma": 0.0, "ppo__lam": 0.0},                     # both ends of [0, 1]
+    {"ppo__gamma": 1.0, "ppo__lam": 1.0},
+    {"ppo__lr_min": 1e-3, "ppo__lr_max": 1e-3, "ppo__learning_rate": 1e-3},   # 0 < lr-min <= lr-max, all equal
+    {"ppo__value_loss_coef": 0.0, "ppo__entropy_coef": 0.0},  # ">= 0"
+    {"max_iterations": 2**63 - 1},                            # the largest int64
+], ids=["one-step-episode", "timeout-min", "timeout-max", "gamma-lam-0", "gamma-lam-1", "lr-bounds-equal",
+        "zero-coefs", "int64-max"])
+def test_values_at_the_documented_bounds_are_accepted(changes):
+    """Each bound validate() states is inclusive where its message says so: a value on it must pass."""
+    validate(cfg_with(**changes))
 
 
 def test_seed_range_is_said_for_the_world_size():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dist.buffers import resolve_buffer_policy, sync_buffers
+from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
 from dist.grad_sync import GradSync
 from tests.multirank import run_ranks
 
@@ -50,6 +50,16 @@ def test_sync_buffers_puts_each_buffer_of_a_coalesced_collective_back_in_place()
             torch.testing.assert_close(bufs[name], getattr(rank0, name) * 2.0, msg=name)   # mean of 1x, 2x, 3x
             assert bufs[name].dtype == getattr(rank0, name).dtype
         assert bufs["keep"].item() == rank
+
+
+def test_buffer_plan_rows_give_the_bytes_of_each_coalesced_collective_by_hand():
+    """One call per rule and dtype, in the order dtypes first appear: broadcast fp32 (2 + 4 elements x 4 bytes),
+    fp64 (1 x 8), int64 (1 x 8); mean fp32 ((3 + 1) x 4), fp64 (2 x 8); `local` crosses nothing."""
+    m = ManyBuffers(0)
+    rows = buffer_plan_rows(m, resolve_buffer_policy(m, m.BUFFER_POLICY))
+    assert [(r.purpose, r.collective, r.cadence, r.call_bytes) for r in rows] == [
+        ("buffers", "broadcast", "iteration", [24, 8, 8]), ("buffers", "all_reduce", "iteration", [16, 16])]
+    assert buffer_plan_rows(m, resolve_buffer_policy(m, {"*": "local"})) == []
 
 
 def test_a_buffer_matched_by_patterns_with_different_rules_is_a_start_up_error():

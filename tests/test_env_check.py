@@ -33,6 +33,10 @@ class Broken(CartPole):
             del obs["critic"]
         return obs
 
+    def reset(self):
+        obs, extras = super().reset()
+        return obs if self.mistake == "reset_obs_only" else (obs, extras)
+
     def step(self, actions):
         obs, reward, terminated, truncated, extras = super().step(actions)
         if self.mistake == "reward_shape":
@@ -44,6 +48,8 @@ class Broken(CartPole):
             terminated = truncated
         if self.mistake == "no_final_obs":
             del extras["final_obs"]
+        if self.mistake == "final_obs_float64":
+            extras["final_obs"] = {**extras["final_obs"], "critic": extras["final_obs"]["critic"].double()}
         if self.mistake == "log_undeclared":
             extras["log"] = {"Episode/x": reward.mean()}
         if self.mistake == "log_scalar":
@@ -61,6 +67,9 @@ MISTAKES = {
     "reward_shape": r"step\(\)'s reward must be a \[num_envs\] = \[8\] tensor, got \[8, 1\]",
     "done_int": r"step\(\)'s terminated has dtype torch.int64, expected torch.bool",
     "no_final_obs": r"step\(\)'s extras has no 'final_obs'",
+    "final_obs_float64": r"step\(\)'s extras\['final_obs'\]\['critic'\] has dtype torch.float64, expected "
+                         r"torch.float32",
+    "reset_obs_only": r"reset\(\) must return \(obs, extras\)",   # a dict of its two groups: also of length 2
     "log_undeclared": r"step\(\) logged 'Episode/x', which env.log_keys \(\) does not declare",
     "log_scalar": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar .* got shape \[8\]",
 }

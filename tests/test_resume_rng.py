@@ -146,3 +146,22 @@ def test_a_rollout_rank_given_states_of_another_device_restarts_its_streams_inst
         torch.set_rng_state(torch_before)
     assert torch.equal(env.generator.get_state(), env_before)
     assert "their streams restart" in capsys.readouterr().out
+
+
+def test_a_gpu_checkpoint_whose_cpu_streams_fit_still_restarts_every_stream_on_the_cpu(capsys):
+    """Saved on a GPU with CPU-side env and shuffle generators: the torch, shuffle and env states have the CPU sizes,
+    plus the GPU generator's state that actions were drawn from. On the CPU there is no such generator: the states
+    are not the same set, so every stream restarts (and says so) rather than resuming three of the four."""
+    saved = {"torch": torch.Generator().manual_seed(11).get_state(),
+             "shuffle": torch.Generator().manual_seed(12).get_state(),
+             "env": torch.Generator().manual_seed(13).get_state(), "cuda": torch.arange(16, dtype=torch.uint8)}
+    env, shuffle = _Env(seed=1), torch.Generator().manual_seed(2)
+    env_before, shuffle_before, torch_before = env.generator.get_state(), shuffle.get_state(), torch.get_rng_state()
+    try:
+        restore(_checkpoint(saved), "ckpt.pt", {"env": env}, shuffle, ROLES_1, torch.device("cpu"), Config())
+        assert torch.equal(torch.get_rng_state(), torch_before)
+    finally:
+        torch.set_rng_state(torch_before)
+    assert torch.equal(env.generator.get_state(), env_before)
+    assert torch.equal(shuffle.get_state(), shuffle_before)
+    assert "do not fit this run's generators" in capsys.readouterr().out

@@ -187,6 +187,17 @@ def test_continue_saved_config_by_field_kind():
         continue_saved_config(cfg_with(env__name="cartpole"), {"env": {"name": "tracking"}}, frozenset())
 
 
+@pytest.mark.parametrize("typed", ["--env.num-envs", "--env.global-num-envs"])
+def test_either_env_count_flag_typed_keeps_both_count_fields_of_this_command_line(typed):
+    """--env.num-envs and --env.global-num-envs are one setting in two fields: typing either keeps both as this
+    command line has them (the other is not taken from the checkpoint, nor reported as changed or kept)."""
+    cfg = cfg_with(env__num_envs=16, env__global_num_envs=64 if typed == "--env.global-num-envs" else 0)
+    saved = {"env": {"num_envs": 8, "global_num_envs": 32 if typed == "--env.num-envs" else 0}}
+    changed, kept = continue_saved_config(cfg, saved, frozenset({typed}))
+    assert (cfg.env.num_envs, cfg.env.global_num_envs) == ((16, 64) if typed == "--env.global-num-envs" else (16, 0))
+    assert not [s for s in changed + kept if s.startswith(("--env.num-envs", "--env.global-num-envs"))]
+
+
 def test_the_resume_command_is_this_run_s_own_with_its_directory():
     argv = ["cartpole", "--resume", "auto", "--seed", "3", "--resume=x.pt", "--log.root", "my runs"]
     assert resume_command(argv, "/r/cartpole/2026") == \

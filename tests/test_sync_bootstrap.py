@@ -102,3 +102,28 @@ def test_bootstrap_prefixes_send_only_their_keys_and_the_rest_must_start_equal()
     # A prefix that matches nothing is a configuration error on both sides ("frozen.w" is not a module path).
     for message in run_ranks(_prefixes, 2, args=(("frozen.w",), "frozen")):
         assert message.startswith("ValueError") and "['frozen.w'] match no state_dict key" in message
+
+
+def _one_receiver_differs(rank, world_size):
+    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(init_sync=InitSyncConfig(prefixes=("frozen",))))
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1, 2])
+    net = TiedNet(seed=0)
+    if rank == 2:
+        with torch.no_grad():
+            net.embed.weight.mul_(2.0)      # outside the bootstrap prefix: must start equal, and does not here
+    try:
+        syncer.init_sender(net) if rank == 0 else syncer.init_receiver(net)
+    except SyncIntegrityError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.slow
+def test_a_start_check_refuses_on_the_sender_when_any_one_receiver_differs():
+    """Two receivers, only the second differs outside the bootstrap: the sender, which compares every receiver,
+    must refuse naming that receiver rank and key; the differing receiver refuses too. (The equal receiver has
+    nothing to refuse: it compares itself with the sender only.)"""
+    sender, equal, differs = run_ranks(_one_receiver_differs, 3)
+    assert sender is not None and "(by receiver rank): {2: ['embed.weight']}" in sender
+    assert equal is None
+    assert differs is not None and "embed.weight" in differs

@@ -98,6 +98,7 @@ def _send_words(words, table=None):
 MALFORMED = [  # (header words, table sent after it or None, the error, what its message says)
     ([0x1234, 2, 1, 0, 0, 0, 0], None, RuntimeError, "without the sync header"),
     ([MAGIC, 2, 1, 0, 2**40, 0, 0], None, SyncIntegrityError, "announces 1099511627776 table rows"),
+    ([MAGIC, 2, 1, 0, -1, 0, 0], None, SyncIntegrityError, "announces -1 table rows"),
     ([MAGIC, 2, 1, 0, 1, 20, 20], [[0, 4, DENSE, 0]], SyncIntegrityError, "payload sizes its table does not"),
     ([MAGIC, 2, 1, 0, 1, 24, 16], [[0, 4, DENSE, 0]], SyncIntegrityError, "payload sizes its table does not"),
     ([MAGIC, 2, 1, 0, 1, 16, 16], [[1, 4, DENSE, 0]], SyncIntegrityError, "malformed table row [1, 4, 4, 0]"),
@@ -138,7 +139,8 @@ def test_frames_with_a_consistent_check_but_impossible_contents_are_refused_befo
 @pytest.mark.parametrize("n, changed, dtype, expected", [
     (8, range(7), torch.uint8, DENSE),        # dense 8 bytes = bitmap 1 + 7 values: dense (no positions)
     (64, range(0, 64, 8), torch.bool, 3),     # 1-byte gaps 8 + 8 = bitmap 8 + 8: the bitmap (no escapes to add)
-], ids=["dense over bitmap", "bitmap over gaps"])
+    (9, range(7), torch.uint8, DENSE),        # dense 9 = bitmap 2 (9 bits: a padded second byte) + 7: dense
+], ids=["dense over bitmap", "bitmap over gaps", "dense over a padded bitmap"])
 def test_a_tie_in_size_goes_to_the_encoding_cheaper_to_apply(n, changed, dtype, expected):
     """sync/patch.py: each tensor travels in the smallest encoding "by exact size"; on a tie, the one cheaper
     to apply (dense before a bitmap before gaps). Sizes here are equal by hand (see the ids); the choice shows
@@ -150,6 +152,16 @@ def test_a_tie_in_size_goes_to_the_encoding_cheaper_to_apply(n, changed, dtype, 
     encoding, parts, _ = _encode(current, mask, len(changed))
     assert encoding == expected
     assert sum(p.numel() * p.element_size() for p in parts) == (n if expected == DENSE else n // 8 + len(changed))
+
+
+def test_small_segments_pack_into_one_message_up_to_exactly_pack_bytes():
+    """docs: segments travel as one message when they are small, at most PACK_BYTES (1 MiB) in all; one byte more
+    and each is its own message. Header 64, table 32 per row, trailer 8 per row + 8."""
+    from sync.wire import frame_messages
+    mib = 1 << 20
+    assert frame_messages(2, [mib - 16, 16]) == [64, 64, mib, 24]
+    assert frame_messages(2, [mib - 15, 16]) == [64, 64, mib - 15, 16, 24]
+    assert frame_messages(1, [mib + 1]) == [64, 32, mib + 1, 16]
 
 
 def test_a_gap_of_exactly_one_escape_symbol_costs_an_escape():
