@@ -34,7 +34,7 @@ from configs.typed_flags import env_label
 from dist import comm
 from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, naming, recv_object, send_object,
                           setup_plan_row)
-from dist.checkpoint import (agree_plan_row, flatten_state, from_bytes, rng_states, rng_states_fit, set_rng_states,
+from dist.checkpoint import (agree_plan_rows, flatten_state, from_bytes, rng_states, rng_states_fit, set_rng_states,
                              to_bytes, unflatten_state)
 from dist.errors import RunError, UsageError
 from dist.plan import PlanRow
@@ -210,7 +210,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
         except SyncIntegrityError as error:
             raise integrity_failure(error, f"the initial weights from learner rank {learner}") from error
     sender = BatchSender(learner, roles.batches_group, layout, state_bytes, torch.device("cpu"))
-    plan = [agree_plan_row(), setup_plan_row([spec_size], "send"), *sender.plan_rows(cfg.log.save_every),
+    plan = [*agree_plan_rows(), setup_plan_row([spec_size], "send"), *sender.plan_rows(cfg.log.save_every),
             *request_plan_rows("send", "recv", 1), *weight_plan_rows(syncer)]
     plan += sum_counts_plan_rows(env.sampler, cfg.dist.sampler_sync_every, cfg.log.save_every)   # rollout group
 

@@ -33,7 +33,7 @@ from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_
 from configs.typed_flags import env_label, env_reads, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
-from dist.checkpoint import (agree_on_checkpoint, agree_plan_row, check_writable_root, gather_rng_states,
+from dist.checkpoint import (agree_on_checkpoint, agree_plan_rows, check_writable_root, gather_rng_states,
                              lock_run_dir, open_run_dir, release_run_dirs, rng_plan_row, rng_states, save_checkpoint)
 from dist.checkpoint_read import load_checkpoint
 from dist.errors import RunError, UsageError, tell_torchrun
@@ -97,7 +97,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
 
     # ---- distributed set-up and roles; rollout ranks (--rollout.ranks) go their own way ------------
     info = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
-    agree_on_checkpoint(checkpoint)               # each rank read --resume on its own filesystem
+    agree_on_checkpoint(checkpoint, None if cfg.dry_run else cfg.log.root)   # each rank reads its own files
     if done:          # said after the agreement: a rank that loaded another checkpoint must not be left waiting
         if rank == 0:
             print(f"[syncppo] {resume_path} already reached --max-iterations {cfg.max_iterations}: done", flush=True)
@@ -155,7 +155,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
 
     T, learners = cfg.ppo.num_steps, roles.num_learners
     metric_keys = TRAIN_KEYS + log_keys
-    plan = [agree_plan_row(), *broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
+    plan = [*agree_plan_rows(), *broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
             *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
             *sum_counts_plan_rows(sampler, cfg.dist.sampler_sync_every, cfg.log.save_every),
             *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS)),

@@ -161,9 +161,7 @@ def open_run_dir(existing: str | None, experiment_dir: str, run_id: str | None) 
 def check_writable_root(root: str, flag: str = "--log.root", write: bool = True) -> None:
     """Fail before anything is built (or created) when `root` (`flag`: --log.root, a bench's --root) cannot hold
     run directories, checked at its nearest existing ancestor; `write=False` asks only that it be a directory."""
-    probe = os.path.abspath(root)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
+    probe = _nearest_directory(root)
     if not os.path.isdir(probe):
         raise UsageError(f"{flag} {root!r}: {probe!r} is a file, not a directory; pick another {flag}")
     if not write:
@@ -211,34 +209,83 @@ def set_rng_states(saved: dict, env=None, shuffle: torch.Generator | None = None
         torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
 
 
-def agree_on_checkpoint(checkpoint: dict | None) -> None:
-    """Refuse to start unless every rank loaded the same checkpoint, or none did.
+def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None) -> None:
+    """Refuse to start unless every rank loaded the same checkpoint, or none did; and say when some ranks do not see
+    `log_root` as rank 0 does (None: a dry run, which writes nothing there).
 
     Each rank resolves --resume (and an elastic restart its run directory) on its own filesystem: where
     nodes do not share one, a node that cannot see the run starts fresh while rank 0 resumes, and the
     optimizer states, normalizers and iteration counts differ silently (the weights alone are broadcast).
-    Crosses ranks: one all-gather of 3 int64 per rank (loaded or not, iteration, checksum of the saved
-    weights), once at start-up; see `agree_plan_row`.
+    The same mistake on a fresh launch is harmless until the first restart or resume, so rank 0 leaves a probe
+    at --log.root (its nearest existing directory) for every rank to look for: a run that torchrun may restart
+    stops now, and any other run is told that only rank 0's node holds its checkpoints.
+    Crosses ranks once at start-up: a broadcast of rank 0's probe name (one int64) and an all-gather of 4 int64
+    per rank (loaded or not, iteration, checksum of the saved weights, probe seen); see `agree_plan_rows`.
     """
     if comm.world_size() == 1:
         return
-    mine = [0, 0, 0] if checkpoint is None else \
-        [1, checkpoint["iteration"], int(checksum([t for t in checkpoint["model"].values()]))]
-    rows = comm.all_gather(torch.tensor(mine, dtype=torch.int64).to(comm.device()), "resume").cpu().tolist()
-    if all(row == rows[0] for row in rows):
+    probe = _make_probe(log_root) if torch.distributed.get_rank() == 0 and log_root is not None else None
+    try:
+        nonce = int(comm.broadcast(torch.tensor([probe[1] if probe else 0], dtype=torch.int64).to(comm.device()),
+                                   "resume", src=0).item())
+        seen = int(nonce == 0 or os.path.isdir(_probe_path(log_root, nonce)))
+        mine = [0, 0, 0] if checkpoint is None else \
+            [1, checkpoint["iteration"], int(checksum([t for t in checkpoint["model"].values()]))]
+        rows = comm.all_gather(torch.tensor(mine + [seen], dtype=torch.int64).to(comm.device()), "resume").cpu()
+    finally:
+        if probe:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(probe[0])
+    loads, blind = rows[:, :3].tolist(), [rank for rank, row in enumerate(rows.tolist()) if not row[3]]
+    if any(row != loads[0] for row in loads):
+        groups: dict[tuple, list[int]] = {}
+        for rank, row in enumerate(loads):
+            groups.setdefault(tuple(row), []).append(rank)
+        said = "; ".join(f"rank(s) {ranks} " + (f"loaded iteration {row[1]} (weights checksum {row[2]})" if row[0]
+                                                 else "loaded no checkpoint") for row, ranks in groups.items())
+        raise UsageError(f"ranks did not load the same checkpoint: {said}. Every rank reads --resume (and, after a "
+                         f"restart, its run directory under --log.root) from its own filesystem: put them where "
+                         f"every node sees the same files")
+    if not blind:
         return
-    groups: dict[tuple, list[int]] = {}
-    for rank, row in enumerate(rows):
-        groups.setdefault(tuple(row), []).append(rank)
-    said = "; ".join(f"rank(s) {ranks} " + (f"loaded iteration {row[1]} (weights checksum {row[2]})" if row[0]
-                                             else "loaded no checkpoint") for row, ranks in groups.items())
-    raise UsageError(f"ranks did not load the same checkpoint: {said}. Every rank reads --resume (and, after a "
-                     f"restart, its run directory under --log.root) from its own filesystem: put them where every "
-                     f"node sees the same files")
+    where = (f"--log.root {log_root!r} is not the same directory on every node: rank(s) {blind} do not see what "
+             f"rank 0 wrote there")
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        raise UsageError(f"{where}, so a torchrun restart (--max-restarts) could not continue this run on them; put "
+                         f"--log.root on a filesystem every node sees, or launch without --max-restarts")
+    if torch.distributed.get_rank() == 0:
+        print(f"[syncppo] warning: {where}: only rank 0's node will hold this run's checkpoints; to --resume on "
+              f"several nodes, copy the run directory to each, or put --log.root on a filesystem every node sees",
+              flush=True)
 
 
-def agree_plan_row() -> PlanRow:
-    return PlanRow("resume", "every rank loaded the same checkpoint", "all_gather", "setup", [24], all_ranks=True)
+def _nearest_directory(root: str) -> str:
+    """`root`, or its nearest existing ancestor (a first run creates --log.root only once it is known good)."""
+    path = os.path.abspath(root)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _probe_path(root: str, nonce: int) -> str:
+    return os.path.join(_nearest_directory(root), f".syncppo-probe-{nonce:016x}")
+
+
+def _make_probe(root: str) -> tuple[str, int]:
+    """Rank 0's probe directory for agree_on_checkpoint: (its path, the nonzero number that names it)."""
+    nonce = int.from_bytes(os.urandom(8), "little") >> 1 or 1
+    path = _probe_path(root, nonce)
+    try:
+        os.mkdir(path)
+    except OSError as exc:
+        raise UsageError(f"--log.root {root!r}: cannot create {path!r} ({exc.strerror}); pick a directory you can "
+                         f"write to") from None
+    return path, nonce
+
+
+def agree_plan_rows() -> list[PlanRow]:
+    return [PlanRow("resume", "rank 0's --log.root probe", "broadcast", "setup", [8], all_ranks=True),
+            PlanRow("resume", "same checkpoint everywhere, probe seen", "all_gather", "setup", [32], all_ranks=True)]
 
 
 def gather_rng_states(states: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -2,7 +2,10 @@
 resume starts from, which saved configs fit, named tensors and RNG states round trips, and the replica
 check's plan rows."""
 
+import contextlib
+import io
 import json
+import os
 
 import pytest
 import torch
@@ -268,21 +271,26 @@ def test_replica_check_plan_rows():
     assert [(r.cadence, r.every) for r in verify_plan_rows(0, True)] == [("setup", 1)]
 
 
-def agree_body(rank, world_size, loads):
-    """agree_on_checkpoint on this rank with the checkpoint `loads[rank]` (None: no checkpoint); the error or "ok"
-    and the ledger's count of the all-gather."""
+def agree_body(rank, world_size, loads, roots=(None, None, None), max_restarts=None):
+    """agree_on_checkpoint on this rank with the checkpoint `loads[rank]` (None: no checkpoint) and the log root
+    `roots[rank]` (None: a dry run), under torchrun's TORCHELASTIC_MAX_RESTARTS when given; the error or "ok", the
+    ledger's counts and what was printed."""
     from dist import comm
     from dist.checkpoint import agree_on_checkpoint
     from dist.errors import UsageError
     comm.reset_ledger()
+    if max_restarts is not None:
+        os.environ["TORCHELASTIC_MAX_RESTARTS"] = str(max_restarts)
     spec = loads[rank]
     checkpoint = None if spec is None else {"iteration": spec[0], "model": {"w": torch.full((3,), float(spec[1]))}}
+    printed = io.StringIO()
     try:
-        agree_on_checkpoint(checkpoint)
+        with contextlib.redirect_stdout(printed):
+            agree_on_checkpoint(checkpoint, roots[rank])
         said = "ok"
     except UsageError as exc:
         said = str(exc)
-    return said, dict(comm.LEDGER)
+    return said, dict(comm.LEDGER), printed.getvalue()
 
 
 @pytest.mark.slow
@@ -293,15 +301,41 @@ def test_ranks_that_loaded_another_checkpoint_or_none_stop_every_rank_at_start()
     from dist.checksum import checksum
     from tests.multirank import run_ranks
     same = run_ranks(agree_body, 3, args=([(4, 1.0), (4, 1.0), (4, 1.0)],))
-    assert [said for said, _ in same] == ["ok"] * 3
-    assert all(ledger["resume"] == [1, 24] for _, ledger in same)          # the plan row: one 24-byte all-gather
+    assert [said for said, _, _ in same] == ["ok"] * 3
+    assert all(ledger["resume"] == [2, 8 + 32] for _, ledger, _ in same)   # the plan rows: 8-byte broadcast, 32-byte all-gather
     weights = int(checksum([torch.full((3,), 1.0)]))
     fresh = run_ranks(agree_body, 3, args=([(4, 1.0), None, (4, 2.0)],))
     other = int(checksum([torch.full((3,), 2.0)]))
     expected = (f"ranks did not load the same checkpoint: rank(s) [0] loaded iteration 4 (weights checksum {weights}); "
                 f"rank(s) [1] loaded no checkpoint; rank(s) [2] loaded iteration 4 (weights checksum {other}). Every "
                 f"rank reads --resume")
-    assert all(said.startswith(expected) and "every node sees the same files" in said for said, _ in fresh)
+    assert all(said.startswith(expected) and "every node sees the same files" in said for said, _, _ in fresh)
+
+
+@pytest.mark.slow
+def test_a_log_root_that_some_ranks_do_not_share_stops_a_restartable_run_and_warns_otherwise(tmp_path):
+    """A --log.root that is not one filesystem for every node trained fine and failed at the first torchrun restart
+    (the other nodes could not find the run). Rank 0 now leaves a probe there at launch: a run that torchrun may
+    restart stops on every rank, naming the ranks that did not see it; any other run gets one warning from rank 0.
+    The probe is gone afterwards, and a --log.root that does not exist yet is not created."""
+    from tests.multirank import run_ranks
+    shared, other = tmp_path / "shared", tmp_path / "other"
+    shared.mkdir(), other.mkdir()
+    fresh = [None, None, None]
+    split = (str(shared / "runs"), str(shared / "runs"), str(other / "runs"))   # rank 2's node has its own disk
+    stopped = run_ranks(agree_body, 3, args=(fresh, split, 2))
+    for (said, _, _), root in zip(stopped, split):        # each rank names its own --log.root
+        assert said.startswith(f"--log.root {root!r} is not the same directory on every node: rank(s) [2] do not "
+                               f"see what rank 0 wrote there, so a torchrun restart"), said
+    warned = run_ranks(agree_body, 3, args=(fresh, split, 0))
+    assert [said for said, _, _ in warned] == ["ok"] * 3
+    assert "[syncppo] warning: --log.root" in warned[0][2] and "rank(s) [2] do not see" in warned[0][2]
+    assert [printed for _, _, printed in warned[1:]] == ["", ""]
+    together = run_ranks(agree_body, 3, args=(fresh, (split[0],) * 3, 2))
+    assert [(said, printed) for said, _, printed in together] == [("ok", "")] * 3
+    dry = run_ranks(agree_body, 3, args=(fresh, (None, None, str(other)), 2))   # a dry run: no probe, no verdict
+    assert [(said, ledger["resume"]) for said, ledger, _ in dry] == [("ok", [2, 40])] * 3
+    assert sorted(os.listdir(shared)) == [] and sorted(os.listdir(other)) == []
 
 
 def agree_in_a_second_run_body(rank, world_size):
@@ -317,7 +351,7 @@ def agree_in_a_second_run_body(rank, world_size):
     comm.use_group(groups[rank])
     init_distributed("gloo", "cpu", 60.0)        # the second run: the process group is already there
     try:
-        agree_on_checkpoint(None if rank else {"iteration": 4, "model": {"w": torch.ones(3)}})
+        agree_on_checkpoint(None if rank else {"iteration": 4, "model": {"w": torch.ones(3)}}, None)
         return "ok"
     except UsageError as exc:
         return str(exc)
@@ -333,8 +367,9 @@ def test_the_agreement_spans_every_rank_after_an_earlier_run_in_the_same_process
     assert all(s.startswith("ranks did not load the same checkpoint: rank(s) [0] loaded iteration 4") for s in said)
 
 
-def test_agree_plan_row_is_one_all_gather_of_three_int64_at_setup():
-    from dist.checkpoint import agree_plan_row
-    row = agree_plan_row()
-    assert (row.purpose, row.collective, row.cadence, row.call_bytes, row.all_ranks) == \
-        ("resume", "all_gather", "setup", [3 * 8], True)         # before the learners' group exists: every rank
+def test_agree_plan_rows_are_a_broadcast_of_one_int64_and_an_all_gather_of_four_at_setup():
+    from dist.checkpoint import agree_plan_rows
+    rows = agree_plan_rows()
+    assert [(row.purpose, row.collective, row.cadence, row.call_bytes, row.all_ranks) for row in rows] == \
+        [("resume", "broadcast", "setup", [8], True),            # before the learners' group exists: every rank
+         ("resume", "all_gather", "setup", [4 * 8], True)]
