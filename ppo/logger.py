@@ -16,6 +16,7 @@ class RunLogger:
         self.writer = SummaryWriter(run_dir, purge_step=start_iteration + 1)
         self.max_iterations, self.start_iteration = max_iterations, start_iteration
         self.start_time = time.time()
+        self.warned: set[str] = set()       # tags already said to be non-finite
 
     def log(self, scalars: dict[str, float], step: int, episode_returns: list[float] = ()) -> None:
         """One iteration's scalars, and each episode return that ended in it (`Episode/return`, in end order).
@@ -23,6 +24,10 @@ class RunLogger:
         here, not only up to the writer's last periodic flush (every 2 minutes)."""
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
+            if not math.isfinite(value) and tag not in self.warned:   # a curve that stops drawing, unexplained
+                self.warned.add(tag)
+                print(f"[syncppo] warning: {tag} is {value} at iteration {step} (written as is; said once per tag): "
+                      f"a NaN or inf in one rank's sum makes the mean over all ranks {value}", flush=True)
         for value in episode_returns:
             self.writer.add_scalar("Episode/return", value, step)
         self.writer.flush()

@@ -15,6 +15,7 @@ Expected values are computed here by hand or with numpy, never by the code under
 """
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -204,6 +205,22 @@ def test_every_tag_of_a_log_call_is_written_at_its_step_in_a_new_run_directory(t
     assert tb_scalars(run_dir, "Train/mean_reward") == [(1, 1.5), (2, 2.5)]
     assert tb_scalars(run_dir, "Policy/kl") == [(1, 0.25), (2, 0.5)]
     assert tb_scalars(run_dir, "Loss/learning_rate") == [(1, 0.125), (2, 0.0625)]
+
+
+def test_a_non_finite_scalar_is_written_as_is_and_said_once_per_tag(tmp_path, capsys):
+    """A NaN in an env's log value (one rank's sum poisons the all-reduced mean) used to reach TensorBoard silently,
+    where the curve just stops drawing: now one warning per tag, and the value is still written."""
+    run_dir = str(tmp_path / "run")
+    logger = RunLogger(run_dir, max_iterations=5, start_iteration=0)
+    logger.log({"Episode/torque": float("nan"), "Policy/kl": 0.25}, step=1)
+    logger.log({"Episode/torque": float("nan"), "Policy/kl": float("inf")}, step=2)
+    logger.log({"Episode/torque": 1.5, "Policy/kl": 0.5}, step=3)
+    logger.close()
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" (")[0] for line in out] == ["[syncppo] warning: Episode/torque is nan at iteration 1",
+                                                     "[syncppo] warning: Policy/kl is inf at iteration 2"]
+    torque = tb_scalars(run_dir, "Episode/torque")
+    assert [step for step, _ in torque] == [1, 2, 3] and math.isnan(torque[0][1]) and torque[2][1] == 1.5
 
 
 def test_an_iteration_is_on_disk_when_log_returns_even_if_the_process_then_ends_abruptly(tmp_path):
