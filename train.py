@@ -30,7 +30,7 @@ import tyro
 from configs import PRESETS, Config, resolve_num_envs, validate
 from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, resolve_resume, resume_command,
                             shared_env_seed)
-from configs.typed_flags import env_label, env_reads, typed_flags
+from configs.typed_flags import env_label, env_reads, experiment_dir, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
 from dist.checkpoint import (agree_on_checkpoint, agree_plan_rows, check_writable_root, gather_rng_states,
@@ -69,10 +69,10 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     these and the launch ones (configs/resume.py); None (a program's config) takes `cfg` as it is."""
     # ---- every check that needs neither a process group nor an env: nothing is built or written yet --
     rank, world = launch_rank_and_world()
-    experiment_dir = os.path.join(cfg.log.root, cfg.log.experiment or cfg.env.name)   # launch settings: final
+    experiment = experiment_dir(cfg)             # from launch settings: final already
     restarted = launch_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
     typed_task = cfg.env.task if "--env.task" in (typed or ()) and env_reads(cfg, "--env.task") else None
-    resume_path, run_dir = resolve_resume(cfg, experiment_dir, typed_task)
+    resume_path, run_dir = resolve_resume(cfg, experiment, typed_task)
     checkpoint = load_checkpoint(resume_path) if resume_path else None
     changed, kept = [], []            # from the command line a resumed run continues its own settings
     if checkpoint is not None and typed is not None:
@@ -177,7 +177,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         return model, {}, plan
     stop = StopRequests(watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
     if is_main:
-        run_dir = open_run_dir(run_dir, experiment_dir, os.environ.get("TORCHELASTIC_RUN_ID"))
+        run_dir = open_run_dir(run_dir, experiment, os.environ.get("TORCHELASTIC_RUN_ID"))
         logger = RunLogger(run_dir, cfg.max_iterations, start_iteration)   # continues the curves at start + 1
         try:                          # what ran from here on, readable without torch
             with open(os.path.join(run_dir, f"config_{start_iteration}.json"), "w") as f:

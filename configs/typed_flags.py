@@ -73,7 +73,13 @@ def in_experiment_dir(cfg) -> bool:
     """Whether the run directory --resume names lies in --log.root/--log.experiment (where the stop message's command,
     which repeats the run's own flags, points)."""
     parent = os.path.dirname(os.path.abspath(cfg.resume.rstrip("/")))
-    return os.path.realpath(parent) == os.path.realpath(os.path.join(cfg.log.root, cfg.log.experiment or cfg.env.name))
+    return os.path.realpath(parent) == os.path.realpath(experiment_dir(cfg))
+
+
+def experiment_dir(cfg) -> str:
+    """--log.root/--log.experiment (default: the env's name): where a run's directory is made and --resume auto
+    looks."""
+    return os.path.join(cfg.log.root, cfg.log.experiment or cfg.env.name)
 
 
 def check_typed_flags(cfg, typed: frozenset[str]) -> None:
