@@ -26,13 +26,15 @@ class PlanRow:
     def calls(self) -> int:
         return len(self.call_bytes) * self.rounds
 
-    def occurrences(self, iterations: int, final_iteration: int | None = None) -> int:
+    def occurrences(self, iterations: int, final_iteration: int | None = None, start: int = 0) -> int:
+        """How often the row runs in iterations start+1 .. start+iterations (a resumed run starts past 0); "every"
+        and "checkpoint" rows run after iteration k when k is a multiple of `every`."""
         if self.cadence == "setup":
             return 1
         if self.cadence == "iteration":
             return iterations
         if self.cadence in ("every", "checkpoint"):
-            n = iterations // self.every
+            n = (start + iterations) // self.every - start // self.every
             if self.cadence == "checkpoint" and final_iteration is not None and final_iteration % self.every:
                 n += 1      # a checkpoint is always written at the end of the run
             return n
@@ -43,8 +45,9 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather")
 
 
 def expected_ledger(rows: list[PlanRow], iterations: int, final_iteration: int | None = None,
-                    collectives: bool = True) -> dict[str, list[int]]:
-    """{purpose: [calls, bytes]} the plan predicts after the set-up and `iterations` iterations.
+                    collectives: bool = True, start: int = 0) -> dict[str, list[int]]:
+    """{purpose: [calls, bytes]} the plan predicts after the set-up and `iterations` iterations from iteration
+    `start` (a resumed run's checkpoint).
 
     `collectives=False` for a rank whose collective group has one member: they are no-ops there, while
     its point-to-point messages and the collectives over all ranks still cross (at world size 1 nothing does:
@@ -53,7 +56,7 @@ def expected_ledger(rows: list[PlanRow], iterations: int, final_iteration: int |
     for row in rows:
         if not collectives and row.collective in COLLECTIVES and not row.all_ranks:
             continue
-        n = row.occurrences(iterations, final_iteration)
+        n = row.occurrences(iterations, final_iteration, start)
         if n and row.calls:
             entry = out.setdefault(row.purpose, [0, 0])
             entry[0] += n * row.calls

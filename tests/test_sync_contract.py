@@ -48,6 +48,31 @@ def test_ledger_after_training_equals_the_printed_plan(tmp_path, epochs, minibat
         assert scalars["Comm/metrics_calls"] == 1 and scalars["Comm/advantages_calls"] == 2   # (n, sum), then dev^2
 
 
+def resumed_ledger_body(rank, world_size, root, resume):
+    """3 iterations saved at 2 and 3; then (`resume`) from model_3.pt to 6: the every-2 rows (replica check, sampler
+    sum, checkpoint) run after iterations 4 and 6, twice in 3 iterations, where counting from 0 gives once."""
+    import os
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 8, 4, 3
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
+    cfg.dist.verify_every, cfg.dist.sampler_sync_every, cfg.dist.device = 2, 2, "cpu"
+    cfg.log.root, cfg.log.save_every, cfg.log.print_every = root, 2, 100
+    if resume:
+        (run,) = os.listdir(os.path.join(root, "tracking"))
+        cfg.resume, cfg.max_iterations = os.path.join(root, "tracking", run, "model_3.pt"), 6
+    comm.reset_ledger()
+    _, _, plan = train.main(cfg)
+    return {k: list(v) for k, v in comm.LEDGER.items()}, expected_ledger(plan, 3, final_iteration=6, start=3)
+
+
+@pytest.mark.slow
+def test_ledger_of_a_resumed_run_equals_its_plan_from_the_checkpoint_iteration(tmp_path):
+    run_ranks(resumed_ledger_body, 2, args=(str(tmp_path), False))
+    for ledger, expected in run_ranks(resumed_ledger_body, 2, args=(str(tmp_path), True)):
+        assert ledger == expected
+        assert expected["checksum"][0] == 1 + 2          # after the load, then after iterations 4 and 6
+
+
 class WithBuffers(nn.Module):
     BUFFER_POLICY = {"shared": "broadcast", "averaged": "mean", "stats.*": "merge", "per_env": "local"}
 
