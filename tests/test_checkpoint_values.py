@@ -9,8 +9,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from dist.errors import UsageError
 from ppo import export
 from test_bad_input import flip_a_byte_of_tensor_data
 from test_config_errors import cfg_with
+from tests.forked_python import run_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A small tracking run with every kind of saved statistics: actor and critic observation normalizers, a reward
@@ -148,8 +147,7 @@ def test_export_checks_the_crc_as_resume_does(trained, tmp_path):
         load_checkpoint(str(path))
     damage = str(resumed.value).removeprefix(f"--resume {str(path)!r} is damaged (").split(")")[0]
     assert damage.startswith("archive/data/") and damage.endswith(" does not match its CRC-32")
-    result = subprocess.run([sys.executable, "-m", "ppo.export", str(path)], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    result = run_python(["-m", "ppo.export", str(path)], cwd=REPO, timeout=120)
     assert result.returncode == 2, result.stderr
     assert result.stderr == f"export: CKPT {str(path)!r} is damaged ({damage}); export another checkpoint\n"
     assert sorted(os.listdir(tmp_path)) == ["model_1.pt"]

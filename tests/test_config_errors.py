@@ -2,8 +2,6 @@
 
 import glob
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ from configs import preset, resolve_num_envs, validate
 from dist.errors import RunError, UsageError
 from ppo.logger import RunLogger
 from ppo.normalizer import ObsNormalizer
+from tests.forked_python import run_python
 
 
 def cfg_with(**changes):
@@ -86,7 +85,8 @@ def test_resume_path_errors(tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "train.py", *args], capture_output=True, text=True, timeout=120)
+    """`python train.py ARGS` in a process of its own (forked from one that imported torch: tests/forked_python.py)."""
+    return run_python(["train.py", *args], timeout=120)
 
 
 def test_cli_unknown_preset_and_help():

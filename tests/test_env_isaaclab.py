@@ -6,7 +6,6 @@ that refuses non-CUDA devices, tested on its own below) so that the adapter asks
 
 import glob
 import os
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -20,6 +19,7 @@ import train
 from configs import preset, validate
 from envs.isaaclab import IsaacLabEnv, simulation_device
 from tests.fake_isaaclab import MAX_EPISODE_LENGTH, TASK, TERMINATE_ABOVE, Record, fake_modules, install, spec
+from tests.forked_python import run_python
 from tests.multirank import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,8 +100,8 @@ env.step(torch.zeros(4, 2))
 def test_kit_ends_the_process_with_its_real_status(end, status):
     # Kit (PhysX physics) ends the process when its runtime closes, with the status it is given: an error in
     # training must not turn into status 0.
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(KIT_SCRIPT).format(end=end)], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    # A process of its own, forked from one that imported torch (tests/forked_python.py), ending as Kit ends it.
+    result = run_python(["-c", textwrap.dedent(KIT_SCRIPT).format(end=end)], cwd=REPO, timeout=120)
     assert result.returncode == status, result.stderr
     if status == 1:
         assert "training failed" in result.stderr

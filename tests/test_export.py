@@ -4,8 +4,6 @@ normalizer, one without)."""
 
 import glob
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ from configs import preset
 from configs.config import PolicyConfig
 from ppo import export
 from ppo.actor_critic import build_actor_critic
+from tests.forked_python import run_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,6 +88,5 @@ def test_bad_checkpoint_path_is_one_line_and_status_2(tmp_path):
     for path, message in ((tmp_path / "missing.pt", "no such checkpoint file"),
                           (tmp_path, "is a directory; pass a model_<iteration>.pt file inside it"),   # a run dir
                           (not_a_checkpoint, "is not a torch checkpoint (torch.save writes a zip archive")):
-        result = subprocess.run([sys.executable, "-m", "ppo.export", str(path)], cwd=REPO, capture_output=True,
-                                text=True, timeout=120)
+        result = run_python(["-m", "ppo.export", str(path)], cwd=REPO, timeout=120)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -17,7 +17,6 @@ Expected values are computed here by hand or with numpy, never by the code under
 import dataclasses
 import math
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -35,6 +34,7 @@ from ppo import logger as logger_module
 from ppo.actor_critic import build_actor_critic
 from ppo.logger import RunLogger, wait_past_earlier_event_files
 from tests.fake_isaaclab import TASK, Record, fake_modules, spec
+from tests.forked_python import run_python
 from tests.test_tools import numpy_actions as numpy_actions_of_state
 
 CPU = torch.device("cpu")
@@ -236,7 +236,7 @@ def test_an_iteration_is_on_disk_when_log_returns_even_if_the_process_then_ends_
         logger.log({{"Train/mean_reward": 2.5}}, 2)
         os._exit(1)
     """))
-    assert subprocess.run([sys.executable, str(script)]).returncode == 1
+    assert run_python([str(script)]).returncode == 1                # a process of its own: tests/forked_python.py
     assert tb_scalars(str(tmp_path / "run"), "Train/mean_reward") == [(1, 1.5), (2, 2.5)]
     assert tb_scalars(str(tmp_path / "run"), "Episode/return") == [(1, 3.0), (1, -1.25)]
 

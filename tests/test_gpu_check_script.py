@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.forked_python import run_python
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "bench", "gpu_check.sh")
 
@@ -35,8 +37,9 @@ def test_the_script_has_the_steps_its_header_names():
 
 
 def run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    """`python ARGS` in a process of its own, forked from one that imported torch (tests/forked_python.py)."""
+    assert argv[0] == sys.executable, argv
+    return run_python(argv[1:], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
 
 
 def selected(keep) -> dict:

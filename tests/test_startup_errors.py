@@ -3,7 +3,6 @@ with Isaac Lab, an Isaac Lab env that fails to build under Kit."""
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -14,6 +13,7 @@ import train
 from configs import preset, validate
 from dist.errors import UsageError
 from tests.fake_isaaclab import Record, fake_modules
+from tests.forked_python import run_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,8 +135,8 @@ sys.exit(train.cli(cfg))
 
 
 def test_a_bad_obs_group_under_kit_is_reported_naming_the_flag(tmp_path):
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(KIT_RUN).format(root=str(tmp_path))], cwd=REPO,
-                            capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_python(["-c", textwrap.dedent(KIT_RUN).format(root=str(tmp_path))], cwd=REPO, timeout=120,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     assert "error: --env.critic-obs-groups: this task has no observation group 'privileged'" in result.stderr, \
         result.stderr
@@ -146,8 +146,8 @@ def test_under_torchrun_parse_errors_print_once_per_node_and_our_errors_reach_to
     """tyro's own messages (help, an unknown flag) would print once per rank; our one line goes to the error file
     torchrun names as the root cause (without it the summary says `error_file: <N/A>`)."""
     def run(*args, **env):
-        return subprocess.run([sys.executable, "train.py", "tracking", *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+        return run_python(["train.py", "tracking", *args], cwd=REPO, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     parse_error = tmp_path / "parse_error.json"
     other_rank = run("--ppo.no-such-flag", "3", LOCAL_RANK="1", TORCHELASTIC_ERROR_FILE=str(parse_error))
     assert other_rank.returncode == 2 and other_rank.stdout == other_rank.stderr == ""

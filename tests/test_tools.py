@@ -16,6 +16,7 @@ from configs.config import PolicyConfig
 from ppo import export
 from ppo.actor_critic import build_actor_critic
 from ppo.logger import RunLogger
+from tests.forked_python import run_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -195,8 +196,7 @@ def test_export_out_that_is_a_file_is_a_usage_error(tmp_path):
     not_a_dir.write_text("hello")
     with pytest.raises(ValueError, match="--out"):
         export.export(path, str(not_a_dir))
-    result = subprocess.run([sys.executable, "-m", "ppo.export", path, "--out", str(not_a_dir)], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = run_python(["-m", "ppo.export", path, "--out", str(not_a_dir)], cwd=REPO, timeout=120)
     assert result.returncode == 2 and "--out" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -213,8 +213,7 @@ def test_export_of_a_checkpoint_that_does_not_fit_is_one_line(tmp_path, damage):
     torch.save(state, path)
     with pytest.raises(ValueError, match="does not fit this version's actor-critic"):
         export.export(path)
-    result = subprocess.run([sys.executable, "-m", "ppo.export", path], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+    result = run_python(["-m", "ppo.export", path], cwd=REPO, timeout=120)
     assert result.returncode == 2 and "does not fit" in result.stderr and "Traceback" not in result.stderr
 
 

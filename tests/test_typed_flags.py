@@ -114,7 +114,7 @@ def test_messages_name_the_env_the_run_simulates():
     assert env_label(cfg_with(env__name="gymnasium", env__task="")) == "gymnasium"
 
 
-# ---- through the command line: a few subprocesses (2-3 s each) ------------------------------------------
+# ---- through the command line: a few processes (~1 s each, forked: tests/forked_python.py) -----------------
 
 @pytest.mark.parametrize("args", [
     ["tracking", "--rollout.max-staleness", "3"],
