@@ -8,7 +8,7 @@ Usage inside a test:
 
     results = run_ranks(body, world_size=2, args=(x,))   # list, one entry per rank
 
-Each rank (a fresh process, forked from a server that imported torch once) joins a gloo process
+Each rank (a fresh process, forked from a server that imported torch and the project once) joins a gloo process
 group on 127.0.0.1 with a free port, runs `fn(rank, world_size, *args)`, and sends its return value
 back through a queue. A rank that raises makes `run_ranks` raise
 with that rank's traceback, so failures read like ordinary test failures.
@@ -50,12 +50,18 @@ def _worker(rank, world_size, port, fn, args, queue, init_group):
             dist.destroy_process_group()
 
 
+# What the server imports before it forks the first rank: torch; torch._dynamo, which a rank would otherwise import
+# on its first torch.optim optimizer or DistributedDataParallel (1.5-2.5 s each time); and train (the project's
+# modules, tyro, TensorBoard) and pytest, which a rank imports with the test module its function is pickled from.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest", "train", "tests.multirank"]
+
+
 def _context():
-    """Fresh processes as `spawn` makes them, forked from a server that imported torch once per test session:
-    the 2-3 s import is paid once, not by every rank of every test (the server runs no torch op, so its
-    children start with no threads or device state)."""
+    """Fresh processes as `spawn` makes them, forked from a server that imported PRELOAD once per test session:
+    the 2-3 s import of torch (and ~2 s more) is paid once, not by every rank of every test (the server runs no
+    torch op, so its children start with no threads or device state)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.multirank"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
