@@ -47,15 +47,16 @@ def cartpole_args(root, iterations=100000, save_every=1000):
 
 @pytest.mark.slow
 def test_restarts_continue_the_same_run_directory_and_curves(tmp_path):
-    job = Job(cartpole_args(tmp_path, iterations=20, save_every=4), max_restarts=3)
+    # A save every 2 iterations, each attempt killed at its first: restarts resume at 2, 4 and 6, the last runs to 8.
+    job = Job(cartpole_args(tmp_path, iterations=8, save_every=2), max_restarts=3)
     for _ in range(3):                      # three restarts in a row: the process group must re-form each time
         job.wait_for(r"saved .*model_\d+\.pt")
         os.kill(job.workers()[-1], signal.SIGKILL)
     assert job.finish(240) == 0, job.output()
     assert job.output().count("[syncppo] resumed") == 3
     (run_dir,) = glob.glob(os.path.join(tmp_path, "cartpole", "*"))
-    assert os.path.exists(os.path.join(run_dir, "model_20.pt"))
-    assert tb_steps(run_dir) == list(range(1, 21))          # each iteration once, k + 1 following k
+    assert os.path.exists(os.path.join(run_dir, "model_8.pt"))
+    assert tb_steps(run_dir) == list(range(1, 9))           # each iteration once, k + 1 following k
 
 
 @pytest.mark.slow
