@@ -1,0 +1,108 @@
+"""StopRequests in this process: which signals interrupt at once, what a rank reports in its flags, and what the
+handlers are once restored. Signals are raised in the test's own process (signal.raise_signal) or the handler is
+called on a fake clock; no ranks are started."""
+
+import functools
+import itertools
+import signal
+
+import pytest
+
+from dist.stop import STOP_KEYS, SecondInterrupt, StopRequests
+
+
+@pytest.fixture
+def handlers():
+    """Put back the test process's own SIGINT and SIGTERM handlers, whatever the test left installed."""
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGINT, saved[0])
+    signal.signal(signal.SIGTERM, saved[1])
+
+
+def not_interrupted(send, signum):
+    """`send(signum)`, failing the test if it interrupts (a KeyboardInterrupt escaping a test ends the whole session
+    instead of failing that test)."""
+    try:
+        send(signum)
+    except KeyboardInterrupt as exc:
+        pytest.fail(f"{signal.Signals(signum).name} interrupted at once ({type(exc).__name__})")
+
+
+def interrupted(send, signum):
+    """`send(signum)`, which must raise SecondInterrupt."""
+    with pytest.raises(KeyboardInterrupt) as raised:
+        send(signum)
+    assert type(raised.value) is SecondInterrupt
+
+
+def clock(monkeypatch, *times):
+    """dist.stop's monotonic clock reads `times`, one per signal."""
+    readings = iter(times)
+    monkeypatch.setattr("dist.stop.time.monotonic", lambda: next(readings))
+
+
+def test_a_ctrl_c_more_than_a_second_after_the_first_interrupts_however_many_came_between(monkeypatch, handlers):
+    """The window is one second from the FIRST Ctrl-C: a forwarded duplicate 0.75 s in must not restart it (else
+    Ctrl-Cs 0.75 s apart would never interrupt), and 1.5 s after the first is a second request, not 2 s."""
+    clock(monkeypatch, 100.0, 100.75, 101.5)
+    stop = StopRequests(watch_launcher=False)
+    on_signal = functools.partial(stop._on_signal, frame=None)
+    not_interrupted(on_signal, signal.SIGINT)
+    not_interrupted(on_signal, signal.SIGINT)     # 0.75 s after the first: torchrun's forwarded copy
+    assert stop.signal_name == "SIGINT"
+    interrupted(on_signal, signal.SIGINT)         # 1.5 s after the first, 0.75 s after the previous
+
+
+def test_signals_raised_in_this_process_reach_the_handlers(handlers):
+    """Installing the handlers is what keeps a SIGTERM from killing the rank before its checkpoint and a Ctrl-C from
+    interrupting the iteration; each handler is checked before its signal is raised, so a missing one fails the
+    test instead of ending pytest."""
+    stop = StopRequests(watch_launcher=False)
+    assert signal.getsignal(signal.SIGTERM) == stop._on_signal
+    not_interrupted(signal.raise_signal, signal.SIGTERM)
+    assert stop.signal_name == "SIGTERM"
+    stop = StopRequests(watch_launcher=False)
+    assert signal.getsignal(signal.SIGINT) == stop._on_signal
+    not_interrupted(signal.raise_signal, signal.SIGINT)
+    assert stop.signal_name == "SIGINT"
+    interrupted(signal.raise_signal, signal.SIGTERM)   # torchrun's SIGTERM after the first Ctrl-C: the second one
+
+
+def test_restored_handlers_are_python_defaults(handlers):
+    """After the loop (start-up and shutdown), Ctrl-C must be a plain KeyboardInterrupt, which train.cli reports as
+    'outside the training loop' with status 130 (SIG_DFL would kill the process without a word), and SIGTERM must
+    end the process (the run's own handler would only raise a flag nobody reads any more; SIG_IGN would leave a
+    hung shutdown unkillable but by SIGKILL)."""
+    StopRequests(watch_launcher=False)
+    StopRequests.restore_default_handlers()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    with pytest.raises(KeyboardInterrupt) as raised:
+        signal.raise_signal(signal.SIGINT)
+    assert type(raised.value) is KeyboardInterrupt
+
+
+def flags(stop):
+    """local_flags as plain numbers: (stop_signal, launcher_gone) pairs of (sum, count)."""
+    got = {k: (s.item(), c.item()) for k, (s, c) in stop.local_flags("cpu").items()}
+    return got["Control/stop_signal"], got["Control/launcher_gone"]
+
+
+def test_the_flags_say_this_rank_was_signalled_or_reparented(monkeypatch, handlers):
+    """(sum, count) per flag, count 1 (reduce_metrics drops a key with a zero count): the summed sum is how many
+    ranks raised the flag. Only a watched launcher can be gone: the parent changing (re-parented to an init
+    process, pid 1, when torchrun died) is what says so."""
+    parent = itertools.chain([4242, 4242], itertools.repeat(1))          # at start, first check, then re-parented
+    monkeypatch.setattr("dist.stop.os.getppid", lambda: next(parent))
+    watched = StopRequests(watch_launcher=True)
+    assert flags(watched) == ((0.0, 1.0), (0.0, 1.0))
+    assert flags(watched) == ((0.0, 1.0), (1.0, 1.0))
+    not_interrupted(functools.partial(watched._on_signal, frame=None), signal.SIGTERM)
+    assert flags(watched) == ((1.0, 1.0), (1.0, 1.0))
+    unwatched = StopRequests(watch_launcher=False)                          # not under torchrun
+    assert flags(unwatched) == ((0.0, 1.0), (0.0, 1.0))
+    not_interrupted(functools.partial(unwatched._on_signal, frame=None), signal.SIGINT)
+    assert flags(unwatched) == ((1.0, 1.0), (0.0, 1.0))
+    # train.py unpacks the reduced flags as `stop_signal, launcher_gone` in STOP_KEYS order
+    assert STOP_KEYS == ("Control/stop_signal", "Control/launcher_gone")
