@@ -4,6 +4,7 @@ The torchrun tests start real `torchrun ... train.py cartpole` jobs (2 gloo rank
 way a cluster does: SIGTERM to one rank, kill -9 of a rank or of the launcher.
 """
 
+import contextlib
 import glob
 import itertools
 import os
@@ -109,19 +110,31 @@ def test_ctrl_c_saves_and_resume_auto_continues_in_place(tmp_path):
     assert tb_steps(run_dir) == list(range(1, k + 3))
 
 
+@contextlib.contextmanager
+def not_interrupted(what: str):
+    """A KeyboardInterrupt escaping a test ends the whole pytest session: where none may come, one fails this test."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        pytest.fail(f"{what} interrupted at once ({type(exc).__name__})")
+
+
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
 def test_second_ctrl_c_interrupts_at_once_but_a_forwarded_duplicate_does_not(second):
     """torch 2.13's torchrun starts each rank in its own session: only torchrun gets the terminal's Ctrl-C, and it
     answers the second one with SIGTERM to the ranks (measured), which finished the iteration and saved."""
     stop = StopRequests(watch_launcher=False)
     try:
-        stop._on_signal(signal.SIGINT, None)
+        with not_interrupted("the first Ctrl-C"):
+            stop._on_signal(signal.SIGINT, None)
         if second == signal.SIGINT:
-            stop._on_signal(second, None)             # a forwarded copy, within the second: ignored
+            with not_interrupted("a forwarded copy within the second"):
+                stop._on_signal(second, None)         # a forwarded copy, within the second: ignored
             assert stop.signal_name == "SIGINT"
             stop._first_sigint -= 2.0
-        with pytest.raises(SecondInterrupt):          # torchrun's SIGTERM: the second Ctrl-C however soon
+        with pytest.raises(KeyboardInterrupt) as raised:   # torchrun's SIGTERM: the second Ctrl-C however soon
             stop._on_signal(second, None)
+        assert type(raised.value) is SecondInterrupt
     finally:
         stop.restore_default_handlers()
 
@@ -133,7 +146,8 @@ def test_sigterms_alone_never_interrupt_the_iteration(monkeypatch):
     stop = StopRequests(watch_launcher=False)
     try:
         for _ in range(3):
-            stop._on_signal(signal.SIGTERM, None)
+            with not_interrupted("a SIGTERM"):
+                stop._on_signal(signal.SIGTERM, None)
             assert stop.signal_name == "SIGTERM"
     finally:
         stop.restore_default_handlers()
