@@ -231,12 +231,12 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None) -> None:
         seen = int(nonce == 0 or os.path.isdir(_probe_path(log_root, nonce)))
         mine = [0, 0, 0] if checkpoint is None else \
             [1, checkpoint["iteration"], int(checksum([t for t in checkpoint["model"].values()]))]
-        rows = comm.all_gather(torch.tensor(mine + [seen], dtype=torch.int64).to(comm.device()), "resume").cpu()
+        rows = comm.all_gather(torch.tensor(mine + [seen], dtype=torch.int64).to(comm.device()), "resume").tolist()
     finally:
         if probe:
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(probe[0])
-    loads, blind = rows[:, :3].tolist(), [rank for rank, row in enumerate(rows.tolist()) if not row[3]]
+    loads, blind = [row[:3] for row in rows], [rank for rank, row in enumerate(rows) if not row[3]]
     if any(row != loads[0] for row in loads):
         groups: dict[tuple, list[int]] = {}
         for rank, row in enumerate(loads):

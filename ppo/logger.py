@@ -26,8 +26,8 @@ class RunLogger:
             self.writer.add_scalar(tag, value, step)
             if not math.isfinite(value) and tag not in self.warned:   # a curve that stops drawing, unexplained
                 self.warned.add(tag)
-                print(f"[syncppo] warning: {tag} is {value} at iteration {step} (written as is; said once per tag): "
-                      f"a NaN or inf in one rank's sum makes the mean over all ranks {value}", flush=True)
+                print(f"[syncppo] warning: {tag} is {value} at iteration {step} (written as is; said once per tag; "
+                      f"for a metric averaged over ranks, one rank's NaN or inf is enough)", flush=True)
         for value in episode_returns:
             self.writer.add_scalar("Episode/return", value, step)
         self.writer.flush()
