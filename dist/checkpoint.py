@@ -219,15 +219,26 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None) -> None:
     The same mistake on a fresh launch is harmless until the first restart or resume, so rank 0 leaves a probe
     at --log.root (its nearest existing directory) for every rank to look for: a run that torchrun may restart
     stops now, and any other run is told that only rank 0's node holds its checkpoints.
-    Crosses ranks once at start-up: a broadcast of rank 0's probe name (one int64) and an all-gather of 4 int64
-    per rank (loaded or not, iteration, checksum of the saved weights, probe seen); see `agree_plan_rows`.
+    Crosses ranks once at start-up: a broadcast of rank 0's probe name (one int64; -1 when it could not make one,
+    and every rank stops) and an all-gather of 4 int64 per rank (loaded or not, iteration, checksum of the saved
+    weights, probe seen); see `agree_plan_rows`.
     """
     if comm.world_size() == 1:
         return
-    probe = _make_probe(log_root) if torch.distributed.get_rank() == 0 and log_root is not None else None
+    probe, failed = None, None
+    if torch.distributed.get_rank() == 0 and log_root is not None:
+        try:
+            probe = _make_probe(log_root)
+        except UsageError as error:
+            failed = error   # raised after the broadcast below, which tells the other ranks to stop too
     try:
-        nonce = int(comm.broadcast(torch.tensor([probe[1] if probe else 0], dtype=torch.int64).to(comm.device()),
-                                   "resume", src=0).item())
+        nonce = int(comm.broadcast(torch.tensor([-1 if failed else probe[1] if probe else 0], dtype=torch.int64)
+                                   .to(comm.device()), "resume", src=0).item())
+        if failed:
+            raise failed
+        if nonce == -1:
+            raise UsageError(f"stopped at start-up: rank 0 could not create its probe directory in its --log.root "
+                             f"(rank 0's error says why)")
         seen = int(nonce == 0 or os.path.isdir(_probe_path(log_root, nonce)))
         mine = [0, 0, 0] if checkpoint is None else \
             [1, checkpoint["iteration"], int(checksum([t for t in checkpoint["model"].values()]))]

@@ -336,6 +336,11 @@ def test_a_log_root_that_some_ranks_do_not_share_stops_a_restartable_run_and_war
     dry = run_ranks(agree_body, 3, args=(fresh, (None, None, str(other)), 2))   # a dry run: no probe, no verdict
     assert [(said, ledger["resume"]) for said, ledger, _ in dry] == [("ok", [2, 40])] * 3
     assert sorted(os.listdir(shared)) == [] and sorted(os.listdir(other)) == []
+    (tmp_path / "file").write_text("")      # rank 0's --log.root lies under a file: it cannot make its probe
+    blocked = run_ranks(agree_body, 3, args=(fresh, (str(tmp_path / "file" / "runs"), split[1], split[2]), 0))
+    assert blocked[0][0].startswith(f"--log.root {str(tmp_path / 'file' / 'runs')!r}: cannot create"), blocked[0][0]
+    assert [said for said, _, _ in blocked[1:]] == ["stopped at start-up: rank 0 could not create its probe directory "
+                                                    "in its --log.root (rank 0's error says why)"] * 2
 
 
 def agree_in_a_second_run_body(rank, world_size):
