@@ -84,7 +84,8 @@ def _named(kind: str, purpose: str):
     except Exception as exc:  # noqa: BLE001 - every backend failure becomes the same named error
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CollectiveError(f"{kind} for {purpose!r} failed on rank {torch_dist.get_rank()}: a peer rank died or "
-                              f"stalled past --dist.timeout-s ({first_line})") from exc
+                              f"stalled past the process group's timeout (train.py: --dist.timeout-s) ({first_line})"
+                              ) from exc
 
 
 class _Work:
