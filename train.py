@@ -27,7 +27,7 @@ if __name__ == "__main__":    # Ctrl-C while torch and numpy import (~1.5 s): no
 import torch
 import tyro
 
-from configs import PRESETS, Config, resolve_num_envs, validate
+from configs import PRESETS, Config, resolve_num_envs, validate, validate_device
 from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, resolve_resume, resume_command,
                             shared_env_seed)
 from configs.typed_flags import env_label, env_reads, experiment_dir, typed_flags
@@ -84,7 +84,10 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         raise blame_checkpoint(exc, kept, resume_path) from None
     if cfg.rollout.ranks and cfg.dist.device == "auto":
         cfg.dist.device = "cpu"       # rollout ranks stage everything on the host over gloo (docs/rollout_ranks.md)
-    resolve_device(cfg.dist.device)
+    try:
+        validate_device(cfg, world, resolve_device(cfg.dist.device).type)
+    except UsageError as exc:
+        raise blame_checkpoint(exc, kept, resume_path) from None
     check_writable_root(cfg.log.root)
     done = checkpoint is not None and not check_resume_fits(checkpoint, cfg, resume_path, restarted)
     if checkpoint is not None and rank == 0 and not done:
@@ -273,9 +276,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
                 team_checkpoint(team_states, team.spec, roles)
             if is_main:
                 path = os.path.join(run_dir, f"model_{iteration + 1}.pt")
-                lr = float(optimizer.param_groups[0]["lr"])    # a device tensor with --ppo.capture-step
                 save_checkpoint(path, {**{k: v.state_dict() for k, v in stateful.items() if v is not None},
-                                       "iteration": iteration + 1, "learning_rate": lr,
+                                       "iteration": iteration + 1, "learning_rate": optimizer.param_groups[0]["lr"],
                                        "config": dataclasses.asdict(cfg), "rng": rngs, "env_seed": env_seed, **extra})
                 print(f"[syncppo] saved {path}", flush=True)
         if stop_signal and not last:

@@ -10,7 +10,8 @@
 #            (those networks with and without capture, then the preset's (128, 128) with capture)
 #   sync     weight sync with the weights on the GPU: the exactness tests (host and GPU snapshot), then the
 #            bench with the patch snapshot on the GPU (2 gloo ranks sharing it)
-#   train    the CUDA training path end to end (4096 envs; 16,384 envs bucketed; torchrun NCCL at 1 rank)
+#   train    the CUDA training path end to end (4096 envs; 16,384 envs bucketed; under torchrun at 1 rank, which
+#            makes no process group: NCCL between ranks needs 2 or more GPUs)
 #   tests    the fast tests with CUDA visible (CUDA env tensors, pinned-memory snapshots)
 #   grad     the gradient-sync bench on NCCL (one process per visible GPU)
 #
@@ -52,7 +53,7 @@ for part in $parts; do
     train)
         step train_cuda_4096 90 $py train.py tracking --env.num-envs 4096 --max-iterations 40 --log.print-every 5 $runs
         step train_cuda_16384_bucketed 60 $py train.py tracking --env.num-envs 16384 --max-iterations 10 --dist.grad-sync bucketed --log.print-every 2 $runs
-        step torchrun_nccl_1gpu 45 torchrun --standalone --nproc-per-node 1 train.py cartpole --max-iterations 20 --log.print-every 5 $runs ;;
+        step torchrun_1gpu 45 torchrun --standalone --nproc-per-node 1 train.py cartpole --max-iterations 20 --log.print-every 5 $runs ;;
     tests)
         step pytest_fast 150 $py -m pytest -q -m "not slow" tests -p no:cacheprovider --ignore=tests/test_env_gymnasium.py ;;
     grad)

@@ -323,6 +323,15 @@ def check_finite(cfg: Config) -> None:
 SIMULATOR_PACKAGES = {"gymnasium": ("gymnasium", "make setup-mujoco"), "isaaclab": ("isaaclab", "make setup-isaaclab")}
 
 
+def validate_device(cfg: Config, world_size: int, device_type: str) -> None:
+    """The checks that need the device (`device_type` "cpu" or "cuda"), which --dist.device auto leaves to the
+    machine: train.py runs them once it is resolved, still before anything is built."""
+    if cfg.ppo.capture_step and device_type == "cuda" and world_size > 1 and cfg.dist.backend == "gloo":
+        raise UsageError("--ppo.capture-step captures each minibatch step, its gradient all-reduce included, as a "
+                         "CUDA graph, and gloo's all-reduce of CUDA tensors (host copies on its own thread) cannot "
+                         "be captured; use --dist.backend nccl (auto picks it on GPUs) or drop --ppo.capture-step")
+
+
 def validate_simulator_env(cfg: Config) -> None:
     """Checks for the gymnasium and Isaac Lab adapters that need no simulator to be started."""
     if cfg.env.name not in SIMULATOR_PACKAGES:

@@ -7,7 +7,8 @@ device, so that a GPU never waits for the host inside the update and the whole s
 once as a CUDA graph and replayed (one launch instead of hundreds of small kernels):
 
 - adaptive LR: `device_adaptive_lr`, the rule of ppo/kl_schedule.py on a float64 0-dim tensor (the
-  same comparisons and factors in the same precision, so the same LR sequence bit for bit);
+  same comparisons and factors in the same precision, so the same LR sequence bit for bit; CUDA's fused
+  Adam takes its LR as float32, so there the steps use it rounded: see lr_tensor);
 - non-finite skip: fused Adam's `found_inf` input skips the update of parameters and moments and
   takes the step count back, exactly what the host path's `continue` does;
 - statistics: summed on the device in float64 in the host path's order, read once per update.
@@ -18,7 +19,6 @@ the same decision.
 """
 
 import warnings
-import weakref
 
 import torch
 
@@ -58,35 +58,34 @@ def backward_minibatch(model, batch: dict, grad_sync, cfg) -> tuple[torch.Tensor
 def build_optimizer(params, cfg, device: torch.device) -> torch.optim.Adam:
     """Adam as the update expects it: for the host path the multi-tensor (foreach) kernels, which compute
     what the per-parameter loop does, bit for bit, in fewer calls (CPU otherwise defaults to the loop); with
-    --ppo.capture-step fused, with the LR a device tensor (float64 on CPU, where the fused kernel reads it
-    as a double like a Python float; float32 on CUDA, the precision the CUDA kernel computes in either way).
-    On CUDA also `capturable`: Adam refuses to be captured in a CUDA graph without it (the fused kernel
-    computes the same either way)."""
+    --ppo.capture-step fused, which SyncFreeStep gives a device LR tensor (lr_tensor) for the steps it takes;
+    before and between updates the LR is a float, as in the host path. On CUDA also `capturable`: Adam
+    refuses to be captured in a CUDA graph without it (the fused kernel computes the same either way)."""
     if not cfg.capture_step:
         return torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.adam_eps, foreach=True)
-    return torch.optim.Adam(params, lr=lr_tensor(cfg.learning_rate, device), eps=cfg.adam_eps,
-                            fused=True, capturable=device.type == "cuda")
+    return torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.adam_eps, fused=True,
+                            capturable=device.type == "cuda")
 
 
 def lr_tensor(lr: float, device: torch.device) -> torch.Tensor:
-    """The LR as --ppo.capture-step's fused Adam reads it: float64 on CPU, float32 on CUDA (see build_optimizer)."""
+    """The LR as the fused Adam reads it from a tensor: float64 on CPU (read as a double, like a Python float);
+    float32 on CUDA, the only dtype its CUDA kernel takes, so there the LR it steps with is rounded to float32
+    (SyncFreeStep keeps the exact one in float64, which its rule, its statistics and checkpoints use)."""
     return torch.tensor(lr, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
 
 
 def saved_state_for(optimizer: torch.optim.Optimizer, saved: dict, settings: dict | None = None) -> dict:
     """A checkpoint's optimizer state_dict `saved`, made to load into `optimizer` as this run built it: the
-    saved LR, moments and step counts, with this optimizer's implementation (fused, capturable, foreach)
-    and kind of LR (a float, or a device tensor as --ppo.capture-step needs). `load_state_dict` alone would
-    bring back the saving run's implementation, so a checkpoint of the host path could not resume with
+    saved LR (as a float: earlier versions saved --ppo.capture-step's LR tensor), moments and step counts,
+    with this optimizer's implementation (fused, capturable, foreach). `load_state_dict` alone would bring
+    back the saving run's implementation, so a checkpoint of the host path could not resume with
     --ppo.capture-step (nor, on CUDA, the other way round). `settings` (e.g. {"eps": 1e-5}) replace the
     saved group values of the same names."""
     groups = []
     for built, group in zip(optimizer.param_groups, saved["param_groups"]):
         group = {**group, **{key: built[key] for key in ("fused", "capturable", "foreach") if key in built},
                  **(settings or {})}
-        lr = float(group["lr"])
-        group["lr"] = torch.tensor(lr, dtype=built["lr"].dtype, device=built["lr"].device) \
-            if isinstance(built["lr"], torch.Tensor) else lr
+        group["lr"] = float(group["lr"])
         groups.append(group)
     return {**saved, "param_groups": groups + saved["param_groups"][len(groups):]}   # a count mismatch still fails
 
@@ -104,20 +103,22 @@ class SyncFreeStep:
     """The minibatch step with every decision on the device; on CUDA captured once and replayed.
 
     Call `begin()` once per update, the step once per minibatch, `finish()` once at the end (the
-    update's single host read). The LR lives in `self.lr` (float64); an LR assigned to the optimizer
-    from outside (the linear schedule, a checkpoint load) is picked up by `begin()`.
+    update's single host read). During an update the LR lives in `self.lr` (float64, exact) and the
+    optimizer reads `self.opt_lr` (see lr_tensor); `finish()` hands it back to the param group as a float,
+    so that checkpoints save it exactly, and `begin()` takes up whatever float is there (ours, or one
+    assigned from outside: the linear schedule, a checkpoint load).
     """
 
     def __init__(self, model, optimizer, grad_sync, cfg):
         group = optimizer.param_groups[0]
         if len(optimizer.param_groups) != 1 or not group.get("fused"):
-            raise ValueError("--ppo.capture-step needs the fused Adam with a tensor LR that "
+            raise ValueError("--ppo.capture-step needs the fused Adam that "
                              "ppo.minibatch_step.build_optimizer(params, cfg, device) returns")
-        if not isinstance(group["lr"], torch.Tensor):   # assigned before this step existed (the linear schedule)
-            group["lr"] = lr_tensor(float(group["lr"]), group["params"][0].device)
         self.model, self.optimizer, self.grad_sync, self.cfg = model, optimizer, grad_sync, cfg
-        self.opt_lr = group["lr"]                       # the tensor the fused kernel reads (graph-stable)
-        self.lr = self.opt_lr.detach().double().clone()
+        device = group["params"][0].device
+        self.lr = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)
+        self.opt_lr = lr_tensor(float(group["lr"]), device)   # the tensor the fused kernel reads (graph-stable)
+        group["lr"] = self.opt_lr
         # surrogate, value, entropy, KL summed over taken steps; taken steps; skipped steps
         self.sums = torch.zeros(6, dtype=torch.float64, device=self.opt_lr.device)
         self.capture = self.opt_lr.device.type == "cuda"
@@ -125,7 +126,7 @@ class SyncFreeStep:
 
     def begin(self) -> None:
         group = self.optimizer.param_groups[0]
-        if group["lr"] is not self.opt_lr:              # assigned from outside: adopt it, keep our tensor
+        if group["lr"] is not self.opt_lr:              # a float (see the class docstring): adopt it, keep our tensor
             self.lr.fill_(float(group["lr"]))
             self.opt_lr.copy_(self.lr)
             group["lr"] = self.opt_lr
@@ -134,6 +135,9 @@ class SyncFreeStep:
     def __call__(self, batch: dict) -> None:
         if self.graph is not None:
             for key, value in batch.items():
+                if value.shape != self.static[key].shape:   # copy_ would broadcast a smaller batch unnoticed
+                    raise ValueError(f"--ppo.capture-step: minibatch field {key!r} has shape {tuple(value.shape)}, "
+                                     f"the captured step {tuple(self.static[key].shape)}")
                 self.static[key].copy_(value)
             self.graph.replay()
             for purpose, (calls, nbytes) in self.ledger_per_replay.items():   # the replayed collectives
@@ -184,18 +188,18 @@ class SyncFreeStep:
         self.sums[5] += (~finite).double()
 
     def finish(self) -> dict[str, float]:
-        """The update's statistics, as the host path reports them; the one host read of the update."""
+        """The update's statistics, as the host path reports them; the one host read of the update. The param
+        group gets the exact LR back as a float (see the class docstring)."""
         *sums, taken, skipped, lr = torch.cat([self.sums, self.lr.reshape(1)]).tolist()
+        self.optimizer.param_groups[0]["lr"] = lr
         stats = {k: v / max(taken, 1) for k, v in zip(("surrogate", "value_function", "entropy", "kl"), sums)}
         stats.update(learning_rate=lr, skipped_steps=skipped)
         return stats
 
 
-_STEPS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, SyncFreeStep]" = weakref.WeakKeyDictionary()
-
-
 def sync_free_step(model, optimizer, grad_sync, cfg) -> SyncFreeStep:
-    """The optimizer's SyncFreeStep, created on first use and kept (with its CUDA graph) across updates."""
-    if optimizer not in _STEPS:
-        _STEPS[optimizer] = SyncFreeStep(model, optimizer, grad_sync, cfg)
-    return _STEPS[optimizer]
+    """The optimizer's SyncFreeStep, created on first use and kept on the optimizer (with its CUDA graph) across
+    updates: it lives as long as the optimizer does."""
+    if not hasattr(optimizer, "sync_free_step"):
+        optimizer.sync_free_step = SyncFreeStep(model, optimizer, grad_sync, cfg)
+    return optimizer.sync_free_step

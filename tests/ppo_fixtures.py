@@ -29,15 +29,17 @@ def fill(storage: RolloutStorage, rank: int, model: ActorCritic, env_offset: int
     envs = slice(env_offset, env_offset + N)
     actor_obs = torch.randn(T, N, OBS["policy"], generator=g)
     critic_obs = torch.randn(T, N, OBS["critic"], generator=g) * 2 + rank
-    with torch.no_grad():
+    with torch.no_grad():   # computed where the model is (the host), then written into the storage's device
         pi = model.distribution(actor_obs)
+        actions = pi.mean + pi.stddev * torch.randn(T, N, A, generator=g)
+        values = model.value(critic_obs)
         storage.actor_obs[:, envs], storage.critic_obs[:, envs] = actor_obs, critic_obs
-        storage.actions[:, envs] = pi.mean + pi.stddev * torch.randn(T, N, A, generator=g)
+        storage.actions[:, envs] = actions
         storage.action_mean[:, envs], storage.action_std[:, envs] = pi.mean, pi.stddev
-        storage.log_probs[:, envs] = pi.log_prob(storage.actions[:, envs]).sum(-1)
-        storage.values[:, envs] = model.value(critic_obs)
+        storage.log_probs[:, envs] = pi.log_prob(actions).sum(-1)
+        storage.values[:, envs] = values
     storage.advantages[:, envs] = torch.randn(T, N, generator=g) + rank
-    storage.returns[:, envs] = storage.values[:, envs] + torch.randn(T, N, generator=g)
+    storage.returns[:, envs] = values + torch.randn(T, N, generator=g)
 
 
 class ConcatStorage(RolloutStorage):

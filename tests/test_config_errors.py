@@ -248,6 +248,28 @@ def test_rollout_ranks_on_a_cuda_device_are_refused_naming_the_flag():
     validate(cfg, world_size=2)
 
 
+def test_capture_step_with_gloo_on_cuda_devices_is_refused_once_the_device_is_known(monkeypatch, tmp_path):
+    """gloo's all-reduce of CUDA tensors copies through the host on its own thread, which a CUDA graph cannot
+    capture: such a run failed at its first capture, after a rollout. train.main refuses it before building."""
+    from configs import validate_device
+    cfg = cfg_with(ppo__capture_step=True, dist__backend="gloo")
+    message = r"^--ppo.capture-step captures .* use --dist.backend nccl \(auto picks it on GPUs\) or drop"
+    with pytest.raises(UsageError, match=message):
+        validate_device(cfg, 2, "cuda")
+    for world, device, backend in ((1, "cuda", "gloo"), (2, "cpu", "gloo"), (2, "cuda", "nccl"), (2, "cuda", "auto")):
+        cfg.dist.backend = backend           # one rank (no all-reduce), the host path the tests use, NCCL
+        validate_device(cfg, world, device)
+    cfg.dist.backend, cfg.ppo.capture_step = "gloo", False
+    validate_device(cfg, 2, "cuda")          # the host path's all-reduce over gloo is not captured
+    cfg.ppo.capture_step, cfg.log.root = True, str(tmp_path)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(train, "resolve_device", lambda device: torch.device("cuda:0"))   # as on a GPU machine
+    with pytest.raises(UsageError, match=message):
+        train.main(cfg)
+    assert os.listdir(tmp_path) == []        # refused before anything was written
+
+
 @pytest.mark.parametrize("field", ["actor_obs", "critic_obs", "rewards", "bootstrap"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_check_finite_finds_every_kind_of_non_finite_value_in_every_field(field, value):

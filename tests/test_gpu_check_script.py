@@ -33,7 +33,7 @@ def steps() -> list[tuple[str, list[str]]]:
 def test_the_script_has_the_steps_its_header_names():
     names = [name for name, _ in steps()]
     assert {"capture_tests", "bench_train_host", "bench_train_capture", "train_16384_capture", "sync_tests_cuda",
-            "bench_sync_cuda", "torchrun_nccl_1gpu", "pytest_fast", "bench_grad_cuda"} <= set(names)
+            "bench_sync_cuda", "torchrun_1gpu", "pytest_fast", "bench_grad_cuda"} <= set(names)
 
 
 def run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:

@@ -2,17 +2,20 @@
 
 On CPU (the default) the step runs eagerly. On a GPU, `SYNCPPO_TEST_DEVICE=cuda pytest
 tests/test_minibatch_step.py` runs the same tests on CUDA, where the step is captured as a CUDA graph
-after its warm-up steps and replayed (bench/gpu_check.sh does this).
+after its warm-up steps and replayed (bench/gpu_check.sh does this). CUDA's fused Adam reads a tensor LR
+as float32 (ppo.minibatch_step.lr_tensor), so there the host path's steps take the LR rounded the same way.
 """
 
 import math
 import os
+from unittest import mock
 
 import pytest
 import torch
 
 from dist.grad_sync import GradSync
 from ppo.kl_schedule import adaptive_lr
+from ppo import minibatch_step
 from ppo.minibatch_step import SyncFreeStep, build_optimizer, device_adaptive_lr, saved_state_for
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update
@@ -36,15 +39,24 @@ def test_device_lr_rule_gives_the_host_rule_bit_for_bit():
 
 
 def run_update(capture: bool, poison_minibatch: int | None = None, iterations: int = 2, linear: bool = False,
-               **overrides):
+               lr_dtype: torch.dtype = LR_DTYPE, **overrides):
+    """`iterations` updates of the host path (capture False) or the sync-free step on the same data, both with the
+    fused Adam. The host path's steps take the LR rounded to `lr_dtype`, as the sync-free step's tensor holds it."""
     model = make_model()
     storage = RolloutStorage(T, N, OBS, A, DEVICE)
     fill(storage, 0, model)
     model.to(DEVICE)
     cfg = ppo_cfg(capture_step=capture, **overrides)
-    optimizer = build_optimizer(model.parameters(), ppo_cfg(capture_step=True), DEVICE)  # both fused
-    if not capture:    # the host path with the same fused kernel and a float LR
-        optimizer.param_groups[0]["lr"] = float(optimizer.param_groups[0]["lr"])
+    optimizer = build_optimizer(model.parameters(), ppo_cfg(capture_step=True), DEVICE)  # both fused, a float LR
+    if not capture and lr_dtype != torch.float64:
+        step = optimizer.step
+
+        def rounded_step():       # the exact LR stays in the param group for the host path's rule
+            group = optimizer.param_groups[0]
+            exact, group["lr"] = group["lr"], torch.tensor(group["lr"], dtype=lr_dtype).item()
+            step()
+            group["lr"] = exact
+        optimizer.step = rounded_step
     sync = GradSync(model.parameters(), num_extras=2)
     if poison_minibatch is not None:   # a NaN loss on one minibatch: its step must be skipped
         calls = {"n": 0}
@@ -90,6 +102,21 @@ def test_linear_schedule_assigning_the_lr_before_the_first_update_equals_the_hos
     assert [s["learning_rate"] for s in dev_stats] == [1e-3 * (1.0 - (it + 1) / 4) for it in range(3)]   # not 1e-3
 
 
+def test_a_float32_lr_tensor_rounds_only_the_steps_not_the_lr_of_the_rule_statistics_and_checkpoints(monkeypatch):
+    """CUDA's fused Adam reads its LR tensor as float32 (simulated here on the host, whose fused kernel takes one
+    too). The sync-free step seeded its float64 LR from that tensor, so the LR sequence it reported, and the LR a
+    checkpoint saved, started from 0.0010000000474974513 instead of 1e-3: it now keeps the exact LR beside it."""
+    monkeypatch.setattr(minibatch_step, "lr_tensor",
+                        lambda lr, device: torch.tensor(lr, dtype=torch.float32, device=device))
+    host_model, host_opt, host_stats = run_update(False, lr_dtype=torch.float32)
+    dev_model, dev_opt, dev_stats = run_update(True)
+    for p, q in zip(host_model.parameters(), dev_model.parameters()):
+        assert torch.equal(p, q)
+    assert dev_stats == host_stats           # the LR sequence included: the host path's rule on Python floats
+    assert dev_opt.param_groups[0]["lr"] == host_opt.param_groups[0]["lr"] == dev_stats[-1]["learning_rate"]
+    assert isinstance(dev_opt.param_groups[0]["lr"], float)
+
+
 def test_non_finite_step_is_skipped_exactly_as_on_the_host():
     host_model, host_opt, host_stats = run_update(False, poison_minibatch=3)
     dev_model, dev_opt, dev_stats = run_update(True, poison_minibatch=3)
@@ -117,8 +144,7 @@ def test_an_infinite_kl_leaves_the_adaptive_lr_unchanged(capture):
     stats = ppo_update(model, optimizer, storage, GradSync(model.parameters(), num_extras=2), cfg,
                        generator=torch.Generator().manual_seed(0))
     assert stats["kl"] == math.inf and stats["skipped_steps"] == 0.0
-    assert stats["learning_rate"] == cfg.learning_rate
-    assert float(optimizer.param_groups[0]["lr"]) == float(torch.tensor(cfg.learning_rate, dtype=LR_DTYPE))
+    assert stats["learning_rate"] == optimizer.param_groups[0]["lr"] == cfg.learning_rate   # a float, exact
 
 
 def test_fused_adam_found_inf_leaves_parameters_and_state_untouched():
@@ -169,6 +195,7 @@ def test_a_checkpoint_of_either_path_resumes_in_the_other(saved_with_capture):
         return model, opt
 
     _, saving = stepped(saved_with_capture)
+    # A checkpoint of an earlier version of the capture path held its LR as a tensor; every one now holds a float.
     saving.param_groups[0]["lr"] = (torch.tensor(2.5e-4, dtype=LR_DTYPE, device=DEVICE) if saved_with_capture
                                     else 2.5e-4)
     saved = saving.state_dict()
@@ -178,8 +205,7 @@ def test_a_checkpoint_of_either_path_resumes_in_the_other(saved_with_capture):
     group = resuming.param_groups[0]
     for key in ("fused", "capturable", "foreach"):
         assert group[key] == built[key], key
-    assert isinstance(group["lr"], torch.Tensor) == (not saved_with_capture)
-    assert float(group["lr"]) == float(torch.tensor(2.5e-4, dtype=LR_DTYPE))   # the saved LR (in LR_DTYPE once)
+    assert group["lr"] == float(saving.param_groups[0]["lr"]) and isinstance(group["lr"], float)   # the saved LR
     for p, q in zip(saving.state.values(), resuming.state.values()):
         assert torch.equal(p["exp_avg"].cpu(), q["exp_avg"].cpu()) and float(p["step"]) == float(q["step"]) == 1.0
     for p in model.parameters():

@@ -10,7 +10,7 @@ import torch
 from multirank import run_ranks
 from sync import BucketConfig, WeightSyncConfig, make_weight_syncer
 from sync.wire import plan_buckets
-from test_sync_common import bits_equal, cast_floats, make_state, on_device, random_update_via_host, snapshot
+from test_sync_common import bits_equal, cast_floats, converted, make_state, on_device, random_update_via_host, snapshot
 
 # Bytes of make_state's tensors in fp32: scale, enc.bias, enc.weight, conv.weight, dec.weight, steps, mask.
 FP32_BYTES = [4, 37 * 4, 300 * 70 * 4, 4 * 3 * 25 * 4, 1000 * 2 * 4, 10 * 8, 6]
@@ -70,7 +70,7 @@ def test_bucket_dtype_converts_floats_only():
     settings = [{"bucket_size": 50_000, "bucket_dtype": "bfloat16"}]
     ((history, stats),), (received,) = run_ranks(_bucket_updates, 2, args=(settings, torch.float32))
     for step in range(3):
-        assert bits_equal(received[step], cast_floats(cast_floats(history[step], torch.bfloat16), torch.float32))
+        assert bits_equal(received[step], converted(history[step], torch.bfloat16, torch.float32))
     bf16_bytes = sum(n // 2 for n in FP32_BYTES[:5]) + sum(FP32_BYTES[5:])  # 46762 bytes: one bucket
     assert stats == [(64 + 8 + 7 * 40 + bf16_bytes, bf16_bytes)] * 3
 
@@ -81,6 +81,6 @@ def test_bucket_to_a_bf16_receiver_sends_its_dtype():
     settings = [{"bucket_size": 50_000}]
     ((history, stats),), (received,) = run_ranks(_bucket_updates, 2, args=(settings, torch.bfloat16))
     for step in range(3):
-        assert bits_equal(received[step], cast_floats(history[step], torch.bfloat16))
+        assert bits_equal(received[step], converted(history[step], torch.bfloat16))
     bf16_bytes = sum(n // 2 for n in FP32_BYTES[:5]) + sum(FP32_BYTES[5:])
     assert stats == [(64 + 8 + 7 * 40 + bf16_bytes, bf16_bytes)] * 3

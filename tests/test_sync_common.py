@@ -59,6 +59,15 @@ def random_update_via_host(state: dict, host: dict, g: torch.Generator, density:
         state[key].copy_(value)
 
 
+def converted(state: dict, *dtypes) -> dict:
+    """A host copy of `state` with its floats converted to each of `dtypes` in turn on DEVICE, where the sender
+    converts them (a float32 NaN becomes a bf16 NaN of other bits on a GPU than on the host)."""
+    state = on_device(state)
+    for dtype in dtypes:
+        state = cast_floats(state, dtype)
+    return snapshot(state)
+
+
 def bits_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         a[k].dtype == b[k].dtype and torch.equal(as_bits(a[k].contiguous()), as_bits(b[k].contiguous())) for k in a)
