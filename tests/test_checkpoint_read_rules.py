@@ -1,0 +1,101 @@
+"""dist/checkpoint_read.py at its edges: the boundary values a healthy run saves load (iteration 0, seed 2**32 - 1,
+an all-zero exp_avg_sq, an empty float tensor), the first value past each bound is refused by name, a nan inside
+a tuple (Adam's betas) is found, and a truncated file, a directory and a non-archive each get their own words."""
+
+import math
+
+import pytest
+import torch
+
+from dist.checkpoint import save_checkpoint
+from dist.checkpoint_read import load_checkpoint
+from dist.errors import UsageError
+
+
+def _state(**changes) -> dict:
+    """The smallest dict load_checkpoint accepts, one Adam parameter group with one parameter."""
+    state = {"model": {"w": torch.tensor([0.5, -1.0])},
+             "optimizer": {"param_groups": [{"params": [0], "lr": 1e-3, "betas": (0.9, 0.999)}],
+                           "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.tensor([0.1, -0.2]),
+                                         "exp_avg_sq": torch.tensor([0.01, 0.04])}}},
+             "iteration": 2, "learning_rate": 1e-3, "env": {}, "config": {"env": {"name": "cartpole"}, "seed": 1},
+             "rng": [{"torch": torch.get_rng_state()}], "layout": [1, 0]}
+    state.update(changes)
+    return state
+
+
+def _saved(tmp_path, state) -> str:
+    path = str(tmp_path / "model_2.pt")
+    save_checkpoint(path, state)
+    return path
+
+
+def _with_group(**group):
+    state = _state()
+    state["optimizer"]["param_groups"][0].update(group)
+    return state
+
+
+def _with_moments(**moments):
+    state = _state()
+    state["optimizer"]["state"][0].update(moments)
+    return state
+
+
+@pytest.mark.parametrize("state", [
+    _state(iteration=0),                                         # saved before the first update: "an integer >= 0"
+    _state(config={"env": {"name": "cartpole"}, "seed": 2**32 - 1}),      # the largest --seed
+    _state(env_seed=2**32 - 1),
+    _with_moments(exp_avg_sq=torch.zeros(2)),                   # a parameter that never had a gradient: 0 is a square
+    _state(model={"w": torch.tensor([0.5]), "empty": torch.zeros(0)}),     # a 0-element float tensor has no extremes
+    _with_group(lr=torch.tensor(1e-3)),                          # --ppo.capture-step: a one-element tensor
+], ids=["iteration-0", "seed-2**32-1", "env_seed-2**32-1", "zero-exp_avg_sq", "empty-tensor", "tensor-lr"])
+def test_values_a_healthy_run_saves_at_their_bounds_load(tmp_path, state):
+    loaded = load_checkpoint(_saved(tmp_path, state))
+    assert loaded["iteration"] == state["iteration"]
+
+
+@pytest.mark.parametrize("state, what", [
+    (_state(config={"env": {"name": "cartpole"}, "seed": 2**32}),
+     "is damaged (its config's seed is 4294967296, not an integer in [0, 2**32)); resume from another checkpoint"),
+    (_state(env_seed=2**32), "is damaged (its env_seed is 4294967296, not an integer in [0, 2**32)); resume from "
+                             "another checkpoint"),
+    (_state(iteration=-1), "is damaged (its iteration is -1, not an integer >= 0); resume from another checkpoint"),
+    (_with_group(lr=torch.tensor([1e-3, 1e-3])),
+     "is damaged (its optimizer param group 0 has lr tensor([0.0010, 0.0010]), not a number); resume from another "
+     "checkpoint"),
+    (_with_group(betas=(math.nan, 0.999)), "has nan in its optimizer['param_groups'][0]['betas'][0]: the file is "
+                                           "damaged or its run diverged; resume from an earlier model_<k>.pt"),
+    (_with_group(betas=(0.9, math.inf)), "has inf in its optimizer['param_groups'][0]['betas'][1]: the file is "
+                                         "damaged or its run diverged; resume from an earlier model_<k>.pt"),
+    (_with_moments(exp_avg_sq=torch.tensor([0.0, -1e-8])),
+     "has a negative value (-1e-08) in its optimizer['state'][0]['exp_avg_sq'], a mean of squares: the file is "
+     "damaged or its run diverged; resume from an earlier model_<k>.pt"),
+], ids=["seed-2**32", "env_seed-2**32", "iteration--1", "two-element-lr", "nan-beta", "inf-beta", "negative-square"])
+def test_the_first_value_past_each_bound_is_refused_naming_it(tmp_path, state, what):
+    path = _saved(tmp_path, state)
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == f"--resume {path!r} {what}"
+
+
+def test_a_truncated_checkpoint_a_directory_and_a_non_archive_each_say_what_they_are(tmp_path):
+    path = _saved(tmp_path, _state())
+    data = open(path, "rb").read()
+    assert data[:4] == b"PK\x03\x04"                           # a zip archive starts with a local file header
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(data[:len(data) // 2])                     # the archive's closing directory is gone
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(str(cut))
+    assert str(exc.value) == f"--resume {str(cut)!r} is a truncated or damaged checkpoint (its zip archive does not " \
+                             "end); use another one"
+    text = tmp_path / "notes.pt"
+    text.write_text("hello")
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(str(text))
+    assert str(exc.value) == f"--resume {str(text)!r} is not a torch checkpoint (torch.save writes a zip archive; " \
+                             "this file is not one)"
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(str(tmp_path))
+    assert str(exc.value) == f"--resume {str(tmp_path)!r} is a directory; pass a model_<iteration>.pt file inside " \
+                             "it, or auto"
