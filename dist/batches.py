@@ -85,14 +85,12 @@ def setup_plan_row(sizes: list[int], collective: str) -> PlanRow:
 
 
 @contextlib.contextmanager
-def naming(peers, role: str = "rollout"):
-    """A failed message names the peer rank(s) (one died or stalled), not only the purpose."""
+def naming(peer: int, role: str = "rollout"):
+    """A failed message names the peer rank (it died or stalled), not only the purpose."""
     try:
         yield
     except comm.CollectiveError as exc:
-        who = f"{role} rank {peers}" if isinstance(peers, int) else \
-            f"{role} rank {peers[0]}" if len(peers) == 1 else f"one of {role} ranks {peers}"
-        raise comm.CollectiveError(f"{who} died or stalled: {exc}") from exc
+        raise comm.CollectiveError(f"{role} rank {peer} died or stalled: {exc}") from exc
 
 
 class BatchSender:

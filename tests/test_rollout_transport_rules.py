@@ -79,12 +79,10 @@ def test_batches_of_two_rollout_ranks_join_into_the_batch_of_all_their_envs():
 
 # ----- naming: a failed message names the peer ----------------------------------------------------------------
 
-@pytest.mark.parametrize("peers, role, who", [(3, "learner", "learner rank 3"), (2, "rollout", "rollout rank 2"),
-                                              ([4], "rollout", "rollout rank 4"),
-                                              ([4, 5], "rollout", "one of rollout ranks [4, 5]")])
-def test_a_failed_message_names_the_peer_and_its_role(peers, role, who):
+@pytest.mark.parametrize("peer, role, who", [(3, "learner", "learner rank 3"), (2, "rollout", "rollout rank 2")])
+def test_a_failed_message_names_the_peer_and_its_role(peer, role, who):
     with pytest.raises(comm.CollectiveError) as exc:
-        with naming(peers, role):
+        with naming(peer, role):
             raise comm.CollectiveError("batches: recv timed out")
     assert str(exc.value) == f"{who} died or stalled: batches: recv timed out"
 
