@@ -237,8 +237,8 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None) -> None:
         if failed:
             raise failed
         if nonce == -1:
-            raise UsageError(f"stopped at start-up: rank 0 could not create its probe directory in its --log.root "
-                             f"(rank 0's error says why)")
+            raise UsageError("stopped at start-up: rank 0 could not create its probe directory in its --log.root "
+                             "(rank 0's error says why)")
         seen = int(nonce == 0 or os.path.isdir(_probe_path(log_root, nonce)))
         mine = [0, 0, 0] if checkpoint is None else \
             [1, checkpoint["iteration"], int(checksum([t for t in checkpoint["model"].values()]))]

@@ -120,8 +120,8 @@ class SyncFreeStep:
         self.opt_lr = lr_tensor(float(group["lr"]), device)   # the tensor the fused kernel reads (graph-stable)
         group["lr"] = self.opt_lr
         # surrogate, value, entropy, KL summed over taken steps; taken steps; skipped steps
-        self.sums = torch.zeros(6, dtype=torch.float64, device=self.opt_lr.device)
-        self.capture = self.opt_lr.device.type == "cuda"
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+        self.capture = device.type == "cuda"
         self.graph, self.static, self.ledger_per_replay, self.eager_steps = None, None, {}, 0
 
     def begin(self) -> None:
