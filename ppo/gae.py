@@ -38,4 +38,5 @@ def bootstrap_time_outs(reward: torch.Tensor, truncated: torch.Tensor, final_cri
     ids = truncated.nonzero().squeeze(-1)
     if ids.numel() == 0:
         return reward
-    return reward.index_add(0, ids, gamma * value_fn(final_critic_obs.index_select(0, ids)))
+    # a bfloat16 policy copy (--rollout.dtype) returns bfloat16 values: index_add, unlike +, does not promote
+    return reward.index_add(0, ids, gamma * value_fn(final_critic_obs.index_select(0, ids)).to(reward.dtype))

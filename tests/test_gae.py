@@ -49,3 +49,15 @@ def test_time_out_bootstrap_on_timed_out_rows_equals_the_masked_full_forward():
     torch.testing.assert_close(subset, full, rtol=0, atol=1e-6)
     assert torch.equal(subset[~truncated], reward[~truncated]) and not torch.equal(subset, reward)
     assert torch.equal(none, reward)
+
+
+def test_time_out_bootstrap_of_a_bfloat16_critic_adds_in_the_rewards_float32():
+    # A rollout rank's bfloat16 policy copy (--rollout.dtype bfloat16) gives bfloat16 values; the CPU path's
+    # index_add refused them ("self (Float) and source (BFloat16)") at the first time-out.
+    from ppo.gae import bootstrap_time_outs
+    reward = torch.tensor([1.0, 2.0, 3.0])
+    truncated = torch.tensor([False, True, False])
+    value = lambda obs: obs.sum(-1).to(torch.bfloat16)  # noqa: E731
+    final_obs = torch.tensor([[9.0], [4.0], [9.0]])
+    out = bootstrap_time_outs(reward, truncated, final_obs, value, 0.5)
+    assert out.dtype == torch.float32 and out.tolist() == [1.0, 4.0, 3.0]    # 2 + 0.5 x 4
