@@ -77,8 +77,9 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     changed, kept = [], []            # from the command line a resumed run continues its own settings
     if checkpoint is not None and typed is not None:
         changed, kept = continue_saved_config(cfg, checkpoint["config"], typed)
-    envs_scope, env_seed = resolve_num_envs(cfg, world), shared_env_seed(cfg, checkpoint)
-    try:
+    env_seed = shared_env_seed(cfg, checkpoint)
+    try:              # the split, too, of an --env.global-num-envs a resume took from its checkpoint: blamed on it
+        envs_scope = resolve_num_envs(cfg, world)
         validate(cfg, world, typed or frozenset())   # typed: command-line flags, refused where they have no effect
     except UsageError as exc:
         raise blame_checkpoint(exc, kept, resume_path) from None

@@ -254,3 +254,15 @@ def test_a_refused_setting_taken_from_the_checkpoint_says_it_came_from_there(tra
         train.main(cfg_with(resume=path, dry_run=True, log__root=root, ppo__num_epochs=0),
                    typed_flags([*argv, "--ppo.num-epochs", "0"]))
     assert str(exc.value) == "--ppo.num-epochs must be positive, got 0"
+
+
+def test_a_refused_env_split_taken_from_the_checkpoint_says_it_came_from_there(trained, tmp_path):
+    """A run saved with --env.global-num-envs, resumed with rollout ranks: the split it refuses was not typed."""
+    path = damaged(trained, tmp_path, lambda state: state["config"]["env"].update(global_num_envs=16))
+    root = str(tmp_path / "runs")
+    argv = ["tracking", "--resume", path, "--dry-run", "--rollout.ranks", "1", "--log.root", root]
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg_with(resume=path, dry_run=True, log__root=root, rollout__ranks=1), typed_flags(argv))
+    assert str(exc.value) == ("--env.global-num-envs with --rollout.ranks: give --env.num-envs per rollout rank "
+                              f"instead (the value of the checkpoint's run, {path!r}: pass --env.global-num-envs to "
+                              f"change it)")
