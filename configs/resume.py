@@ -68,7 +68,8 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
     if name is not None and name != cfg.env.name:      # every other env setting would be the wrong env's
         refuse_other_env(cfg.env.name, name)
     changed, kept = [], []
-    env_count_typed = bool({"--env.num-envs", "--env.global-num-envs"} & typed)   # one setting in two fields
+    # one setting in two fields; a typed --env.global-num-envs 0 sets no count (the per-rank one continues)
+    env_count_typed = "--env.num-envs" in typed or ("--env.global-num-envs" in typed and cfg.env.global_num_envs != 0)
     for flag, owner, field, path in settings(cfg):
         section = saved if len(path) == 1 else saved.get(path[0], {})
         if flag in LAUNCH or path[0] in LAUNCH_SECTIONS or \

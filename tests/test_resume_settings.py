@@ -202,3 +202,14 @@ def test_the_resume_command_is_this_run_s_own_with_its_directory():
     argv = ["cartpole", "--resume", "auto", "--seed", "3", "--resume=x.pt", "--log.root", "my runs"]
     assert resume_command(argv, "/r/cartpole/2026") == \
         "train.py cartpole --seed 3 --log.root 'my runs' --resume /r/cartpole/2026"
+
+
+def test_a_typed_global_env_count_of_0_continues_the_checkpoints_per_rank_count():
+    """`--env.global-num-envs 0` (what a refused global split of the checkpoint's run asks for) turns the split off;
+    the per-rank count it leaves to --env.num-envs is the checkpoint run's, not the preset's, which no resume fits."""
+    cfg = cfg_with(env__num_envs=512, env__global_num_envs=0)
+    changed, kept = continue_saved_config(cfg, {"env": {"num_envs": 16, "global_num_envs": 32}},
+                                          frozenset({"--env.global-num-envs"}))
+    assert (cfg.env.num_envs, cfg.env.global_num_envs) == (16, 0)
+    assert "--env.global-num-envs 0 (the checkpoint's run: --env.global-num-envs 32)" in changed
+    assert "--env.num-envs 16" in kept
