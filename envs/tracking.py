@@ -116,8 +116,9 @@ class Tracking:
 
     def reset(self):
         self._reset_envs(torch.ones(self.num_envs, dtype=torch.bool, device=self.device))
-        # Spread episode ends over the time limit so rollouts do not see every env time out at once.
-        self.episode_length = torch.randint(0, self.max_episode_length // 2, (self.num_envs,),
+        # Spread episode ends over the time limit so rollouts do not see every env time out at once (over [0, 1)
+        # for a one-step limit, --env.episode-length-s 0.02, where max // 2 is 0 and randint refuses the range).
+        self.episode_length = torch.randint(0, max(self.max_episode_length // 2, 1), (self.num_envs,),
                                             generator=self.generator, device=self.device)
         return self._observe(), {"log": {}}
 

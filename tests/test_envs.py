@@ -52,6 +52,16 @@ def test_cartpole_time_out_at_the_limit():
     assert truncated.all() and not terminated.any()
 
 
+def test_tracking_with_a_one_step_time_limit_times_out_every_step():
+    # --env.episode-length-s 0.02 is one control step, which validate accepts: the reset's spread of episode
+    # starts over [0, limit // 2) was an empty range there, and randint refused it.
+    env = Tracking(4, "cpu", 0, base_seed=0, num_motions=2, episode_length_s=0.02)
+    env.reset()
+    for _ in range(3):
+        _, _, terminated, truncated, _ = env.step(torch.zeros(4, env.num_actions))
+        assert (terminated | truncated).all()
+
+
 def test_chain_dynamics_hold_a_gravity_compensated_pose_and_conserve_energy():
     env = Tracking(2, "cpu", 0, base_seed=0)
     pose = torch.tensor([0.3, -0.2, 0.1, 0.4, -0.3, 0.2]).repeat(2, 1)
