@@ -38,5 +38,6 @@ def bootstrap_time_outs(reward: torch.Tensor, truncated: torch.Tensor, final_cri
     ids = truncated.nonzero().squeeze(-1)
     if ids.numel() == 0:
         return reward
-    # a bfloat16 policy copy (--rollout.dtype) returns bfloat16 values: index_add, unlike +, does not promote
+    # A bfloat16 policy copy (--rollout.dtype) gives bfloat16 values: index_add does not promote them as + does,
+    # and gamma multiplies them in the rewards' dtype, as in the masked sum above.
     return reward.index_add(0, ids, gamma * value_fn(final_critic_obs.index_select(0, ids)).to(reward.dtype))

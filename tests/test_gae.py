@@ -59,5 +59,7 @@ def test_time_out_bootstrap_of_a_bfloat16_critic_adds_in_the_rewards_float32():
     truncated = torch.tensor([False, True, False])
     value = lambda obs: obs.sum(-1).to(torch.bfloat16)  # noqa: E731
     final_obs = torch.tensor([[9.0], [4.0], [9.0]])
-    out = bootstrap_time_outs(reward, truncated, final_obs, value, 0.5)
-    assert out.dtype == torch.float32 and out.tolist() == [1.0, 4.0, 3.0]    # 2 + 0.5 x 4
+    out = bootstrap_time_outs(reward, truncated, final_obs, value, 0.99)
+    # gamma times the value in float32, as an accelerator's masked sum does (in bfloat16, 0.99 x 4 is 3.953125)
+    expected = np.float32(2.0) + np.float32(0.99) * np.float32(4.0)
+    assert out.dtype == torch.float32 and out.tolist() == [1.0, float(expected), 3.0]
