@@ -78,7 +78,9 @@ def test_two_learners_with_two_rollout_ranks_match_two_colocated_ranks(tmp_path)
 
 @pytest.mark.slow
 def test_async_mode_trains_within_its_staleness_bound(tmp_path):
-    cfg = small(tmp_path, iterations=6, ranks=1, mode="async", sync="bucket", max_staleness=2)
+    # a bfloat16 copy, and envs that time out every 5 steps: its critic's values bootstrap the time-outs
+    cfg = small(tmp_path, iterations=6, ranks=1, mode="async", sync="bucket", max_staleness=2, dtype="bfloat16")
+    cfg.env.episode_length_s = 0.1
     results = run_ranks(body, 2, args=(cfg, 6))
     learner, scalars = learner_state(results)
     assert 1 <= scalars["Perf/policy_lag"] <= 2            # collected while the learner updated
