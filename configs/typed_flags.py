@@ -64,8 +64,8 @@ def requirement(cfg, flag: str) -> str | None:
         return f"--rollout.mode async (the run uses {cfg.rollout.mode})"
     if flag in ("--log.root", "--log.experiment") and cfg.resume != "auto" and os.path.isdir(cfg.resume) \
             and not in_experiment_dir(cfg):
-        return (f"--resume auto, a checkpoint file, or a run directory under --log.root/--log.experiment (the run "
-                f"continues in place in {cfg.resume!r})")
+        return (f"--resume auto, a checkpoint file, or a run directory under --log.root/--log.experiment (here "
+                f"{experiment_dir(cfg)!r}; the run continues in place in {cfg.resume!r})")
     return None
 
 

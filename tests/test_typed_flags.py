@@ -2,6 +2,7 @@
 the same value set by a preset, or the flag where it applies, is accepted."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -145,13 +146,15 @@ def test_log_flags_that_do_not_hold_the_resumed_run_directory_are_refused(tmp_pa
     run_dir = tmp_path / "runs" / "tracking" / "2026-12-01_09-00-00"
     run_dir.mkdir(parents=True)
     (run_dir / "model_3.pt").write_bytes(b"")
-    for changes, flag in (({"log__root": str(tmp_path / "elsewhere")}, "--log.root"),
-                          ({"log__root": str(tmp_path / "runs"), "log__experiment": "other"}, "--log.experiment")):
+    for changes, flag, where in (({"log__root": str(tmp_path / "elsewhere")}, "--log.root",
+                                  (str(tmp_path / "elsewhere"), "tracking")),     # the experiment defaults to the env
+                                 ({"log__root": str(tmp_path / "runs"), "log__experiment": "other"}, "--log.experiment",
+                                  (str(tmp_path / "runs"), "other"))):
         with pytest.raises(UsageError) as exc:
             check_typed_flags(cfg_with(resume=str(run_dir), **changes), frozenset({flag}))
         assert str(exc.value) == (f"{flag} applies only with --resume auto, a checkpoint file, or a run directory "
-                                  f"under --log.root/--log.experiment (the run continues in place in "
-                                  f"{str(run_dir)!r})")
+                                  f"under --log.root/--log.experiment (here {os.path.join(*where)!r}; the run "
+                                  f"continues in place in {str(run_dir)!r})")
     for resume in (str(run_dir), str(run_dir) + "/", str(run_dir / "model_3.pt")):
         check_typed_flags(cfg_with(resume=resume, log__root=str(tmp_path / "runs"), log__experiment="tracking"),
                           frozenset({"--log.root", "--log.experiment"}))
