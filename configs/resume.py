@@ -103,8 +103,10 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
 
 def blame_checkpoint(error: UsageError, kept: list[str], path: str) -> UsageError:
     """A validate() error about a setting this resume took from the checkpoint (`kept`), saying so: it would read as
-    if typed (`--ppo.num-epochs must be positive, got 0`)."""
-    flag = str(error).split(" ", 1)[0]
+    if typed (`--ppo.num-epochs must be positive, got 0`). A typed flag refused for want of another setting blames
+    that setting (`--ppo.desired-kl applies only with --ppo.schedule adaptive (the run uses linear)`)."""
+    words = str(error).split(" ")
+    flag = words[4] if words[1:4] == ["applies", "only", "with"] else words[0]
     if not any(setting.split(" ", 1)[0] == flag for setting in kept):
         return error
     return UsageError(f"{error} (the value of the checkpoint's run, {path!r}: pass {flag} to change it)")

@@ -266,3 +266,14 @@ def test_a_refused_env_split_taken_from_the_checkpoint_says_it_came_from_there(t
     assert str(exc.value) == ("--env.global-num-envs with --rollout.ranks: give --env.num-envs per rollout rank "
                               f"instead (the value of the checkpoint's run, {path!r}: pass --env.global-num-envs to "
                               f"change it)")
+
+
+def test_a_typed_flag_refused_for_a_setting_taken_from_the_checkpoint_blames_that_setting(trained, tmp_path):
+    """--ppo.desired-kl typed to continue a linear-schedule run: the schedule it needs came from the checkpoint."""
+    path = damaged(trained, tmp_path, lambda state: state["config"]["ppo"].update(schedule="linear"))
+    root = str(tmp_path / "runs")
+    argv = ["tracking", "--resume", path, "--dry-run", "--ppo.desired-kl", "0.02", "--log.root", root]
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg_with(resume=path, dry_run=True, log__root=root, ppo__desired_kl=0.02), typed_flags(argv))
+    assert str(exc.value) == ("--ppo.desired-kl applies only with --ppo.schedule adaptive (the run uses linear) (the "
+                              f"value of the checkpoint's run, {path!r}: pass --ppo.schedule to change it)")
