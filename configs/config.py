@@ -226,17 +226,23 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
     # with --env.global-num-envs the per-rank count was split from it (resolve_num_envs): say which flag to fix
     split = (f" = --env.global-num-envs {cfg.env.global_num_envs} / {world_size} rank(s)"
              if cfg.env.global_num_envs else "")
+    # A learner with rollout ranks minibatches the envs of all its rollout ranks (K / L of them) as one batch.
+    k = cfg.rollout.ranks
+    team = k // (world_size - k) if 0 < k < world_size and k % (world_size - k) == 0 else 1
+    envs = cfg.env.num_envs * team
+    if team > 1:
+        split += f" x {team} rollout ranks per learner = {envs}"
     if cfg.ppo.minibatch_unit == "transition":
-        if (cfg.env.num_envs * cfg.ppo.num_steps) % cfg.ppo.num_mini_batches:
+        if (envs * cfg.ppo.num_steps) % cfg.ppo.num_mini_batches:
             raise UsageError(f"--env.num-envs x --ppo.num-steps ({cfg.env.num_envs}{split} x {cfg.ppo.num_steps} = "
-                             f"{cfg.env.num_envs * cfg.ppo.num_steps}) must be divisible by --ppo.num-mini-batches "
+                             f"{envs * cfg.ppo.num_steps}) must be divisible by --ppo.num-mini-batches "
                              f"({cfg.ppo.num_mini_batches})")
-    elif cfg.env.num_envs % cfg.ppo.num_mini_batches:
+    elif envs % cfg.ppo.num_mini_batches:
         raise UsageError(f"--env.num-envs ({cfg.env.num_envs}{split}) must be divisible by --ppo.num-mini-batches "
                          f"({cfg.ppo.num_mini_batches}): minibatches are whole trajectories, never a silent remainder")
     if cfg.dist.verify_every < 0:
         raise UsageError(f"--dist.verify-every must be >= 0, got {cfg.dist.verify_every}")
-    samples_per_rank = cfg.env.num_envs * cfg.ppo.num_steps
+    samples_per_rank = envs * cfg.ppo.num_steps
     minibatch = samples_per_rank // cfg.ppo.num_mini_batches
     if minibatch % cfg.ppo.num_micro_batches:
         raise UsageError(f"a minibatch of {minibatch} transitions per rank is not divisible by --ppo.num-micro-batches "

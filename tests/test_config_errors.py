@@ -282,3 +282,17 @@ def test_check_finite_finds_every_kind_of_non_finite_value_in_every_field(field,
     batch[field].view(-1)[-1] = value
     with pytest.raises(RunError, match=f"produced {value}"):
         check_finite(batch, "tracking", 1)
+
+
+def test_minibatches_divide_the_envs_a_learner_holds_from_all_its_rollout_ranks():
+    """1 learner + 2 rollout ranks of 1 env each: the learner minibatches 2 envs (rollout_ranks.py stacks its rollout
+    ranks' batches), so 2 trajectory minibatches fit, and 4 are refused with the learner's count."""
+    validate(cfg_with(env__num_envs=1, ppo__num_mini_batches=2, rollout__ranks=2), world_size=3)
+    validate(cfg_with(env__num_envs=3, ppo__num_mini_batches=6, rollout__ranks=2, ppo__minibatch_unit="transition",
+                      ppo__num_steps=1), world_size=3)
+    with pytest.raises(UsageError) as exc:
+        validate(cfg_with(env__num_envs=1, ppo__num_mini_batches=4, rollout__ranks=2), world_size=3)
+    assert str(exc.value) == ("--env.num-envs (1 x 2 rollout ranks per learner = 2) must be divisible by "
+                              "--ppo.num-mini-batches (4): minibatches are whole trajectories, never a silent remainder")
+    with pytest.raises(UsageError, match=r"^--env.num-envs \(1\) must be divisible"):    # 2 learners, 2 rollout ranks
+        validate(cfg_with(env__num_envs=1, ppo__num_mini_batches=2, rollout__ranks=2), world_size=4)
