@@ -1,0 +1,259 @@
+"""ppo/minibatch_step.py, ppo/restore.py, dist/comm.py and train.py's helpers at their edges: the device LR rule at
+exactly 2x and 0.5x the desired KL, an update whose every step is skipped, the optimizer's implementation and
+settings as each path builds it, one SyncFreeStep per optimizer; what restore takes from a checkpoint and what
+from the run; the ledger's counts and the words of a failed collective."""
+
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from configs.config import Config
+from dist.checkpoint import rng_states
+from dist.errors import UsageError
+from dist.grad_sync import GradSync
+from ppo.kl_schedule import adaptive_lr
+from ppo.minibatch_step import SyncFreeStep, build_optimizer, device_adaptive_lr, saved_state_for
+from ppo.normalizer import RewardNormalizer
+from ppo.restore import restore
+from ppo.storage import RolloutStorage
+from ppo.update import ppo_update
+from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
+
+CPU = torch.device("cpu")
+
+
+# ---- ppo/minibatch_step.py -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kl_dtype", [torch.float64, torch.float32])
+def test_the_device_lr_rule_keeps_the_lr_at_exactly_twice_and_half_the_desired_kl(kl_dtype):
+    """The rule acts strictly above 2x and strictly below 0.5x the desired KL, as the host rule does. A desired KL of
+    2**-7 puts both bounds on values float32 holds exactly, so the KL tensor can sit on them in either precision."""
+    desired, lr, lr_min, lr_max = 2.0 ** -7, 1e-3, 1e-5, 1e-2
+
+    def device(kl: float) -> float:
+        return device_adaptive_lr(torch.tensor(lr, dtype=torch.float64), torch.tensor(kl, dtype=kl_dtype),
+                                  desired, lr_min, lr_max).item()
+
+    for kl in (2.0 ** -6, 2.0 ** -8):                              # 2 * desired, desired / 2: on the bound
+        assert device(kl) == adaptive_lr(lr, kl, desired, lr_min, lr_max) == lr
+    above = 2.0 ** -6 * (1 + 2.0 ** -20)                              # just past each bound, in float32 too
+    below = 2.0 ** -8 * (1 - 2.0 ** -20)
+    assert device(above) == adaptive_lr(lr, above, desired, lr_min, lr_max) == lr / 1.5
+    assert device(below) == adaptive_lr(lr, below, desired, lr_min, lr_max) == lr * 1.5
+
+
+def _storage_and_model():
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, CPU)
+    fill(storage, 0, model)
+    return model, storage
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_an_update_whose_every_step_is_skipped_reports_zero_means_and_the_count(capture):
+    """A NaN value on every minibatch: no step is taken, the parameters stay as they were, the loss and KL means are
+    0 (averaged over max(taken, 1) steps), and skipped_steps counts epochs x minibatches, on both paths."""
+    model, storage = _storage_and_model()
+    start = [p.detach().clone() for p in model.parameters()]
+    value = model.value
+    model.value = lambda obs: value(obs) * float("nan")
+    cfg = ppo_cfg(capture_step=capture, schedule="fixed")
+    optimizer = build_optimizer(model.parameters(), cfg, CPU)
+    stats = ppo_update(model, optimizer, storage, GradSync(model.parameters(), num_extras=2), cfg,
+                       generator=torch.Generator().manual_seed(0))
+    assert stats == {"surrogate": 0.0, "value_function": 0.0, "entropy": 0.0, "kl": 0.0,
+                     "learning_rate": 1e-3, "skipped_steps": float(3 * 2)}
+    for before, after in zip(start, model.parameters()):
+        assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_build_optimizer_takes_the_configured_lr_and_eps_on_both_paths(capture):
+    """--ppo.learning-rate and --ppo.adam-eps (the mujoco preset's 1e-5, not torch's default 1e-8) reach the Adam
+    of a fresh run, host path or --ppo.capture-step."""
+    model = make_model()
+    group = build_optimizer(model.parameters(), ppo_cfg(capture_step=capture, learning_rate=3e-4, adam_eps=1e-5),
+                            CPU).param_groups[0]
+    assert (group["lr"], group["eps"]) == (3e-4, 1e-5)
+
+
+def test_build_optimizer_picks_foreach_for_the_host_path_and_fused_capturable_only_on_cuda_for_capture():
+    """The host path steps with the multi-tensor kernels; --ppo.capture-step with the fused one, `capturable` on a
+    CUDA device only (CUDA-graph capture refuses Adam without it). The device is an argument, so the CUDA choice is
+    checked here with host parameters."""
+    host = build_optimizer(make_model().parameters(), ppo_cfg(), CPU).param_groups[0]
+    assert host["foreach"] is True and not host["fused"]
+    for device, capturable in ((CPU, False), (torch.device("cuda"), True)):
+        group = build_optimizer(make_model().parameters(), ppo_cfg(capture_step=True), device).param_groups[0]
+        assert group["fused"] is True and group["capturable"] is capturable, device
+
+
+def test_one_sync_free_step_serves_every_update_of_its_optimizer():
+    """The step (on CUDA its captured graph) is made on the first update and kept on the optimizer: a later update
+    must not build, warm up and capture a new one."""
+    model, storage = _storage_and_model()
+    cfg = ppo_cfg(capture_step=True)
+    optimizer = build_optimizer(model.parameters(), cfg, CPU)
+    sync = GradSync(model.parameters(), num_extras=2)
+    advantages, returns = storage.advantages.clone(), storage.returns.clone()
+    ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(0))
+    first = optimizer.sync_free_step
+    storage.advantages, storage.returns = advantages, returns
+    ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(1))
+    assert optimizer.sync_free_step is first and isinstance(first, SyncFreeStep)
+
+
+def test_the_sync_free_step_refuses_a_fused_adam_with_two_param_groups():
+    """It steers the LR of the first param group only: a second group would step with an LR no rule moves."""
+    model = make_model()
+    params = list(model.parameters())
+    optimizer = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3, fused=True)
+    with pytest.raises(ValueError, match="capture-step needs the fused Adam"):
+        SyncFreeStep(model, optimizer, GradSync(model.parameters(), num_extras=2), ppo_cfg(capture_step=True))
+
+
+def test_saved_state_for_keeps_a_param_group_count_mismatch_for_load_state_dict_to_refuse():
+    """A checkpoint with more param groups than this run's optimizer must not load with the extra ones dropped."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    saved = torch.optim.Adam([{"params": [a]}, {"params": [b]}], lr=1e-3).state_dict()
+    ours = torch.optim.Adam([a, b], lr=1e-3, foreach=True)
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        ours.load_state_dict(saved_state_for(ours, saved))
+
+
+def test_the_sync_free_step_normalizes_each_minibatch_s_advantages_as_the_host_path_does():
+    """--ppo.advantage-norm minibatch normalizes inside the minibatch loop: the sync-free step must take the
+    normalized advantages too, so both paths (both with the fused Adam) end on the same weights and statistics."""
+    results = []
+    for capture in (False, True):
+        model, storage = _storage_and_model()
+        optimizer = build_optimizer(model.parameters(), ppo_cfg(capture_step=True), CPU)   # fused on both
+        cfg = ppo_cfg(capture_step=capture, advantage_norm="minibatch")
+        stats = ppo_update(model, optimizer, storage, GradSync(model.parameters(), num_extras=2), cfg,
+                           generator=torch.Generator().manual_seed(3))
+        results.append((stats, [p.detach().clone() for p in model.parameters()]))
+    (host_stats, host_params), (dev_stats, dev_params) = results
+    assert dev_stats == host_stats
+    for p, q in zip(host_params, dev_params):
+        assert torch.equal(p, q)
+
+
+# ---- ppo/restore.py --------------------------------------------------------------------------------------------
+
+def _run(**changes) -> Config:
+    cfg = Config()
+    for name, value in changes.items():
+        obj, *path, field = [cfg, *name.split("__")]
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, field, value)
+    return cfg
+
+
+def _built(reward_normalizer: bool = False) -> dict:
+    model = make_model()
+    return {"model": model, "optimizer": build_optimizer(model.parameters(), ppo_cfg(), CPU), "env": None,
+            "reward_normalizer": RewardNormalizer(N, 0.99, 10.0) if reward_normalizer else None}
+
+
+def _checkpoint(built: dict, rngs: list, config: dict | None = None, **changes) -> dict:
+    state = {key: obj.state_dict() for key, obj in built.items() if obj is not None}
+    state.update(iteration=2, rng=rngs, layout=[len(rngs), 0],
+                 config=config if config is not None else {"seed": 1, "ppo": {"learning_rate": 1e-3}})
+    state.update(changes)
+    return state
+
+
+def _roles(rank: int = 0, learners: int = 1):
+    return SimpleNamespace(rank=rank, num_learners=learners, num_rollouts=0)
+
+
+def test_restore_refuses_a_checkpoint_without_the_state_of_a_built_object():
+    """A run with a reward normalizer resuming a checkpoint saved without one: a UsageError naming the entry."""
+    saved = _checkpoint(_built(), [rng_states()])
+    with pytest.raises(UsageError, match=r"^--resume 'c\.pt' has no 'reward_normalizer' state \(saved with other"):
+        restore(saved, "c.pt", _built(reward_normalizer=True), None, _roles(), CPU, _run())
+
+
+def test_restore_refuses_an_adam_moment_of_another_shape_naming_it():
+    """Adam's load_state_dict does not compare moment shapes; restore does, before loading, and names the first."""
+    built = _built()
+    params = list(built["model"].parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    built["optimizer"].step()
+    saved = _checkpoint(built, [rng_states()])
+    saved["optimizer"]["state"][1]["exp_avg_sq"] = torch.zeros(params[1].numel() + 1)
+    fresh = _built()
+    with pytest.raises(UsageError, match=re.escape(
+            f"--resume 'c.pt' is damaged (its optimizer's 'exp_avg_sq' for parameter 1 has shape "
+            f"[{params[1].numel() + 1}], the parameter {list(params[1].shape)}); resume from another checkpoint")):
+        restore(saved, "c.pt", fresh, None, _roles(), CPU, _run())
+
+
+def test_restore_names_an_optimizer_whose_param_groups_do_not_fit():
+    """load_state_dict refuses another number of param groups with a ValueError: one UsageError naming the entry."""
+    built = _built()
+    saved = _checkpoint(built, [rng_states()])
+    group = saved["optimizer"]["param_groups"][0]
+    saved["optimizer"]["param_groups"] = [{**group, "params": group["params"][:1]},
+                                          {**group, "params": group["params"][1:]}]
+    with pytest.raises(UsageError, match=r"^--resume 'c\.pt': its optimizer does not fit this run .*parameter groups"):
+        restore(saved, "c.pt", _built(), None, _roles(), CPU, _run())
+
+
+@pytest.mark.parametrize("layout", [True, False], ids=["layout", "no-layout"])
+def test_rank_1_of_two_learners_takes_its_own_rng_states(layout):
+    """Each rank restores its own entry of the checkpoint's `rng` list; a checkpoint from before `layout` existed
+    counts one learner per entry."""
+    rngs = [{"torch": torch.Generator().manual_seed(10 + r).get_state(),
+             "shuffle": torch.Generator().manual_seed(20 + r).get_state()} for r in range(2)]
+    saved = _checkpoint(_built(), rngs)
+    if not layout:
+        del saved["layout"]
+    shuffle, before = torch.Generator().manual_seed(0), torch.get_rng_state()
+    try:
+        restore(saved, "c.pt", _built(), shuffle, _roles(rank=1, learners=2), CPU, _run())
+        assert torch.equal(torch.get_rng_state(), rngs[1]["torch"])
+    finally:
+        torch.set_rng_state(before)
+    assert torch.equal(shuffle.get_state(), rngs[1]["shuffle"])
+
+
+def test_the_start_up_lines_of_a_resume_with_a_new_lr_and_a_longer_linear_schedule(capsys):
+    """Rank 0 says what it resumed, that a typed LR replaces the checkpoint's, and where the linear LR jumps: here
+    iteration 2 of a run that annealed 1e-3 to 0 at 4 runs at 2e-4 * (1 - 2/8) = 1.5e-4 instead of 1e-3 * (1 - 2/4)."""
+    config = {"seed": 1, "max_iterations": 4, "ppo": {"learning_rate": 1e-3, "schedule": "linear"}}
+    saved = _checkpoint(_built(), [rng_states()], config)
+    cfg = _run(max_iterations=8, ppo__learning_rate=2e-4, ppo__schedule="linear")
+    restore(saved, "c.pt", _built(), None, _roles(), CPU, cfg)
+    assert capsys.readouterr().out.splitlines()[-3:] == [
+        "[syncppo] resumed c.pt at iteration 2",
+        "[syncppo] --ppo.learning-rate 0.0002 replaces the checkpoint's LR (its run started at 0.001)",
+        "[syncppo] --max-iterations 8 re-anneals the linear LR (the checkpoint's run reached 0 at 4): iteration 2 runs "
+        "at LR 0.00015, not 0.0005"]
+
+
+@pytest.mark.parametrize("saved_ppo, max_iterations", [({"schedule": "fixed"}, 4), ({"schedule": "linear"}, None)],
+                         ids=["other-schedule", "no-max-iterations"])
+def test_no_re_anneal_line_unless_both_runs_anneal_linearly_to_a_known_end(capsys, saved_ppo, max_iterations):
+    """The jump is only said when the checkpoint's run was linear too and its --max-iterations is known (an older
+    checkpoint without it resumes without one, rather than failing on the arithmetic); a dry run says 'would'."""
+    config = {"seed": 1, "ppo": {"learning_rate": 1e-3, **saved_ppo}}
+    if max_iterations is not None:
+        config["max_iterations"] = max_iterations
+    saved = _checkpoint(_built(), [rng_states()], config)
+    restore(saved, "c.pt", _built(), None, _roles(), CPU, _run(max_iterations=8, ppo__schedule="linear", dry_run=True))
+    assert capsys.readouterr().out.splitlines() == ["[syncppo] would resume c.pt at iteration 2"]
+
+
+def test_only_rank_0_says_that_a_new_seed_restarts_the_rng_streams(capsys):
+    """Every rank restarts its streams on a --seed unlike the checkpoint's; the line is said once, by rank 0."""
+    rngs = [rng_states(None, torch.Generator()) for _ in range(2)]
+    for rank in (1, 0):
+        restore(_checkpoint(_built(), rngs), "c.pt", _built(), torch.Generator(), _roles(rank, 2), CPU, _run(seed=5))
+        out = capsys.readouterr().out
+        assert ("--seed 5 is not the checkpoint run's (1): RNG streams restart" in out) == (rank == 0), rank
