@@ -1,9 +1,9 @@
 """ppo/minibatch_step.py, ppo/restore.py, dist/comm.py and train.py's helpers at their edges: the device LR rule at
 exactly 2x and 0.5x the desired KL, an update whose every step is skipped, the optimizer's implementation and
 settings as each path builds it, one SyncFreeStep per optimizer; what restore takes from a checkpoint and what
-from the run; the ledger's counts and the words of a failed collective."""
+from the run; the ledger's counts, the group the wrappers run in and the words of a failed collective; train.cli's
+status, line and teardown for each kind of failure."""
 
-import math
 import re
 import sys
 from types import SimpleNamespace
@@ -145,6 +145,18 @@ def test_the_sync_free_step_normalizes_each_minibatch_s_advantages_as_the_host_p
     for p, q in zip(host_params, dev_params):
         assert torch.equal(p, q)
 
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_a_minibatch_that_micro_batches_do_not_divide_is_refused_on_both_paths(capture):
+    """48 transitions in 2 minibatches of 24: 5 micro-batches would be unequal, and their mean of means wrong."""
+    model, storage = _storage_and_model()
+    cfg = ppo_cfg(capture_step=capture, num_micro_batches=5)
+    optimizer = build_optimizer(model.parameters(), cfg, CPU)
+    message = r"^minibatch of 24 transitions is not divisible by --ppo.num-micro-batches 5$"
+    with pytest.raises(ValueError, match=message):
+        ppo_update(model, optimizer, storage, GradSync(model.parameters(), num_extras=2), cfg,
+                   generator=torch.Generator().manual_seed(0))
 
 # ---- ppo/restore.py --------------------------------------------------------------------------------------------
 
@@ -466,3 +478,37 @@ def test_team_checkpoint_records_learners_then_rollout_ranks(monkeypatch):
     entries = train.team_checkpoint(torch.zeros(2, 5, dtype=torch.uint8), {"state_bytes": 5}, roles)
     assert entries == {"env": {"steps": 3}, "rollout_rng": [{"torch": 1}, {"torch": 2}], "layout": [1, 2]}
     assert seen == [("cpu", (10,), {"state_bytes": 5})]
+
+
+def test_a_work_handle_reports_the_backend_s_completion(monkeypatch):
+    """is_completed() is the backend work's answer, not a guess."""
+    for done in (False, True):
+        work = SimpleNamespace(is_completed=lambda: done)
+        monkeypatch.setattr(comm.torch_dist, "isend", lambda *args, **kwargs: work)
+        assert comm.isend(torch.ones(1), "control", dst=1).is_completed() is done
+
+
+def pairs_in_their_own_groups(rank, world_size):
+    """Ranks {0, 1} and {2, 3} each in their own group (as learners are, apart from rollout ranks): every wrapper
+    runs in the group use_group set, and world_size() is that group's size."""
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    comm.use_group(groups[rank // 2])
+    try:
+        comm.reset_ledger()
+        summed = comm.all_reduce(torch.tensor([10.0 ** rank]), "metrics")
+        first = comm.broadcast(torch.tensor([rank]), "params", src=2 * (rank // 2))
+        gathered = comm.all_gather(torch.tensor([rank]), "checksum")
+        return comm.world_size(), summed, first, gathered
+    finally:
+        comm.use_group(None)
+
+
+@pytest.mark.slow
+def test_collectives_run_in_the_group_use_group_set():
+    """4 ranks as two pairs: sums, broadcasts and gathers stay within each pair (1 + 10, 100 + 1000)."""
+    results = run_ranks(pairs_in_their_own_groups, 4)
+    for rank, (size, summed, first, gathered) in enumerate(results):
+        pair = 2 * (rank // 2)
+        assert size == 2, rank
+        assert summed.tolist() == [10.0 ** pair + 10.0 ** (pair + 1)], rank
+        assert first.tolist() == [pair] and gathered.flatten().tolist() == [pair, pair + 1], rank
