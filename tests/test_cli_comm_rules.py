@@ -1,0 +1,254 @@
+"""train.py's helpers and dist/comm.py at their edges: train.cli's status, line and teardown for each kind of
+failure, first_on_node, team_checkpoint's layout; the ledger's counts, the group the wrappers run in and the words of
+a failed collective."""
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train
+from configs.config import Config
+from dist import comm
+from dist.errors import RunError, UsageError
+from dist.stop import SecondInterrupt
+from tests.multirank import run_ranks
+
+
+# ---- train.py's helpers: cli's status, words and teardown; first_on_node ------------------------------------
+
+@pytest.mark.parametrize("local_rank, first", [(None, True), ("0", True), (" 0 ", True), ("1", False), ("x", True),
+                                               ("-1", True)])
+def test_first_on_node_is_local_rank_0_or_an_unreadable_one(monkeypatch, local_rank, first):
+    """Unset means one process (local rank 0); a value main() will refuse counts as first, so the refusal is said."""
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert train.first_on_node() is first
+
+
+def _failing_cli(monkeypatch, capsys, failure, local_rank="0"):
+    """train.cli around a main() that raises `failure`: (status, stderr, what was torn down and told to torchrun)."""
+    events = []
+
+    def main(cfg, typed):
+        if failure is not None:
+            raise failure
+    monkeypatch.setattr(train, "main", main)
+    monkeypatch.setattr(train, "shutdown", lambda: events.append("shutdown"))
+    monkeypatch.setattr(train, "release_run_dirs", lambda: events.append("release"))
+    monkeypatch.setattr(train, "tell_torchrun", lambda message: events.append(("torchrun", message)))
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setattr(sys, "last_value", None, raising=False)
+    monkeypatch.setattr(sys, "last_exc", None, raising=False)
+    code = train.cli(Config())
+    return code, capsys.readouterr().err, events
+
+
+@pytest.mark.parametrize("failure, code, said", [
+    (UsageError("--ppo.clip-param must be > 0"), 2, "error: --ppo.clip-param must be > 0"),
+    (RunError("could not write x: No space left"), 1, "error: could not write x: No space left"),
+    (comm.CollectiveError("all_reduce for 'metrics' failed on rank 1"), 1,
+     "error: all_reduce for 'metrics' failed on rank 1"),
+    (KeyboardInterrupt(), 130, "error: interrupted by Ctrl-C outside the training loop: nothing saved since the last "
+                               "checkpoint"),
+    (SecondInterrupt(), 130, "error: interrupted by a second Ctrl-C: nothing saved since the last checkpoint"),
+], ids=["usage", "run", "collective", "ctrl-c", "second-ctrl-c"])
+def test_cli_gives_each_failure_its_status_and_one_line_and_tears_down(monkeypatch, capsys, failure, code, said):
+    """Status 2 for bad input, 1 for a run-time failure, 130 for Ctrl-C; one line on stderr, the same line for
+    torchrun's error file, the process group and run directories released, the failure recorded as uncaught."""
+    status, err, events = _failing_cli(monkeypatch, capsys, failure)
+    assert (status, err) == (code, said + "\n")
+    assert events == [("torchrun", said), "shutdown", "release"]
+    assert sys.last_value is failure
+
+
+def test_cli_prints_an_unexpected_exception_s_traceback_and_its_first_line(monkeypatch, capsys):
+    """A bug: its traceback, then 'unexpected <type> (traceback above): <first line of its message>', status 1."""
+    status, err, events = _failing_cli(monkeypatch, capsys, ZeroDivisionError("float division by zero\nmore"))
+    said = "error: unexpected ZeroDivisionError (traceback above): float division by zero"
+    assert status == 1 and err.startswith("Traceback (most recent call last):")
+    assert err.endswith("ZeroDivisionError: float division by zero\nmore\n" + said + "\n")
+    assert events == [("torchrun", said), "shutdown", "release"]
+
+
+@pytest.mark.parametrize("failure, local_rank, said", [
+    (UsageError("--seed bad"), "0", True), (UsageError("--seed bad"), "1", False),
+    (UsageError("--env.task bad", say_here=True), "1", True),
+    (UsageError("--env.task bad", say_here=False), "0", False),
+    (RunError("disk full"), "1", True)])
+def test_cli_says_a_usage_error_once_per_node_unless_it_names_who_says_it(monkeypatch, capsys, failure, local_rank,
+                                                                         said):
+    """Every rank meets the same bad flag: local rank 0 says it; an error only some ranks meet says `say_here`; a
+    run-time failure is said by every rank that meets it. torchrun's error file gets it either way."""
+    status, err, events = _failing_cli(monkeypatch, capsys, failure, local_rank)
+    assert bool(err) is said and events[0] == ("torchrun", f"error: {failure}")
+
+
+def test_cli_returns_0_after_a_run_and_tears_nothing_down_itself(monkeypatch, capsys):
+    """main() shuts its own process group down; cli adds nothing after a run that ended well."""
+    assert _failing_cli(monkeypatch, capsys, None) == (0, "", [])
+
+
+# ---- dist/comm.py ----------------------------------------------------------------------------------------------
+
+def two_rank_traffic(rank, world_size):
+    """Every wrapper once on 2 gloo ranks; what each returned and this rank's ledger."""
+    comm.reset_ledger()
+    x = torch.tensor([float(rank), 10.0 - rank])                                 # rank 0: [0, 10]; rank 1: [1, 9]
+    out = {"max": comm.all_reduce(x.clone(), "metrics", op="max"),
+           "min": comm.all_reduce(x.clone(), "metrics", op="min"), "sum": comm.all_reduce(x.clone(), "metrics"),
+           "broadcast": comm.broadcast(torch.tensor([rank + 5]), "params", src=1),
+           "gathered": comm.all_gather(torch.tensor([rank, 2 * rank], dtype=torch.int32), "checksum")}
+    work = comm.all_reduce(torch.ones(3, dtype=torch.float64), "gradients", async_op=True)
+    work.wait()
+    out["completed"] = work.is_completed()
+    if rank == 0:
+        comm.send(torch.tensor([7.0, 8.0, 9.0]), "batches", dst=1)
+        comm.send(torch.tensor([3]), "control", dst=1)                              # a header naming kind 3
+        received = torch.zeros(2, dtype=torch.int32)
+        comm.irecv(received, "weight_sync", src=1).wait()
+    else:
+        received = comm.recv(torch.zeros(3), "batches", src=0)
+        out["header"] = comm.recv_then_count(torch.zeros(1, dtype=torch.int64), lambda t: f"kind{int(t[0])}", src=0)
+        comm.isend(torch.tensor([4, 2], dtype=torch.int32), "weight_sync", dst=0).wait()
+    out["received"] = received
+    return out, comm.ledger_snapshot()
+
+
+@pytest.mark.slow
+def test_the_wrappers_on_two_ranks_reduce_broadcast_gather_and_count_what_each_rank_moved():
+    """max/min/sum element-wise over [0, 10] and [1, 9]; a broadcast from rank 1; the gather stacked in rank order;
+    the ledger counts each call and its payload bytes under its purpose: the sender what it sent, the receiver what it
+    received, a header under the purpose it names once received."""
+    results = run_ranks(two_rank_traffic, 2)
+    for rank, (out, _) in enumerate(results):
+        assert out["max"].tolist() == [1.0, 10.0] and out["min"].tolist() == [0.0, 9.0], rank
+        assert out["sum"].tolist() == [1.0, 19.0] and out["broadcast"].tolist() == [6], rank
+        assert out["gathered"].tolist() == [[0, 0], [1, 2]] and out["completed"], rank
+    (out0, ledger0), (out1, ledger1) = results
+    assert out1["received"].tolist() == [7.0, 8.0, 9.0] and out1["header"].tolist() == [3]
+    assert out0["received"].tolist() == [4, 2]
+    collectives = {"metrics": (3, 3 * 8), "params": (1, 8), "checksum": (1, 8), "gradients": (1, 24)}
+    assert ledger0 == {**collectives, "batches": (1, 12), "control": (1, 8), "weight_sync": (1, 8)}
+    assert ledger1 == {**collectives, "batches": (1, 12), "kind3": (1, 8), "weight_sync": (1, 8)}
+
+
+def test_in_one_process_the_collectives_return_their_input_and_count_nothing():
+    """World size 1: all_reduce and broadcast give the tensor back (None as an async all_reduce's work), all_gather a
+    stack of one; nothing crossed ranks, so nothing is counted."""
+    comm.reset_ledger()
+    x = torch.tensor([1.5, -2.0])
+    assert comm.all_reduce(x, "metrics") is x and comm.all_reduce(x, "gradients", async_op=True) is None
+    assert comm.broadcast(x, "params") is x
+    gathered = comm.all_gather(x, "checksum")
+    assert gathered.shape == (1, 2) and torch.equal(gathered[0], x)
+    assert comm.ledger_snapshot() == {}
+
+
+def test_a_ledger_snapshot_is_a_copy_and_reset_empties_the_ledger():
+    """Counting after a snapshot does not change it; negative counts take calls back; reset_ledger clears all."""
+    comm.reset_ledger()
+    comm.ledger_add("metrics", 2, 64)
+    before = comm.ledger_snapshot()
+    comm.ledger_add("metrics", 3, 16)
+    comm.ledger_add("metrics", -1, -8)
+    assert before == {"metrics": (2, 64)} and comm.ledger_snapshot() == {"metrics": (4, 72)}
+    comm.reset_ledger()
+    assert comm.ledger_snapshot() == {}
+
+
+class _Failing:
+    """A backend call that fails (or a work handle whose wait does) with `message`."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __call__(self, *args, async_op: bool = False, **kwargs):
+        if async_op:        # an async all_reduce fails when waited on
+            return self
+        raise RuntimeError(self.message)
+
+    def wait(self):
+        raise RuntimeError(self.message)
+
+
+@pytest.mark.parametrize("call, kind", [
+    (lambda: comm.all_reduce(torch.ones(2), "metrics"), "all_reduce"),
+    (lambda: comm.broadcast(torch.ones(2), "metrics"), "broadcast"),
+    (lambda: comm.all_gather(torch.ones(2), "metrics"), "all_gather"),
+    (lambda: comm.send(torch.ones(2), "metrics", dst=0), "send"),
+    (lambda: comm.recv(torch.ones(2), "metrics", src=0), "recv"),
+    (lambda: comm.isend(torch.ones(2), "metrics", dst=0).wait(), "isend"),
+    (lambda: comm.irecv(torch.ones(2), "metrics", src=0).wait(), "irecv"),
+    (lambda: comm.all_reduce(torch.ones(2), "metrics", async_op=True).wait(), "all_reduce"),
+], ids=["all_reduce", "broadcast", "all_gather", "send", "recv", "isend-wait", "irecv-wait", "async-wait"])
+@pytest.mark.parametrize("message, said", [("Connection closed by peer [127.0.0.1]:1234\n  at gloo/pair.cc:598",
+                                            "Connection closed by peer [127.0.0.1]:1234"), ("  \n", "RuntimeError")])
+def test_a_failed_call_or_wait_is_a_collective_error_naming_the_call_purpose_rank_and_cause(
+        monkeypatch, call, kind, message, said):
+    """Whatever the backend raised becomes one CollectiveError: the call, its purpose, this rank, the flag that sets
+    the timeout, and the first line of the backend's message (its type when the message is blank)."""
+    failing = _Failing(message)
+    monkeypatch.setattr(comm, "world_size", lambda: 2)
+    for name in ("all_reduce", "broadcast", "all_gather", "send", "recv"):
+        monkeypatch.setattr(comm.torch_dist, name, failing)
+    for name in ("isend", "irecv"):
+        monkeypatch.setattr(comm.torch_dist, name, lambda *args, **kwargs: failing)
+    monkeypatch.setattr(comm.torch_dist, "get_rank", lambda: 1)
+    with pytest.raises(comm.CollectiveError) as caught:
+        call()
+    assert str(caught.value) == (f"{kind} for 'metrics' failed on rank 1: a peer rank died or stalled past the "
+                                 f"process group's timeout (train.py: --dist.timeout-s) ({said})")
+
+
+def test_team_checkpoint_records_learners_then_rollout_ranks(monkeypatch):
+    """The layout of a checkpoint of 1 learner + 2 rollout ranks is [1, 2], in that order (load_checkpoint checks its
+    first entry against the learners' RNG list); the rollout ranks' RNGs and the first one's env state come from the
+    gathered blobs, flattened on the host."""
+    seen = []
+
+    def states(gathered, spec):
+        seen.append((gathered.device.type, tuple(gathered.shape), spec))
+        return [{"torch": 1}, {"torch": 2}], {"steps": 3}
+    monkeypatch.setattr(train, "restore_team_states", states)
+    roles = SimpleNamespace(num_learners=1, num_rollouts=2)
+    entries = train.team_checkpoint(torch.zeros(2, 5, dtype=torch.uint8), {"state_bytes": 5}, roles)
+    assert entries == {"env": {"steps": 3}, "rollout_rng": [{"torch": 1}, {"torch": 2}], "layout": [1, 2]}
+    assert seen == [("cpu", (10,), {"state_bytes": 5})]
+
+
+def test_a_work_handle_reports_the_backend_s_completion(monkeypatch):
+    """is_completed() is the backend work's answer, not a guess."""
+    for done in (False, True):
+        work = SimpleNamespace(is_completed=lambda: done)
+        monkeypatch.setattr(comm.torch_dist, "isend", lambda *args, **kwargs: work)
+        assert comm.isend(torch.ones(1), "control", dst=1).is_completed() is done
+
+
+def pairs_in_their_own_groups(rank, world_size):
+    """Ranks {0, 1} and {2, 3} each in their own group (as learners are, apart from rollout ranks): every wrapper
+    runs in the group use_group set, and world_size() is that group's size."""
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    comm.use_group(groups[rank // 2])
+    try:
+        comm.reset_ledger()
+        summed = comm.all_reduce(torch.tensor([10.0 ** rank]), "metrics")
+        first = comm.broadcast(torch.tensor([rank]), "params", src=2 * (rank // 2))
+        gathered = comm.all_gather(torch.tensor([rank]), "checksum")
+        return comm.world_size(), summed, first, gathered
+    finally:
+        comm.use_group(None)
+
+
+@pytest.mark.slow
+def test_collectives_run_in_the_group_use_group_set():
+    """4 ranks as two pairs: sums, broadcasts and gathers stay within each pair (1 + 10, 100 + 1000)."""
+    results = run_ranks(pairs_in_their_own_groups, 4)
+    for rank, (size, summed, first, gathered) in enumerate(results):
+        pair = 2 * (rank // 2)
+        assert size == 2, rank
+        assert summed.tolist() == [10.0 ** pair + 10.0 ** (pair + 1)], rank
+        assert first.tolist() == [pair] and gathered.flatten().tolist() == [pair, pair + 1], rank
