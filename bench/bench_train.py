@@ -159,8 +159,8 @@ def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> 
     cfg.log.root, cfg.log.print_every, cfg.log.save_every = os.path.join(tmp, "syncppo"), 10**6, 10**6
 
     class TimedLogger(train.RunLogger):          # train.main logs once per iteration on rank 0
-        def log(self, scalars, step):
-            super().log(scalars, step)
+        def log(self, scalars, step, episode_returns=()):
+            super().log(scalars, step, episode_returns)
             rows["syncppo"].append((scalars["Perf/collection_time"], scalars["Perf/learning_time"]))
             baton.pass_on("syncppo")
 

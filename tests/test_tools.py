@@ -60,6 +60,28 @@ def test_bench_train_median_of_an_even_number_of_rounds(bench_train):
         assert bench_train.median(xs) == pytest.approx(float(np.median(xs)))
 
 
+def test_bench_train_interleaves_with_train_main(bench_train, monkeypatch, tmp_path):
+    # run_interleaved replaces train.RunLogger with a subclass that times each iteration: it must take every
+    # argument train.main logs with (the episode returns too; it raised TypeError at the first iteration). RSL-RL
+    # is replaced by a runner that finishes at once, so syncppo runs its iterations alone.
+    from configs import preset
+
+    class NoRunner:
+        logger = type("Logger", (), {"log": staticmethod(lambda **kw: None)})()
+
+        def learn(self, iterations):
+            pass
+
+    monkeypatch.setattr(bench_train, "rsl_rl_runner", lambda cfg, log_dir, device: NoRunner())
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 16, 8, 2
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
+    cfg.log.episode_returns = True
+    rows = bench_train.run_interleaved(cfg, str(tmp_path), [(1, 1, 1)], torch.device("cpu"))
+    assert len(rows["syncppo"]) == 2 and rows["rsl-rl"] == [] and rows["limit"] == []
+    assert bench_train.train.RunLogger is RunLogger     # put back
+
+
 def test_bench_train_gemm_shapes_by_hand(bench_train):
     # actor 3 -> 4 -> 2, critic 5 -> 4 -> 1, minibatch 7: forward (B, in, out), weight grad (out, B, in),
     # input grad (B, out, in) except for the first layer.
