@@ -266,6 +266,10 @@ def main():
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch")
+    try:              # before a learner starts, not a traceback once the first setting is built
+        import rsl_rl  # noqa: F401
+    except ImportError:
+        parser.error("RSL-RL is not installed: make bench installs it (or: pip install rsl-rl-lib==5.5.1)")
     device = torch.device(args.device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     iterations = {"small": (8, 2), "large": (3, 1)} if args.quick else {"small": (20, 3), "large": (6, 2)}

@@ -82,6 +82,12 @@ def test_bench_train_interleaves_with_train_main(bench_train, monkeypatch, tmp_p
     assert bench_train.train.RunLogger is RunLogger     # put back
 
 
+def test_bench_train_without_rsl_rl_is_one_line(bench_train, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "rsl_rl", None)      # import rsl_rl raises ImportError
+    assert exit_code(bench_train.main, monkeypatch, ["bench_train.py", "--quick"]) == 2
+    assert "RSL-RL is not installed: make bench installs it" in capsys.readouterr().err
+
+
 def test_bench_train_gemm_shapes_by_hand(bench_train):
     # actor 3 -> 4 -> 2, critic 5 -> 4 -> 1, minibatch 7: forward (B, in, out), weight grad (out, B, in),
     # input grad (B, out, in) except for the first layer.
