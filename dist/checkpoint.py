@@ -32,7 +32,8 @@ def save_checkpoint(path: str, state: dict) -> None:
 
     The bytes go to a temporary name unique to this process, are flushed and fsynced, renamed over
     `path`, and the directory entry is fsynced. A write error (disk full, permissions) raises RunError
-    naming the path; the temporary is removed.
+    naming the path; the temporary is removed. So it is on an interrupt (a second Ctrl-C), which is re-raised
+    as itself.
     """
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -47,9 +48,15 @@ def save_checkpoint(path: str, state: dict) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    except OSError as exc:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        # An interrupt while torch.save writes tensors leaves its zip writer mid-record; closing it then raises
+        # RuntimeError ("unexpected pos ...") over the interrupt, which cli() would report as a bug (status 1).
+        if isinstance(exc.__context__, KeyboardInterrupt) and not isinstance(exc, KeyboardInterrupt):
+            raise exc.__context__ from None
+        if not isinstance(exc, OSError):
+            raise
         raise RunError(f"could not write checkpoint {path}: {exc.strerror or exc}; free space on that disk or "
                        f"point --log.root elsewhere, then resume from the last checkpoint") from None
 
