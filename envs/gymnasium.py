@@ -64,9 +64,10 @@ class GymnasiumEnv:
         self.action_scale, self.action_clip = action_scale, action_clip
         self.action_dtype = action_space.dtype
         # Actions outside the space are invalid input to a gymnasium env (CleanRL's ClipAction): always clip
-        # to the bounds, after the optional symmetric --env.action-clip.
-        self.action_low = torch.as_tensor(action_space.low, dtype=torch.float32, device=self.device)
-        self.action_high = torch.as_tensor(action_space.high, dtype=torch.float32, device=self.device)
+        # to the bounds, after the optional symmetric --env.action-clip. The bounds keep the space's dtype: a
+        # float64 bound rounded to float32 (0.3 -> 0.30000001) would clip to just outside the space.
+        self.action_low = torch.as_tensor(action_space.low, device=self.device)
+        self.action_high = torch.as_tensor(action_space.high, device=self.device)
         # Draws the sub-env seeds at reset; the runner checkpoints its state with the other RNGs.
         self.generator = torch.Generator().manual_seed(seed)
 
