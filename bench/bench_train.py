@@ -266,25 +266,29 @@ def main():
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch")
-    try:              # before a learner starts, not a traceback once the first setting is built
-        import rsl_rl  # noqa: F401
-    except ImportError:
-        parser.error("RSL-RL is not installed: make bench installs it (or: pip install rsl-rl-lib==5.5.1)")
     device = torch.device(args.device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     iterations = {"small": (8, 2), "large": (3, 1)} if args.quick else {"small": (20, 3), "large": (6, 2)}
+    configs = {}
+    for name in args.settings:          # every flag checked before either learner starts
+        num_envs, hidden = SETTINGS[name]
+        cfg = preset("tracking")
+        cfg.env.num_envs = num_envs if args.num_envs is None else args.num_envs   # 0 is an error, not "unset"
+        cfg.max_iterations = iterations[name][0]
+        cfg.policy.actor_hidden = cfg.policy.critic_hidden = hidden
+        cfg.dist.device, cfg.ppo.capture_step = args.device, args.capture_step
+        try:
+            validate(cfg)
+        except UsageError as exc:
+            parser.error(str(exc).replace("--env.num-envs", "--num-envs"))
+        configs[name] = cfg
+    try:              # then the baseline: one line, not a traceback once the first setting is built
+        import rsl_rl  # noqa: F401
+    except ImportError:
+        parser.error("RSL-RL is not installed: make bench installs it (or: pip install rsl-rl-lib==5.5.1)")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.settings:
-            num_envs, hidden = SETTINGS[name]
-            cfg = preset("tracking")
-            cfg.env.num_envs = num_envs if args.num_envs is None else args.num_envs   # 0 is an error, not "unset"
-            cfg.max_iterations = iterations[name][0]
-            cfg.policy.actor_hidden = cfg.policy.critic_hidden = hidden
-            cfg.dist.device, cfg.ppo.capture_step = args.device, args.capture_step
-            try:
-                validate(cfg)
-            except UsageError as exc:   # before either learner starts
-                parser.error(str(exc).replace("--env.num-envs", "--num-envs"))
+        for name, cfg in configs.items():
+            hidden = SETTINGS[name][1]
             env = make_env(cfg.env, torch.device("cpu"), seed=cfg.seed, base_seed=cfg.seed)
             batch = cfg.env.num_envs * cfg.ppo.num_steps // cfg.ppo.num_mini_batches
             shapes = gemm_shapes(env.obs_dims, hidden, env.num_actions, batch)
