@@ -250,8 +250,9 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
                          f"to equal the minibatch gradient")
     if cfg.ppo.advantage_norm == "minibatch" and minibatch < 2:     # unbiased std of one value: nan, every step skipped
         raise UsageError(f"--ppo.advantage-norm minibatch needs at least 2 transitions per rank in a minibatch (the "
-                         f"std of one is nan), got {minibatch} = --env.num-envs x --ppo.num-steps / "
-                         f"--ppo.num-mini-batches; use fewer minibatches or another --ppo.advantage-norm")
+                         f"std of one is nan), got {minibatch} = --env.num-envs{f' x {team}' if team > 1 else ''} x "
+                         f"--ppo.num-steps / --ppo.num-mini-batches; use fewer minibatches or another "
+                         f"--ppo.advantage-norm")
     if not 0 < cfg.ppo.lr_min <= cfg.ppo.lr_max:
         raise UsageError(f"need 0 < --ppo.lr-min <= --ppo.lr-max, got {cfg.ppo.lr_min}, {cfg.ppo.lr_max}")
     # the bounds clamp only the adaptive schedule: fixed and linear never read them

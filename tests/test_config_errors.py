@@ -293,6 +293,17 @@ def test_minibatches_divide_the_envs_a_learner_holds_from_all_its_rollout_ranks(
     with pytest.raises(UsageError) as exc:
         validate(cfg_with(env__num_envs=1, ppo__num_mini_batches=4, rollout__ranks=2), world_size=3)
     assert str(exc.value) == ("--env.num-envs (1 x 2 rollout ranks per learner = 2) must be divisible by "
-                              "--ppo.num-mini-batches (4): minibatches are whole trajectories, never a silent remainder")
+                              "--ppo.num-mini-batches (4): minibatches are whole trajectories, never a silent "
+                              "remainder")
     with pytest.raises(UsageError, match=r"^--env.num-envs \(1\) must be divisible"):    # 2 learners, 2 rollout ranks
         validate(cfg_with(env__num_envs=1, ppo__num_mini_batches=2, rollout__ranks=2), world_size=4)
+
+
+def test_the_minibatch_norm_refusal_counts_a_learner_s_rollout_ranks():
+    """1 learner + 2 rollout ranks of 1 env, 1 step, 2 minibatches: 1 transition each, the count said with its x 2."""
+    with pytest.raises(UsageError) as exc:
+        validate(cfg_with(env__num_envs=1, ppo__num_steps=1, ppo__num_mini_batches=2, rollout__ranks=2,
+                          ppo__advantage_norm="minibatch"), world_size=3)
+    assert str(exc.value) == ("--ppo.advantage-norm minibatch needs at least 2 transitions per rank in a minibatch "
+                              "(the std of one is nan), got 1 = --env.num-envs x 2 x --ppo.num-steps / "
+                              "--ppo.num-mini-batches; use fewer minibatches or another --ppo.advantage-norm")
