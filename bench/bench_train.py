@@ -288,10 +288,9 @@ def main():
         parser.error("RSL-RL is not installed: make bench installs it (or: pip install rsl-rl-lib==5.5.1)")
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg in configs.items():
-            hidden = SETTINGS[name][1]
             env = make_env(cfg.env, torch.device("cpu"), seed=cfg.seed, base_seed=cfg.seed)
             batch = cfg.env.num_envs * cfg.ppo.num_steps // cfg.ppo.num_mini_batches
-            shapes = gemm_shapes(env.obs_dims, hidden, env.num_actions, batch)
+            shapes = gemm_shapes(env.obs_dims, cfg.policy.actor_hidden, env.num_actions, batch)
             rows = run_interleaved(cfg, os.path.join(tmp, name), shapes, device)
             report(name, cfg, rows, iterations[name][1], shapes, device)
             if name == "small" and not args.quick and device.type == "cpu":

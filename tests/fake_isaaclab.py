@@ -45,6 +45,7 @@ class Record:
 
     def __init__(self):
         self.launches, self.envs, self.runtime_open, self.finite_horizon = [], [], False, False
+        self.entry_point = lambda cfg, **kw: FakeRLEnv(cfg, self, **kw)   # a test may build another env instead
 
 
 class FakeEnvCfg:
@@ -220,7 +221,7 @@ def fake_modules(record: Record) -> dict[str, types.ModuleType]:
 
 def spec(record: Record) -> gymnasium.envs.registration.EnvSpec:
     # What `import isaaclab_tasks` does for every task: register it with gymnasium, env checker off.
-    return gymnasium.envs.registration.EnvSpec(TASK, entry_point=lambda cfg, **kw: FakeRLEnv(cfg, record, **kw),
+    return gymnasium.envs.registration.EnvSpec(TASK, entry_point=lambda cfg, **kw: record.entry_point(cfg, **kw),
                                                disable_env_checker=True)
 
 

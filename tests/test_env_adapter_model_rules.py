@@ -11,7 +11,7 @@ import torch
 import envs.isaaclab
 from envs.gymnasium import GymnasiumEnv
 from envs.isaaclab import IsaacLabEnv
-from tests.fake_isaaclab import TASK, FakeRLEnv, Record, fake_modules
+from tests.fake_isaaclab import TASK, FakeRLEnv, Record, fake_modules, spec
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is out of date:DeprecationWarning")
 
@@ -93,10 +93,7 @@ def fake(monkeypatch):
     record = Record()
     for name, module in fake_modules(record).items():
         monkeypatch.setitem(sys.modules, name, module)
-    record.entry_point = lambda cfg, **kw: FakeRLEnv(cfg, record, **kw)
-    spec = gymnasium.envs.registration.EnvSpec(TASK, entry_point=lambda cfg, **kw: record.entry_point(cfg, **kw),
-                                               disable_env_checker=True)
-    monkeypatch.setitem(gymnasium.registry, TASK, spec)
+    monkeypatch.setitem(gymnasium.registry, TASK, spec(record))
     monkeypatch.setattr(envs.isaaclab, "simulation_device", lambda device: "cuda:0")
     closers = []
     monkeypatch.setattr(envs.isaaclab.atexit, "register", closers.append)   # the adapter's close, also on failure
