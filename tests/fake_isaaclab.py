@@ -235,3 +235,15 @@ def install(rank: int) -> Record:
     gymnasium.registry[TASK] = spec(record)
     envs.isaaclab.simulation_device = lambda device: f"cuda:{rank}"
     return record
+
+
+def install_for_test(monkeypatch) -> Record:
+    """For one test (undone after it): the fake modules and task, simulating on cuda:0."""
+    import envs.isaaclab
+
+    record = Record()
+    for name, module in fake_modules(record).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(gymnasium.registry, TASK, spec(record))
+    monkeypatch.setattr(envs.isaaclab, "simulation_device", lambda device: "cuda:0")
+    return record

@@ -11,7 +11,7 @@ import torch
 import envs.isaaclab
 from envs.gymnasium import GymnasiumEnv
 from envs.isaaclab import IsaacLabEnv
-from tests.fake_isaaclab import TASK, FakeRLEnv, Record, fake_modules, spec
+from tests.fake_isaaclab import TASK, FakeRLEnv, install_for_test
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is out of date:DeprecationWarning")
 
@@ -90,11 +90,7 @@ def test_the_protocol_sizes_are_the_tasks():
 @pytest.fixture
 def fake(monkeypatch):
     """The fake Isaac Lab 3.0 (tests/fake_isaaclab.py); every adapter built is closed at the end."""
-    record = Record()
-    for name, module in fake_modules(record).items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setitem(gymnasium.registry, TASK, spec(record))
-    monkeypatch.setattr(envs.isaaclab, "simulation_device", lambda device: "cuda:0")
+    record = install_for_test(monkeypatch)
     closers = []
     monkeypatch.setattr(envs.isaaclab.atexit, "register", closers.append)   # the adapter's close, also on failure
     yield record

@@ -10,7 +10,6 @@ import sys
 import textwrap
 import warnings
 
-import gymnasium
 import pytest
 import torch
 
@@ -18,7 +17,7 @@ import envs.isaaclab
 import train
 from configs import preset, validate
 from envs.isaaclab import IsaacLabEnv, simulation_device
-from tests.fake_isaaclab import MAX_EPISODE_LENGTH, TASK, TERMINATE_ABOVE, Record, fake_modules, install, spec
+from tests.fake_isaaclab import MAX_EPISODE_LENGTH, TASK, TERMINATE_ABOVE, install, install_for_test
 from tests.forked_python import run_python
 from tests.multirank import run_ranks
 
@@ -27,11 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def fake(monkeypatch):
-    record = Record()
-    for name, module in fake_modules(record).items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setitem(gymnasium.registry, TASK, spec(record))
-    monkeypatch.setattr(envs.isaaclab, "simulation_device", lambda device: "cuda:0")
+    record = install_for_test(monkeypatch)
     for name in ("last_exc", "last_value"):    # pytest records a failed test's exception there
         monkeypatch.delattr(sys, name, raising=False)
     return record
