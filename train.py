@@ -182,7 +182,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     stop = StopRequests(watch_launcher="TORCHELASTIC_RUN_ID" in os.environ)
     if is_main:
         run_dir = open_run_dir(run_dir, experiment, os.environ.get("TORCHELASTIC_RUN_ID"))
-        logger = RunLogger(run_dir, cfg.max_iterations, start_iteration)   # continues the curves at start + 1
+        logger = RunLogger(run_dir, cfg.max_iterations, start_iteration,   # continues the curves at start + 1
+                           cfg.ppo.num_epochs * cfg.ppo.num_mini_batches)
         try:                          # what ran from here on, readable without torch
             with open(os.path.join(run_dir, f"config_{start_iteration}.json"), "w") as f:
                 json.dump({"command": sys.argv, "config": dataclasses.asdict(cfg)}, f, indent=1)

@@ -8,7 +8,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 
 class RunLogger:
-    def __init__(self, run_dir: str, max_iterations: int, start_iteration: int):
+    def __init__(self, run_dir: str, max_iterations: int, start_iteration: int, steps_per_iteration: int = 0):
         # purge_step: when a run continues in its own directory (restart, --resume auto), TensorBoard drops
         # whatever an earlier attempt logged after the checkpoint, so no step appears twice. Also from step 1: a
         # torchrun restart before the first checkpoint continues in the same directory from iteration 0.
@@ -17,6 +17,8 @@ class RunLogger:
         self.max_iterations, self.start_iteration = max_iterations, start_iteration
         self.start_time = time.time()
         self.warned: set[str] = set()       # tags already said to be non-finite
+        self.steps_per_iteration = steps_per_iteration      # E x M optimizer steps: the "of n" of skipped steps
+        self.warned_skips = False
 
     def log(self, scalars: dict[str, float], step: int, episode_returns: list[float] = ()) -> None:
         """One iteration's scalars, and each episode return that ended in it (`Episode/return`, in end order).
@@ -28,6 +30,13 @@ class RunLogger:
                 self.warned.add(tag)
                 print(f"[syncppo] warning: {tag} is {value} at iteration {step} (written as is; said once per tag; "
                       f"for a metric averaged over ranks, one rank's NaN or inf is enough)", flush=True)
+        skipped = int(scalars.get("Train/nonfinite_skipped_steps", 0))
+        if skipped and not self.warned_skips:   # a finite but huge reward or loss weight skipped every step, unsaid
+            self.warned_skips = True
+            print(f"[syncppo] warning: {self._skipped(skipped)} update steps at iteration {step} had a non-finite "
+                  f"gradient norm and were skipped (the weights did not change in them; the console line counts "
+                  f"them from now on): a reward, observation or loss weight (--ppo.entropy-coef, "
+                  f"--ppo.value-loss-coef) too large for float32, or a diverging run", flush=True)
         for value in episode_returns:
             self.writer.add_scalar("Episode/return", value, step)
         self.writer.flush()
@@ -38,9 +47,14 @@ class RunLogger:
         eta = elapsed / done * (self.max_iterations - iteration - 1)
         reward, length = (_fmt(scalars.get(key), width, ".1f" if "length" in key else ".2f") for key, width in
                           (("Train/mean_reward", 8), ("Train/mean_episode_length", 6)))
+        skipped = int(scalars.get("Train/nonfinite_skipped_steps", 0))
+        skipped = f"  skipped {self._skipped(skipped, '/')}" if skipped else ""
         print(f"it {iteration + 1:>5}/{self.max_iterations}  {scalars['Perf/total_fps']:>9.0f} steps/s  "
               f"reward {reward}  ep_len {length}  kl {scalars['Policy/kl']:.4f}  "
-              f"lr {scalars['Loss/learning_rate']:.1e}  ETA {eta / 60:5.1f} min", flush=True)
+              f"lr {scalars['Loss/learning_rate']:.1e}  ETA {eta / 60:5.1f} min{skipped}", flush=True)
+
+    def _skipped(self, skipped: int, of: str = " of ") -> str:
+        return f"{skipped}{of}{self.steps_per_iteration}" if self.steps_per_iteration else str(skipped)
 
     def close(self) -> None:
         self.writer.close()

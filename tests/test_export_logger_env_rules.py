@@ -223,6 +223,22 @@ def test_a_non_finite_scalar_is_written_as_is_and_said_once_per_tag(tmp_path, ca
     assert [step for step, _ in torque] == [1, 2, 3] and math.isnan(torque[0][1]) and torque[2][1] == 1.5
 
 
+def test_skipped_update_steps_are_said_once_and_counted_on_every_console_line(tmp_path, capsys):
+    """An env whose rewards were 1e30 (finite, so accepted) made every gradient norm inf: each step was skipped and
+    the run trained nothing, with nothing on the console. Now one warning at the first skip, `skipped k/n` after."""
+    logger = RunLogger(str(tmp_path / "run"), max_iterations=5, start_iteration=0, steps_per_iteration=20)
+    line = {"Perf/total_fps": 1.0, "Policy/kl": 0.0, "Loss/learning_rate": 1e-3}
+    for step, skipped in ((1, 0.0), (2, 3.0), (3, 20.0)):
+        logger.log({"Train/nonfinite_skipped_steps": skipped}, step)
+        logger.print_line(step - 1, {**line, "Train/nonfinite_skipped_steps": skipped})
+    logger.close()
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" (")[0] for line in out if "warning" in line] == [
+        "[syncppo] warning: 3 of 20 update steps at iteration 2 had a non-finite gradient norm and were skipped"]
+    printed = [line.split(" min", 1)[1] for line in out if line.startswith("it ")]     # what follows the ETA
+    assert printed == ["", "  skipped 3/20", "  skipped 20/20"]
+
+
 def test_an_iteration_is_on_disk_when_log_returns_even_if_the_process_then_ends_abruptly(tmp_path):
     """A process that ends without closing the writer (os._exit after a weight-serving thread's bug, kill -9) keeps
     every logged iteration and its episode returns: the writer flushed only every 2 minutes, so it lost them."""
