@@ -168,6 +168,8 @@ def open_run_dir(existing: str | None, experiment_dir: str, run_id: str | None) 
 def check_writable_root(root: str, flag: str = "--log.root", write: bool = True) -> None:
     """Fail before anything is built (or created) when `root` (`flag`: --log.root, a bench's --root) cannot hold
     run directories, checked at its nearest existing ancestor; `write=False` asks only that it be a directory."""
+    if not root:     # an unset shell variable (--log.root "$DIR"): the runs went to the working directory, unsaid
+        raise UsageError(f"{flag} is empty; pass a directory ('.' for the current one)")
     probe = _nearest_directory(root)
     if not os.path.isdir(probe):
         raise UsageError(f"{flag} {root!r}: {probe!r} is a file, not a directory; pick another {flag}")

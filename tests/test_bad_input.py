@@ -3,6 +3,7 @@ flag (or the --resume file) and exit status 2, where it used to be a traceback o
 tests/test_config_errors.py holds the earlier cases; none is repeated here."""
 
 import dataclasses
+import os
 import re
 import struct
 import zipfile
@@ -194,3 +195,12 @@ def test_a_global_env_budget_with_rollout_ranks_is_refused_first_whatever_the_bu
     cfg = cfg_with(env__global_num_envs=total, rollout__ranks=2)
     with pytest.raises(UsageError, match=r"^--env.global-num-envs with --rollout.ranks: give --env.num-envs per "):
         resolve_num_envs(cfg, 3)
+
+
+def test_an_empty_log_root_is_refused_not_taken_for_the_working_directory(tmp_path, monkeypatch):
+    # --log.root "$UNSET": the run went to ./tracking/<timestamp>/ in the working directory, exit 0, nothing said
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"^--log.root is empty; pass a directory \('\.' for the current one\)$"):
+        train.main(cfg_with(log__root="", dist__device="cpu", max_iterations=1, env__num_envs=4, ppo__num_steps=4,
+                            ppo__num_mini_batches=1))       # small: the old code trained it
+    assert os.listdir(tmp_path) == []
