@@ -28,6 +28,12 @@ class RunError(RuntimeError):
     """A run-time failure with a message that says what happened and what was kept."""
 
 
+def one_line(exc: BaseException) -> str:
+    """`exc`'s message on one line. Not its first line: load_state_dict's is only the header ("Error(s) in loading
+    state_dict for ActorCritic:"), and the tensor that does not fit is on the tab-indented lines after it."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
 def tell_torchrun(message: str) -> None:
     """Write this rank's error where torchrun's failure summary reads its root cause (else `error_file: <N/A>`)."""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):

@@ -24,6 +24,7 @@ from torch import nn
 
 from configs.config import PolicyConfig
 from dist.checkpoint_read import read_checkpoint
+from dist.errors import one_line
 from ppo.actor_critic import ActorCritic, build_actor_critic
 from ppo.normalizer import ObsNormalizer
 
@@ -66,7 +67,7 @@ def load_policy(path: str) -> tuple[ActorCritic, dict]:
     except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as exc:
         raise ValueError(f"CKPT {path!r}: its model or policy config does not fit this version's actor-critic "
                          f"(damaged, or saved by another version?): {type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+                         f"{one_line(exc)}") from None
     return model.eval(), config
 
 

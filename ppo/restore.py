@@ -7,7 +7,7 @@ afterwards). What the run's flags change on resume (LR, Adam's eps, --seed) is d
 import torch
 
 from dist.checkpoint import rng_states_fit, set_rng_states
-from dist.errors import UsageError
+from dist.errors import UsageError, one_line
 from ppo.minibatch_step import saved_state_for
 from ppo.normalizer import RewardNormalizer
 
@@ -46,7 +46,7 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
             obj.load_state_dict(saved)
         except (RuntimeError, ValueError, KeyError) as exc:
             raise UsageError(f"--resume {path!r}: its {key} does not fit this run (other env or --policy.* "
-                             f"sizes?): {str(exc).splitlines()[0]}") from None
+                             f"sizes?): {one_line(exc)}") from None
     saved_layout = state.get("layout", [len(state["rng"]), 0])
     same_layout = saved_layout == [roles.num_learners, roles.num_rollouts]
     rng = state["rng"][roles.rank] if same_layout else {}

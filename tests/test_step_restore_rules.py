@@ -215,6 +215,17 @@ def test_restore_names_an_optimizer_whose_param_groups_do_not_fit():
         restore(saved, "c.pt", _built(), None, _roles(), CPU, _run())
 
 
+def test_restore_names_the_model_tensor_that_does_not_fit_on_one_line():
+    """load_state_dict's first line is only its header ("Error(s) in loading state_dict for ActorCritic:"), and the
+    message kept only that line: which tensor did not fit, and how, was on the lines it dropped."""
+    saved = _checkpoint(_built(), [rng_states()])
+    saved["model"]["log_std"] = torch.zeros(A + 1)
+    with pytest.raises(UsageError, match=r"^--resume 'c\.pt': its model does not fit this run .*ActorCritic: size "
+                                         rf"mismatch for log_std: .*Size\(\[{A + 1}\]\).*Size\(\[{A}\]\)") as info:
+        restore(saved, "c.pt", _built(), None, _roles(), CPU, _run())
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("layout", [True, False], ids=["layout", "no-layout"])
 def test_rank_1_of_two_learners_takes_its_own_rng_states(layout):
     """Each rank restores its own entry of the checkpoint's `rng` list; a checkpoint from before `layout` existed

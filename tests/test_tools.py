@@ -245,6 +245,18 @@ def test_export_of_a_checkpoint_that_does_not_fit_is_one_line(tmp_path, damage):
     assert result.returncode == 2 and "does not fit" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_export_names_the_tensor_that_does_not_fit_on_one_line(tmp_path):
+    # the message ended at load_state_dict's header line, "Error(s) in loading state_dict for ActorCritic:"
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    state = torch.load(path, weights_only=True)
+    state["model"]["actor.2.weight"] = torch.zeros(8, 9)
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=r"ActorCritic: size mismatch for actor\.2\.weight: .*Size\(\[8, 9\]\)") \
+            as info:
+        export.export(path)
+    assert "\n" not in str(info.value)
+
+
 # ---- Makefile -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("output, status, nproc", [
