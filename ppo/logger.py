@@ -34,9 +34,10 @@ class RunLogger:
         if skipped and not self.warned_skips:   # a finite but huge reward or loss weight skipped every step, unsaid
             self.warned_skips = True
             print(f"[syncppo] warning: {self._skipped(skipped)} update steps at iteration {step} had a non-finite "
-                  f"gradient norm and were skipped (the weights did not change in them; the console line counts "
-                  f"them from now on): a reward, observation or loss weight (--ppo.entropy-coef, "
-                  f"--ppo.value-loss-coef) too large for float32, or a diverging run", flush=True)
+                  f"gradient norm and were skipped (the weights did not change in them; said once, then as "
+                  f"'skipped k/n' on the console line of each iteration that skips): a reward, observation, loss "
+                  f"weight or action std (--ppo.entropy-coef, --ppo.value-loss-coef, --policy.init-noise-std) too "
+                  f"large for float32, or a diverging run", flush=True)
         for value in episode_returns:
             self.writer.add_scalar("Episode/return", value, step)
         self.writer.flush()
