@@ -121,7 +121,11 @@ def lock_run_dir(run_dir: str) -> None:
     path = os.path.realpath(run_dir)
     if path in _LOCKED:
         return
-    lock = open(os.path.join(path, ".lock"), "a+")
+    try:
+        lock = open(os.path.join(path, ".lock"), "a+")
+    except OSError as exc:   # another user's run, a read-only mount (a traceback before): continued in place, so written
+        raise UsageError(f"run directory {run_dir} cannot be continued in place: {exc.strerror} ({exc.filename}); "
+                         f"continue one of its checkpoints in a new directory with --resume PATH") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -279,3 +279,29 @@ def test_a_run_directory_in_use_is_not_continued_by_a_second_run(tmp_path):
         holder.wait(30)
     assert open_run_dir(run_dir, str(tmp_path), None) == run_dir     # released with its process
     assert not os.path.exists(in_progress)                            # now it is stale
+
+
+@pytest.mark.parametrize("cause", ["lock is a directory", "permission denied"])
+def test_a_run_directory_that_cannot_be_written_is_refused_in_one_line(tmp_path, monkeypatch, cause):
+    """--resume RUN_DIR continues in place, so rank 0 opens RUN_DIR/.lock for writing first: another user's run or a
+    read-only mount (PermissionError) and a .lock that is a directory were a traceback, not a line naming the fix."""
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 4, 4, 1, 1
+    cfg.log.root, cfg.log.print_every, cfg.dist.device = str(tmp_path), 100, "cpu"
+    train.main(cfg)
+    (run_dir,) = glob.glob(str(tmp_path / "cartpole" / "*"))
+    if cause == "lock is a directory":
+        os.remove(os.path.join(run_dir, ".lock"))
+        os.mkdir(os.path.join(run_dir, ".lock"))
+    else:
+        def refuse(path, *args, **kwargs):
+            if str(path).endswith(".lock"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return open(path, *args, **kwargs)
+        monkeypatch.setattr("dist.checkpoint.open", refuse, raising=False)
+    before = sorted(os.listdir(run_dir))
+    cfg.resume, cfg.max_iterations = run_dir, 2
+    with pytest.raises(UsageError, match=rf"^run directory {re.escape(run_dir)} cannot be continued in place: "
+                                         rf"(Is a directory|Permission denied) \(.*\.lock\); continue one of its "):
+        train.main(cfg)
+    assert sorted(os.listdir(run_dir)) == before
