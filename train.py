@@ -320,6 +320,12 @@ def first_on_node() -> bool:
     return not value.strip().isdecimal() or int(value) == 0
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """An allocation the device could not serve: CUDA's OutOfMemoryError, Python's MemoryError, or the RuntimeError
+    of torch's CPU allocator (which has no type of its own, only its words)."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "DefaultCPUAllocator: can't allocate" in str(exc)
+
+
 def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
     """Run `main`; turn user errors into one line on stderr (status 2) and run-time failures into one line (1); an
     unexpected exception prints its traceback and that line (1). Each tears the process group down at once."""
@@ -339,6 +345,10 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
         code, failure, say = 1, exc, True
         first = str(exc).splitlines()[0] if str(exc) else ""
         message = f"error: unexpected {type(exc).__name__} (traceback above): {first}"
+        if out_of_memory(exc):        # sizes the device cannot hold: not a bug, and the way out is a flag
+            message = (f"error: out of memory (traceback above: where): {first}; this run's sizes need more memory than "
+                       "the device has: lower --env.num-envs, --ppo.num-steps, --policy.actor-hidden/critic-hidden "
+                       "or the env's own sizes (tracking: --env.num-motions)")
     if say:
         print(f"{message}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside
     tell_torchrun(message)

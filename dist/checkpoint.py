@@ -123,7 +123,7 @@ def lock_run_dir(run_dir: str) -> None:
         return
     try:
         lock = open(os.path.join(path, ".lock"), "a+")
-    except OSError as exc:   # another user's run, a read-only mount (a traceback before): continued in place, so written
+    except OSError as exc:   # another user's run, a read-only mount: continuing in place would write there
         raise UsageError(f"run directory {run_dir} cannot be continued in place: {exc.strerror} ({exc.filename}); "
                          f"continue one of its checkpoints in a new directory with --resume PATH") from None
     try:

@@ -47,7 +47,11 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
         raise UsageError(f"--resume {path!r} is not a regular file; pass a model_<iteration>.pt file, or auto")
 
     def usable(state) -> None:
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
+        written = state.get("format") if isinstance(state, dict) else None
+        if isinstance(written, str) and written != FORMAT and written.startswith(FORMAT.rsplit("-", 1)[0] + "-"):
+            raise UsageError(f"--resume {path!r} was written by another syncppo version (format {written!r}; this one "
+                             f"reads {FORMAT!r}): resume it with the version that wrote it")
+        if written != FORMAT:
             raise UsageError(f"--resume {path!r} is not a syncppo checkpoint (expected format {FORMAT!r})")
         missing = [k for k in REQUIRED_KEYS if k not in state]
         if missing:

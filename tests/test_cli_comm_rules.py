@@ -74,6 +74,20 @@ def test_cli_prints_an_unexpected_exception_s_traceback_and_its_first_line(monke
     assert events == [("torchrun", said), "shutdown", "release"]
 
 
+def test_cli_says_an_allocation_the_device_cannot_serve_as_out_of_memory_naming_the_sizes(monkeypatch, capsys):
+    """torch's CPU allocator raises a plain RuntimeError (here a real one, 2**62 bytes); it is not a bug but sizes
+    too large (--env.num-motions 1e9 passes validation): status 1, the traceback, and a line naming the flags."""
+    with pytest.raises(RuntimeError) as allocation:
+        torch.empty(2**62, dtype=torch.uint8)
+    status, err, _ = _failing_cli(monkeypatch, capsys, allocation.value)
+    first = str(allocation.value).splitlines()[0]
+    assert status == 1 and err.startswith("Traceback (most recent call last):")
+    assert err.endswith(f"error: out of memory (traceback above: where): {first}; this run's sizes need more memory "
+                        "than the device has: lower --env.num-envs, --ppo.num-steps, --policy.actor-hidden/critic-hidden"
+                        " or the env's own sizes (tracking: --env.num-motions)\n")
+    assert train.out_of_memory(MemoryError()) and not train.out_of_memory(RuntimeError("can't allocate a name"))
+
+
 @pytest.mark.parametrize("failure, local_rank, said", [
     (UsageError("--seed bad"), "0", True), (UsageError("--seed bad"), "1", False),
     (UsageError("--env.task bad", say_here=True), "1", True),

@@ -82,6 +82,11 @@ def test_resume_path_errors(tmp_path):
     torch.save({"state_dict": {}}, foreign)
     with pytest.raises(ValueError, match="not a syncppo checkpoint"):
         train.main(cfg_with(resume=str(foreign)))
+    newer = tmp_path / "newer.pt"                                   # a later format: said as such, not as foreign
+    torch.save({"format": "syncppo-checkpoint-v2"}, newer)
+    with pytest.raises(ValueError, match=r"newer.pt' was written by another syncppo version \(format "
+                                         r"'syncppo-checkpoint-v2'; this one reads 'syncppo-checkpoint-v1'\)"):
+        train.main(cfg_with(resume=str(newer)))
 
 
 def run_cli(*args):
