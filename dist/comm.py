@@ -98,9 +98,6 @@ class _Work:
         with _named(self.kind, self.purpose):
             return self.work.wait()
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
 
 def all_reduce(tensor: torch.Tensor, purpose: str, op: str = "sum", async_op: bool = False):
     """In-place all-reduce of `tensor` over all ranks with op "sum", "avg" (NCCL only), "max" or "min".

@@ -47,10 +47,6 @@ class Roles:
         """j for rollout rank L + j: the colocated rank whose seeds it uses."""
         return self.rank - self.num_learners
 
-    @property
-    def seed_offset(self) -> int:
-        return self.rank if self.is_learner else self.rollout_index
-
     def describe(self) -> str:
         if self.colocated:
             return f"{self.world_size} colocated rank(s): each collects and learns"

@@ -111,7 +111,6 @@ def fill_storage(storage, batch: dict[str, torch.Tensor], model, reward_normaliz
     `recompute`: old log-probs, action mean/std and values from `model` rather than from the policy copy
     that collected the batch (a lower-precision copy would otherwise bias the PPO ratio and the KL).
     """
-    storage.clear()
     for name in ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values"):
         setattr(storage, name, batch[name])
     if recompute:
@@ -126,6 +125,5 @@ def fill_storage(storage, batch: dict[str, torch.Tensor], model, reward_normaliz
             reward = reward_normalizer(reward, dones[t])
         storage.rewards[t] = reward + batch["bootstrap"][t]
     storage.dones.copy_(dones)
-    storage.step = storage.num_steps
     storage.advantages, storage.returns = compute_gae(storage.rewards, storage.values, storage.dones,
                                                       model.value(batch["last_critic_obs"]), gamma, lam)

@@ -25,7 +25,8 @@ class _Column:
 
 
 class RolloutStorage:
-    """Fixed-size buffers for one iteration. `add` writes step t; the update reads minibatches (`minibatches`)."""
+    """Fixed-size buffers for one iteration. fill_storage (ppo/rollout.py) writes a whole batch; the update reads
+    minibatches (`minibatches`)."""
 
     FIELDS = ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values",
               "advantages", "returns")
@@ -35,7 +36,7 @@ class RolloutStorage:
     def __init__(self, num_steps: int, num_envs: int, obs_dims: dict[str, int], num_actions: int,
                  device: torch.device):
         T, N = num_steps, num_envs
-        self.num_steps, self.num_envs, self.step = T, N, 0
+        self.num_steps, self.num_envs = T, N
         # Width of each field; 0 marks a scalar per transition (a [T, N] view, not [T, N, 1]).
         self.widths = {"actor_obs": obs_dims["policy"], "critic_obs": obs_dims["critic"], "actions": num_actions,
                        "action_mean": num_actions, "action_std": num_actions, "log_probs": 0, "values": 0,
@@ -52,20 +53,6 @@ class RolloutStorage:
             views[name] = packed[..., start] if width == 0 else packed[..., start:start + width]
             start += max(width, 1)
         return views
-
-    def add(self, actor_obs, critic_obs, actions, action_mean, action_std, log_probs, rewards, values, dones):
-        if self.step >= self.num_steps:
-            raise RuntimeError("rollout storage is full: call clear() at the start of each iteration")
-        t = self.step
-        for name, value in zip(("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs",
-                                "rewards", "values", "dones"),
-                               (actor_obs, critic_obs, actions, action_mean, action_std, log_probs, rewards,
-                                values, dones)):
-            getattr(self, name)[t] = value
-        self.step += 1
-
-    def clear(self) -> None:
-        self.step = 0
 
     def minibatches(self, num_mini_batches: int, generator: torch.Generator | None = None,
                     unit: str = "trajectory") -> Iterator[dict[str, torch.Tensor]]:

@@ -6,9 +6,8 @@
   refused like one set to None; parameters of two dtypes are refused at construction.
 - reduce_metrics: keys are matched by name, not by the order each rank happened to insert them; no keys, no entries.
 - ppo/: collect_rollout sums log-probs over action dims (more than one action) and calls `check` on the first
-  step only; EpisodeStats.start_iteration forgets the last iteration's ended returns; RolloutStorage.clear()
-  lets add() start again at step 0, and fill_storage() leaves the storage full; ppo_loss refuses inputs that
-  all share one shape other than [B].
+  step only; EpisodeStats.start_iteration forgets the last iteration's ended returns; ppo_loss refuses inputs
+  that all share one shape other than [B].
 
 Expected values are computed here independently: one process over the concatenated data, or by hand.
 """
@@ -21,8 +20,7 @@ from dist.grad_sync import GradSync
 from dist.stats import reduce_metrics
 from ppo.actor_critic import ActorCritic
 from ppo.loss import ppo_loss
-from ppo.rollout import TRAIN_KEYS, EpisodeStats, collect_rollout, fill_storage
-from ppo.storage import RolloutStorage
+from ppo.rollout import TRAIN_KEYS, EpisodeStats, collect_rollout
 from tests.multirank import run_ranks
 
 B = 4   # samples per rank per step
@@ -209,33 +207,6 @@ def test_start_iteration_forgets_the_previous_iterations_ended_returns_and_sums(
     assert stats.ended == [] and stats.sums.abs().sum() == 0 and stats.counts.abs().sum() == 0
     stats.step(torch.tensor([5.0, 1.0]), torch.tensor([False, True]), {}, record_returns=True)
     assert len(stats.ended) == 1 and torch.isnan(stats.ended[0][0]) and stats.ended[0][1].item() == 2.0 + 1.0
-
-
-def _add(storage, value):
-    N, A = storage.num_envs, storage.widths["actions"]
-    storage.add(torch.full((N, 2), value), torch.full((N, 2), value), torch.zeros(N, A), torch.zeros(N, A),
-                torch.ones(N, A), torch.zeros(N), torch.zeros(N), torch.full((N,), value), torch.zeros(N, dtype=torch.bool))
-
-
-def test_clear_starts_the_next_iteration_at_step_0_and_fill_storage_leaves_the_storage_full():
-    storage = RolloutStorage(2, 3, {"policy": 2, "critic": 2}, 1, torch.device("cpu"))
-    _add(storage, 1.0)
-    _add(storage, 2.0)
-    storage.clear()
-    _add(storage, 5.0)                                    # after clear(): step 0 again, not "storage is full"
-    assert storage.step == 1 and storage.values[:, 0].tolist() == [5.0, 2.0]
-
-    torch.manual_seed(0)
-    model = ActorCritic(2, 2, 1, (8,), (8,), normalize_critic_obs=False)
-    T, N = 2, 3
-    batch = {"actor_obs": torch.randn(T, N, 2), "critic_obs": torch.randn(T, N, 2), "actions": torch.randn(T, N, 1),
-             "action_mean": torch.zeros(T, N, 1), "action_std": torch.ones(T, N, 1), "log_probs": torch.zeros(T, N),
-             "values": torch.zeros(T, N), "rewards": torch.randn(T, N), "bootstrap": torch.zeros(T, N),
-             "dones": torch.zeros(T, N, dtype=torch.bool), "last_critic_obs": torch.randn(N, 2)}
-    fill_storage(storage, batch, model, None, 0.99, 0.95)
-    assert storage.step == T                              # all T steps written: one more add() is refused
-    with pytest.raises(RuntimeError, match="storage is full"):
-        _add(storage, 3.0)
 
 
 def test_ppo_loss_refuses_seven_inputs_of_one_shape_other_than_b():

@@ -187,18 +187,18 @@ def test_a_gradient_from_an_earlier_micro_batch_counts_as_received():
 
 def test_roles_teams_seeds_and_description_by_hand():
     """6 ranks with 4 rollout ranks: learners 0, 1; learner 0 owns ranks 2, 3 and learner 1 ranks 4, 5 (module
-    docstring: L + l*K/L ... L + (l+1)*K/L - 1); rollout rank L + j seeds like colocated rank j; colocated runs
-    have every rank learn with its own rank as seed offset."""
+    docstring: L + l*K/L ... L + (l+1)*K/L - 1); rollout rank L + j has rollout_index j (it seeds like colocated
+    rank j); colocated runs have every rank learn."""
     from dist.roles import Roles, assign_roles
     roles = [Roles(r, 6, 2, 4) for r in range(6)]
     assert [r.is_learner for r in roles] == [True, True, False, False, False, False]
-    assert [r.seed_offset for r in roles] == [0, 1, 0, 1, 2, 3]
+    assert [r.rollout_index for r in roles[2:]] == [0, 1, 2, 3]
     assert roles[0].team_of(0) == [0, 2, 3] and roles[0].team_of(1) == [1, 4, 5]
     assert roles[0].describe() == "2 learner(s) + 4 rollout rank(s): learner 0 <- rollout ranks [2, 3]; learner 1 <- rollout ranks [4, 5]"
     one = Roles(1, 2, 1, 1)
-    assert not one.colocated and one.team_of(0) == [0, 1] and not one.is_learner and one.seed_offset == 0
+    assert not one.colocated and one.team_of(0) == [0, 1] and not one.is_learner and one.rollout_index == 0
     co = assign_roles(3, 4, 0)
-    assert co.colocated and co.is_learner and co.seed_offset == 3 and co.per_learner == 0
+    assert co.colocated and co.is_learner and co.per_learner == 0
     assert co.describe() == "4 colocated rank(s): each collects and learns"
 
 

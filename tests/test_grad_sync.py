@@ -114,9 +114,6 @@ class _AveragedWhenWaited:
         self.tensor.div_(self.world)
         return True
 
-    def is_completed(self):
-        return self.work.is_completed()
-
 
 def sync_grads_under_nccl_rules(rank, world_size, mode):
     """sync_grads with comm.backend() saying nccl and ReduceOp.AVG done as SUM then divide; returns the same

@@ -14,7 +14,6 @@ from ppo.actor_critic import ActorCritic, build_actor_critic
 from ppo.kl_schedule import adaptive_lr
 from ppo.loss import ppo_loss
 from ppo.normalizer import ObsNormalizer, RewardNormalizer
-from ppo.storage import RolloutStorage
 
 
 # ---- ppo/loss.py, ppo/kl_schedule.py ---------------------------------------------------------------
@@ -118,19 +117,6 @@ def test_reward_normalizer_with_zero_return_spread_stays_finite():
     assert rn.std.item() == 0.0
     out = rn(torch.tensor([0.0, 1.0]), torch.zeros(2, dtype=torch.bool))
     assert out.tolist() == [0.0, 10.0]            # 0 / 1e-8 = 0; 1 / 1e-8 clipped to 10
-
-
-# ---- ppo/storage.py --------------------------------------------------------------------------------
-
-def test_adding_past_the_last_step_is_a_clear_error():
-    """A rollout longer than the storage (a missing clear()) must say so, not fail with an IndexError."""
-    s = RolloutStorage(2, 3, {"policy": 1, "critic": 1}, 1, torch.device("cpu"))
-    row = (torch.zeros(3, 1), torch.zeros(3, 1), torch.zeros(3, 1), torch.zeros(3, 1), torch.ones(3, 1),
-           torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3, dtype=torch.bool))
-    s.add(*row)
-    s.add(*row)
-    with pytest.raises(RuntimeError, match="rollout storage is full"):
-        s.add(*row)
 
 
 # ---- ppo/actor_critic.py ---------------------------------------------------------------------------

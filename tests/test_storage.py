@@ -5,10 +5,11 @@ from ppo.storage import RolloutStorage
 
 def filled_storage(T=5, N=12):
     s = RolloutStorage(T, N, {"policy": 3, "critic": 4}, 2, torch.device("cpu"))
-    for t in range(T):
-        ids = torch.arange(N, dtype=torch.float32)
-        s.add(ids[:, None].expand(N, 3) + 100 * t, torch.zeros(N, 4), torch.zeros(N, 2), torch.zeros(N, 2),
-              torch.ones(N, 2), torch.zeros(N), torch.full((N,), float(t)), ids, torch.zeros(N, dtype=torch.bool))
+    ids, steps = torch.arange(N, dtype=torch.float32), torch.arange(T, dtype=torch.float32)[:, None]
+    s.actor_obs = ids[None, :, None].expand(T, N, 3) + 100 * steps[:, :, None]
+    s.action_std = torch.ones(T, N, 2)
+    s.rewards.copy_(steps.expand(T, N))
+    s.values = ids.expand(T, N)
     return s
 
 
