@@ -237,12 +237,12 @@ def worker(rank: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
-def ppo_checkpoints(iterations: int = 3) -> list:
-    """Train the tracking preset for a few iterations and return its checkpoints (one per iteration)."""
+def ppo_checkpoints() -> list:
+    """Train the tracking preset for 3 iterations (--ppo's help) and return its checkpoints (one per iteration)."""
     root = tempfile.mkdtemp(prefix="bench_sync_")
     atexit.register(shutil.rmtree, root, True)        # the checkpoints are only read by this run
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, os.path.join(repo, "train.py"), "tracking", "--max-iterations", str(iterations),
+    subprocess.run([sys.executable, os.path.join(repo, "train.py"), "tracking", "--max-iterations", "3",
                     "--log.save-every", "1", "--log.root", root], check=True, cwd=repo)
     return sorted(glob.glob(os.path.join(root, "*", "*", "model_*.pt")),
                   key=lambda p: int(p.rsplit("_", 1)[1].split(".")[0]))

@@ -90,14 +90,14 @@ def gemm_shapes(in_dims: dict[str, int], hidden: tuple[int, ...], num_actions: i
     return shapes
 
 
-def matmul_limit_seconds(shapes: list, device: torch.device, repeats: int = 3) -> float:
-    """Seconds for one pass of torch.mm over `shapes` (best of `repeats` per shape), on this thread or GPU."""
+def matmul_limit_seconds(shapes: list, device: torch.device) -> float:
+    """Seconds for one pass of torch.mm over `shapes` (best of 3 per shape), on this thread or GPU."""
     total = 0.0
     for m, k, n in shapes:
         a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
         torch.mm(a, b)
         best = float("inf")
-        for _ in range(repeats):
+        for _ in range(3):
             _synchronize(device)
             t = time.perf_counter()
             torch.mm(a, b)

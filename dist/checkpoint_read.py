@@ -15,7 +15,7 @@ from dist.errors import UsageError
 REQUIRED_KEYS = ("format", "model", "optimizer", "iteration", "learning_rate", "env", "config", "rng")
 
 
-def read_torch_file(path: str, map_location="cpu"):
+def read_torch_file(path: str):
     """torch.load(weights_only=True) of a file meant to be a training checkpoint; ValueError says what the file is
     instead (torch's own message advises weights_only=False, which is neither safe nor the fix)."""
     if not zipfile.is_zipfile(path):
@@ -29,7 +29,7 @@ def read_torch_file(path: str, map_location="cpu"):
             raise ValueError("an exported policy (TorchScript), not a training checkpoint: pass the model_<k>.pt it "
                              "was exported from")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
         text = str(exc)
         detail = next((line.strip() for line in text.splitlines() if "Unpickler error" in line),
@@ -37,7 +37,7 @@ def read_torch_file(path: str, map_location="cpu"):
         raise ValueError(f"not a readable torch checkpoint ({type(exc).__name__}: {detail})") from None
 
 
-def load_checkpoint(path: str, map_location="cpu") -> dict:
+def load_checkpoint(path: str) -> dict:
     """Load and validate a checkpoint; a file that is not one of ours raises naming what is wrong."""
     if not os.path.exists(path):
         raise UsageError(f"--resume {path!r} does not exist")
@@ -59,17 +59,17 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
         damage = malformed_entry(state)
         if damage:
             raise UsageError(f"--resume {path!r} is damaged ({damage}); resume from another checkpoint")
-    return read_checkpoint(path, "--resume", "resume from", usable, map_location)
+    return read_checkpoint(path, "--resume", "resume from", usable)
 
 
-def read_checkpoint(path: str, flag: str, use: str, usable: Callable[[object], None], map_location="cpu") -> dict:
+def read_checkpoint(path: str, flag: str, use: str, usable: Callable[[object], None]) -> dict:
     """The checks every reader of a checkpoint makes (--resume, export), in this order: a torch archive
     (read_torch_file) whose CRC-32s match (corrupt_member); `usable(state)`, which raises (a ValueError) for entries
     this reader cannot use (its own error, passed on); then no value a healthy run never saves (nonfinite_entry).
     Each failure of these checks is one UsageError naming the file as `flag PATH` and the way out as `use`
     ("resume from", "export") a checkpoint."""
     try:
-        state = read_torch_file(path, map_location)
+        state = read_torch_file(path)
     except ValueError as exc:
         raise UsageError(f"{flag} {path!r} is {exc}") from None
     damage = corrupt_member(path)

@@ -15,7 +15,7 @@ from . import comm
 from .plan import PlanRow
 
 
-def global_mean_std(x: torch.Tensor, purpose: str = "advantages") -> tuple[torch.Tensor, torch.Tensor]:
+def global_mean_std(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and (population) std of `x` over all ranks' elements, exact even when |mean| >> std.
 
     Crosses ranks: two all-reduces per call (see `mean_std_plan_rows`), the runner calls it once per
@@ -25,18 +25,18 @@ def global_mean_std(x: torch.Tensor, purpose: str = "advantages") -> tuple[torch
     """
     x64 = x.detach().double().flatten()
     first = torch.stack([torch.tensor(float(x64.numel()), dtype=torch.float64, device=x.device), x64.sum()])
-    count, total = comm.all_reduce(first.to(comm.device()), purpose).to(x.device).unbind(0)
+    count, total = comm.all_reduce(first.to(comm.device()), "advantages").to(x.device).unbind(0)
     mean = total / count
-    m2 = comm.all_reduce((x64 - mean).square().sum().reshape(1).to(comm.device()), purpose).to(x.device)[0]
+    m2 = comm.all_reduce((x64 - mean).square().sum().reshape(1).to(comm.device()), "advantages").to(x.device)[0]
     return mean.to(x.dtype), (m2 / count).sqrt().to(x.dtype)
 
 
-def mean_std_plan_rows(purpose: str = "advantages") -> list[PlanRow]:
-    return [PlanRow(purpose, "global (n, sum), then dev^2", "all_reduce", "iteration", [16, 8])]
+def mean_std_plan_rows() -> list[PlanRow]:
+    return [PlanRow("advantages", "global (n, sum), then dev^2", "all_reduce", "iteration", [16, 8])]
 
 
-def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, batch: torch.Tensor,
-                  purpose: str = "normalizer") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor,
+                  batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fold `batch` [B, D] from every rank into running moments (count, mean [D], M2 [D]), all float64.
 
     Crosses ranks: one all-reduce of 1 + 2D float64 numbers per call (the runner: once per iteration
@@ -53,7 +53,7 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, bat
     batch_count = torch.tensor([float(shifted.shape[0])], dtype=torch.float64, device=batch.device)
     batch_sum = shifted.sum(0)                                           # before the in-place square below
     local = torch.cat([batch_count, batch_sum, shifted.square_().sum(0)])
-    summed = comm.all_reduce(local, purpose)
+    summed = comm.all_reduce(local, "normalizer")
     dim = mean.numel()
     n_b, s1, s2 = summed[0], summed[1:1 + dim], summed[1 + dim:]
     mean_b_shift = s1 / n_b                      # batch mean minus running mean
@@ -64,13 +64,12 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, bat
     return n, new_mean, new_m2
 
 
-def merge_plan_row(dim: int, of: str, purpose: str = "normalizer") -> PlanRow:
+def merge_plan_row(dim: int, of: str) -> PlanRow:
     """The plan row of one merge_moments call per iteration over `dim` features of `of` (what is normalized)."""
-    return PlanRow(purpose, f"merge (n, mean, M2) of {of}", "all_reduce", "iteration", [(1 + 2 * dim) * 8])
+    return PlanRow("normalizer", f"merge (n, mean, M2) of {of}", "all_reduce", "iteration", [(1 + 2 * dim) * 8])
 
 
-def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor],
-                   purpose: str = "metrics") -> dict[str, float]:
+def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor]) -> dict[str, float]:
     """Count-weighted means over all ranks: key -> sum over ranks of sums[key] / sum of counts[key].
 
     Crosses ranks: one all-reduce of 2K float64 numbers (K = number of keys), packed into one vector,
@@ -85,12 +84,12 @@ def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor
     # Stacked where the metrics live, then moved once: no per-key device copies (host syncs on GPU).
     packed = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
     packed = packed.to(comm.device())
-    packed = comm.all_reduce(packed, purpose).view(-1, 2)
+    packed = comm.all_reduce(packed, "metrics").view(-1, 2)
     return {k: s / c for k, (s, c) in zip(keys, packed.tolist()) if c > 0}
 
 
-def metrics_plan_rows(num_keys: int, purpose: str = "metrics") -> list[PlanRow]:
-    return [PlanRow(purpose, "count-weighted mean", "all_reduce", "iteration", [16 * num_keys])]
+def metrics_plan_rows(num_keys: int) -> list[PlanRow]:
+    return [PlanRow("metrics", "count-weighted mean", "all_reduce", "iteration", [16 * num_keys])]
 
 
 def sum_counts(sampler) -> None:

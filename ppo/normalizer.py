@@ -14,9 +14,10 @@ from dist.stats import merge_moments, merge_plan_row
 
 
 class ObsNormalizer(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-8, clip: float = 10.0):
+    eps, clip = 1e-8, 10.0    # CleanRL's NormalizeObservation epsilon and its clip at 10 (ppo/export.py reads both)
+
+    def __init__(self, dim: int):
         super().__init__()
-        self.eps, self.clip = eps, clip
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
         self.register_buffer("mean64", torch.zeros(dim, dtype=torch.float64))
         self.register_buffer("m2", torch.zeros(dim, dtype=torch.float64))
@@ -65,9 +66,11 @@ class RewardNormalizer(nn.Module):
 
     BUFFER_POLICY = {"returns": "local", "count": "merge", "mean64": "merge", "m2": "merge", "std": "merge"}
 
-    def __init__(self, num_envs: int, gamma: float, clip: float, eps: float = 1e-8):
+    eps = 1e-8                # CleanRL's NormalizeReward epsilon
+
+    def __init__(self, num_envs: int, gamma: float, clip: float):
         super().__init__()
-        self.gamma, self.clip, self.eps = gamma, clip, eps
+        self.gamma, self.clip = gamma, clip
         self.register_buffer("returns", torch.zeros(num_envs))
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
         self.register_buffer("mean64", torch.zeros(1, dtype=torch.float64))

@@ -27,7 +27,7 @@ def normalize_advantages(storage, mode: str) -> None:
         return
     adv = storage.advantages
     if mode == "global":
-        mean, std = global_mean_std(adv, "advantages")
+        mean, std = global_mean_std(adv)
     else:
         mean, std = adv.mean(), adv.std(unbiased=False)
     storage.advantages = (adv - mean) / (std + 1e-8)
@@ -87,7 +87,7 @@ def update_plan_rows(model, grad_sync, cfg) -> list[PlanRow]:
              PlanRow("nonfinite", "norm of synced gradient", "-"),
              PlanRow("optimizer", "local, same by construction", "-")]
     if cfg.advantage_norm == "global":
-        rows += mean_std_plan_rows("advantages")
+        rows += mean_std_plan_rows()
     for field, normalizer in model.normalizers().items():
         rows += normalizer.plan_rows(field)
     return rows

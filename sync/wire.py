@@ -174,15 +174,16 @@ class Frame:
 
 
 def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[[int], tuple],
-               staging: Optional[list] = None, decompress: Optional[Callable] = None) -> Frame:
+               staging: Optional[list] = None) -> Frame:
     """Receive the next frame from `src`: header and table (checked, blocking), then start receiving the
     payload and trailer (see Frame).
 
     `expect(kind)`: for a frame of that kind, (ledger purpose, value dtype per tensor ordinal, `into` or
     None), where `into(ordinal)` gives a tensor to receive that row's whole values straight into (no staging
     copy) or None (a resync drains queued updates under the purpose they were sent with), and optionally a
-    fourth item, the `decompress` of frames of that kind (a resync draining compressed patches). `staging`:
-    [buffer] reused across frames (grown when too small), else a fresh buffer.
+    fourth item, the `decompress` of frames of that kind (compressed patches, applied or drained by a resync;
+    absent or None: uncompressed). `staging`: [buffer] reused across frames (grown when too small), else a
+    fresh buffer.
     """
     head = comm.recv_then_count(torch.empty(8, dtype=torch.int64, device=device),
                                 lambda h: expect(int(h[1]))[0], src, group).cpu()
@@ -191,7 +192,7 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
         raise RuntimeError(f"weight sync: received a message without the sync header (magic {magic:#x}); "
                            "sender and receiver are out of step or share the group with other traffic")
     purpose, dtypes, into, *codec = expect(kind)
-    decompress = codec[0] if codec else decompress
+    decompress = codec[0] if codec else None
     if not 0 <= rows <= len(numels):
         raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces {rows} table rows; "
                                  f"{LINK_LOST}")
