@@ -89,6 +89,7 @@ class LearnerTeam:
     """A learner's side of its rollout ranks: their batches in, decisions and weights out."""
 
     def __init__(self, cfg: Config, roles, device, start_iteration: int):
+        """Crosses ranks once at start-up: each rollout rank's pickled env spec and batch layout (`setup`)."""
         self.cfg, self.roles, self.rollouts = cfg, roles, roles.team[1:]
         received = []
         for src in self.rollouts:
@@ -145,7 +146,9 @@ class LearnerTeam:
         return states
 
     def close(self) -> None:
-        """Wait until the rollout ranks have read every decision and said they are done with the weights."""
+        """Wait until the rollout ranks have read every decision and said they are done with the weights. Crosses
+        ranks once, at the end: the `control` sends still in flight complete; the serving threads take each
+        rollout rank's last requests."""
         self.receiver.close()
         self.weights.close()
 
@@ -172,7 +175,10 @@ def restore_rollout_rng(checkpoint: dict, cfg: Config, roles, env, device) -> No
 def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_iteration: int) -> tuple:
     """A rollout rank's whole life: build, agree layouts with its learner, then collect until told to stop.
 
-    Returns the policy copy and this rank's sync-plan rows."""
+    Crosses ranks: at start-up its env spec up and sync/'s init handshake; per iteration a weight request (and
+    update), its batch up and a decision down; at saves the sampler-count sum among the rollout ranks and its
+    state up; at the end the final weights (after the last iteration) and a `done` request. Returns the policy
+    copy and this rank's sync-plan rows."""
     j, learner = roles.rollout_index, roles.team[0]
     seed_everything(cfg.seed + j)                 # the seeds colocated rank j would use
     try:
@@ -215,6 +221,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     plan += sum_counts_plan_rows(env.sampler, cfg.dist.sampler_sync_every, cfg.log.save_every)   # rollout group
 
     def done() -> tuple:
+        """Crosses ranks once, at the end: the `done` request that releases the learner's serving thread."""
         request_weights(syncer, copy, learner, roles.weights_group, version, -1)
         return copy, plan
 

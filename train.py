@@ -66,7 +66,10 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     """Train (or print the plan, with --dry-run); return the model, the last logged scalars and the sync plan.
 
     `typed`: the flags of the command line (cli). A resumed run then keeps its checkpoint's settings except
-    these and the launch ones (configs/resume.py); None (a program's config) takes `cfg` as it is."""
+    these and the launch ones (configs/resume.py); None (a program's config) takes `cfg` as it is.
+
+    Crosses ranks: every row of the sync plan it prints and returns, at that row's cadence (start-up, each
+    optimizer step, each iteration, each save), plus the rendezvous of init_distributed."""
     # ---- every check that needs neither a process group nor an env: nothing is built or written yet --
     rank, world = launch_rank_and_world()
     experiment = experiment_dir(cfg)             # from launch settings: final already

@@ -132,7 +132,8 @@ class Variant:
 
 
 def setup(rank: int, world: int, port: int, args, model_name: str):
-    """Join the process group; return (device, clock, model factory, x, y) for this rank."""
+    """Join the process group; return (device, clock, model factory, x, y) for this rank. Crosses ranks once:
+    init_process_group's rendezvous."""
     faulthandler.dump_traceback_later(args.timeout, exit=True)      # a hung rank prints its stacks and exits
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = args.device == "cuda"
@@ -165,6 +166,7 @@ def time_model(rank: int, world: int, port: int, args, model_name: str, variants
     raw = torch.zeros(numel, dtype=torch.float32, device=device)
 
     def all_reduce(_x, _y, clock):
+        """The baseline step: one raw all-reduce of all the gradients' bytes, per timed round."""
         t0 = clock()
         dist.all_reduce(raw)
         return [clock() - t0] * 3

@@ -80,7 +80,8 @@ def information_limit(before: dict, after: dict) -> float:
 
 
 def timed(fn, prepare=lambda: None) -> float:
-    """Wall time of fn, measured between barriers (after the GPU finished, if any) so it covers both ranks."""
+    """Wall time of fn, measured between barriers (after the GPU finished, if any) so it covers both ranks.
+    Crosses ranks: two barriers per call, and what fn sends."""
     prepare()
     synchronize()
     dist.barrier()
@@ -98,7 +99,7 @@ def synchronize() -> None:
 
 def naive_send(state: dict, rank: int) -> None:
     """The baseline: one blocking dist.send per tensor, received straight into the model (on a GPU: through
-    a host copy each way, as gloo sends from host memory)."""
+    a host copy each way, as gloo sends from host memory). Crosses ranks: every tensor, once per call."""
     for value in state.values():
         if value.device.type == "cpu":
             dist.send(value, dst=1) if rank == 0 else dist.recv(value, src=0)
@@ -117,7 +118,8 @@ def versions():
 def bench_time(rank: int, name: str, densities: list, repeats: int, device: str = "cpu") -> list:
     """Time of bucket and of patch at each density against naive, fp32 on both sides. Each measurement is a
     pair (naive, then the mode right after it): the ratio is the median over `repeats` pairs, so load from
-    other processes, which drifts slowly, cancels."""
+    other processes, which drifts slowly, cancels. Crosses ranks: sync/'s init per mode, then per pair a naive
+    send of the state and one sync() -> apply(), each between barriers (`timed`)."""
     state = mlp_state(*SIZES[name], seed=rank, device=device)
     numel = sum(v.numel() for v in state.values())
     g, version = torch.Generator().manual_seed(1), versions()
@@ -149,7 +151,8 @@ def bench_time(rank: int, name: str, densities: list, repeats: int, device: str 
 
 
 def bench_bytes(rank: int, name: str, densities: list) -> list:
-    """Wire bytes of patch against the information limit, per density and receiver dtype (fp32 sender)."""
+    """Wire bytes of patch against the information limit, per density and receiver dtype (fp32 sender).
+    Crosses ranks: sync/'s init per receiver dtype, then one patch per density."""
     rows = []
     for receiver_dtype in (torch.float32, torch.bfloat16):
         state = mlp_state(*SIZES[name], seed=0)
@@ -201,7 +204,8 @@ def checkpoint_models(paths: list) -> list:
 
 
 def bench_checkpoints(rank: int, paths: list) -> list:
-    """Sync consecutive PPO checkpoints (the actor-critic state_dict) with patch and bucket."""
+    """Sync consecutive PPO checkpoints (the actor-critic state_dict) with patch and bucket. Crosses ranks: per
+    receiver dtype and mode, sync/'s init, then one timed update per checkpoint after the first."""
     states = checkpoint_models(paths)
     rows = []
     for receiver_dtype in (torch.float32, torch.bfloat16):
@@ -224,6 +228,8 @@ def bench_checkpoints(rank: int, paths: list) -> list:
 
 
 def worker(rank: int, port: int, args, queue) -> None:
+    """One of the two ranks: join the gloo group, run every table, rank 0 hands them back. Crosses ranks: the
+    rendezvous, the tables' messages (bench_time, bench_bytes, bench_checkpoints) and a final barrier."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)

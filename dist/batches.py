@@ -74,6 +74,7 @@ def send_object(obj, dst: int, group, purpose: str) -> int:
 
 
 def recv_object(src: int, group, purpose: str) -> tuple[object, int]:
+    """send_object's other end, once at start-up: the size, then the pickled bytes. Returns (object, size)."""
     size = int(comm.recv(torch.empty(1, dtype=torch.int64), purpose, src, group))
     data = comm.recv(torch.empty(size, dtype=torch.uint8), purpose, src, group)
     return pickle.loads(data.numpy().tobytes()), size
@@ -147,7 +148,9 @@ class BatchReceiver:
         self.next_posted += 1
 
     def take(self) -> list[dict[str, torch.Tensor]]:
-        """The oldest posted batch of every rollout rank (waits for it), topping the posted receives up."""
+        """The oldest posted batch of every rollout rank (waits for it), topping the posted receives up.
+
+        Crosses ranks once per iteration: completes each rollout rank's 2 posted receives (`post`)."""
         while len(self.slots[0]) < self.depth and self.next_posted < self.end:
             self.post()
         batches = []
@@ -176,14 +179,16 @@ class BatchReceiver:
                 self.decisions.append((dst, decision, comm.isend(decision, "control", dst, self.group)))
 
     def close(self) -> None:
-        """Wait until every rollout rank has read every decision sent to it."""
+        """Wait until every rollout rank has read every decision sent to it. Crosses ranks once, at the end:
+        completes the `control` sends still in flight (`decide`)."""
         for dst, _, work in self.decisions:
             with naming(dst):
                 work.wait()
         self.decisions = []
 
     def states(self) -> torch.Tensor:
-        """At a save: every rollout rank's state blob, concatenated in rank order."""
+        """At a save: every rollout rank's state blob, concatenated in rank order. Crosses ranks once per save:
+        one `checkpoint` receive from each rollout rank."""
         blobs = []
         for src in self.rollouts:
             with naming(src):

@@ -69,6 +69,9 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     Under torchrun restarts (`--max-restarts`), the launcher's key-value store still holds the keys
     of the previous round; the group's keys are therefore prefixed by TORCHELASTIC_RESTART_COUNT so a
     restarted gloo group never connects to a dead worker's old address.
+
+    Crosses ranks once at start-up, with more than one rank: init_process_group's rendezvous through the
+    launcher's store (addresses, no tensors, so nothing in the ledger).
     """
     rank, world_size = launch_rank_and_world()
     local_rank = launch_int("LOCAL_RANK", 0)

@@ -133,6 +133,8 @@ class SyncFreeStep:
         self.sums.zero_()
 
     def __call__(self, batch: dict) -> None:
+        """Take one minibatch step. Crosses ranks: its one gradient all-reduce (backward_minibatch), issued
+        eagerly or by the graph's replay, once per minibatch."""
         if self.graph is not None:
             for key, value in batch.items():
                 if value.shape != self.static[key].shape:   # copy_ would broadcast a smaller batch unnoticed
@@ -148,6 +150,7 @@ class SyncFreeStep:
             self._eager(batch)
 
     def _eager(self, batch: dict) -> None:
+        """The step run, not recorded (a warm-up on a side stream before capture). Crosses ranks: _step's."""
         if not self.capture:
             self._step(batch)
             return
@@ -161,7 +164,8 @@ class SyncFreeStep:
         self.eager_steps += 1
 
     def _capture(self, batch: dict) -> None:
-        """Record this step into a CUDA graph (nothing runs while recording), then replay it to take it."""
+        """Record this step into a CUDA graph (nothing runs while recording), then replay it to take it. Crosses
+        ranks once, in that replay: the step's gradient all-reduce."""
         self.static = {key: value.clone() for key, value in batch.items()}
         before = comm.ledger_snapshot()
         self.graph = torch.cuda.CUDAGraph()
@@ -174,6 +178,7 @@ class SyncFreeStep:
         self(batch)
 
     def _step(self, batch: dict) -> None:
+        """The step itself (run, recorded or replayed). Crosses ranks: backward_minibatch's gradient all-reduce."""
         cfg = self.cfg
         kl_stats, norm, terms = backward_minibatch(self.model, batch, self.grad_sync, cfg)
         kl = kl_stats[0] / kl_stats[1]

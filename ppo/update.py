@@ -22,7 +22,8 @@ from ppo.minibatch_step import backward_minibatch, sync_free_step
 
 def normalize_advantages(storage, mode: str) -> None:
     """In place: "global" over all ranks (3 float64 sums), "local" over this rank's rollout, or nothing for
-    "none" and "minibatch" (normalized per minibatch in ppo_update instead)."""
+    "none" and "minibatch" (normalized per minibatch in ppo_update instead). Crosses ranks only when "global":
+    global_mean_std's two all-reduces, once per call (once per iteration)."""
     if mode in ("none", "minibatch"):
         return
     adv = storage.advantages
@@ -35,7 +36,10 @@ def normalize_advantages(storage, mode: str) -> None:
 
 def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Generator | None = None) -> dict[str, float]:
     """Run the update in place on `model`/`optimizer`; return this rank's loss means, the global KL,
-    the final LR and the number of skipped (non-finite) steps."""
+    the final LR and the number of skipped (non-finite) steps.
+
+    Crosses ranks (the module docstring's list, once per call): the advantage statistics when global, one
+    gradient all-reduce per minibatch (KL riding in it), then one merge per observation normalizer."""
     normalize_advantages(storage, cfg.advantage_norm)
     num_micro_batches = cfg.num_micro_batches
     lr = optimizer.param_groups[0]["lr"]

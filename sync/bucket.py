@@ -31,6 +31,8 @@ class BucketSyncer(Link):
         return self._start(tensors_of(model))
 
     def _start(self, tensors: dict, keys=None, version: int = 0) -> int:
+        """Both sides of init. Crosses ranks once: the handshake (Link.agree), then the start check of the frozen
+        keys (Link.verify_same_start)."""
         self.version = self.agree(tensors, keys, version)
         frozen = [k for k in self.once_per_tie(self.keys) if k not in self.synced]
         self.verify_same_start(tensors, frozen, "keys that no sync carries (frozen weights)")
@@ -73,6 +75,7 @@ class BucketSyncer(Link):
         return self.write_update(lambda: self._recv(tensors))
 
     def _recv(self, tensors: dict, staged=None) -> int:
+        """Crosses ranks once per sync(): one frame per bucket from the sender (Link.recv_whole)."""
         return self.recv_whole(tensors, self.synced, self._wire_dtypes(), self.cfg.bucket.bucket_size, KIND_BUCKET,
                                UPDATE, staged)
 

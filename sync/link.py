@@ -263,8 +263,7 @@ class Link:
 
         blocking=False never waits: the first call starts `recv` in a background thread and returns the
         current version; a later call applies the update once it fully arrived (on the caller's thread,
-        under `self.lock`) and returns the new version.
-        """
+        under `self.lock`) and returns the new version. Crosses ranks: `recv()`'s update, once per update."""
         if self._inflight is None and not blocking:
             self._inflight = _in_background(recv)
         if self._inflight is None:
@@ -278,7 +277,8 @@ class Link:
 
     def write_update(self, write: Callable[[], int], update=None) -> int:
         """Run `write()` (it writes one update into the model and returns its version) under the lock; once an
-        update failed after writing, refuse every later one until resync()."""
+        update failed after writing, refuse every later one until resync(). Crosses ranks once per update: what
+        `write()` receives, then the rest of a received `update` frame (taken in whole even when refused)."""
         try:
             if self._broken:
                 raise SyncIntegrityError(f"weight sync: receiver needs resync() after: {self._broken}")

@@ -65,7 +65,7 @@ class PatchSyncer(Link):
         self._take_snapshot(state)
 
     def init_receiver(self, model) -> int:
-        """The receiver's half of init_sender; returns the starting version."""
+        """The receiver's half of init_sender (crossing ranks as it does, once); returns the starting version."""
         self.require(sender=False, initialized=False)
         tensors = tensors_of(model)
         version = self.agree(tensors)
@@ -114,8 +114,7 @@ class PatchSyncer(Link):
         Crosses ranks once per call (typically once per training iteration): one frame to each receiver.
         Host syncs: two per tensor (how many words changed, then the change count or the positions; on the host
         these are free), plus its longest gap (and escape counts where a gap reaches an escape) when a gap
-        encoding may win.
-        """
+        encoding may win."""
         self.require(sender=True, version=version)
         state = self.tensors(state_dict)
         rows, segments, changes = [], [], []
@@ -180,6 +179,7 @@ class PatchSyncer(Link):
         return self.write_update(lambda: self._write(tensors, update), update)
 
     def _recv(self, staging) -> Frame:
+        """Crosses ranks once per patch: receives the next frame (recv_frame) from the sender."""
         dtypes = [self.dtypes[k] for k in self.keys]
         update = (UPDATE, dtypes, None, None if self.cfg.patch.compression == "none" else zstd_decompress)
         frame = recv_frame(self.src, self.group, self.device, self.numels,  # another kind: a resync's, uncompressed
@@ -189,7 +189,7 @@ class PatchSyncer(Link):
 
     def _write(self, tensors: dict, frame: Frame) -> int:
         """Check, decode and apply a patch; returns its version. Host syncs: a few per patch and one or two per
-        sparse tensor (its positions; whether its gaps hold escapes)."""
+        sparse tensor (its positions; whether its gaps hold escapes). Waits for the payload that _recv posted."""
         frame.check_header()
         if frame.base != self.version:
             raise SyncIntegrityError(f"weight sync: patch {frame.version} applies to version {frame.base} but this "
