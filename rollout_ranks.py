@@ -292,7 +292,8 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
 
 
 def restore_team_states(states: torch.Tensor, spec: dict) -> tuple[list[dict], dict]:
-    """Every rollout rank's (RNG, env state) from the gathered blobs, in rollout-rank order."""
+    """From the gathered blobs: every rollout rank's RNG states, in rollout-rank order, and the first one's env
+    state (the same on all of them after the sampler sum; train.team_checkpoint keeps that one)."""
     per = spec["state_bytes"]
     out = []
     for i in range(states.numel() // per):

@@ -3,7 +3,7 @@
 import torch
 
 from dist import comm
-from dist.checksum import checksum  # noqa: F401 - the one checksum, shared with sync/
+from dist.checksum import checksum  # the one checksum, shared with sync/
 from dist.plan import PlanRow
 
 

@@ -10,7 +10,7 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor
     rewards, values, dones: [T, N]; last_values: [N] = V(obs after the last step).
     `dones` marks both terminations and time-outs: the next observation belongs to a new episode, so
     neither bootstraps from it. A time-out's bootstrap, gamma * V(final obs), must already be folded
-    into its reward by the caller (the runner does this at collection time); a termination has none.
+    into its reward by the caller (computed at collection time, added by fill_storage); a termination has none.
     """
     num_steps = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
