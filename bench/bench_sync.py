@@ -244,7 +244,7 @@ def worker(rank: int, port: int, args, queue) -> None:
 
 
 def ppo_checkpoints() -> list:
-    """Train the tracking preset for 3 iterations (--ppo's help) and return its checkpoints (one per iteration)."""
+    """Train the tracking preset for 3 iterations and return its checkpoints (one per iteration)."""
     root = tempfile.mkdtemp(prefix="bench_sync_")
     atexit.register(shutil.rmtree, root, True)        # the checkpoints are only read by this run
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
