@@ -108,6 +108,15 @@ def test_a_rollout_rank_restores_states_of_a_checkpoint_without_a_seed_as_a_lear
         torch.set_rng_state(before)
 
 
+def serve_version_0(link, model, server):
+    """Start the server at version 0: the init handshake, then the first request's reply and update."""
+    set_version(model, 0)
+    server.start(model, 0)
+    same(link.take(1), [("init", [1], -1)])
+    link.ask(-1, 0)
+    same(link.take(2), [reply(0), update(0)])
+
+
 # ----- WeightServer: an answer in flight keeps the lock ------------------------------------------------------
 
 def test_an_answer_in_flight_holds_the_lock_that_publish_takes(monkeypatch):
@@ -132,11 +141,7 @@ def test_an_answer_in_flight_holds_the_lock_that_publish_takes(monkeypatch):
 
     server.syncers[1] = Probing(link, [1])
     try:
-        set_version(model, 0)
-        server.start(model, 0)
-        same(link.take(1), [("init", [1], -1)])
-        link.ask(-1, 0)
-        same(link.take(2), [reply(0), update(0)])
+        serve_version_0(link, model, server)
         assert free == [False]
         link.ask(0, -1)
         server.close()
@@ -149,11 +154,7 @@ def test_a_done_request_ends_the_serving_thread_without_an_answer(monkeypatch):
     the thread would then wait for a request that never comes, so close() would never return)."""
     link, model, server = learner(monkeypatch)
     try:
-        set_version(model, 0)
-        server.start(model, 0)
-        same(link.take(1), [("init", [1], -1)])
-        link.ask(-1, 0)
-        same(link.take(2), [reply(0), update(0)])
+        serve_version_0(link, model, server)
         link.ask(0, -1)
         server.threads[0].join(GUARD_S)
         assert not server.threads[0].is_alive() and list(link.out.queue) == []
