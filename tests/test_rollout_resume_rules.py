@@ -1,7 +1,8 @@
 """Rollout-rank rules (rollout_ranks.py, rollout_weights.py) the earlier tests left open: only the first rollout
 rank says an env error; a resume of the same layout and --seed hands the rollout rank its saved RNG states, also
 from a checkpoint that records no seed (as a learner does); a bfloat16 copy holds its parameters in bfloat16,
-each the learner's weight rounded; WeightServer holds its lock while an answer is sent, ends a thread on a done request
+each the learner's weight rounded; with --log.episode-returns the returns that ended on a rollout rank reach the
+learner's TensorBoard as a colocated run logs them; WeightServer holds its lock while an answer is sent, ends a thread on a done request
 without an answer, and says nothing of a failure after the learner abandoned its team."""
 
 import atexit
@@ -19,6 +20,7 @@ from dist import comm
 from dist.errors import UsageError
 from test_rollout_ranks import body, learner_state, small
 from test_rollout_weights import GUARD_S, Joining, Syncer, learner, reply, same, set_version, update
+from test_tools import tb_scalars
 from tests.multirank import run_ranks
 
 
@@ -182,3 +184,18 @@ def test_a_message_failing_after_the_learner_abandoned_its_team_is_not_reported(
         assert (capsys.readouterr().err, server.failure, exits) == ("", None, [])
     finally:
         atexit.unregister(server.abandon)
+
+
+@pytest.mark.slow
+def test_a_rollout_rank_hands_the_learner_every_episode_return_a_colocated_run_logs(tmp_path):
+    """--log.episode-returns with a rollout rank: the returns of the episodes that ended there reach the learner's
+    TensorBoard (Episode/return) at their iterations, the values and order the colocated run logs (sync mode with an
+    fp32 copy is bit-identical to it), not zeros or nothing."""
+    colocated, split = small(tmp_path / "colocated"), small(tmp_path / "split", ranks=1, sync="bucket")
+    colocated.log.episode_returns = split.log.episode_returns = True
+    train.main(colocated)
+    run_ranks(body, 2, args=(split, 4))
+    logged = [tb_scalars(glob.glob(str(tmp_path / root / "tracking" / "*"))[0], "Episode/return")
+              for root in ("colocated", "split")]
+    assert len(logged[0]) > 10 and any(value != 0 for _, value in logged[0])   # a random policy loses track fast
+    assert logged[1] == logged[0]
