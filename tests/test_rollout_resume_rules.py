@@ -2,8 +2,8 @@
 rank says an env error; a resume of the same layout and --seed hands the rollout rank its saved RNG states, also
 from a checkpoint that records no seed (as a learner does); a bfloat16 copy holds its parameters in bfloat16,
 each the learner's weight rounded; with --log.episode-returns the returns that ended on a rollout rank reach the
-learner's TensorBoard as a colocated run logs them; WeightServer holds its lock while an answer is sent, ends a thread on a done request
-without an answer, and says nothing of a failure after the learner abandoned its team."""
+learner's TensorBoard as a colocated run logs them; WeightServer holds its lock while an answer is sent, ends a
+thread on a done request without an answer, and says nothing of a failure after the learner abandoned its team."""
 
 import atexit
 import glob
