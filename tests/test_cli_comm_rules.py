@@ -83,8 +83,8 @@ def test_cli_says_an_allocation_the_device_cannot_serve_as_out_of_memory_naming_
     first = str(allocation.value).splitlines()[0]
     assert status == 1 and err.startswith("Traceback (most recent call last):")
     assert err.endswith(f"error: out of memory (traceback above: where): {first}; this run's sizes need more memory "
-                        "than the device has: lower --env.num-envs, --ppo.num-steps, --policy.actor-hidden/critic-hidden"
-                        " or the env's own sizes (tracking: --env.num-motions)\n")
+                        "than the device has: lower --env.num-envs, --ppo.num-steps, --policy.actor-hidden/"
+                        "critic-hidden or the env's own sizes (tracking: --env.num-motions)\n")
     assert train.out_of_memory(MemoryError()) and not train.out_of_memory(RuntimeError("can't allocate a name"))
 
 
