@@ -1,6 +1,6 @@
-"""Rollout ranks at the edges of a run: weights that fail their integrity check end a rollout rank with one line,
-the ledger reads whole while a weight-serving thread counts, and a learner whose launcher is gone closes its team
-before it leaves (its rollout rank stops cleanly instead of finding the groups torn down under it)."""
+"""Rollout ranks at the edges of a run: weights that fail their integrity check, or an env that breaks the VecEnv
+protocol at its first step, end a rollout rank with one line, the ledger reads whole while a weight-serving thread
+counts, and a learner whose launcher is gone closes its team before it leaves (its rollout rank stops cleanly instead of finding the groups torn down under it)."""
 
 import threading
 from collections import defaultdict
@@ -167,6 +167,40 @@ def test_an_env_only_a_rollout_rank_builds_says_its_error_there_and_the_learner_
         assert len(errors) == 1 and "NoSuchTask-v0" in errors[0] and "Traceback" not in rollout, rollout
         learner_errors = [line for line in learner.splitlines() if line.startswith("error:")]
         assert len(learner_errors) == 1 and learner_errors[0].startswith("error: rollout rank 1 died or stalled"), learner
+    finally:
+        for job in ranks:
+            job.kill_all()
+
+
+# Rank 1 (the rollout rank) steps an env that breaks the VecEnv protocol: its rewards come as [N, 1], not [N].
+BAD_REWARD_SHAPE = """
+import os
+if os.environ["RANK"] == "1":
+    import envs.cartpole
+    step = envs.cartpole.CartPole.step
+    def unsqueezed(self, actions):
+        obs, reward, terminated, truncated, extras = step(self, actions)
+        return obs, reward.unsqueeze(1), terminated, truncated, extras
+    envs.cartpole.CartPole.step = unsqueezed
+"""
+
+
+@pytest.mark.slow
+def test_an_env_that_breaks_the_protocol_on_a_rollout_rank_is_named_at_its_first_step(tmp_path):
+    """The rollout rank checks its first step as a colocated rank does: one line naming the field, status 1 (a
+    run-time failure with a known cause, docs/fault_tolerance.md), and the learner names the rank that is gone
+    (unchecked, the [N, 1] rewards would broadcast into the rollout)."""
+    ranks = plain_ranks(tmp_path, "--env.num-envs", "4", prelude=BAD_REWARD_SHAPE)
+    try:
+        codes = [job.finish(60) for job in ranks]
+        learner, rollout = (job.output() for job in ranks)
+        assert codes == [1, 1], learner + rollout
+        errors = [line for line in rollout.splitlines() if line.startswith("error:")]
+        assert errors == ["error: env 'cartpole': step()'s reward must be a [num_envs] = [4] tensor, got [4, 1] (see "
+                          "the VecEnv protocol in envs/base.py)"] and "Traceback" not in rollout, rollout
+        learner_errors = [line for line in learner.splitlines() if line.startswith("error:")]
+        assert len(learner_errors) == 1, learner
+        assert learner_errors[0].startswith("error: rollout rank 1 died or stalled"), learner
     finally:
         for job in ranks:
             job.kill_all()
