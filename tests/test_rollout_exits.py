@@ -1,6 +1,7 @@
 """Rollout ranks at the edges of a run: weights that fail their integrity check, or an env that breaks the VecEnv
 protocol at its first step, end a rollout rank with one line, the ledger reads whole while a weight-serving thread
-counts, and a learner whose launcher is gone closes its team before it leaves (its rollout rank stops cleanly instead of finding the groups torn down under it)."""
+counts, and a learner whose launcher is gone closes its team before it leaves (its rollout rank stops cleanly
+instead of finding the groups torn down under it)."""
 
 import threading
 from collections import defaultdict
