@@ -8,7 +8,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 
 class RunLogger:
-    def __init__(self, run_dir: str, max_iterations: int, start_iteration: int, steps_per_iteration: int = 0):
+    def __init__(self, run_dir: str, max_iterations: int, start_iteration: int, steps_per_iteration: int):
         # purge_step: when a run continues in its own directory (restart, --resume auto), TensorBoard drops
         # whatever an earlier attempt logged after the checkpoint, so no step appears twice. Also from step 1: a
         # torchrun restart before the first checkpoint continues in the same directory from iteration 0.
@@ -33,8 +33,8 @@ class RunLogger:
         skipped = int(scalars.get("Train/nonfinite_skipped_steps", 0))
         if skipped and not self.warned_skips:   # a finite but huge reward or loss weight skipped every step, unsaid
             self.warned_skips = True
-            print(f"[syncppo] warning: {self._skipped(skipped)} update steps at iteration {step} had a non-finite "
-                  f"gradient norm and were skipped (the weights did not change in them; said once, then as "
+            print(f"[syncppo] warning: {skipped} of {self.steps_per_iteration} update steps at iteration {step} had a "
+                  f"non-finite gradient norm and were skipped (the weights did not change in them; said once, then as "
                   f"'skipped k/n' on the console line of each iteration that skips): a reward, observation, loss "
                   f"weight or action std (--ppo.entropy-coef, --ppo.value-loss-coef, --policy.init-noise-std) too "
                   f"large for float32, or a diverging run", flush=True)
@@ -49,13 +49,10 @@ class RunLogger:
         reward, length = (_fmt(scalars.get(key), width, ".1f" if "length" in key else ".2f") for key, width in
                           (("Train/mean_reward", 8), ("Train/mean_episode_length", 6)))
         skipped = int(scalars.get("Train/nonfinite_skipped_steps", 0))
-        skipped = f"  skipped {self._skipped(skipped, '/')}" if skipped else ""
+        skipped = f"  skipped {skipped}/{self.steps_per_iteration}" if skipped else ""
         print(f"it {iteration + 1:>5}/{self.max_iterations}  {scalars['Perf/total_fps']:>9.0f} steps/s  "
               f"reward {reward}  ep_len {length}  kl {scalars['Policy/kl']:.4f}  "
               f"lr {scalars['Loss/learning_rate']:.1e}  ETA {eta / 60:5.1f} min{skipped}", flush=True)
-
-    def _skipped(self, skipped: int, of: str = " of ") -> str:
-        return f"{skipped}{of}{self.steps_per_iteration}" if self.steps_per_iteration else str(skipped)
 
     def close(self) -> None:
         self.writer.close()

@@ -225,7 +225,7 @@ def test_non_finite_observation_names_env_group_and_feature_before_the_normalize
 
 
 def test_console_prints_a_dash_when_no_episode_ended(tmp_path, capsys):
-    logger = RunLogger(str(tmp_path), 10, 0)
+    logger = RunLogger(str(tmp_path), 10, 0, 4)
     logger.print_line(0, {"Perf/total_fps": 1.0, "Policy/kl": 0.0, "Loss/learning_rate": 1e-3})
     line = capsys.readouterr().out
     assert "reward        -  ep_len      -" in line and "nan" not in line

@@ -177,7 +177,7 @@ def tb_scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
 def test_console_line_counts_formats_and_eta_by_hand(tmp_path, monkeypatch, capsys):
     clock = FakeClock(1000.0)
     monkeypatch.setattr(logger_module, "time", clock)
-    logger = RunLogger(str(tmp_path), max_iterations=10, start_iteration=2)     # resumed from model_2.pt
+    logger = RunLogger(str(tmp_path), max_iterations=10, start_iteration=2, steps_per_iteration=4)  # from model_2.pt
     clock.now = 1120.0
     # Iteration index 5 is the 6th of 10 and the 4th of this process: 120 s / 4 x 4 left = 120 s = 2.0 min.
     logger.print_line(5, {"Perf/total_fps": 1234.4, "Train/mean_reward": 3.5, "Train/mean_episode_length": 20.0,
@@ -188,7 +188,7 @@ def test_console_line_counts_formats_and_eta_by_hand(tmp_path, monkeypatch, caps
 
 
 def test_console_line_prints_a_dash_for_a_non_finite_metric(tmp_path, capsys):
-    logger = RunLogger(str(tmp_path), 10, 0)
+    logger = RunLogger(str(tmp_path), 10, 0, 4)
     logger.print_line(0, {"Perf/total_fps": 1.0, "Policy/kl": 0.0, "Loss/learning_rate": 1e-3,
                           "Train/mean_reward": float("nan"), "Train/mean_episode_length": float("inf")})
     logger.close()
@@ -198,7 +198,7 @@ def test_console_line_prints_a_dash_for_a_non_finite_metric(tmp_path, capsys):
 
 def test_every_tag_of_a_log_call_is_written_at_its_step_in_a_new_run_directory(tmp_path):
     run_dir = str(tmp_path / "cartpole" / "2026-01-01_12-00-00")        # does not exist yet: a fresh run
-    logger = RunLogger(run_dir, max_iterations=5, start_iteration=0)
+    logger = RunLogger(run_dir, max_iterations=5, start_iteration=0, steps_per_iteration=4)
     logger.log({"Train/mean_reward": 1.5, "Policy/kl": 0.25, "Loss/learning_rate": 0.125}, step=1)
     logger.log({"Train/mean_reward": 2.5, "Policy/kl": 0.5, "Loss/learning_rate": 0.0625}, step=2)
     logger.close()
@@ -211,7 +211,7 @@ def test_a_non_finite_scalar_is_written_as_is_and_said_once_per_tag(tmp_path, ca
     """A NaN in an env's log value (one rank's sum poisons the all-reduced mean) used to reach TensorBoard silently,
     where the curve just stops drawing: now one warning per tag, and the value is still written."""
     run_dir = str(tmp_path / "run")
-    logger = RunLogger(run_dir, max_iterations=5, start_iteration=0)
+    logger = RunLogger(run_dir, max_iterations=5, start_iteration=0, steps_per_iteration=4)
     logger.log({"Episode/torque": float("nan"), "Policy/kl": 0.25}, step=1)
     logger.log({"Episode/torque": float("nan"), "Policy/kl": float("inf")}, step=2)
     logger.log({"Episode/torque": 1.5, "Policy/kl": 0.5}, step=3)
@@ -247,7 +247,7 @@ def test_an_iteration_is_on_disk_when_log_returns_even_if_the_process_then_ends_
         import os, sys
         sys.path.insert(0, {REPO!r})
         from ppo.logger import RunLogger
-        logger = RunLogger({str(tmp_path / "run")!r}, max_iterations=5, start_iteration=0)
+        logger = RunLogger({str(tmp_path / "run")!r}, max_iterations=5, start_iteration=0, steps_per_iteration=4)
         logger.log({{"Train/mean_reward": 1.5}}, 1, [3.0, -1.25])
         logger.log({{"Train/mean_reward": 2.5}}, 2)
         os._exit(1)

@@ -154,11 +154,11 @@ def tb_scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
 def test_logger_restart_before_first_checkpoint_does_not_repeat_steps(tmp_path):
     """A torchrun restart before any checkpoint continues in the same run directory from iteration 0: the
     first attempt's steps must be dropped, as they are after a restart from a checkpoint."""
-    first = RunLogger(str(tmp_path), max_iterations=10, start_iteration=0)
+    first = RunLogger(str(tmp_path), max_iterations=10, start_iteration=0, steps_per_iteration=4)
     for step in (1, 2, 3):
         first.log({"Train/mean_reward": float(step)}, step)
     first.close()
-    second = RunLogger(str(tmp_path), max_iterations=10, start_iteration=0)   # the restarted attempt
+    second = RunLogger(str(tmp_path), max_iterations=10, start_iteration=0, steps_per_iteration=4)  # restarted
     for step in (1, 2):
         second.log({"Train/mean_reward": 10.0 + step}, step)
     second.close()
@@ -166,11 +166,11 @@ def test_logger_restart_before_first_checkpoint_does_not_repeat_steps(tmp_path):
 
 
 def test_logger_restart_from_checkpoint_keeps_steps_before_it(tmp_path):
-    first = RunLogger(str(tmp_path), max_iterations=10, start_iteration=0)
+    first = RunLogger(str(tmp_path), max_iterations=10, start_iteration=0, steps_per_iteration=4)
     for step in (1, 2, 3, 4):
         first.log({"Train/mean_reward": float(step)}, step)
     first.close()
-    second = RunLogger(str(tmp_path), max_iterations=10, start_iteration=2)   # checkpoint model_2.pt
+    second = RunLogger(str(tmp_path), max_iterations=10, start_iteration=2, steps_per_iteration=4)  # model_2.pt
     for step in (3, 4):
         second.log({"Train/mean_reward": 10.0 + step}, step)
     second.close()
@@ -297,6 +297,6 @@ def test_a_restart_in_the_same_second_writes_an_event_file_that_sorts_last(tmp_p
     # a clock that ticks over between the two lines would pass the test without the wait).
     earlier = tmp_path / f"events.out.tfevents.{int(time.time()) + 1}.zzzz-host.99999.0"   # last within its second
     earlier.write_bytes(b"")
-    RunLogger(str(tmp_path), 10, 3).writer.close()
+    RunLogger(str(tmp_path), 10, 3, 4).writer.close()
     names = sorted(os.listdir(tmp_path))
     assert names[0] == earlier.name and len(names) == 2
