@@ -72,8 +72,12 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
     env_count_typed = "--env.num-envs" in typed or ("--env.global-num-envs" in typed and cfg.env.global_num_envs != 0)
     for flag, owner, field, path in settings(cfg):
         section = saved if len(path) == 1 else saved.get(path[0], {})
-        if flag in LAUNCH or path[0] in LAUNCH_SECTIONS or \
-                (env_count_typed and flag in ("--env.num-envs", "--env.global-num-envs")):
+        if flag in LAUNCH or path[0] in LAUNCH_SECTIONS:
+            continue
+        if env_count_typed and flag in ("--env.num-envs", "--env.global-num-envs"):
+            if flag == "--env.num-envs" and env_count(saved.get("env", {})) != env_count(vars(cfg.env)):
+                changed.append(f"{as_flag(*env_count(vars(cfg.env)))} (the checkpoint's run: "
+                               f"{as_flag(*env_count(saved.get('env', {})))})")
             continue
         ours = getattr(owner, field.name)
         if path[-1] not in section:
@@ -99,6 +103,13 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
     kept += [f"{as_flag('--' + '.'.join(path).replace('_', '-'), item)} (not known to this version: dropped)"
              for path, item in saved_settings if path not in known]
     return changed, kept
+
+
+def env_count(env: dict) -> tuple[str, int]:
+    """The env count a run was given, as typed: (--env.global-num-envs, total) when set, else the per-rank one."""
+    if env.get("global_num_envs"):
+        return "--env.global-num-envs", env["global_num_envs"]
+    return "--env.num-envs", env.get("num_envs")
 
 
 def blame_checkpoint(error: UsageError, kept: list[str], path: str) -> UsageError:

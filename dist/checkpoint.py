@@ -71,9 +71,9 @@ def remove_stale_temporaries(run_dir: str) -> list[str]:
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
-    """The model_<k>.pt with the largest k in `run_dir` (complete by construction: saves are atomic)."""
+    """The model_<k>.pt file with the largest k in `run_dir` (complete by construction: saves are atomic)."""
     found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(glob.escape(run_dir), "model_*.pt"))
-             if (m := _CHECKPOINT.search(os.path.basename(p)))]
+             if (m := _CHECKPOINT.search(os.path.basename(p))) and os.path.isfile(p)]
     return max(found)[1] if found else None
 
 

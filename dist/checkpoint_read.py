@@ -40,7 +40,9 @@ def read_torch_file(path: str):
 def load_checkpoint(path: str) -> dict:
     """Load and validate a checkpoint; a file that is not one of ours raises naming what is wrong."""
     if not os.path.exists(path):
-        raise UsageError(f"--resume {path!r} does not exist")
+        dangling = os.path.islink(path)      # exists() follows links: a dangling or looping one reads as missing
+        raise UsageError(f"--resume {path!r} " + ("is a symbolic link whose target does not exist (or that loops)"
+                                                  if dangling else "does not exist"))
     if os.path.isdir(path):
         raise UsageError(f"--resume {path!r} is a directory; pass a model_<iteration>.pt file inside it, or auto")
     if not os.path.isfile(path):      # a device or a pipe: reading it could block or never end

@@ -77,6 +77,9 @@ def test_latest_checkpoint_is_the_highest_iteration_and_never_a_temporary(tmp_pa
     for name in ("model_2.pt", "model_9.pt", "model_10.pt", "model_12.pt.tmp-77-abcdef12", "notes.txt"):
         _touch(run / name)
     assert latest_checkpoint(str(run)) == str(run / "model_10.pt")
+    (run / "model_11.pt").mkdir()       # a directory named like a checkpoint is not one
+    assert latest_checkpoint(str(run)) == str(run / "model_10.pt")
+    (run / "model_11.pt").rmdir()
     assert remove_stale_temporaries(str(run)) == [str(run / "model_12.pt.tmp-77-abcdef12")]
     assert sorted(p.name for p in run.iterdir()) == ["model_10.pt", "model_2.pt", "model_9.pt", "notes.txt"]
 

@@ -57,6 +57,12 @@ def test_global_env_budget_splits_across_ranks_or_fails():
 def test_resume_path_errors(tmp_path):
     with pytest.raises(UsageError, match="--resume .* does not exist"):
         train.main(cfg_with(resume=str(tmp_path / "missing.pt")))
+    (tmp_path / "loop.pt").symlink_to(tmp_path / "loop.pt")
+    (tmp_path / "dangling.pt").symlink_to(tmp_path / "missing.pt")
+    for link in ("loop.pt", "dangling.pt"):
+        with pytest.raises(UsageError, match=r"--resume .* is a symbolic link whose target does not exist \(or that "
+                                             r"loops\)$"):
+            train.main(cfg_with(resume=str(tmp_path / link)))
     with pytest.raises(ValueError, match="directory"):
         train.main(cfg_with(resume=str(tmp_path)))
     garbage = tmp_path / "garbage.pt"

@@ -190,12 +190,22 @@ def test_continue_saved_config_by_field_kind():
 @pytest.mark.parametrize("typed", ["--env.num-envs", "--env.global-num-envs"])
 def test_either_env_count_flag_typed_keeps_both_count_fields_of_this_command_line(typed):
     """--env.num-envs and --env.global-num-envs are one setting in two fields: typing either keeps both as this
-    command line has them (the other is not taken from the checkpoint, nor reported as changed or kept)."""
+    command line has them (the other is not taken from the checkpoint), and the start-up lists the count as
+    changed from the form the checkpoint's run had it in."""
     cfg = cfg_with(env__num_envs=16, env__global_num_envs=64 if typed == "--env.global-num-envs" else 0)
     saved = {"env": {"num_envs": 8, "global_num_envs": 32 if typed == "--env.num-envs" else 0}}
     changed, kept = continue_saved_config(cfg, saved, frozenset({typed}))
     assert (cfg.env.num_envs, cfg.env.global_num_envs) == ((16, 64) if typed == "--env.global-num-envs" else (16, 0))
-    assert not [s for s in changed + kept if s.startswith(("--env.num-envs", "--env.global-num-envs"))]
+    assert [s for s in changed + kept if "num-envs" in s] == [
+        "--env.num-envs 16 (the checkpoint's run: --env.global-num-envs 32)" if typed == "--env.num-envs" else
+        "--env.global-num-envs 64 (the checkpoint's run: --env.num-envs 8)"]
+
+
+def test_a_typed_env_count_equal_to_the_checkpoints_is_not_listed_as_changed():
+    cfg = cfg_with(env__num_envs=16, env__global_num_envs=32)
+    changed, kept = continue_saved_config(cfg, {"env": {"num_envs": 8, "global_num_envs": 32}},
+                                          frozenset({"--env.global-num-envs"}))
+    assert not [s for s in changed + kept if "num-envs" in s]
 
 
 def test_the_resume_command_is_this_run_s_own_with_its_directory():
