@@ -357,11 +357,16 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
     tell_torchrun(message)
     # The failure's frames hold gloo work objects; freed only at interpreter exit, after the process
     # group's threads, they can abort the process ("terminate called without an active exception"):
-    # release them and tear the group down now.
-    error = failure
-    while error is not None:
-        traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__
+    # release them and tear the group down now. Every exception of the chain, causes and contexts alike: a
+    # weight-serving thread's failure re-raised while a batch's wait failed has both, and the wait's frames kept
+    # the learner's team, so the group its other rollout ranks waited in stayed up and the learner hung at exit.
+    chain, seen = [failure], set()
+    while chain:
+        error = chain.pop()
+        if error is not None and id(error) not in seen:
+            seen.add(id(error))
+            traceback.clear_frames(error.__traceback__)
+            chain += [error.__cause__, error.__context__]
     shutdown()
     release_run_dirs()
     # Recorded as an uncaught exception would be, so exit handlers (Isaac Lab closes Kit with the

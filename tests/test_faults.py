@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 
 import pytest
 import torch
@@ -161,6 +162,38 @@ def test_an_interrupt_says_whether_it_was_a_second_ctrl_c(monkeypatch, capsys, i
     monkeypatch.setattr(train, "main", lambda cfg, typed: (_ for _ in ()).throw(interrupt()))
     assert train.cli(preset("cartpole")) == 130
     assert capsys.readouterr().err == f"error: interrupted {said}: nothing saved since the last checkpoint\n"
+
+
+def test_a_failure_releases_what_the_frames_of_its_whole_chain_hold(monkeypatch):
+    """A learner whose weight-serving thread failed re-raises that failure while the batch's failed wait is handled
+    (LearnerTeam.receive): the wait's error becomes its __context__, beside the __cause__ the thread's raise gave
+    it. cli() cleared only the first of the two, so the wait's frames kept the learner's team, and with it the
+    group its other rollout ranks wait in: they never saw it close, and the learner waited for them at exit
+    (WeightServer.abandon) for --dist.timeout-s."""
+    class Team:
+        pass
+    teams = []
+
+    def receive(team):
+        raise comm.CollectiveError("irecv for 'batches' failed: injected")
+
+    def main(cfg, typed):
+        team = Team()
+        teams.append(weakref.ref(team))
+        try:
+            raise comm.CollectiveError("recv for 'weight_request' failed: injected") from ConnectionResetError()
+        except comm.CollectiveError as exc:      # as the serving thread keeps it (WeightServer.failure)
+            failure = exc
+        try:
+            receive(team)
+        except comm.CollectiveError:
+            raise failure
+    monkeypatch.setattr(train, "main", main)
+    monkeypatch.setattr(sys, "last_exc", None, raising=False)   # cli() records the failure there
+    monkeypatch.setattr(sys, "last_value", None, raising=False)
+    assert train.cli(preset("cartpole")) == 1
+    assert sys.last_exc.__context__ is not None and sys.last_exc.__cause__ is not None
+    assert teams[0]() is None
 
 
 def test_ctrl_c_while_torch_imports_ends_at_once_without_a_traceback(tmp_path):
