@@ -51,10 +51,14 @@ def save_checkpoint(path: str, state: dict) -> None:
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        # An interrupt while torch.save writes tensors leaves its zip writer mid-record; closing it then raises
-        # RuntimeError ("unexpected pos ...") over the interrupt, which cli() would report as a bug (status 1).
-        if isinstance(exc.__context__, KeyboardInterrupt) and not isinstance(exc, KeyboardInterrupt):
-            raise exc.__context__ from None
+        # An interrupt or a write error (a disk filling up) while torch.save writes tensors leaves its zip writer
+        # mid-record; closing it then raises RuntimeError ("unexpected pos ...") over the first, which cli() would
+        # report as a bug (traceback, status 1) instead of the interrupt (130) or the write error's one line.
+        first = exc.__context__
+        if isinstance(first, (KeyboardInterrupt, OSError)) and not isinstance(exc, (KeyboardInterrupt, OSError)):
+            if isinstance(first, KeyboardInterrupt):
+                raise first from None
+            exc = first
         if not isinstance(exc, OSError):
             raise
         raise RunError(f"could not write checkpoint {path}: {exc.strerror or exc}; free space on that disk or "

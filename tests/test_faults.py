@@ -256,19 +256,16 @@ def test_write_error_names_the_path_and_leaves_no_temporary(tmp_path, monkeypatc
     assert os.listdir(tmp_path) == []
 
 
-def test_a_second_ctrl_c_during_a_save_stays_an_interrupt_and_leaves_no_temporary(tmp_path, monkeypatch):
-    """The second Ctrl-C raises from the signal handler wherever Python runs: inside torch.save's writes to the
-    file, its zip writer is left mid-record and raised RuntimeError ("unexpected pos") over the interrupt, which
-    cli() reported as a bug (traceback, status 1 instead of 130), and the temporary stayed."""
-    class InterruptedFile:
-        """The temporary save_checkpoint opens, with the second Ctrl-C arriving once 4 KB of it are written."""
+def failing_file(error: BaseException):
+    """A stand-in for the temporary save_checkpoint opens: `error` is raised once 4 KB of it are written."""
+    class FailingFile:
         def __init__(self, path, mode):
             self.f, self.written = open(path, mode), 0
 
         def write(self, data):
             self.written += len(data)
             if self.written > 4096:
-                raise SecondInterrupt
+                raise error
             return self.f.write(data)
 
         def __getattr__(self, name):
@@ -279,10 +276,27 @@ def test_a_second_ctrl_c_during_a_save_stays_an_interrupt_and_leaves_no_temporar
 
         def __exit__(self, *exc):
             self.f.close()
+    return FailingFile
 
-    monkeypatch.setattr("dist.checkpoint.open", InterruptedFile, raising=False)
+
+def test_a_second_ctrl_c_during_a_save_stays_an_interrupt_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """The second Ctrl-C raises from the signal handler wherever Python runs: inside torch.save's writes to the
+    file, its zip writer is left mid-record and raised RuntimeError ("unexpected pos") over the interrupt, which
+    cli() reported as a bug (traceback, status 1 instead of 130), and the temporary stayed."""
+    monkeypatch.setattr("dist.checkpoint.open", failing_file(SecondInterrupt()), raising=False)
     path = str(tmp_path / "model_3.pt")
     with pytest.raises(SecondInterrupt):
+        save_checkpoint(path, {"iteration": 3, "model": {"w": torch.zeros(10_000)}})
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_disk_filling_up_during_a_save_is_the_write_error_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """A disk that fills up while torch.save writes a tensor (a 2 MB tmpfs as --log.root, a save every iteration,
+    with rollout ranks) left the zip writer mid-record as a second Ctrl-C does: its RuntimeError ("unexpected pos")
+    was reported as a bug with a traceback instead of the write error's one line."""
+    monkeypatch.setattr("dist.checkpoint.open", failing_file(OSError(28, "No space left on device")), raising=False)
+    path = str(tmp_path / "model_3.pt")
+    with pytest.raises(RunError, match=f"could not write checkpoint {path}: No space left on device"):
         save_checkpoint(path, {"iteration": 3, "model": {"w": torch.zeros(10_000)}})
     assert os.listdir(tmp_path) == []
 
