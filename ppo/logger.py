@@ -1,10 +1,13 @@
 """Rank-0 logging: TensorBoard scalars under RSL-RL's tag names, and one console line per iteration."""
 
+import contextlib
 import math
 import os
 import time
 
 from torch.utils.tensorboard import SummaryWriter
+
+from dist.errors import RunError
 
 
 class RunLogger:
@@ -13,7 +16,9 @@ class RunLogger:
         # whatever an earlier attempt logged after the checkpoint, so no step appears twice. Also from step 1: a
         # torchrun restart before the first checkpoint continues in the same directory from iteration 0.
         wait_past_earlier_event_files(run_dir)
-        self.writer = SummaryWriter(run_dir, purge_step=start_iteration + 1)
+        self.run_dir = run_dir
+        with self.writing():
+            self.writer = SummaryWriter(run_dir, purge_step=start_iteration + 1)
         self.max_iterations, self.start_iteration = max_iterations, start_iteration
         self.start_time = time.time()
         self.warned: set[str] = set()       # tags already said to be non-finite
@@ -25,7 +30,8 @@ class RunLogger:
         Flushed at once: a process that ends abruptly (a failed thread's exit, kill -9) keeps its curves up to
         here, not only up to the writer's last periodic flush (every 2 minutes)."""
         for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, step)
+            with self.writing():
+                self.writer.add_scalar(tag, value, step)
             if not math.isfinite(value) and tag not in self.warned:   # a curve that stops drawing, unexplained
                 self.warned.add(tag)
                 print(f"[syncppo] warning: {tag} is {value} at iteration {step} (written as is; said once per tag; "
@@ -38,9 +44,10 @@ class RunLogger:
                   f"'skipped k/n' on the console line of each iteration that skips): a reward, observation, loss "
                   f"weight or action std (--ppo.entropy-coef, --ppo.value-loss-coef, --policy.init-noise-std) too "
                   f"large for float32, or a diverging run", flush=True)
-        for value in episode_returns:
-            self.writer.add_scalar("Episode/return", value, step)
-        self.writer.flush()
+        with self.writing():
+            for value in episode_returns:
+                self.writer.add_scalar("Episode/return", value, step)
+            self.writer.flush()
 
     def print_line(self, iteration: int, scalars: dict[str, float]) -> None:
         done = iteration + 1 - self.start_iteration
@@ -55,7 +62,19 @@ class RunLogger:
               f"lr {scalars['Loss/learning_rate']:.1e}  ETA {eta / 60:5.1f} min{skipped}", flush=True)
 
     def close(self) -> None:
-        self.writer.close()
+        with self.writing():
+            self.writer.close()
+
+    @contextlib.contextmanager
+    def writing(self):
+        """TensorBoard's writer thread meets a full disk as an OSError that the next write or flush re-raises: said
+        as a checkpoint write error is, naming the run directory, not as a bug (`unexpected OSError`, traceback)."""
+        try:
+            yield
+        except OSError as exc:
+            raise RunError(f"could not write TensorBoard events in {self.run_dir}: {exc.strerror or exc}; free "
+                           f"space on that disk or point --log.root elsewhere, then resume from the last checkpoint"
+                           ) from None
 
 
 def _fmt(value: float | None, width: int, spec: str) -> str:

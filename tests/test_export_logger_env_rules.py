@@ -27,6 +27,7 @@ import torch
 
 import envs.isaaclab
 from configs.config import EnvConfig, PolicyConfig
+from dist.errors import RunError
 from envs import CartPole, GymnasiumEnv, IsaacLabEnv, Tracking, make_env
 from envs.motions import MotionLibrary
 from ppo import export
@@ -205,6 +206,27 @@ def test_every_tag_of_a_log_call_is_written_at_its_step_in_a_new_run_directory(t
     assert tb_scalars(run_dir, "Train/mean_reward") == [(1, 1.5), (2, 2.5)]
     assert tb_scalars(run_dir, "Policy/kl") == [(1, 0.25), (2, 0.5)]
     assert tb_scalars(run_dir, "Loss/learning_rate") == [(1, 0.125), (2, 0.0625)]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the writer thread's own
+@pytest.mark.parametrize("when", ["start", "log"])
+def test_a_full_disk_under_tensorboard_is_a_one_line_error_naming_the_run_directory(tmp_path, monkeypatch, when):
+    """TensorBoard writes from a thread of its own; the OSError it meets (a --log.root disk that filled up, at the
+    start or mid-run) is re-raised by the next write or flush, and cli() reported it as a bug: `error: unexpected
+    OSError (traceback above): [Errno 28] No space left on device`, with no path."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    def disk_full(self, data):
+        raise OSError(28, "No space left on device")
+    run_dir = str(tmp_path / "run")
+    if when == "log":
+        logger = RunLogger(run_dir, max_iterations=5, start_iteration=0, steps_per_iteration=4)
+    monkeypatch.setattr(RecordWriter, "write", disk_full)
+    with pytest.raises(RunError, match=f"could not write TensorBoard events in {run_dir}: No space left on device; "):
+        if when == "start":
+            RunLogger(run_dir, max_iterations=5, start_iteration=0, steps_per_iteration=4)
+        else:
+            logger.log({"Policy/kl": 0.25}, step=1)
 
 
 def test_a_non_finite_scalar_is_written_as_is_and_said_once_per_tag(tmp_path, capsys):
