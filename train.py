@@ -355,6 +355,9 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
     if say:
         print(f"{message}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside
     tell_torchrun(message)
+    # A stop request means nothing once the run has failed: torchrun's SIGTERM to the ranks left must end them now
+    # (the clean-up below may wait on a peer), not be noted for an iteration that never comes (then SIGKILL, 30 s on).
+    StopRequests.restore_default_handlers()
     # The failure's frames hold gloo work objects; freed only at interpreter exit, after the process
     # group's threads, they can abort the process ("terminate called without an active exception"):
     # release them and tear the group down now. Every exception of the chain, causes and contexts alike: a

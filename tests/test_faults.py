@@ -196,6 +196,23 @@ def test_a_failure_releases_what_the_frames_of_its_whole_chain_hold(monkeypatch)
     assert teams[0]() is None
 
 
+@pytest.mark.parametrize("error, code", [(RunError("a rollout rank died"), 1), (UsageError("bad flag"), 2),
+                                         (RuntimeError("a bug"), 1)])
+def test_a_failed_run_takes_sigterm_as_the_end_not_as_a_stop_request(monkeypatch, error, code):
+    """After the error line, torchrun sends SIGTERM to the ranks still alive and SIGKILL 30 s later. The run's stop
+    handlers, installed for the training loop, took that SIGTERM as a request to stop after the iteration (which
+    never comes), so a rank whose clean-up waited on a peer was killed only then: cli() restores the defaults."""
+    def main(cfg, typed):
+        StopRequests(watch_launcher=False)        # as the training loop installs them
+        raise error
+    monkeypatch.setattr(train, "main", main)
+    monkeypatch.setattr(sys, "last_exc", None, raising=False)
+    monkeypatch.setattr(sys, "last_value", None, raising=False)
+    assert train.cli(preset("cartpole")) == code
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_ctrl_c_while_torch_imports_ends_at_once_without_a_traceback(tmp_path):
     """The first ~1.5 s of `python train.py` import torch and numpy: a KeyboardInterrupt there printed a traceback
     of import machinery and now and then aborted the interpreter (134). It now ends the process quietly with 130.
