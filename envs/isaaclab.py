@@ -28,7 +28,7 @@ import torch
 
 from envs.base import MissingSimulator
 
-INSTALL_HINT = "make setup-isaaclab   (Isaac Lab 3.0 installed next to this repo, Python 3.12; see README)"
+INSTALL_HINT = "make setup-isaaclab   (Isaac Lab 3.0 installed next to this repo, Python 3.12; see docs/simulators.md)"
 
 
 def simulation_device(device: torch.device) -> str:
