@@ -1,0 +1,152 @@
+"""configs/config.py's checks at their bounds, flag by flag, configs/presets.py, and train.py's loop: where hand
+mutation testing found them unpinned.
+
+Each "must be positive" flag is refused at 0 (dropping any one entry of the table passed every earlier test); the
+bounds are tried on both sides (seed 0, a 256-byte experiment name, --dist.verify-every 0, the init-noise-std whose
+square leaves float32); the simulator adapters' checks, the global env budget's sign and int64 bound, and
+validate() alone refusing a global budget with rollout ranks (train.py's resolve_num_envs says it first, bench_train
+calls validate alone); train.py's linear LR at the last iteration, its last console line, each rank's own seeds and
+the checkpoint's learner count; the isaaclab preset as docs/simulators.md lists it, and preset()'s refusal. No mutant
+of config.py, presets.py or train.py was found equivalent (those of other files: tests/test_update_step_rules.py).
+"""
+
+import glob
+import os
+
+import pytest
+import torch
+
+import train
+from configs import preset, resolve_num_envs, validate
+from dist.errors import UsageError
+from tests.multirank import run_ranks
+from tests.test_config_errors import cfg_with
+from tests.test_train import small_tracking, train_body
+
+POSITIVE = [   # (field, flag) of every entry of validate()'s "must be positive" table
+    ("env__num_envs", "--env.num-envs"), ("ppo__num_steps", "--ppo.num-steps"),
+    ("ppo__num_epochs", "--ppo.num-epochs"), ("ppo__num_mini_batches", "--ppo.num-mini-batches"),
+    ("max_iterations", "--max-iterations"), ("log__save_every", "--log.save-every"),
+    ("log__print_every", "--log.print-every"), ("ppo__learning_rate", "--ppo.learning-rate"),
+    ("ppo__clip_param", "--ppo.clip-param"), ("ppo__max_grad_norm", "--ppo.max-grad-norm"),
+    ("policy__init_noise_std", "--policy.init-noise-std"), ("env__num_motions", "--env.num-motions"),
+    ("ppo__desired_kl", "--ppo.desired-kl"), ("ppo__num_micro_batches", "--ppo.num-micro-batches"),
+    ("dist__bucket_mb", "--dist.bucket-mb"), ("dist__sampler_sync_every", "--dist.sampler-sync-every"),
+    ("ppo__adam_eps", "--ppo.adam-eps"), ("ppo__reward_clip", "--ppo.reward-clip"),
+]
+
+
+@pytest.mark.parametrize("field, flag", POSITIVE, ids=[flag for _, flag in POSITIVE])
+def test_every_flag_that_must_be_positive_refuses_0_naming_itself(field, flag):
+    default = getattr(getattr(preset("tracking"), field.split("__")[0]), field.split("__")[-1]) \
+        if "__" in field else getattr(preset("tracking"), field)
+    zero = 0.0 if isinstance(default, float) else 0
+    with pytest.raises(UsageError, match=f"^{flag} must be positive, got {zero}$"):
+        validate(cfg_with(**{field: zero}))
+
+
+def test_the_episode_length_of_0_is_refused_naming_it():
+    # 0 is shorter than one step: refused by that check first, still naming the flag
+    with pytest.raises(UsageError, match=r"^--env.episode-length-s 0.0 is shorter than one control step"):
+        validate(cfg_with(env__episode_length_s=0.0))
+
+
+def test_bounds_accepted_on_their_inclusive_side():
+    validate(cfg_with(seed=0))                            # "[0, 2**32 - world size]"
+    validate(cfg_with(dist__verify_every=0))              # "0 = only after loads"
+    validate(cfg_with(policy__init_noise_std=2e-19))      # variance 4e-38, above float32's smallest normal 1.18e-38
+    validate(cfg_with(policy__init_noise_std=1e19))       # variance 1e38, below float32's largest 3.4e38
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"log__experiment": "x" * 256}, r"^--log.experiment is 256 bytes long; a directory name can have at most 255"),
+    ({"log__experiment": "é" * 128}, r"^--log.experiment is 256 bytes long"),       # bytes, not characters
+    # the std fits float32 but its square, the variance log_prob divides by, does not
+    ({"policy__init_noise_std": 1e-20}, r"^--policy.init-noise-std 1e-20: the action variance \(its square\) is 0"),
+    ({"policy__init_noise_std": 1e20}, r"^--policy.init-noise-std 1e\+20: the action variance \(its square\) is 0"),
+    ({"ppo__entropy_coef": -0.01}, r"^--ppo.value-loss-coef and --ppo.entropy-coef must be >= 0$"),
+    ({"ppo__value_loss_coef": -1.0}, r"^--ppo.value-loss-coef and --ppo.entropy-coef must be >= 0$"),
+])
+def test_values_just_past_a_bound_are_refused(changes, message):
+    with pytest.raises(UsageError, match=message):
+        validate(cfg_with(**changes))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("action_scale", 0.0, r"^--env.action-scale must be positive, got 0.0$"),
+    ("action_clip", 0.0, r"^--env.action-clip must be positive \(or None for no clip\), got 0.0$"),
+    ("action_clip", -1.0, r"^--env.action-clip must be positive \(or None for no clip\), got -1.0$"),
+    ("critic_obs_groups", (), r"^--env.actor-obs-groups and --env.critic-obs-groups need at least one group each$"),
+    ("actor_obs_groups", (), r"^--env.actor-obs-groups and --env.critic-obs-groups need at least one group each$"),
+])
+def test_the_simulator_adapter_settings_are_checked_before_a_simulator_starts(field, value, message):
+    cfg = preset("mujoco")           # gymnasium, installed with the dev requirements
+    setattr(cfg.env, field, value)
+    with pytest.raises(UsageError, match=message):
+        validate(cfg)
+    validate(preset("mujoco"))
+
+
+@pytest.mark.parametrize("total, world, message", [
+    (-4, 2, r"^--env.global-num-envs must be >= 0, got -4$"),    # -4 % 2 == 0: would split into -2 per rank
+    (2**63, 1, r"^--env.global-num-envs must fit in 64 bits \(\[0, 2\*\*63 - 1\]\), got 9223372036854775808$"),
+])
+def test_a_global_env_budget_out_of_range_names_that_flag_not_the_per_rank_one(total, world, message):
+    with pytest.raises(UsageError, match=message):
+        resolve_num_envs(cfg_with(env__global_num_envs=total), world)
+
+
+def test_validate_alone_refuses_a_global_env_budget_with_rollout_ranks():
+    cfg = cfg_with(env__global_num_envs=1024, rollout__ranks=2)
+    with pytest.raises(UsageError, match=r"^--env.global-num-envs with --rollout.ranks: give --env.num-envs per "):
+        validate(cfg, world_size=3)
+
+
+# ---- train.py: the loop ----------------------------------------------------------------------------------------
+
+def test_the_linear_schedule_runs_iteration_k_of_n_at_lr_times_1_minus_k_over_n(tmp_path, capsys):
+    """Iteration 0 at the full LR, the last (k = n - 1) at LR / n, never 0; the checkpoint keeps that LR. The last
+    iteration prints its console line whatever --log.print-every (100 here) says."""
+    cfg = small_tracking(tmp_path, iterations=2)
+    cfg.ppo.schedule, cfg.ppo.learning_rate = "linear", 1e-3
+    _, scalars, _ = train.main(cfg)
+    assert scalars["Loss/learning_rate"] == pytest.approx(1e-3 * (1 - 1 / 2), rel=1e-12)
+    (ckpt,) = glob.glob(os.path.join(tmp_path, "tracking", "*", "model_2.pt"))
+    assert torch.load(ckpt, weights_only=True)["learning_rate"] == pytest.approx(5e-4, rel=1e-12)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("it ")]
+    assert len(lines) == 1 and lines[0].startswith("it     2/2 ") and " lr 5.0e-04 " in lines[0], lines
+
+
+def test_two_ranks_draw_their_own_streams_and_save_their_layout(tmp_path):
+    """Data-parallel ranks must not sample the same action noise, env randomness or minibatch order: rank r seeds
+    with --seed + r. The checkpoint records 2 learners, so resuming on 2 ranks restores each rank's streams."""
+    run_ranks(train_body, 2, args=(small_tracking(tmp_path, iterations=1),))
+    (ckpt,) = glob.glob(os.path.join(tmp_path, "tracking", "*", "model_1.pt"))
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["layout"] == [2, 0] and len(saved["rng"]) == 2
+    for stream in ("torch", "env", "shuffle"):
+        assert not torch.equal(saved["rng"][0][stream], saved["rng"][1][stream]), stream
+
+
+# ---- configs/presets.py ----------------------------------------------------------------------------------------
+
+def test_the_isaaclab_preset_is_the_one_docs_simulators_md_describes():
+    """Isaac Lab 3.0.0's G1RoughPPORunnerCfg as the docs list it; minibatches of transitions, as RSL-RL's storage
+    shuffles them (whole trajectories would be another algorithm, silently)."""
+    cfg = preset("isaaclab")
+    p = cfg.ppo
+    assert (cfg.env.task, cfg.env.num_envs, p.num_steps, cfg.max_iterations) == ("Isaac-Velocity-Rough-G1", 4096, 24,
+                                                                                   5000)
+    assert cfg.policy.actor_hidden == cfg.policy.critic_hidden == (512, 256, 128) and cfg.policy.activation == "elu"
+    assert not cfg.policy.normalize_actor_obs and not cfg.policy.normalize_critic_obs
+    assert (p.num_epochs, p.num_mini_batches, p.minibatch_unit) == (5, 4, "transition")
+    assert (p.learning_rate, p.schedule, p.desired_kl, p.gamma, p.lam) == (1e-3, "adaptive", 0.01, 0.99, 0.95)
+    assert (p.clip_param, p.clip_value_loss, p.value_loss_coef, p.entropy_coef, p.max_grad_norm) == \
+        (0.2, True, 1.0, 0.008, 1.0)
+    assert (p.advantage_norm, cfg.seed) == ("global", 1)
+
+
+def test_an_unknown_preset_is_a_value_error_listing_the_known_ones():
+    with pytest.raises(ValueError, match=r"^unknown preset 'walker'; choose one of: cartpole, tracking, mujoco, "
+                                         r"isaaclab$"):
+        preset("walker")

@@ -1,0 +1,94 @@
+"""Edges of ppo/update.py, ppo/restore.py and dist/comm.py that hand mutation testing found unpinned: the 1e-8 that
+keeps a constant advantage from becoming 0/0, a transposed Adam moment, a checkpoint of another rollout layout with
+as many learners, and dist.comm's device setter.
+
+Mutants of these files found equivalent (no test can tell them apart):
+- kl_schedule: clamping as max(min(lr, lr_max), lr_min) (validate ensures lr_min <= lr_max); `elif` -> `if` (the two
+  KL ranges are disjoint for a positive desired KL);
+- update: normalizing "minibatch" advantages over the rollout first (a per-minibatch normalization is invariant to
+  that affine map, up to the 1e-8 and float32 rounding);
+- minibatch_step: SyncFreeStep.finish dividing by max(taken, 0.5) (the sums are 0 when no step was taken).
+The CUDA-graph replay path (shape check, ledger per replay, warm-up count) cannot run on CPU and was not mutated.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dist import comm
+from dist.checkpoint import rng_states
+from dist.errors import UsageError
+from ppo.restore import restore
+from ppo.storage import RolloutStorage
+from ppo.update import normalize_advantages
+from tests.test_step_restore_rules import CPU, _built, _checkpoint, _run
+
+
+# ---- ppo/update.py ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_advantages_with_no_or_tiny_spread_are_divided_by_std_plus_1e_8(mode):
+    """A rollout whose advantages are all equal normalizes to 0, not 0/0 = nan (which would skip every step); a
+    spread of 1e-9 is divided by 1e-9 + 1e-8, not scaled up to unit std."""
+    s = RolloutStorage(2, 2, {"policy": 1, "critic": 1}, 1, CPU)
+    s.advantages = torch.full((2, 2), 0.75)
+    normalize_advantages(s, mode)
+    assert torch.equal(s.advantages, torch.zeros(2, 2))
+    s.advantages = torch.tensor([[1e-9, -1e-9], [-1e-9, 1e-9]])        # mean 0, population std 1e-9
+    normalize_advantages(s, mode)
+    expected = torch.tensor([[1.0, -1.0], [-1.0, 1.0]]) * (1e-9 / 1.1e-8)
+    torch.testing.assert_close(s.advantages, expected, rtol=1e-5, atol=0)
+
+
+# ---- ppo/restore.py --------------------------------------------------------------------------------------------
+
+def test_restore_refuses_an_adam_moment_transposed_to_the_same_number_of_elements():
+    """Same element count, other shape: Adam's step would fail on the broadcast mid-run (or, where it broadcasts,
+    mix up entries), so restore names it as damage before loading."""
+    built = _built()
+    params = list(built["model"].parameters())
+    index = next(i for i, p in enumerate(params) if p.dim() == 2 and p.shape[0] != p.shape[1])
+    rows, cols = params[index].shape
+    for p in params:
+        p.grad = torch.ones_like(p)
+    built["optimizer"].step()
+    saved = _checkpoint(built, [rng_states()])
+    saved["optimizer"]["state"][index]["exp_avg"] = torch.zeros(cols, rows)
+    with pytest.raises(UsageError, match=rf"its optimizer's 'exp_avg' for parameter {index} has shape "
+                                         rf"\[{cols}, {rows}\], the parameter \[{rows}, {cols}\]\)"):
+        restore(saved, "c.pt", _built(), None, SimpleNamespace(rank=0, num_learners=1, num_rollouts=0), CPU, _run())
+
+
+def test_a_checkpoint_of_as_many_learners_but_other_rollout_ranks_restarts_the_learner_streams(capsys):
+    """The layout is the learners and the rollout ranks together: 1 + 1 resumed on 1 + 2 restarts every stream from
+    the seeds, the learner's too, and says so, though the learner's saved entry would fit its generators."""
+    saved_torch, saved_shuffle = torch.Generator().manual_seed(11), torch.Generator().manual_seed(12)
+    rngs = [{"torch": saved_torch.get_state(), "shuffle": saved_shuffle.get_state()}]
+    saved, built = _checkpoint(_built(), rngs, layout=[1, 1]), _built()
+    shuffle, before = torch.Generator().manual_seed(7), torch.get_rng_state()
+    expected_shuffle = shuffle.get_state()
+    try:
+        torch.manual_seed(3)        # after the build, which seeds torch itself
+        expected_torch = torch.get_rng_state()
+        restore(saved, "c.pt", built, shuffle, SimpleNamespace(rank=0, num_learners=1, num_rollouts=2), CPU, _run())
+        assert torch.equal(torch.get_rng_state(), expected_torch)
+    finally:
+        torch.set_rng_state(before)
+    assert torch.equal(shuffle.get_state(), expected_shuffle)
+    assert "resuming a checkpoint of 1 learner(s) + 1 rollout rank(s) on 1 + 2: RNG streams restart" in \
+        capsys.readouterr().out
+
+
+# ---- dist/comm.py ----------------------------------------------------------------------------------------------
+
+def test_set_device_is_where_collective_tensors_go():
+    """dist.setup sets cuda:LOCAL_RANK under NCCL: a setter that changed nothing would leave every staged tensor on
+    the host, which NCCL refuses (a torch.device needs no GPU to be named)."""
+    try:
+        comm.set_device(torch.device("cuda", 1))
+        assert comm.device() == torch.device("cuda", 1)
+        comm.set_device("cpu")
+        assert comm.device() == torch.device("cpu")
+    finally:
+        comm.set_device(torch.device("cpu"))
