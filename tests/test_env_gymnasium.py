@@ -228,9 +228,11 @@ def test_trains_end_to_end_on_hopper(tmp_path):
     for event in accumulator.Scalars("Episode/return"):
         episodes.setdefault(event.step, []).append(event.value)
     assert sorted(episodes) and set(episodes) <= {1, 2, 3}              # tagged with their iteration
-    for event in accumulator.Scalars("Train/mean_reward"):
-        if event.step in episodes:
-            assert np.mean(episodes[event.step]) == pytest.approx(event.value, rel=1e-5)
+    means = {event.step: event.value for event in accumulator.Scalars("Train/mean_reward")}
+    # Tagged with the same iterations: comparing only the common ones compared nothing when the tags disagreed.
+    assert set(means) == set(episodes)
+    for step, returns in episodes.items():
+        assert np.mean(returns) == pytest.approx(means[step], rel=1e-5)
 
 
 def test_reward_normalizer_clips_after_scaling():
