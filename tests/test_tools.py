@@ -222,10 +222,14 @@ def test_export_out_that_is_a_file_is_a_usage_error(tmp_path):
     path = small_checkpoint(tmp_path / "model_3.pt", False)
     not_a_dir = tmp_path / "notes.txt"
     not_a_dir.write_text("hello")
-    with pytest.raises(ValueError, match="--out"):
+    # The whole message: with a bare "--out" the permission check's "is not writable" (os.access on a file, no x
+    # bit) passed as well, so an export that swallowed makedirs' error went unnoticed.
+    said = f"--out {str(not_a_dir)!r} cannot be an output folder (File exists)"
+    with pytest.raises(ValueError) as exc:
         export.export(path, str(not_a_dir))
+    assert str(exc.value) == said
     result = run_python(["-m", "ppo.export", path, "--out", str(not_a_dir)], cwd=REPO, timeout=120)
-    assert result.returncode == 2 and "--out" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("damage", ["missing layer", "unknown policy field", "wrong shape"])
