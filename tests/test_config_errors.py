@@ -63,7 +63,10 @@ def test_resume_path_errors(tmp_path):
         with pytest.raises(UsageError, match=r"--resume .* is a symbolic link whose target does not exist \(or that "
                                              r"loops\)$"):
             train.main(cfg_with(resume=str(tmp_path / link)))
-    with pytest.raises(ValueError, match="directory"):
+    # A directory is a run to continue: one without a checkpoint says so (a bare "directory" also matched
+    # load_checkpoint's "is a directory; pass a model_<iteration>.pt file inside it", which denies run directories).
+    with pytest.raises(ValueError, match=r"is a directory without a model_<iteration>.pt checkpoint; pass a run "
+                                         r"directory that has one, a checkpoint file, or auto$"):
         train.main(cfg_with(resume=str(tmp_path)))
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
