@@ -84,8 +84,8 @@ def _corrupted(rank, world_size, compression, flip_at):
 @pytest.mark.slow
 @pytest.mark.parametrize("compression, flip_at", [("none", 0.0), ("none", 1.0), ("zstd", 0.5)])
 def test_corrupted_payload_is_detected(compression, flip_at):
-    # Byte 0 is a float value (values are laid out before 1-byte indices), the last byte an index. With zstd
-    # the byte is flipped after decompression (a damaged blob: test_zstd_round_trip_and_damage).
+    # Byte 0 lies in the widest segment (the payload is laid out widest element first), the last byte in the
+    # narrowest. With zstd the byte is flipped after decompression (a damaged blob: test_zstd_round_trip_and_damage).
     sender, receiver = run_ranks(_corrupted, 2, args=(compression, flip_at))
     assert bits_equal(receiver, sender)
 
