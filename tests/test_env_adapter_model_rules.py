@@ -210,8 +210,8 @@ def test_actor_mean_and_value_are_the_mlps_computed_by_hand(activation):
 
     g = torch.Generator().manual_seed(1)
     xa, xc = torch.randn(9, 3, generator=g) * 4, torch.randn(9, 4, generator=g) * 4
-    for layer in (model.actor[-1], model.critic[-1]):             # heads large enough to leave tanh's range
-        torch.nn.init.constant_(layer.bias, 3.0)
+    for layer in (model.actor[-1], model.critic[-1]):             # heads below -1: outside tanh's and ELU's range
+        torch.nn.init.constant_(layer.bias, -3.0)                 # (+3 left ELU, the identity above 0, unseen)
     with torch.no_grad():
         mean, value = model.distribution(xa).mean, model.value(xc)
     np.testing.assert_allclose(mean.double().numpy(), by_hand(model.actor, xa), rtol=1e-5, atol=1e-5)
@@ -220,14 +220,17 @@ def test_actor_mean_and_value_are_the_mlps_computed_by_hand(activation):
 
 
 def test_build_actor_critic_honours_every_policy_setting():
-    """Each --policy.* setting reaches the model: layer sizes per network, activation, initial std and
-    orthogonal init (actor head gain 0.01: its rows orthonormal times 0.01, zero bias)."""
+    """Each --policy.* setting reaches the model: layer sizes per network, activation, initial std, orthogonal
+    init (actor head gain 0.01: its rows orthonormal times 0.01, zero bias) and which observations are normalized
+    (both flags off their defaults, so neither a default nor a swap of the two passes)."""
     from configs import PolicyConfig
     from ppo.actor_critic import build_actor_critic
+    from ppo.normalizer import ObsNormalizer
     torch.manual_seed(0)
     cfg = PolicyConfig(actor_hidden=(6,), critic_hidden=(9, 4), activation="tanh", init_noise_std=0.25,
-                       orthogonal_init=True, normalize_critic_obs=False)
+                       orthogonal_init=True, normalize_critic_obs=False, normalize_actor_obs=True)
     model = build_actor_critic(cfg, {"policy": 3, "critic": 5}, 2)
+    assert isinstance(model.actor_normalizer, ObsNormalizer) and not isinstance(model.critic_normalizer, ObsNormalizer)
     sizes = {name: [(m.in_features, m.out_features) for m in net if isinstance(m, torch.nn.Linear)]
              for name, net in (("actor", model.actor), ("critic", model.critic))}
     assert sizes == {"actor": [(3, 6), (6, 2)], "critic": [(5, 9), (9, 4), (4, 1)]}
