@@ -35,7 +35,15 @@ def one_line(exc: BaseException) -> str:
 
 
 def tell_torchrun(message: str) -> None:
-    """Write this rank's error where torchrun's failure summary reads its root cause (else `error_file: <N/A>`)."""
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    """Write this rank's error where torchrun's failure summary reads its root cause (else `error_file: <N/A>`).
+
+    Written aside, then renamed into place: torchrun reads the file of every failed rank, and a rank it kills while
+    writing (its SIGTERM after a peer failed: default handlers once a run failed) left it empty, which torchrun
+    cannot parse: it crashed with a JSONDecodeError traceback instead of printing its failure summary."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        partial = f"{path}.{os.getpid()}.partial"
+        with contextlib.suppress(OSError):
+            with open(partial, "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+            os.replace(partial, path)

@@ -129,6 +129,40 @@ def test_a_bug_in_the_weight_serving_thread_ends_the_job_at_once(tmp_path):
     assert re.search(r"Connection (closed|reset) by peer", rollout), rollout
 
 
+# A rank killed while it writes its error file for torchrun: a failed run restores the default handlers, so torchrun's
+# SIGTERM (sent once a peer failed, e.g. a rollout rank that saw its learner killed) ends it mid-write.
+KILLED_WHILE_TELLING = textwrap.dedent("""
+    import json, os, signal, sys
+    sys.path.insert(0, {root!r})
+    from dist.errors import tell_torchrun
+    if {kill}:
+        def dump(obj, f):
+            f.write('{{"message": "err')
+            f.flush()
+            os.kill(os.getpid(), signal.SIGTERM)
+        json.dump = dump
+    tell_torchrun("error: learner rank 0 died or stalled")
+""")
+
+
+@pytest.mark.parametrize("killed", [True, False])
+def test_torchrun_can_read_the_error_file_of_a_rank_killed_while_writing_it(tmp_path, killed):
+    """torchrun parses the error file of every failed rank; a truncated one crashed it with a JSONDecodeError
+    traceback in place of its failure summary (seen at a learner's kill -9: its rollout rank's line and torchrun's
+    SIGTERM came together). Now the file is complete or absent (the summary then says `error_file: <N/A>`)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    error_file = tmp_path / "error.json"
+    proc = subprocess.run([sys.executable, "-c", KILLED_WHILE_TELLING.format(root=ROOT, kill=killed)],
+                          env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}, timeout=60)
+    assert proc.returncode == (-15 if killed else 0)
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=proc.returncode, error_file=str(error_file))
+    if killed:        # what torchrun says of a rank that wrote no file
+        assert failure.message.startswith("Signal 15 (SIGTERM) received") and failure.error_file == "<N/A>"
+    else:
+        assert failure.message == "error: learner rank 0 died or stalled" and failure.error_file == str(error_file)
+        assert [p.name for p in tmp_path.iterdir()] == ["error.json"]     # nothing left aside
+
+
 def decisions_kept(rank, world_size, depth, iterations):
     """A learner and its rollout rank exchange `iterations` batches and decisions, the rollout rank reading each
     decision `depth - 1` iterations late (as in async mode); the learner reports how many sent decisions it keeps."""
