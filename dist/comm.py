@@ -83,8 +83,11 @@ def _named(kind: str, purpose: str):
         yield
     except Exception as exc:  # noqa: BLE001 - every backend failure becomes the same named error
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CollectiveError(f"{kind} for {purpose!r} failed on rank {torch_dist.get_rank()}: a peer rank died or "
-                              f"stalled past the process group's timeout (train.py: --dist.timeout-s) ({first_line})"
+        # gloo's words for a peer whose process is gone: no timeout was waited out, so the timeout is not the lead
+        closed = any(words in first_line for words in ("Connection closed by peer", "Connection reset by peer"))
+        why = ("a peer rank died (its connection closed)" if closed else
+               "a peer rank died or stalled past the process group's timeout (train.py: --dist.timeout-s)")
+        raise CollectiveError(f"{kind} for {purpose!r} failed on rank {torch_dist.get_rank()}: {why} ({first_line})"
                               ) from exc
 
 

@@ -198,10 +198,16 @@ class _Failing:
     (lambda: comm.irecv(torch.ones(2), "metrics", src=0).wait(), "irecv"),
     (lambda: comm.all_reduce(torch.ones(2), "metrics", async_op=True).wait(), "all_reduce"),
 ], ids=["all_reduce", "broadcast", "all_gather", "send", "recv", "isend-wait", "irecv-wait", "async-wait"])
-@pytest.mark.parametrize("message, said", [("Connection closed by peer [127.0.0.1]:1234\n  at gloo/pair.cc:598",
-                                            "Connection closed by peer [127.0.0.1]:1234"), ("  \n", "RuntimeError")])
+@pytest.mark.parametrize("message, said, why", [
+    ("Connection closed by peer [127.0.0.1]:1234\n  at gloo/pair.cc:598", "Connection closed by peer [127.0.0.1]:1234",
+     "a peer rank died (its connection closed)"),
+    ("Connection reset by peer", "Connection reset by peer", "a peer rank died (its connection closed)"),
+    ("Timed out waiting 10000ms for recv operation to complete", "Timed out waiting 10000ms for recv operation to "
+     "complete", "a peer rank died or stalled past the process group's timeout (train.py: --dist.timeout-s)"),
+    ("  \n", "RuntimeError", "a peer rank died or stalled past the process group's timeout (train.py: "
+     "--dist.timeout-s)")])
 def test_a_failed_call_or_wait_is_a_collective_error_naming_the_call_purpose_rank_and_cause(
-        monkeypatch, call, kind, message, said):
+        monkeypatch, call, kind, message, said, why):
     """Whatever the backend raised becomes one CollectiveError: the call, its purpose, this rank, the flag that sets
     the timeout, and the first line of the backend's message (its type when the message is blank)."""
     failing = _Failing(message)
@@ -213,8 +219,7 @@ def test_a_failed_call_or_wait_is_a_collective_error_naming_the_call_purpose_ran
     monkeypatch.setattr(comm.torch_dist, "get_rank", lambda: 1)
     with pytest.raises(comm.CollectiveError) as caught:
         call()
-    assert str(caught.value) == (f"{kind} for 'metrics' failed on rank 1: a peer rank died or stalled past the "
-                                 f"process group's timeout (train.py: --dist.timeout-s) ({said})")
+    assert str(caught.value) == f"{kind} for 'metrics' failed on rank 1: {why} ({said})"
 
 
 def test_team_checkpoint_records_learners_then_rollout_ranks(monkeypatch):
