@@ -79,7 +79,7 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
         if both_linear and end not in (None, cfg.max_iterations):
             now, was = ppo.learning_rate * (1 - k / cfg.max_iterations), (saved_lr or ppo.learning_rate) * (1 - k / end)
             print(f"[syncppo] --max-iterations {cfg.max_iterations} re-anneals the linear LR (the checkpoint's run "
-                  f"reached 0 at {end}): iteration {k} runs at LR {now:.4g}, not {was:.4g}", flush=True)
+                  f"reached 0 at {end}): iteration {k + 1} runs at LR {now:.4g}, not {was:.4g}", flush=True)
 
 
 def misshapen_moment(optimizer: torch.optim.Optimizer, saved: dict) -> str:

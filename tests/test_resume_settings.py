@@ -71,9 +71,14 @@ def test_a_resume_with_another_max_iterations_says_where_the_linear_lr_jumps(tmp
     ckpt, _ = saved_run(tmp_path, ppo__learning_rate=1e-3, ppo__schedule="linear")
     capsys.readouterr()
     resumed = resumed_optimizer(tmp_path, ckpt, "longer", ppo__learning_rate=1e-3, ppo__schedule="linear")
-    assert resumed["lr"] == 1e-3 * (1.0 - 2 / 3)          # what iteration 2 ran with, as the line says
-    assert (f"--max-iterations 3 re-anneals the linear LR (the checkpoint's run reached 0 at 2): iteration 2 runs "
-            f"at LR {1e-3 / 3:.4g}, not 0") in capsys.readouterr().out
+    assert resumed["lr"] == 1e-3 * (1.0 - 2 / 3)          # what iteration 3, the first resumed one, ran with
+    out = capsys.readouterr().out
+    assert (f"--max-iterations 3 re-anneals the linear LR (the checkpoint's run reached 0 at 2): iteration 3 runs "
+            f"at LR {1e-3 / 3:.4g}, not 0") in out
+    # the iteration it names is the console's: the line `it 3/3` shows that LR (it had said iteration 2, the
+    # checkpoint's last, in the loop's 0-based count)
+    (line,) = [line for line in out.splitlines() if line.startswith("it ")]
+    assert line.split()[1] == "3/3" and f"lr {1e-3 / 3:.1e}" in line
 
 
 @pytest.mark.parametrize("flag, change", [("--policy.init-noise-std", {"policy__init_noise_std": 0.3}),

@@ -246,7 +246,8 @@ def test_rank_1_of_two_learners_takes_its_own_rng_states(layout):
 
 def test_the_start_up_lines_of_a_resume_with_a_new_lr_and_a_longer_linear_schedule(capsys):
     """Rank 0 says what it resumed, that a typed LR replaces the checkpoint's, and where the linear LR jumps: here
-    iteration 2 of a run that annealed 1e-3 to 0 at 4 runs at 2e-4 * (1 - 2/8) = 1.5e-4 instead of 1e-3 * (1 - 2/4)."""
+    iteration 3 (the first after the checkpoint of iteration 2) of a run that annealed 1e-3 to 0 at 4 runs at
+    2e-4 * (1 - 2/8) = 1.5e-4 instead of 1e-3 * (1 - 2/4)."""
     config = {"seed": 1, "max_iterations": 4, "ppo": {"learning_rate": 1e-3, "schedule": "linear"}}
     saved = _checkpoint(_built(), [rng_states()], config)
     cfg = _run(max_iterations=8, ppo__learning_rate=2e-4, ppo__schedule="linear")
@@ -254,7 +255,7 @@ def test_the_start_up_lines_of_a_resume_with_a_new_lr_and_a_longer_linear_schedu
     assert capsys.readouterr().out.splitlines()[-3:] == [
         "[syncppo] resumed c.pt at iteration 2",
         "[syncppo] --ppo.learning-rate 0.0002 replaces the checkpoint's LR (its run started at 0.001)",
-        "[syncppo] --max-iterations 8 re-anneals the linear LR (the checkpoint's run reached 0 at 4): iteration 2 runs "
+        "[syncppo] --max-iterations 8 re-anneals the linear LR (the checkpoint's run reached 0 at 4): iteration 3 runs "
         "at LR 0.00015, not 0.0005"]
 
 
