@@ -123,7 +123,7 @@ class Link:
                 work.wait()
         else:
             comm.send(mine, SETUP, self.src, self.group)
-            theirs = {self.src: comm.recv(torch.empty_like(mine), SETUP, self.src, self.group)}
+            theirs = {dist.get_rank(): comm.recv(torch.empty_like(mine), SETUP, self.src, self.group)}
         differ = {rank: [keys[i] for i in (other != mine).nonzero().flatten().tolist()] for rank, other in theirs.items()}
         if any(differ.values()):
             raise SyncIntegrityError(f"weight sync: {why} must start equal on sender and receivers, but these differ "
