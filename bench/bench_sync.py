@@ -221,7 +221,8 @@ def bench_checkpoints(rank: int, paths: list) -> list:
                     expected = {k: v.to(receiver_dtype) if v.dtype == torch.float32 else v for k, v in state.items()}
                     assert all(torch.equal(as_bits(receiver_state[k]), as_bits(expected[k])) for k in expected)
                 numel = sum(v.numel() for v in state.values())
-                rows.append(dict(step=f"{str(receiver_dtype)[6:]} it{version}->{version + 1}", mode=mode,
+                names = [os.path.basename(path).removesuffix(".pt") for path in paths[version - 1:version + 1]]
+                rows.append(dict(step=f"{str(receiver_dtype)[6:]} {names[0]} -> {names[1]}", mode=mode,
                                  density=syncer.stats.changed_elements / numel if rank == 0 else 0,
                                  wire=syncer.stats.wire_bytes if rank == 0 else 0, seconds=seconds))
     return rows
@@ -271,7 +272,8 @@ def print_tables(tables: dict, args) -> None:
         print(f"| {r['receiver']} | {r['nominal']:.2%} | {r['density']:.3%} | {r['wire']:,} | {r['limit']:,.0f} | "
               f"{r['ratio']:.3f} |")
     if "ppo" in tables:
-        print("\nPPO checkpoints (tracking preset, consecutive iterations)")
+        print("\nPPO checkpoints " + ("(tracking preset, consecutive iterations)" if args.ppo else
+                                       "(--checkpoints, in the order given)"))
         print("| step | mode | density | wire bytes | sync+apply s |")
         print("|---|---|---|---|---|")
         for r in tables["ppo"]:

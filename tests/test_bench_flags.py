@@ -13,6 +13,7 @@ import torch
 
 from configs.config import PolicyConfig
 from ppo.actor_critic import build_actor_critic
+from tests.multirank import run_ranks
 from tests.test_tools import exit_code, load_bench
 
 
@@ -121,6 +122,19 @@ def test_bench_sync_checkpoints_of_one_run_reach_the_ranks(bench_sync, monkeypat
     assert args.checkpoints == paths
     models = bench_sync.checkpoint_models(paths)
     assert all(torch.equal(m[k], torch.load(p)["model"][k]) for m, p in zip(models, paths) for k in m)
+
+
+def _sync_checkpoints(rank, world_size, paths):
+    return [row["step"] for row in load_bench("bench_sync").bench_checkpoints(rank, paths)]
+
+
+@pytest.mark.slow
+def test_bench_sync_checkpoint_rows_name_the_files_they_sync(tmp_path):
+    """Rows were labelled by position (`it1->2`) whatever the files: model_4 -> model_9 read as iterations 1 -> 2."""
+    paths = [checkpoint(tmp_path / f"model_{i}.pt", seed=i) for i in (4, 9, 10)]
+    steps = run_ranks(_sync_checkpoints, 2, args=(paths,))[1]
+    assert steps == [f"{dtype} {pair}" for dtype in ("float32", "bfloat16") for _mode in ("patch", "bucket")
+                     for pair in ("model_4 -> model_9", "model_9 -> model_10")]
 
 
 def test_bench_sync_ppo_with_checkpoints_is_refused(bench_sync, monkeypatch, capsys, tmp_path):
