@@ -354,7 +354,7 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
                        "critic-hidden or the env's own sizes (tracking: --env.num-motions)")
     if say:
         print(f"{message}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside
-    tell_torchrun(message)
+    tell_torchrun(message, after_peer=isinstance(failure, comm.CollectiveError))
     # A stop request means nothing once the run has failed: torchrun's SIGTERM to the ranks left must end them now
     # (the clean-up below may wait on a peer), not be noted for an iteration that never comes (then SIGKILL, 30 s on).
     StopRequests.restore_default_handlers()

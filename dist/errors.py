@@ -34,8 +34,12 @@ def one_line(exc: BaseException) -> str:
     return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
-def tell_torchrun(message: str) -> None:
+def tell_torchrun(message: str, after_peer: bool = False) -> None:
     """Write this rank's error where torchrun's failure summary reads its root cause (else `error_file: <N/A>`).
+
+    torchrun names the failure with the smallest timestamp, in whole seconds, and a tie goes to whichever failed rank
+    it recorded first: often one that only saw its peer die. `after_peer` (this rank failed because a peer died or
+    stalled) dates the error one second later, so that the peer's own failure in the same second is the root cause.
 
     Written aside, then renamed into place: torchrun reads the file of every failed rank, and a rank it kills while
     writing (its SIGTERM after a peer failed: default handlers once a run failed) left it empty, which torchrun
@@ -45,5 +49,5 @@ def tell_torchrun(message: str) -> None:
         partial = f"{path}.{os.getpid()}.partial"
         with contextlib.suppress(OSError):
             with open(partial, "w") as f:
-                json.dump({"message": message, "timestamp": int(time.time())}, f)
+                json.dump({"message": message, "timestamp": int(time.time()) + after_peer}, f)
             os.replace(partial, path)

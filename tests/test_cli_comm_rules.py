@@ -3,6 +3,7 @@ failure, first_on_node, team_checkpoint's layout; the ledger's counts, the group
 a failed collective."""
 
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import train
 from configs.config import Config
 from dist import comm
-from dist.errors import RunError, UsageError
+from dist.errors import RunError, UsageError, tell_torchrun
 from dist.stop import SecondInterrupt
 from tests.multirank import run_ranks
 
@@ -39,7 +40,8 @@ def _failing_cli(monkeypatch, capsys, failure, local_rank="0"):
     monkeypatch.setattr(train, "main", main)
     monkeypatch.setattr(train, "shutdown", lambda: events.append("shutdown"))
     monkeypatch.setattr(train, "release_run_dirs", lambda: events.append("release"))
-    monkeypatch.setattr(train, "tell_torchrun", lambda message: events.append(("torchrun", message)))
+    monkeypatch.setattr(train, "tell_torchrun", lambda message, after_peer=False:
+                        events.append(("torchrun", message, "after peer") if after_peer else ("torchrun", message)))
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     monkeypatch.setattr(sys, "last_value", None, raising=False)
     monkeypatch.setattr(sys, "last_exc", None, raising=False)
@@ -58,10 +60,12 @@ def _failing_cli(monkeypatch, capsys, failure, local_rank="0"):
 ], ids=["usage", "run", "collective", "ctrl-c", "second-ctrl-c"])
 def test_cli_gives_each_failure_its_status_and_one_line_and_tears_down(monkeypatch, capsys, failure, code, said):
     """Status 2 for bad input, 1 for a run-time failure, 130 for Ctrl-C; one line on stderr, the same line for
-    torchrun's error file, the process group and run directories released, the failure recorded as uncaught."""
+    torchrun's error file (dated after the peer's failure when a collective failed), the process group and run
+    directories released, the failure recorded as uncaught."""
     status, err, events = _failing_cli(monkeypatch, capsys, failure)
     assert (status, err) == (code, said + "\n")
-    assert events == [("torchrun", said), "shutdown", "release"]
+    told = ("torchrun", said) + (("after peer",) if isinstance(failure, comm.CollectiveError) else ())
+    assert events == [told, "shutdown", "release"]
     assert sys.last_value is failure
 
 
@@ -104,6 +108,24 @@ def test_cli_says_a_usage_error_once_per_node_unless_it_names_who_says_it(monkey
 def test_cli_returns_0_after_a_run_and_tears_nothing_down_itself(monkeypatch, capsys):
     """main() shuts its own process group down; cli adds nothing after a run that ended well."""
     assert _failing_cli(monkeypatch, capsys, None) == (0, "", [])
+
+
+def test_torchrun_names_the_rank_that_failed_first_not_the_one_that_saw_it_die(tmp_path, monkeypatch):
+    """torchrun's root cause is the failure with the smallest whole-second timestamp, a tie going to the rank it
+    recorded first: a rollout rank that only saw its learner die was named in 5 of 8 learner failures. Its error,
+    a failed collective, is now dated a second later (torch's own ChildFailedError picks the root cause here)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    monkeypatch.setattr(time, "time", lambda: 1_000_000.7)       # both in one second
+    failures = {}
+    for rank, message, after_peer in ((1, "error: learner rank 0 died or stalled", True),   # recorded first
+                                      (0, "error: could not write x: No space left", False)):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error_{rank}.json"))
+        tell_torchrun(message, after_peer=after_peer)
+        failures[rank] = ProcessFailure(local_rank=rank, pid=rank + 1, exitcode=1,
+                                        error_file=str(tmp_path / f"error_{rank}.json"))
+    rank, first = ChildFailedError("train.py", failures).get_first_failure()
+    assert (rank, first.message, first.timestamp) == (0, "error: could not write x: No space left", 1_000_000)
+    assert failures[1].timestamp == 1_000_001
 
 
 # ---- dist/comm.py ----------------------------------------------------------------------------------------------
