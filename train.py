@@ -331,7 +331,8 @@ def out_of_memory(exc: BaseException) -> bool:
 
 def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
     """Run `main`; turn user errors into one line on stderr (status 2) and run-time failures into one line (1); an
-    unexpected exception prints its traceback and that line (1). Each tears the process group down at once."""
+    unexpected exception prints its traceback and that line (1). Each tears the process group down at once.
+    Crosses ranks: what `main` does (every row of its sync plan), nothing of its own."""
     try:
         main(cfg, typed)
         return 0

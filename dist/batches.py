@@ -74,7 +74,8 @@ def send_object(obj, dst: int, group, purpose: str) -> int:
 
 
 def recv_object(src: int, group, purpose: str) -> tuple[object, int]:
-    """send_object's other end, once at start-up: the size, then the pickled bytes. Returns (object, size)."""
+    """send_object's other end. Crosses ranks once at start-up: `src`'s pickled description, its size (one int64)
+    then the bytes, never per iteration. Returns (object, size)."""
     size = int(comm.recv(torch.empty(1, dtype=torch.int64), purpose, src, group))
     data = comm.recv(torch.empty(size, dtype=torch.uint8), purpose, src, group)
     return pickle.loads(data.numpy().tobytes()), size

@@ -105,7 +105,8 @@ class _Work:
 def all_reduce(tensor: torch.Tensor, purpose: str, op: str = "sum", async_op: bool = False):
     """In-place all-reduce of `tensor` over all ranks with op "sum", "avg" (NCCL only), "max" or "min".
 
-    Returns a work handle when `async_op` (None in a single process), else the tensor.
+    Crosses ranks once per call: `tensor`, reduced over the group, for the caller's `purpose` (counted in LEDGER);
+    nothing with one rank. Returns a work handle when `async_op` (None in a single process), else the tensor.
     """
     if world_size() == 1:
         return None if async_op else tensor
@@ -118,7 +119,10 @@ def all_reduce(tensor: torch.Tensor, purpose: str, op: str = "sum", async_op: bo
 
 
 def broadcast(tensor: torch.Tensor, purpose: str, src: int = 0) -> torch.Tensor:
-    """In-place broadcast of `tensor` from global rank `src` (a member of the group) to all ranks."""
+    """In-place broadcast of `tensor` from global rank `src` (a member of the group) to all ranks.
+
+    Crosses ranks once per call: `src`'s `tensor` to every rank, for the caller's `purpose` (counted in LEDGER);
+    nothing with one rank."""
     if world_size() == 1:
         return tensor
     _count(purpose, tensor)
@@ -128,7 +132,10 @@ def broadcast(tensor: torch.Tensor, purpose: str, src: int = 0) -> torch.Tensor:
 
 
 def all_gather(tensor: torch.Tensor, purpose: str) -> torch.Tensor:
-    """Every rank's `tensor`, stacked along a new first dim [world_size, ...]."""
+    """Every rank's `tensor`, stacked along a new first dim [world_size, ...].
+
+    Crosses ranks once per call: each rank's `tensor` to every rank, for the caller's `purpose` (counted in
+    LEDGER); nothing with one rank."""
     if world_size() == 1:
         return tensor.unsqueeze(0)
     _count(purpose, tensor)
@@ -147,14 +154,16 @@ def reset_ledger() -> None:
 # the sender counts what it sends, each receiver what it receives, under the caller's purpose.
 
 def send(tensor: torch.Tensor, purpose: str, dst: int, group=None) -> None:
-    """Blocking send of `tensor` to global rank `dst`."""
+    """Blocking send of `tensor` to global rank `dst`. Crosses ranks once per call: `tensor`, this rank -> `dst`,
+    for the caller's `purpose` (counted in LEDGER)."""
     _count(purpose, tensor)
     with _named("send", purpose):
         torch_dist.send(tensor, dst=dst, group=group)
 
 
 def recv(tensor: torch.Tensor, purpose: str, src: int, group=None) -> torch.Tensor:
-    """Blocking receive into `tensor` from global rank `src`."""
+    """Blocking receive into `tensor` from global rank `src`. Crosses ranks once per call: one message, `src` ->
+    this rank, for the caller's `purpose` (counted in LEDGER)."""
     _count(purpose, tensor)
     with _named("recv", purpose):
         torch_dist.recv(tensor, src=src, group=group)
@@ -162,14 +171,16 @@ def recv(tensor: torch.Tensor, purpose: str, src: int, group=None) -> torch.Tens
 
 
 def isend(tensor: torch.Tensor, purpose: str, dst: int, group=None):
-    """Start sending `tensor` to global rank `dst`; returns the work to wait on (`tensor` must outlive it)."""
+    """Start sending `tensor` to global rank `dst`; returns the work to wait on (`tensor` must outlive it).
+    Crosses ranks once per call: `tensor`, this rank -> `dst`, for the caller's `purpose` (counted in LEDGER)."""
     _count(purpose, tensor)
     with _named("isend", purpose):
         return _Work(torch_dist.isend(tensor, dst=dst, group=group), "isend", purpose)
 
 
 def irecv(tensor: torch.Tensor, purpose: str, src: int, group=None):
-    """Start receiving into `tensor` from global rank `src`; returns the work to wait on."""
+    """Start receiving into `tensor` from global rank `src`; returns the work to wait on. Crosses ranks once per
+    call: one message, `src` -> this rank, for the caller's `purpose` (counted in LEDGER)."""
     _count(purpose, tensor)
     with _named("irecv", purpose):
         return _Work(torch_dist.irecv(tensor, src=src, group=group), "irecv", purpose)
@@ -177,7 +188,8 @@ def irecv(tensor: torch.Tensor, purpose: str, src: int, group=None):
 
 def recv_then_count(tensor: torch.Tensor, purpose_of, src: int, group=None) -> torch.Tensor:
     """Blocking receive into `tensor` from global rank `src`, counted under `purpose_of(tensor)`: for a header
-    that names what it starts (a receiver draining queued updates counts them as the sender did)."""
+    that names what it starts (a receiver draining queued updates counts them as the sender did). Crosses ranks
+    once per call: one message, `src` -> this rank."""
     with _named("recv", "a message header"):
         torch_dist.recv(tensor, src=src, group=group)
     _count(purpose_of(tensor), tensor)

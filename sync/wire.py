@@ -176,7 +176,9 @@ class Frame:
 def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[[int], tuple],
                staging: Optional[list] = None) -> Frame:
     """Receive the next frame from `src`: header and table (checked, blocking), then start receiving the
-    payload and trailer (see Frame).
+    payload and trailer (see Frame). Crosses ranks once per frame, send_frame's other end: the header and table,
+    received here; the payload (a compressed blob received here, else each segment or one packed buffer, posted)
+    and the trailer (posted), the posted ones completed by the Frame's waits.
 
     `expect(kind)`: for a frame of that kind, (ledger purpose, value dtype per tensor ordinal, `into` or
     None), where `into(ordinal)` gives a tensor to receive that row's whole values straight into (no staging
@@ -291,7 +293,8 @@ def bucket_messages(nbytes: Sequence[int], bucket_size: int) -> list[int]:
 
 
 def send_json(obj, dst: int, group, device) -> int:
-    """Send a small JSON document to `dst`: a length word then the bytes (init only); returns its length."""
+    """Send a small JSON document to `dst`; returns its length. Crosses ranks once per call, at init only (the
+    handshake of Link.agree): a length word (int64), then the UTF-8 bytes."""
     data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
     comm.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), SETUP, dst, group)
     comm.send(data, SETUP, dst, group)
@@ -299,7 +302,8 @@ def send_json(obj, dst: int, group, device) -> int:
 
 
 def recv_json(src: int, group, device) -> tuple[object, int]:
-    """Receive send_json's document from `src` (init only): a length word, then the bytes; returns (it, length)."""
+    """Receive send_json's document from `src`; returns (it, length). Crosses ranks once per call, at init only
+    (the handshake of Link.agree): a length word (int64), then the UTF-8 bytes."""
     length = comm.recv(torch.empty(1, dtype=torch.int64, device=device), SETUP, src, group)
     data = comm.recv(torch.empty(int(length.item()), dtype=torch.uint8, device=device), SETUP, src, group)
     return json.loads(bytes(data.cpu().tolist()).decode()), data.numel()
