@@ -363,8 +363,8 @@ def resolve_num_envs(cfg: Config, world_size: int) -> str:
     """Apply --env.global-num-envs (split across ranks) if set; return a line saying which scope is used."""
     if cfg.env.global_num_envs < 0:
         raise UsageError(f"--env.global-num-envs must be >= 0, got {cfg.env.global_num_envs}")
-    if cfg.env.global_num_envs == 0:
-        return f"--env.num-envs {cfg.env.num_envs} is per rank"
+    if cfg.env.global_num_envs == 0:     # with rollout ranks a learner has no envs of its own: theirs are counted
+        return f"--env.num-envs {cfg.env.num_envs} is per {'rollout rank' if cfg.rollout.ranks else 'rank'}"
     if cfg.env.global_num_envs >= 2**63:
         raise UsageError(f"--env.global-num-envs must fit in 64 bits ([0, 2**63 - 1]), got {cfg.env.global_num_envs}")
     if cfg.rollout.ranks:         # first: whatever the budget, it is the thing to change (validate_rollout says it too)

@@ -53,6 +53,12 @@ def test_global_env_budget_splits_across_ranks_or_fails():
     assert "per rank" in resolve_num_envs(per_rank, 4) and per_rank.env.num_envs == 512
 
 
+def test_env_scope_line_with_rollout_ranks_says_per_rollout_rank():
+    # a learner runs no envs: the count is each rollout rank's (the start-up line said "per rank")
+    assert resolve_num_envs(cfg_with(rollout__ranks=2), 3) == "--env.num-envs 512 is per rollout rank"
+    assert resolve_num_envs(cfg_with(), 3) == "--env.num-envs 512 is per rank"
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_resume_path_errors(tmp_path):
     with pytest.raises(UsageError, match="--resume .* does not exist"):
