@@ -116,10 +116,16 @@ def blame_checkpoint(error: UsageError, kept: list[str], path: str) -> UsageErro
     """A validate() error about a setting this resume took from the checkpoint (`kept`), saying so: it would read as
     if typed (`--ppo.num-epochs must be positive, got 0`). A typed flag refused for want of another setting blames
     that setting (`--ppo.desired-kl applies only with --ppo.schedule adaptive (the run uses linear)`)."""
-    words = str(error).split(" ")
-    flag = words[4] if words[1:4] == ["applies", "only", "with"] else words[0]
+    words = [word.strip("(),:;") for word in str(error).split(" ")]
+    flags = [word for word in words if word.startswith("--")]    # "a minibatch of ... --ppo.num-micro-batches (6)"
+    flag = words[4] if words[1:4] == ["applies", "only", "with"] else flags[0] if flags else ""
     if not any(setting.split(" ", 1)[0] == flag for setting in kept):
         return error
+    if flag in MUST_MATCH:      # a resume keeps it (check_resume_fits): passing it would be refused, change the others
+        others = [f for f in dict.fromkeys(flags) if f not in MUST_MATCH and f != "--env.global-num-envs"]
+        if others:
+            return UsageError(f"{error} ({flag} is the checkpoint's run's, {path!r}, which a resume keeps: change "
+                              f"{' or '.join(others)})")
     return UsageError(f"{error} (the value of the checkpoint's run, {path!r}: pass {flag} to change it)")
 
 

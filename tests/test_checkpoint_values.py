@@ -277,3 +277,31 @@ def test_a_typed_flag_refused_for_a_setting_taken_from_the_checkpoint_blames_tha
         train.main(cfg_with(resume=path, dry_run=True, log__root=root, ppo__desired_kl=0.02), typed_flags(argv))
     assert str(exc.value) == ("--ppo.desired-kl applies only with --ppo.schedule adaptive (the run uses linear) (the "
                               f"value of the checkpoint's run, {path!r}: pass --ppo.schedule to change it)")
+
+
+def test_a_refused_env_count_taken_from_the_checkpoint_names_the_flag_a_resume_can_change(trained, tmp_path):
+    """A run of 1 learner + 2 rollout ranks of 2 envs (the learner minibatches 4) resumed colocated: 2 envs per rank
+    do not split into 4 minibatches. --env.num-envs is one a resume must keep, so the way out is the minibatch count
+    (the error said 'pass --env.num-envs to change it', which the next start refused as not matching the checkpoint)."""
+    def team_run(state):
+        state["config"]["env"].update(num_envs=2)
+        state["config"]["ppo"].update(num_mini_batches=4)    # what a 1 + 2 run saves (its layout aside)
+    path = damaged(trained, tmp_path, team_run)
+    root = str(tmp_path / "runs")
+    argv = ["tracking", "--resume", path, "--dry-run", "--log.root", root]
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg_with(resume=path, dry_run=True, log__root=root), typed_flags(argv))
+    assert str(exc.value) == ("--env.num-envs (2) must be divisible by --ppo.num-mini-batches (4): minibatches are "
+                              "whole trajectories, never a silent remainder (--env.num-envs is the checkpoint's run's, "
+                              f"{path!r}, which a resume keeps: change --ppo.num-mini-batches)")
+
+
+def test_a_refused_micro_batch_count_taken_from_the_checkpoint_says_it_came_from_there(trained, tmp_path):
+    """The micro-batch error starts with words, not its flag: it was left unblamed, read as if typed."""
+    path = damaged(trained, tmp_path, lambda state: state["config"]["ppo"].update(num_micro_batches=3))
+    root = str(tmp_path / "runs")
+    argv = ["tracking", "--resume", path, "--dry-run", "--log.root", root]
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg_with(resume=path, dry_run=True, log__root=root), typed_flags(argv))
+    assert str(exc.value).endswith(f"(the value of the checkpoint's run, {path!r}: pass --ppo.num-micro-batches to "
+                                   f"change it)")
