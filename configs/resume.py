@@ -178,19 +178,25 @@ def as_flag(flag: str, value) -> str:
     return f"{flag} {value if value != '' else repr(value)}"
 
 
-def resolve_resume(cfg, experiment_dir: str, task: str | None = None) -> tuple[str, str | None]:
+def resolve_resume(cfg, experiment_dir: str, task: str | None = None,
+                   env: str | None = None) -> tuple[str, str | None]:
     """(checkpoint to load or "", existing run directory to continue in, or None for a new one). `task`: a typed
     --env.task, which `--resume auto` looks for among the experiment's runs (the mujoco preset's runs of every task
-    share one experiment)."""
+    share one experiment); `env`: this run's --env.name, likewise (two presets given one --log.experiment share
+    it)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if launch_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and run_id:
         run_dir = find_run_dir(experiment_dir, run_id)
         if run_dir is not None:
             return latest_checkpoint(run_dir) or (cfg.resume if cfg.resume != "auto" else ""), run_dir
     if cfg.resume == "auto":
-        run_dir = newest_run_with_checkpoint(experiment_dir, lambda d: task is None or saved_task(d) in (None, task))
+        def ours(run_dir: str) -> bool:    # a run of another env or task would be refused once loaded
+            saved = saved_env(run_dir)
+            return ((env is None or saved.get("name") in (None, env))
+                    and (task is None or saved.get("task") in (None, task)))
+        run_dir = newest_run_with_checkpoint(experiment_dir, ours)
         if run_dir is None:
-            of = f" of --env.task {task}" if task else ""
+            of = f" of --env.task {task}" if task else f" of --env.name {env}" if env else ""
             raise UsageError(f"--resume auto: no checkpoint{of} under {experiment_dir!r}; check --log.root and "
                              f"--log.experiment, or start without --resume")
         return latest_checkpoint(run_dir), run_dir
@@ -203,17 +209,19 @@ def resolve_resume(cfg, experiment_dir: str, task: str | None = None) -> tuple[s
     return cfg.resume, None
 
 
-def saved_task(run_dir: str) -> str | None:
-    """The --env.task a run directory's newest start wrote into its config_<iteration>.json (None when unknown)."""
+def saved_env(run_dir: str) -> dict:
+    """The env settings (--env.name, --env.task, ...) a run directory's newest start wrote into its
+    config_<iteration>.json ({} when unknown)."""
     starts = {int(m.group(1)): path for path in glob.glob(os.path.join(glob.escape(run_dir), "config_*.json"))
               if (m := re.search(r"config_(\d+)\.json$", path))}
     if not starts:
-        return None
+        return {}
     try:
         with open(starts[max(starts)]) as f:
-            return json.load(f)["config"]["env"]["task"]
+            env = json.load(f)["config"]["env"]
     except (OSError, ValueError, KeyError, TypeError):      # unreadable, or not this layout
-        return None
+        return {}
+    return env if isinstance(env, dict) else {}
 
 
 def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:

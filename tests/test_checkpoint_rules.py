@@ -216,6 +216,35 @@ def test_resume_auto_with_a_typed_task_takes_the_newest_run_of_that_task(tmp_pat
     assert resolve_resume(auto, str(tmp_path), "Walker2d-v4") == (str(unknown / "model_1.pt"), str(unknown))
 
 
+def test_resume_auto_of_a_shared_experiment_continues_this_presets_run(tmp_path, capsys, monkeypatch):
+    """End to end: a cartpole run, then a tracking run, one --log.experiment; cartpole --resume auto continues the
+    cartpole run (it was refused: `--env.name cartpole does not match the checkpoint's --env.name tracking`)."""
+    import train
+    from configs import preset
+    from configs.typed_flags import typed_flags
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    root, runs = str(tmp_path), {}
+    for name in ("cartpole", "tracking"):
+        cfg = preset(name)
+        cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 2, 2, 1, 1
+        cfg.policy.actor_hidden = cfg.policy.critic_hidden = (8,)
+        cfg.log.root, cfg.log.experiment, cfg.dist.device = root, "shared", "cpu"
+        train.main(cfg)
+        (runs[name],) = [d for d in os.listdir(os.path.join(root, "shared")) if d not in runs.values()]
+    cfg = preset("cartpole")
+    cfg.resume, cfg.max_iterations, cfg.dry_run, cfg.log.root, cfg.log.experiment = "auto", 2, True, root, "shared"
+    capsys.readouterr()
+    train.main(cfg, typed_flags(["cartpole", "--resume", "auto", "--max-iterations", "2", "--dry-run",
+                                 "--log.root", root, "--log.experiment", "shared"]))
+    path = os.path.join(root, "shared", runs["cartpole"], "model_1.pt")
+    assert f"[syncppo] would resume {path} at iteration 1" in capsys.readouterr().out
+    from types import SimpleNamespace
+    from configs.resume import resolve_resume
+    from dist.errors import UsageError
+    with pytest.raises(UsageError, match=r"--resume auto: no checkpoint of --env.name gymnasium under "):
+        resolve_resume(SimpleNamespace(resume="auto"), os.path.join(root, "shared"), env="gymnasium")
+
+
 
 def test_named_tensors_travel_as_bytes_and_back_exactly():
     """to_bytes / from_bytes carry a rollout rank's checkpoint state (RNG states, flattened env state) as one
