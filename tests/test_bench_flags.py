@@ -137,6 +137,18 @@ def test_bench_sync_checkpoint_rows_name_the_files_they_sync(tmp_path):
                      for pair in ("model_4 -> model_9", "model_9 -> model_10")]
 
 
+@pytest.mark.parametrize("ppo, title", [(True, "PPO checkpoints (tracking preset, consecutive iterations)"),
+                                        (False, "PPO checkpoints (--checkpoints, in the order given)")])
+def test_bench_sync_checkpoint_table_says_whose_checkpoints_it_syncs(bench_sync, capsys, ppo, title):
+    """--checkpoints' table was titled as if of the tracking preset's consecutive iterations, whatever files."""
+    args = types.SimpleNamespace(size="1M", repeats=1, quick=False, ppo=ppo)
+    row = dict(step="float32 model_4 -> model_9", mode="patch", density=0.5, wire=1234, seconds=0.25)
+    bench_sync.print_tables({"time": [], "bytes": [], "ppo": [row]}, args)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-5:] == ["", title, "| step | mode | density | wire bytes | sync+apply s |", "|---|---|---|---|---|",
+                          "| float32 model_4 -> model_9 | patch | 50.0% | 1,234 | 0.250 |"]
+
+
 def test_bench_sync_ppo_with_checkpoints_is_refused(bench_sync, monkeypatch, capsys, tmp_path):
     """--ppo was silently ignored when --checkpoints were given (and trained anyway after a bare --checkpoints)."""
     paths = [checkpoint(tmp_path / f"model_{i}.pt", seed=i) for i in (1, 2)]

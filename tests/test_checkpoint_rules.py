@@ -216,6 +216,36 @@ def test_resume_auto_with_a_typed_task_takes_the_newest_run_of_that_task(tmp_pat
     assert resolve_resume(auto, str(tmp_path), "Walker2d-v4") == (str(unknown / "model_1.pt"), str(unknown))
 
 
+def test_resume_auto_takes_the_newest_run_of_this_env_and_task(tmp_path, monkeypatch):
+    """resolve_resume's `env` (train.main passes its --env.name): a run of another env is passed over; a run whose
+    newest config_<k>.json is missing, has no env section or one that is not a mapping counts as any env; with a
+    typed --env.task as well both must fit, and the error names the task (the narrower of the two)."""
+    from types import SimpleNamespace
+    from configs.resume import resolve_resume
+    from dist.errors import UsageError
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    mujoco, gym, odd = (tmp_path / f"2026-01-0{day}_00-00-00" for day in (1, 2, 3))
+    for run, env, mtime in ((mujoco, {"name": "mujoco", "task": "Hopper-v4"}, 1_000_000),
+                            (gym, {"name": "gymnasium", "task": "Hopper-v4"}, 2_000_000)):
+        _touch(run / "model_5.pt", mtime=mtime)
+        (run / "config_5.json").write_text(json.dumps({"config": {"env": env}}))
+    auto, root = SimpleNamespace(resume="auto"), str(tmp_path)
+    assert resolve_resume(auto, root, env="mujoco") == (str(mujoco / "model_5.pt"), str(mujoco))
+    assert resolve_resume(auto, root, "Hopper-v4", "mujoco") == (str(mujoco / "model_5.pt"), str(mujoco))
+    assert resolve_resume(auto, root, "Hopper-v4", "gymnasium") == (str(gym / "model_5.pt"), str(gym))
+    with pytest.raises(UsageError, match=r"^--resume auto: no checkpoint of --env.task Walker2d-v4 under "):
+        resolve_resume(auto, root, "Walker2d-v4", "gymnasium")
+    with pytest.raises(UsageError, match=r"^--resume auto: no checkpoint of --env.name isaaclab under "):
+        resolve_resume(auto, root, env="isaaclab")
+    _touch(odd / "model_1.pt", mtime=3_000_000)
+    for config in ({"config": {"env": ["mujoco"]}}, {"config": {}}, None):    # not a mapping, no env, no file
+        if config is not None:
+            (odd / "config_1.json").write_text(json.dumps(config))
+        else:
+            (odd / "config_1.json").unlink()
+        assert resolve_resume(auto, root, "Walker2d-v4", "isaaclab") == (str(odd / "model_1.pt"), str(odd)), config
+
+
 def test_resume_auto_of_a_shared_experiment_continues_this_presets_run(tmp_path, capsys, monkeypatch):
     """End to end: a cartpole run, then a tracking run, one --log.experiment; cartpole --resume auto continues the
     cartpole run (it was refused: `--env.name cartpole does not match the checkpoint's --env.name tracking`)."""

@@ -303,5 +303,38 @@ def test_a_refused_micro_batch_count_taken_from_the_checkpoint_says_it_came_from
     argv = ["tracking", "--resume", path, "--dry-run", "--log.root", root]
     with pytest.raises(UsageError) as exc:
         train.main(cfg_with(resume=path, dry_run=True, log__root=root), typed_flags(argv))
-    assert str(exc.value).endswith(f"(the value of the checkpoint's run, {path!r}: pass --ppo.num-micro-batches to "
-                                   f"change it)")
+    saved = torch.load(path, weights_only=True)["config"]            # the whole message: this error, blamed
+    minibatch = saved["env"]["num_envs"] * saved["ppo"]["num_steps"] // saved["ppo"]["num_mini_batches"]
+    assert minibatch % 3
+    assert str(exc.value) == (f"a minibatch of {minibatch} transitions per rank is not divisible by "
+                              f"--ppo.num-micro-batches (3); micro-batches must be equal for the accumulated gradient "
+                              f"to equal the minibatch gradient (the value of the checkpoint's run, {path!r}: pass "
+                              f"--ppo.num-micro-batches to change it)")
+
+
+def test_a_refused_setting_a_resume_keeps_names_each_other_flag_of_the_error_once():
+    """blame_checkpoint alone, on errors whose first flag a resume must keep (MUST_MATCH): the way out is every other
+    flag the error names, each once and without its punctuation; never the flag itself, another MUST_MATCH flag, or
+    --env.global-num-envs (named by a split as where the per-rank count came from). With no other flag named, the
+    "change ..." clause is not given at all."""
+    from configs.resume import blame_checkpoint
+    kept = ["--env.num-envs 2", "--env.global-num-envs 16", "--policy.init-noise-std 1e-30", "--ppo.num-epochs 2"]
+    split = ("--env.num-envs x --ppo.num-steps (2 = --env.global-num-envs 16 / 8 rank(s) x 4 = 8) must be divisible "
+             "by --ppo.num-mini-batches (3)")
+    assert str(blame_checkpoint(UsageError(split), kept, "c.pt")) == (
+        f"{split} (--env.num-envs is the checkpoint's run's, 'c.pt', which a resume keeps: change --ppo.num-steps or "
+        f"--ppo.num-mini-batches)")
+    twice = ("--env.num-envs (2) must be divisible by --ppo.num-mini-batches (3); use fewer --ppo.num-mini-batches, "
+             "or more --policy.actor-hidden")
+    assert str(blame_checkpoint(UsageError(twice), kept, "c.pt")) == (
+        f"{twice} (--env.num-envs is the checkpoint's run's, 'c.pt', which a resume keeps: change "
+        f"--ppo.num-mini-batches)")
+    alone = "--policy.init-noise-std 1e-30: the action variance (its square) is 0 or inf in float32"
+    blamed = str(blame_checkpoint(UsageError(alone), kept, "c.pt"))
+    assert blamed.startswith(f"{alone} (the value of the checkpoint's run, 'c.pt': ") and "change --" not in blamed
+    negative = "--env.num-envs must be positive, got -2"      # "-2" is a number, not a flag to change
+    blamed = str(blame_checkpoint(UsageError(negative), ["--env.num-envs -2"], "c.pt"))
+    assert blamed.startswith(f"{negative} (the value of the checkpoint's run, 'c.pt': ") and "change -" not in blamed
+    assert blame_checkpoint(error := UsageError("--env.num-envs must be positive, got 0"), [], "c.pt") is error
+    # the setting must be that flag: --env.task-overrides taken from the checkpoint is not --env.task
+    assert blame_checkpoint(error := UsageError("--env.task X: no such task"), ["--env.task-overrides {}"], "") is error

@@ -2,6 +2,7 @@
 failure, first_on_node, team_checkpoint's layout; the ledger's counts, the group the wrappers run in and the words of
 a failed collective."""
 
+import json
 import sys
 import time
 from types import SimpleNamespace
@@ -126,6 +127,11 @@ def test_torchrun_names_the_rank_that_failed_first_not_the_one_that_saw_it_die(t
     rank, first = ChildFailedError("train.py", failures).get_first_failure()
     assert (rank, first.message, first.timestamp) == (0, "error: could not write x: No space left", 1_000_000)
     assert failures[1].timestamp == 1_000_001
+    # by default (any other failure) the error is dated when it happened
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error_2.json"))
+    tell_torchrun("error: could not write y")
+    assert json.loads((tmp_path / "error_2.json").read_text()) == {"message": "error: could not write y",
+                                                                   "timestamp": 1_000_000}
 
 
 # ---- dist/comm.py ----------------------------------------------------------------------------------------------

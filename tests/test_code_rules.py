@@ -8,7 +8,7 @@ source (train.py, rollout_ranks.py, rollout_weights.py, configs/, dist/, ppo/, s
 
 What counts as communicating: a call of a torch.distributed collective or point-to-point function (`COLLECTIVES`),
 or of a project function that makes one, resolved through the module's imports (`from dist import comm`,
-`from dist.params import broadcast_params`, `self.method`) and iterated to a fixed point, so dist/comm.py's
+`from dist.params import broadcast_module`, `self.method`) and iterated to a fixed point, so dist/comm.py's
 wrappers are found the same way as their callers' callers. Not resolved (not checked): calls through an object that
 is not `self` (`self.link.send_whole(...)`, `sync.recv(...)`), through a variable or a callback, and `.wait()` on a
 posted operation. A nested def is accounted for by the function that defines it: its calls count as its owner's.

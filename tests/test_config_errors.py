@@ -56,6 +56,7 @@ def test_global_env_budget_splits_across_ranks_or_fails():
 def test_env_scope_line_with_rollout_ranks_says_per_rollout_rank():
     # a learner runs no envs: the count is each rollout rank's (the start-up line said "per rank")
     assert resolve_num_envs(cfg_with(rollout__ranks=2), 3) == "--env.num-envs 512 is per rollout rank"
+    assert resolve_num_envs(cfg_with(rollout__ranks=1), 2) == "--env.num-envs 512 is per rollout rank"
     assert resolve_num_envs(cfg_with(), 3) == "--env.num-envs 512 is per rank"
 
 
