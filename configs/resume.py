@@ -123,9 +123,8 @@ def blame_checkpoint(error: UsageError, kept: list[str], path: str) -> UsageErro
         return error
     if flag in MUST_MATCH:      # a resume keeps it (check_resume_fits): passing it would be refused, change the others
         others = [f for f in dict.fromkeys(flags) if f not in MUST_MATCH and f != "--env.global-num-envs"]
-        if others:
-            return UsageError(f"{error} ({flag} is the checkpoint's run's, {path!r}, which a resume keeps: change "
-                              f"{' or '.join(others)})")
+        way_out = f"change {' or '.join(others)}" if others else "start a new run to change it"
+        return UsageError(f"{error} ({flag} is the checkpoint's run's, {path!r}, which a resume keeps: {way_out})")
     return UsageError(f"{error} (the value of the checkpoint's run, {path!r}: pass {flag} to change it)")
 
 

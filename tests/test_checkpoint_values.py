@@ -315,8 +315,8 @@ def test_a_refused_micro_batch_count_taken_from_the_checkpoint_says_it_came_from
 def test_a_refused_setting_a_resume_keeps_names_each_other_flag_of_the_error_once():
     """blame_checkpoint alone, on errors whose first flag a resume must keep (MUST_MATCH): the way out is every other
     flag the error names, each once and without its punctuation; never the flag itself, another MUST_MATCH flag, or
-    --env.global-num-envs (named by a split as where the per-rank count came from). With no other flag named, the
-    "change ..." clause is not given at all."""
+    --env.global-num-envs (named by a split as where the per-rank count came from). With no other flag named, only a
+    new run can change it (it said "pass --policy.init-noise-std to change it", which the resume then refused)."""
     from configs.resume import blame_checkpoint
     kept = ["--env.num-envs 2", "--env.global-num-envs 16", "--policy.init-noise-std 1e-30", "--ppo.num-epochs 2"]
     split = ("--env.num-envs x --ppo.num-steps (2 = --env.global-num-envs 16 / 8 rank(s) x 4 = 8) must be divisible "
@@ -331,10 +331,12 @@ def test_a_refused_setting_a_resume_keeps_names_each_other_flag_of_the_error_onc
         f"--ppo.num-mini-batches)")
     alone = "--policy.init-noise-std 1e-30: the action variance (its square) is 0 or inf in float32"
     blamed = str(blame_checkpoint(UsageError(alone), kept, "c.pt"))
-    assert blamed.startswith(f"{alone} (the value of the checkpoint's run, 'c.pt': ") and "change --" not in blamed
+    assert blamed == f"{alone} (--policy.init-noise-std is the checkpoint's run's, 'c.pt', which a resume keeps: " \
+                     "start a new run to change it)"
     negative = "--env.num-envs must be positive, got -2"      # "-2" is a number, not a flag to change
     blamed = str(blame_checkpoint(UsageError(negative), ["--env.num-envs -2"], "c.pt"))
-    assert blamed.startswith(f"{negative} (the value of the checkpoint's run, 'c.pt': ") and "change -" not in blamed
+    assert blamed == f"{negative} (--env.num-envs is the checkpoint's run's, 'c.pt', which a resume keeps: start a " \
+                     "new run to change it)"                  # not "change -2"
     assert blame_checkpoint(error := UsageError("--env.num-envs must be positive, got 0"), [], "c.pt") is error
     # the setting must be that flag: --env.task-overrides taken from the checkpoint is not --env.task
     assert blame_checkpoint(error := UsageError("--env.task X: no such task"), ["--env.task-overrides {}"], "") is error
