@@ -165,7 +165,8 @@ def test_every_config_field_has_a_one_line_help_string():
             help_ = after.value.value if (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
                                           and isinstance(after.value.value, str)) else None
             if help_ is None or not help_.strip() or "\n" in help_.strip():
-                why = "no help string" if help_ is None else "help string is not one line"
+                why = ("no help string" if help_ is None else "empty help string" if not help_.strip() else
+                       "help string is not one line")
                 missing.append(f"{path.relative_to(ROOT)}:{field.lineno}: {node.name}.{field.target.id} ({why})")
     assert fields > 50, f"only {fields} fields found in {len(classes)} dataclasses: the search no longer sees them"
     assert not missing, "these config fields have no one-line help for --help:\n" + "\n".join(missing)
