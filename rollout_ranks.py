@@ -176,9 +176,9 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     """A rollout rank's whole life: build, agree layouts with its learner, then collect until told to stop.
 
     Crosses ranks: at start-up its env spec up and sync/'s init handshake; per iteration a weight request (and
-    update), its batch up and a decision down; at saves the sampler-count sum among the rollout ranks and its
-    state up; at the end the final weights (after the last iteration) and a `done` request. Returns the policy
-    copy and this rank's sync-plan rows."""
+    update), its batch up and a decision down; every --dist.sampler-sync-every iterations and at saves the
+    sampler-count sum among the rollout ranks, and at saves its state up; at the end the final weights (after
+    the last iteration) and a `done` request. Returns the policy copy and this rank's sync-plan rows."""
     j, learner = roles.rollout_index, roles.team[0]
     seed_everything(cfg.seed + j)                 # the seeds colocated rank j would use
     try:

@@ -47,7 +47,7 @@ class WeightServer:
 
     def start(self, model, version: int) -> None:
         """Crosses ranks once per rollout rank: sync/'s init handshake, as version - 1 (the first request then
-        carries the weights of `version`, whatever sync/ bootstraps: bucket mode sends nothing at init)."""
+        carries the weights of `version`, whatever sync/ bootstraps: bucket mode sends no weights at init)."""
         for dst, syncer in self.syncers.items():
             with naming(dst):
                 syncer.init_sender(model.state_dict(), None, version - 1)

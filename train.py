@@ -68,8 +68,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     `typed`: the flags of the command line (cli). A resumed run then keeps its checkpoint's settings except
     these and the launch ones (configs/resume.py); None (a program's config) takes `cfg` as it is.
 
-    Crosses ranks: every row of the sync plan it prints and returns, at that row's cadence (start-up, each
-    optimizer step, each iteration, each save), plus the rendezvous of init_distributed."""
+    Crosses ranks: every row of the sync plan it prints and returns, at that row's cadence (start-up, optimizer
+    step, iteration, every K iterations, save), plus init_distributed's rendezvous and assign_roles' groups."""
     # ---- every check that needs neither a process group nor an env: nothing is built or written yet --
     rank, world = launch_rank_and_world()
     experiment = experiment_dir(cfg)             # from launch settings: final already

@@ -13,9 +13,9 @@ once as a CUDA graph and replayed (one launch instead of hundreds of small kerne
   takes the step count back, exactly what the host path's `continue` does;
 - statistics: summed on the device in float64 in the host path's order, read once per update.
 
-Crosses ranks: nothing beyond what `backward_minibatch` does (one gradient all-reduce per step,
-KL sum and count riding in it); the rules above act on the synchronized values, so every rank makes
-the same decision.
+Crosses ranks: nothing beyond what `backward_minibatch` does (the gradient all-reduce per step, one per
+bucket when bucketed, KL sum and count riding in the last); the rules above act on the synchronized
+values, so every rank makes the same decision.
 """
 
 import warnings
@@ -32,8 +32,8 @@ def backward_minibatch(model, batch: dict, grad_sync, cfg) -> tuple[torch.Tensor
     """Gradients of one minibatch, synchronized and clipped. Returns (global KL (sum, count), gradient norm
     before clipping, this rank's mean loss terms [surrogate, value, entropy]), all on the device.
 
-    Crosses ranks: the minibatch's one gradient all-reduce (GradSync), with the KL sum and count riding
-    in it. Micro-batches accumulate locally; only the last backward is armed.
+    Crosses ranks: the minibatch's gradient all-reduce (GradSync: one, or one per bucket), with the KL sum
+    and count riding in the last. Micro-batches accumulate locally; only the last backward is armed.
     """
     q = cfg.num_micro_batches
     grad_sync.zero_grad()
@@ -133,7 +133,7 @@ class SyncFreeStep:
         self.sums.zero_()
 
     def __call__(self, batch: dict) -> None:
-        """Take one minibatch step. Crosses ranks: its one gradient all-reduce (backward_minibatch), issued
+        """Take one minibatch step. Crosses ranks: its gradient all-reduce(s) (backward_minibatch), issued
         eagerly or by the graph's replay, once per minibatch."""
         if self.graph is not None:
             for key, value in batch.items():
@@ -165,7 +165,7 @@ class SyncFreeStep:
 
     def _capture(self, batch: dict) -> None:
         """Record this step into a CUDA graph (nothing runs while recording), then replay it to take it. Crosses
-        ranks once, in that replay: the step's gradient all-reduce."""
+        ranks once, in that replay: the step's gradient all-reduce(s)."""
         self.static = {key: value.clone() for key, value in batch.items()}
         before = comm.ledger_snapshot()
         self.graph = torch.cuda.CUDAGraph()

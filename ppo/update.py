@@ -2,9 +2,9 @@
 
 Reads top to bottom as the algorithm. What crosses ranks, per iteration:
   - advantages: two all-reduces (count, sum; then squared deviations), when advantage_norm == "global";
-  - per minibatch: one gradient all-reduce that also carries (KL sum, KL count), so every rank sees
-    the global KL and applies the same LR; clipping and the non-finite check use the synchronized
-    gradient, so all ranks take (or skip) the same step;
+  - per minibatch: the gradient all-reduce (one flat; one per bucket bucketed), the last also carrying
+    (KL sum, KL count), so every rank sees the global KL and applies the same LR; clipping and the
+    non-finite check use the synchronized gradient, so all ranks take (or skip) the same step;
   - normalizers: one all-reduce each, after learning (statistics frozen until then).
 Micro-batches only split memory: they accumulate gradients locally, and the accumulation window
 is exactly one minibatch, so it never crosses a minibatch, epoch or iteration boundary.
@@ -38,8 +38,8 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
     """Run the update in place on `model`/`optimizer`; return this rank's loss means, the global KL,
     the final LR and the number of skipped (non-finite) steps.
 
-    Crosses ranks (the module docstring's list, once per call): the advantage statistics when global, one
-    gradient all-reduce per minibatch (KL riding in it), then one merge per observation normalizer."""
+    Crosses ranks (the module docstring's list, once per call): the advantage statistics when global, the
+    gradient all-reduce(s) of each minibatch (KL riding in the last), then one merge per observation normalizer."""
     normalize_advantages(storage, cfg.advantage_norm)
     num_micro_batches = cfg.num_micro_batches
     lr = optimizer.param_groups[0]["lr"]

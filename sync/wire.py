@@ -92,11 +92,11 @@ def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments
                compress: Optional[Callable] = None) -> tuple[int, int, list]:
     """Send one frame to every receiver; returns its (wire, raw payload) bytes per receiver and `sums()`.
 
-    Crosses ranks: header, table, each payload segment (or one compressed blob) and the trailer, to each
-    receiver, all non-blocking; `sums()` (each row's checksum after the update) runs while the payload is
-    in flight. Returns once every send completed, so that the caller may then commit what it sent. When
-    `sums()` raises, the receivers get a trailer that they refuse (the link stays in step for resync()) and the
-    error is raised here.
+    Crosses ranks: header, table, the payload (each segment, one packed message of them all, or one compressed
+    blob) and the trailer (the header alone when no row), to each receiver, all non-blocking; `sums()` (each
+    row's checksum after the update) runs while the payload is in flight. Returns once every send completed,
+    so that the caller may then commit what it sent. When `sums()` raises, the receivers get a trailer that
+    they refuse (the link stays in step for resync()) and the error is raised here.
     """
     order, _, raw = layout([(s.dtype, s.numel()) for s in segments])
     payload = [segments[i].reshape(-1) for i in order if segments[i].numel()]
