@@ -194,7 +194,7 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
                          f"(runs go to --log.root/EXPERIMENT/TIMESTAMP); use --log.root to write elsewhere")
     if len(cfg.log.experiment.encode()) > 255:     # NAME_MAX: the run directory's mkdir would fail after the build
         raise UsageError(f"--log.experiment is {len(cfg.log.experiment.encode())} bytes long; a directory name "
-                         f"can have at most 255")
+                         f"can have at most 255: use a shorter name")
     if cfg.env.name in ("cartpole", "tracking") and cfg.env.episode_length_s < EMBEDDED_STEP_S:
         raise UsageError(f"--env.episode-length-s {cfg.env.episode_length_s} is shorter than one control step of "
                          f"{cfg.env.name} ({EMBEDDED_STEP_S} s); an episode needs at least one step")
@@ -245,27 +245,32 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
     samples_per_rank = envs * cfg.ppo.num_steps
     minibatch = samples_per_rank // cfg.ppo.num_mini_batches
     if minibatch % cfg.ppo.num_micro_batches:
-        raise UsageError(f"a minibatch of {minibatch} transitions per rank is not divisible by --ppo.num-micro-batches "
-                         f"({cfg.ppo.num_micro_batches}); micro-batches must be equal for the accumulated gradient "
-                         f"to equal the minibatch gradient")
+        raise UsageError(f"--ppo.num-micro-batches ({cfg.ppo.num_micro_batches}) does not divide a minibatch of "
+                         f"{minibatch} transitions per rank; micro-batches must be equal for the accumulated gradient "
+                         f"to equal the minibatch gradient: use a divisor of {minibatch}")
     if cfg.ppo.advantage_norm == "minibatch" and minibatch < 2:     # unbiased std of one value: nan, every step skipped
         raise UsageError(f"--ppo.advantage-norm minibatch needs at least 2 transitions per rank in a minibatch (the "
                          f"std of one is nan), got {minibatch} = --env.num-envs{f' x {team}' if team > 1 else ''} x "
                          f"--ppo.num-steps / --ppo.num-mini-batches; use fewer minibatches or another "
                          f"--ppo.advantage-norm")
     if not 0 < cfg.ppo.lr_min <= cfg.ppo.lr_max:
-        raise UsageError(f"need 0 < --ppo.lr-min <= --ppo.lr-max, got {cfg.ppo.lr_min}, {cfg.ppo.lr_max}")
+        raise UsageError(f"--ppo.lr-min {cfg.ppo.lr_min} must be positive and at most --ppo.lr-max {cfg.ppo.lr_max}")
     # the bounds clamp only the adaptive schedule: fixed and linear never read them
     if cfg.ppo.schedule == "adaptive" and not cfg.ppo.lr_min <= cfg.ppo.learning_rate <= cfg.ppo.lr_max:
-        raise UsageError(f"need --ppo.lr-min <= --ppo.learning-rate <= --ppo.lr-max with --ppo.schedule adaptive, "
-                         f"got {cfg.ppo.lr_min}, {cfg.ppo.learning_rate}, {cfg.ppo.lr_max}")
+        raise UsageError(f"--ppo.learning-rate {cfg.ppo.learning_rate} is outside [--ppo.lr-min {cfg.ppo.lr_min}, "
+                         f"--ppo.lr-max {cfg.ppo.lr_max}], the bounds of --ppo.schedule adaptive; pass a rate within "
+                         f"them or widen them")
     if not FLOAT32_TINY <= cfg.policy.init_noise_std * cfg.policy.init_noise_std <= FLOAT32_MAX:   # log_prob: / std**2
         raise UsageError(f"--policy.init-noise-std {cfg.policy.init_noise_std}: the action variance (its square) is "
                          f"0 or inf in float32; use a value in [{FLOAT32_TINY**0.5:.1e}, {FLOAT32_MAX**0.5:.1e}]")
-    if cfg.ppo.value_loss_coef < 0 or cfg.ppo.entropy_coef < 0:
-        raise UsageError("--ppo.value-loss-coef and --ppo.entropy-coef must be >= 0")
-    if any(h <= 0 for h in (*cfg.policy.actor_hidden, *cfg.policy.critic_hidden)):
-        raise UsageError("--policy.actor-hidden and --policy.critic-hidden sizes must be positive")
+    for flag, value in {"--ppo.value-loss-coef": cfg.ppo.value_loss_coef,
+                        "--ppo.entropy-coef": cfg.ppo.entropy_coef}.items():
+        if value < 0:       # each its own error: blame_checkpoint blames the first flag of the message
+            raise UsageError(f"{flag} must be >= 0, got {value}")
+    for flag, sizes in {"--policy.actor-hidden": cfg.policy.actor_hidden,
+                        "--policy.critic-hidden": cfg.policy.critic_hidden}.items():
+        if any(h <= 0 for h in sizes):
+            raise UsageError(f"{flag} sizes must be positive, got {' '.join(map(str, sizes))}")
     validate_simulator_env(cfg)
     validate_rollout(cfg, world_size)
 
@@ -285,8 +290,10 @@ def validate_rollout(cfg: Config, world_size: int) -> None:
         raise UsageError(f"--rollout.ranks {k} leaves no learner among {world_size} rank(s); start more ranks "
                          f"(torchrun --nproc-per-node) or use fewer rollout ranks")
     if k % learners:
+        fits = [str(r) for r in range(1, world_size) if r % (world_size - r) == 0]
         raise UsageError(f"--rollout.ranks {k} is not a multiple of the {learners} learner(s) left of {world_size} "
-                         f"ranks; each learner owns the same number of rollout ranks")
+                         f"ranks; each learner owns the same number of rollout ranks: with {world_size} ranks use "
+                         f"--rollout.ranks {' or '.join(fits)} (or 0)")
     if cfg.env.global_num_envs:
         raise UsageError(GLOBAL_ENVS_WITH_ROLLOUT_RANKS)
     if cfg.dist.device == "cuda":
@@ -350,13 +357,16 @@ def validate_simulator_env(cfg: Config) -> None:
     if importlib.util.find_spec(package) is None:
         raise UsageError(f"--env.name {cfg.env.name} needs the {package} package, which is not installed: `{setup}`")
     if cfg.env.name == "isaaclab" and cfg.dist.device == "cpu":
-        raise UsageError("--env.name isaaclab simulates on GPUs (one per rank); it cannot run with --dist.device cpu")
+        raise UsageError("--env.name isaaclab simulates on GPUs (one per rank); it cannot run with --dist.device cpu: "
+                         "use --dist.device cuda or auto")
     if not cfg.env.action_scale > 0:
         raise UsageError(f"--env.action-scale must be positive, got {cfg.env.action_scale}")
     if cfg.env.action_clip is not None and not cfg.env.action_clip > 0:
         raise UsageError(f"--env.action-clip must be positive (or None for no clip), got {cfg.env.action_clip}")
-    if not cfg.env.actor_obs_groups or not cfg.env.critic_obs_groups:
-        raise UsageError("--env.actor-obs-groups and --env.critic-obs-groups need at least one group each")
+    for flag, groups in {"--env.actor-obs-groups": cfg.env.actor_obs_groups,
+                         "--env.critic-obs-groups": cfg.env.critic_obs_groups}.items():
+        if not groups:
+            raise UsageError(f"{flag} is empty; name at least one observation group (e.g. policy)")
 
 
 def resolve_num_envs(cfg: Config, world_size: int) -> str:

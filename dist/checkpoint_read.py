@@ -23,7 +23,8 @@ def read_torch_file(path: str):
             started = f.read(4) == b"PK\x03\x04"       # a zip's first entry, without its closing directory
         raise ValueError("a truncated or damaged checkpoint (its zip archive does not end); use another one"
                          if started else
-                         "not a torch checkpoint (torch.save writes a zip archive; this file is not one)")
+                         "not a torch checkpoint (torch.save writes a zip archive; this file is not one): pass a "
+                         "model_<iteration>.pt file train.py wrote")
     with zipfile.ZipFile(path) as archive:
         if any(name.endswith("/constants.pkl") for name in archive.namelist()):
             raise ValueError("an exported policy (TorchScript), not a training checkpoint: pass the model_<k>.pt it "
@@ -34,7 +35,8 @@ def read_torch_file(path: str):
         text = str(exc)
         detail = next((line.strip() for line in text.splitlines() if "Unpickler error" in line),
                       text.split(" In PyTorch 2.6")[0].splitlines()[0] if text else "")
-        raise ValueError(f"not a readable torch checkpoint ({type(exc).__name__}: {detail})") from None
+        raise ValueError(f"not a readable torch checkpoint ({type(exc).__name__}: {detail}): pass a "
+                         f"model_<iteration>.pt file train.py wrote") from None
 
 
 def load_checkpoint(path: str) -> dict:
@@ -42,7 +44,8 @@ def load_checkpoint(path: str) -> dict:
     if not os.path.exists(path):
         dangling = os.path.islink(path)      # exists() follows links: a dangling or looping one reads as missing
         raise UsageError(f"--resume {path!r} " + ("is a symbolic link whose target does not exist (or that loops)"
-                                                  if dangling else "does not exist"))
+                                                  if dangling else "does not exist")
+                         + "; pass an existing model_<iteration>.pt file, a run directory, or auto")
     if os.path.isdir(path):
         raise UsageError(f"--resume {path!r} is a directory; pass a model_<iteration>.pt file inside it, or auto")
     if not os.path.isfile(path):      # a device or a pipe: reading it could block or never end
@@ -54,10 +57,12 @@ def load_checkpoint(path: str) -> dict:
             raise UsageError(f"--resume {path!r} was written by another syncppo version (format {written!r}; this one "
                              f"reads {FORMAT!r}): resume it with the version that wrote it")
         if written != FORMAT:
-            raise UsageError(f"--resume {path!r} is not a syncppo checkpoint (expected format {FORMAT!r})")
+            raise UsageError(f"--resume {path!r} is not a syncppo checkpoint (expected format {FORMAT!r}); pass a "
+                             f"model_<iteration>.pt file train.py wrote")
         missing = [k for k in REQUIRED_KEYS if k not in state]
         if missing:
-            raise UsageError(f"--resume {path!r} is missing {missing}; the file is truncated or from another tool")
+            raise UsageError(f"--resume {path!r} is missing {missing}; the file is truncated or from another tool: "
+                             f"resume from another checkpoint")
         damage = malformed_entry(state)
         if damage:
             raise UsageError(f"--resume {path!r} is damaged ({damage}); resume from another checkpoint")

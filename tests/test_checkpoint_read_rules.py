@@ -94,7 +94,7 @@ def test_a_truncated_checkpoint_a_directory_and_a_non_archive_each_say_what_they
     with pytest.raises(UsageError) as exc:
         load_checkpoint(str(text))
     assert str(exc.value) == f"--resume {str(text)!r} is not a torch checkpoint (torch.save writes a zip archive; " \
-                             "this file is not one)"
+                             "this file is not one): pass a model_<iteration>.pt file train.py wrote"
     with pytest.raises(UsageError) as exc:
         load_checkpoint(str(tmp_path))
     assert str(exc.value) == f"--resume {str(tmp_path)!r} is a directory; pass a model_<iteration>.pt file inside " \

@@ -28,7 +28,8 @@ _DROP = object()
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"rng": _DROP}, r"is missing \['rng'\]; the file is truncated"),
+    ({"rng": _DROP}, r"is missing \['rng'\]; the file is truncated or from another tool: resume from another "
+                     r"checkpoint$"),
     ({"iteration": True}, r"its iteration is True, not an integer >= 0"),
     ({"layout": [2, 0]}, r"its layout \[2, 0\] does not say \[1 learner\(s\), rollout ranks\]"),
     ({"layout": [1, -1]}, r"its layout \[1, -1\] does not say \[1 learner\(s\), rollout ranks\]"),

@@ -297,7 +297,7 @@ def test_a_refused_env_count_taken_from_the_checkpoint_names_the_flag_a_resume_c
 
 
 def test_a_refused_micro_batch_count_taken_from_the_checkpoint_says_it_came_from_there(trained, tmp_path):
-    """The micro-batch error starts with words, not its flag: it was left unblamed, read as if typed."""
+    """The micro-batch error (which once started with words, not its flag) is blamed, not read as if typed."""
     path = damaged(trained, tmp_path, lambda state: state["config"]["ppo"].update(num_micro_batches=3))
     root = str(tmp_path / "runs")
     argv = ["tracking", "--resume", path, "--dry-run", "--log.root", root]
@@ -306,10 +306,10 @@ def test_a_refused_micro_batch_count_taken_from_the_checkpoint_says_it_came_from
     saved = torch.load(path, weights_only=True)["config"]            # the whole message: this error, blamed
     minibatch = saved["env"]["num_envs"] * saved["ppo"]["num_steps"] // saved["ppo"]["num_mini_batches"]
     assert minibatch % 3
-    assert str(exc.value) == (f"a minibatch of {minibatch} transitions per rank is not divisible by "
-                              f"--ppo.num-micro-batches (3); micro-batches must be equal for the accumulated gradient "
-                              f"to equal the minibatch gradient (the value of the checkpoint's run, {path!r}: pass "
-                              f"--ppo.num-micro-batches to change it)")
+    assert str(exc.value) == (f"--ppo.num-micro-batches (3) does not divide a minibatch of {minibatch} transitions "
+                              f"per rank; micro-batches must be equal for the accumulated gradient to equal the "
+                              f"minibatch gradient: use a divisor of {minibatch} (the value of the checkpoint's run, "
+                              f"{path!r}: pass --ppo.num-micro-batches to change it)")
 
 
 def test_a_refused_setting_a_resume_keeps_names_each_other_flag_of_the_error_once():

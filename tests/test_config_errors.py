@@ -62,13 +62,15 @@ def test_env_scope_line_with_rollout_ranks_says_per_rollout_rank():
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_resume_path_errors(tmp_path):
-    with pytest.raises(UsageError, match="--resume .* does not exist"):
+    with pytest.raises(UsageError, match=r"^--resume .* does not exist; pass an existing model_<iteration>.pt file, "
+                                         r"a run directory, or auto$"):
         train.main(cfg_with(resume=str(tmp_path / "missing.pt")))
     (tmp_path / "loop.pt").symlink_to(tmp_path / "loop.pt")
     (tmp_path / "dangling.pt").symlink_to(tmp_path / "missing.pt")
     for link in ("loop.pt", "dangling.pt"):
         with pytest.raises(UsageError, match=r"--resume .* is a symbolic link whose target does not exist \(or that "
-                                             r"loops\)$"):
+                                             r"loops\); pass an existing model_<iteration>.pt file, a run "
+                                             r"directory, or auto$"):
             train.main(cfg_with(resume=str(tmp_path / link)))
     # A directory is a run to continue: one without a checkpoint says so (a bare "directory" also matched
     # load_checkpoint's "is a directory; pass a model_<iteration>.pt file inside it", which denies run directories).
@@ -78,7 +80,7 @@ def test_resume_path_errors(tmp_path):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match=r"is not a torch checkpoint \(torch.save writes a zip archive; this file is "
-                                         r"not one\)$"):
+                                         r"not one\): pass a model_<iteration>.pt file train.py wrote$"):
         train.main(cfg_with(resume=str(garbage)))
     truncated = tmp_path / "truncated.pt"
     torch.save({"iteration": 3}, truncated)
@@ -92,11 +94,13 @@ def test_resume_path_errors(tmp_path):
         train.main(cfg_with(resume=str(exported)))
     pickled = tmp_path / "pickled.pt"
     torch.save({"a": torch.nn.Linear(2, 1)}, pickled)                # a module: refused by weights_only loading
-    with pytest.raises(ValueError, match=r"is not a readable torch checkpoint \(UnpicklingError: .*Unsupported global"):
+    with pytest.raises(ValueError, match=r"is not a readable torch checkpoint \(UnpicklingError: .*Unsupported global"
+                                         r".*\): pass a model_<iteration>.pt file train.py wrote$"):
         train.main(cfg_with(resume=str(pickled)))
     foreign = tmp_path / "foreign.pt"
     torch.save({"state_dict": {}}, foreign)
-    with pytest.raises(ValueError, match="not a syncppo checkpoint"):
+    with pytest.raises(ValueError, match=r"not a syncppo checkpoint \(expected format '\S+'\); pass a "
+                                         r"model_<iteration>.pt file train.py wrote$"):
         train.main(cfg_with(resume=str(foreign)))
     newer = tmp_path / "newer.pt"                                   # a later format: said as such, not as foreign
     torch.save({"format": "syncppo-checkpoint-v2"}, newer)
@@ -250,7 +254,9 @@ def test_console_prints_a_dash_when_no_episode_ended(tmp_path, capsys):
 
 @pytest.mark.parametrize("world, ranks, message", [
     (2, 2, r"--rollout.ranks 2 leaves no learner among 2 rank"),
-    (5, 3, r"--rollout.ranks 3 is not a multiple of the 2 learner"),
+    (5, 3, r"^--rollout.ranks 3 is not a multiple of the 2 learner\(s\) left of 5 ranks; each learner owns the same "
+           r"number of rollout ranks: with 5 ranks use --rollout.ranks 4 \(or 0\)$"),
+    (6, 1, r": with 6 ranks use --rollout.ranks 3 or 4 or 5 \(or 0\)$"),
     (2, -1, r"--rollout.ranks must be >= 0"),
 ])
 def test_impossible_rollout_layouts_name_the_flag(world, ranks, message):

@@ -59,13 +59,17 @@ def test_bounds_accepted_on_their_inclusive_side():
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"log__experiment": "x" * 256}, r"^--log.experiment is 256 bytes long; a directory name can have at most 255"),
+    ({"log__experiment": "x" * 256},
+     r"^--log.experiment is 256 bytes long; a directory name can have at most 255: use a shorter name$"),
     ({"log__experiment": "é" * 128}, r"^--log.experiment is 256 bytes long"),       # bytes, not characters
     # the std fits float32 but its square, the variance log_prob divides by, does not
     ({"policy__init_noise_std": 1e-20}, r"^--policy.init-noise-std 1e-20: the action variance \(its square\) is 0"),
     ({"policy__init_noise_std": 1e20}, r"^--policy.init-noise-std 1e\+20: the action variance \(its square\) is 0"),
-    ({"ppo__entropy_coef": -0.01}, r"^--ppo.value-loss-coef and --ppo.entropy-coef must be >= 0$"),
-    ({"ppo__value_loss_coef": -1.0}, r"^--ppo.value-loss-coef and --ppo.entropy-coef must be >= 0$"),
+    # each coefficient and hidden-size flag is named alone: blame_checkpoint blames the first flag of the message
+    ({"ppo__entropy_coef": -0.01}, r"^--ppo.entropy-coef must be >= 0, got -0.01$"),
+    ({"ppo__value_loss_coef": -1.0}, r"^--ppo.value-loss-coef must be >= 0, got -1.0$"),
+    ({"policy__actor_hidden": (64, 0)}, r"^--policy.actor-hidden sizes must be positive, got 64 0$"),
+    ({"policy__critic_hidden": (-1,)}, r"^--policy.critic-hidden sizes must be positive, got -1$"),
 ])
 def test_values_just_past_a_bound_are_refused(changes, message):
     with pytest.raises(UsageError, match=message):
@@ -76,8 +80,9 @@ def test_values_just_past_a_bound_are_refused(changes, message):
     ("action_scale", 0.0, r"^--env.action-scale must be positive, got 0.0$"),
     ("action_clip", 0.0, r"^--env.action-clip must be positive \(or None for no clip\), got 0.0$"),
     ("action_clip", -1.0, r"^--env.action-clip must be positive \(or None for no clip\), got -1.0$"),
-    ("critic_obs_groups", (), r"^--env.actor-obs-groups and --env.critic-obs-groups need at least one group each$"),
-    ("actor_obs_groups", (), r"^--env.actor-obs-groups and --env.critic-obs-groups need at least one group each$"),
+    ("critic_obs_groups", (), r"^--env.critic-obs-groups is empty; name at least one observation group "
+                              r"\(e.g. policy\)$"),
+    ("actor_obs_groups", (), r"^--env.actor-obs-groups is empty; name at least one observation group \(e.g. policy\)$"),
 ])
 def test_the_simulator_adapter_settings_are_checked_before_a_simulator_starts(field, value, message):
     cfg = preset("mujoco")           # gymnasium, installed with the dev requirements
@@ -85,6 +90,15 @@ def test_the_simulator_adapter_settings_are_checked_before_a_simulator_starts(fi
     with pytest.raises(UsageError, match=message):
         validate(cfg)
     validate(preset("mujoco"))
+
+
+def test_isaaclab_on_cpu_names_the_devices_to_use(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())      # as if Isaac Lab were installed
+    cfg = preset("isaaclab")
+    cfg.dist.device = "cpu"
+    with pytest.raises(UsageError, match=r"^--env.name isaaclab simulates on GPUs \(one per rank\); it cannot run with "
+                                         r"--dist.device cpu: use --dist.device cuda or auto$"):
+        validate(cfg)
 
 
 @pytest.mark.parametrize("total, world, message", [
