@@ -36,7 +36,7 @@ from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, na
                           setup_plan_row)
 from dist.checkpoint import (agree_plan_rows, flatten_state, from_bytes, rng_states, rng_states_fit, set_rng_states,
                              to_bytes, unflatten_state)
-from dist.errors import RunError, UsageError
+from dist.errors import RunError, UsageError, one_line
 from dist.plan import PlanRow
 from dist.setup import seed_everything
 from dist.stats import sum_counts, sum_counts_plan_rows
@@ -184,7 +184,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     try:
         env = make_env(cfg.env, device, seed=cfg.seed + j, base_seed=shared_env_seed(cfg, checkpoint))
     except (ValueError, MissingSimulator) as exc:   # the learners build no env: the first rollout rank says it
-        raise UsageError(str(exc), say_here=j == 0) from exc
+        raise UsageError(one_line(exc), say_here=j == 0) from exc
     check_built(env, env_label(cfg), cfg.env.num_envs)
     copy = build_actor_critic(cfg.policy, env.obs_dims, env.num_actions).to(device)
     low_precision = cfg.rollout.dtype != "float32"

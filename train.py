@@ -36,7 +36,7 @@ from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
 from dist.checkpoint import (agree_on_checkpoint, agree_plan_rows, check_writable_root, gather_rng_states,
                              lock_run_dir, open_run_dir, release_run_dirs, rng_plan_row, rng_states, save_checkpoint)
 from dist.checkpoint_read import load_checkpoint
-from dist.errors import RunError, UsageError, tell_torchrun
+from dist.errors import RunError, UsageError, one_line, tell_torchrun
 from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows
 from dist.plan import format_plan
@@ -128,7 +128,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         try:
             env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=env_seed)
         except (ValueError, MissingSimulator) as exc:   # the adapters name the --env flag or the package to install
-            raise UsageError(str(exc)) from exc
+            raise UsageError(one_line(exc)) from exc      # a simulator's own error may span lines
         check_built(env, env_label(cfg), cfg.env.num_envs)   # before the model is built from its sizes
         obs_dims, num_actions, N, log_keys = env.obs_dims, env.num_actions, env.num_envs, tuple(env.log_keys)
         sampler = env.sampler         # with rollout ranks the sampler lives there (summed in their group)

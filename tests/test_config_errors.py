@@ -179,6 +179,16 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path):
     assert not root.exists()
 
 
+def test_an_env_build_error_over_several_lines_is_said_on_one(tmp_path, monkeypatch):
+    """`error: <message>` is one line: a simulator's own message (gym.make's, an ImportError's) may span several."""
+    def refuse(*args, **kwargs):
+        raise ValueError("--env.task Hopper-v4: first line\n\tsecond line\n")
+    monkeypatch.setattr(train, "make_env", refuse)
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg_with(log__root=str(tmp_path / "runs")))
+    assert str(exc.value) == "--env.task Hopper-v4: first line second line"
+
+
 def test_log_root_that_is_a_file_fails_before_the_env_is_built(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("x")

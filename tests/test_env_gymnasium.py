@@ -163,19 +163,19 @@ def test_a_task_missing_another_simulator_is_one_line_from_the_cli_without_the_m
 @pytest.mark.parametrize("index", [0, 1])
 def test_a_rollout_rank_missing_a_simulator_package_says_so_once(monkeypatch, index):
     """With rollout ranks no learner builds an env: the first rollout rank says it (a UsageError that only it
-    prints); an ImportError there was a traceback on every rollout rank."""
+    prints); an ImportError there was a traceback on every rollout rank. A message over several lines is said on one."""
     import types
 
     import rollout_ranks
 
     def missing(*args, **kwargs):
-        raise MissingSimulator("--env.task NeedsBox2d-v0: Box2D is not installed")
+        raise MissingSimulator("--env.task NeedsBox2d-v0: Box2D is not installed\n  pip install box2d\n")
 
     monkeypatch.setattr(rollout_ranks, "make_env", missing)
     roles = types.SimpleNamespace(rollout_index=index, team=[0])
     with pytest.raises(UsageError) as exc:
         rollout_ranks.run_rollout_rank(preset("mujoco"), roles, torch.device("cpu"), None, 0)
-    assert str(exc.value) == "--env.task NeedsBox2d-v0: Box2D is not installed"
+    assert str(exc.value) == "--env.task NeedsBox2d-v0: Box2D is not installed pip install box2d"
     assert exc.value.say_here == (index == 0)
 
     def broken(*args, **kwargs):     # an import inside an env's own code failing: a bug, not a missing package
