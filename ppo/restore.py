@@ -32,8 +32,9 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
         if obj is None:
             continue
         if key not in state:
-            raise UsageError(f"--resume {path!r} has no {key!r} state (saved with other flags, e.g. "
-                             f"--ppo.normalize-rewards?)")
+            # not other flags: those that build these objects (--ppo.normalize-rewards) a resume keeps (MUST_MATCH)
+            raise UsageError(f"--resume {path!r} has no {key!r} state, which its run's settings need: the file is "
+                             f"damaged; resume from another checkpoint")
         saved = state[key]
         if isinstance(obj, RewardNormalizer):
             saved = {**saved, **{k: v for k, v in obj.state_dict().items() if obj.BUFFER_POLICY.get(k) == "local"}}

@@ -184,7 +184,8 @@ def _roles(rank: int = 0, learners: int = 1):
 def test_restore_refuses_a_checkpoint_without_the_state_of_a_built_object():
     """A run with a reward normalizer resuming a checkpoint saved without one: a UsageError naming the entry."""
     saved = _checkpoint(_built(), [rng_states()])
-    with pytest.raises(UsageError, match=r"^--resume 'c\.pt' has no 'reward_normalizer' state \(saved with other"):
+    with pytest.raises(UsageError, match=r"^--resume 'c\.pt' has no 'reward_normalizer' state, which its run's "
+                                         r"settings need: the file is damaged; resume from another checkpoint$"):
         restore(saved, "c.pt", _built(reward_normalizer=True), None, _roles(), CPU, _run())
 
 
