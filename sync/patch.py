@@ -166,8 +166,7 @@ class PatchSyncer(Link):
         return self.receive(blocking, lambda: self._recv(self.staging), lambda frame: self._write(tensors, frame))
 
     def recv_update(self) -> Frame:
-        """Receive the next patch without applying it. Crosses ranks once per sync(): its frame from the sender
-        (_recv)."""
+        """Receive the next patch without applying it. Crosses ranks once per sync(): its frame from the sender."""
         self.require(sender=False)
         frame = self._recv(None)
         frame.sums()  # all of it has arrived: the caller may hold several

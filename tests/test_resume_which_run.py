@@ -1,0 +1,126 @@
+"""Which run and checkpoint a resume starts from (configs.resume.resolve_resume): a torchrun restart, `--resume
+auto` (the newest run of this --env.name, and of a typed --env.task), a run directory given by hand."""
+
+import json
+import os
+
+import pytest
+
+from test_checkpoint_rules import _touch
+
+
+def test_resolve_resume_restarts_auto_and_first_attempts(tmp_path, monkeypatch):
+    """resolve_resume's three ways in: a torchrun restart (restart count > 0) continues the directory holding
+    its run id from its latest checkpoint, or from the start (not from a literal "auto") when the first attempt
+    died before its first checkpoint; a first attempt never continues another job's directory even when the run
+    id matches (torchrun's default run id is the same "none" for every job); `auto` takes the newest run's latest
+    checkpoint and is an error when there is none."""
+    from types import SimpleNamespace
+    from configs.resume import resolve_resume
+    from dist.errors import UsageError
+    old, new = tmp_path / "2024-01-01_00-00-00", tmp_path / "2024-01-02_00-00-00"
+    _touch(old / "model_4.pt", mtime=1_000_000)
+    (old / "run_id").write_text("none")
+    new.mkdir()
+    (new / "run_id").write_text("job-7")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resolve_resume(SimpleNamespace(resume="auto"), str(tmp_path)) == ("", str(new))
+    assert resolve_resume(SimpleNamespace(resume="/x/model_3.pt"), str(tmp_path)) == ("/x/model_3.pt", str(new))
+    _touch(new / "model_2.pt", mtime=2_000_000)
+    assert resolve_resume(SimpleNamespace(resume=""), str(tmp_path)) == (str(new / "model_2.pt"), str(new))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resolve_resume(SimpleNamespace(resume=""), str(tmp_path)) == ("", None)
+    assert resolve_resume(SimpleNamespace(resume="auto"), str(tmp_path)) == (str(new / "model_2.pt"), str(new))
+    with pytest.raises(UsageError, match="--resume auto: no checkpoint under"):
+        resolve_resume(SimpleNamespace(resume="auto"), str(tmp_path / "elsewhere"))
+    # A run directory (what a stopped run prints) is that run, in place, from its newest checkpoint, even when
+    # another run of the experiment is newer (a sweep): here the older one.
+    _touch(old / "model_10.pt", mtime=1_000_000)
+    assert resolve_resume(SimpleNamespace(resume=str(old)), str(tmp_path)) == (str(old / "model_10.pt"), str(old))
+    with pytest.raises(UsageError, match=r"--resume '.*elsewhere' is a directory without a model_<iteration>.pt "):
+        (tmp_path / "elsewhere").mkdir()
+        resolve_resume(SimpleNamespace(resume=str(tmp_path / "elsewhere")), str(tmp_path))
+
+
+def test_resume_auto_with_a_typed_task_takes_the_newest_run_of_that_task(tmp_path, monkeypatch):
+    """The mujoco preset's runs of every task share one experiment: `--env.task HalfCheetah-v4 --resume auto` took
+    the newest run of any task (a Hopper one, refused as another task). Runs saved before config_<k>.json existed
+    (no file) are taken as any task."""
+    from types import SimpleNamespace
+    from configs.resume import resolve_resume
+    from dist.errors import UsageError
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    cheetah, hopper, unknown = (tmp_path / f"2026-01-0{day}_00-00-00" for day in (1, 2, 3))
+    for run, task, mtime in ((cheetah, "HalfCheetah-v4", 1_000_000), (hopper, "Hopper-v4", 2_000_000)):
+        _touch(run / "model_5.pt", mtime=mtime)
+        (run / "config_0.json").write_text(json.dumps({"config": {"env": {"task": "Swimmer-v4"}}}))
+        (run / "config_5.json").write_text(json.dumps({"config": {"env": {"task": task}}}))   # the newest start
+    auto = SimpleNamespace(resume="auto")
+    assert resolve_resume(auto, str(tmp_path), "HalfCheetah-v4") == (str(cheetah / "model_5.pt"), str(cheetah))
+    assert resolve_resume(auto, str(tmp_path), "Hopper-v4") == (str(hopper / "model_5.pt"), str(hopper))
+    assert resolve_resume(auto, str(tmp_path)) == (str(hopper / "model_5.pt"), str(hopper))      # not typed: newest
+    with pytest.raises(UsageError, match=r"--resume auto: no checkpoint of --env.task Walker2d-v4 under "):
+        resolve_resume(auto, str(tmp_path), "Walker2d-v4")
+    _touch(unknown / "model_1.pt", mtime=3_000_000)
+    assert resolve_resume(auto, str(tmp_path), "Walker2d-v4") == (str(unknown / "model_1.pt"), str(unknown))
+
+
+def test_resume_auto_takes_the_newest_run_of_this_env_and_task(tmp_path, monkeypatch):
+    """resolve_resume's `env` (train.main passes its --env.name): a run of another env is passed over; a run whose
+    newest config_<k>.json is missing, has no env section or one that is not a mapping counts as any env; with a
+    typed --env.task as well both must fit, and the error names the task (the narrower of the two)."""
+    from types import SimpleNamespace
+    from configs.resume import resolve_resume
+    from dist.errors import UsageError
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    mujoco, gym, odd = (tmp_path / f"2026-01-0{day}_00-00-00" for day in (1, 2, 3))
+    for run, env, mtime in ((mujoco, {"name": "mujoco", "task": "Hopper-v4"}, 1_000_000),
+                            (gym, {"name": "gymnasium", "task": "Hopper-v4"}, 2_000_000)):
+        _touch(run / "model_5.pt", mtime=mtime)
+        (run / "config_5.json").write_text(json.dumps({"config": {"env": env}}))
+    auto, root = SimpleNamespace(resume="auto"), str(tmp_path)
+    assert resolve_resume(auto, root, env="mujoco") == (str(mujoco / "model_5.pt"), str(mujoco))
+    assert resolve_resume(auto, root, "Hopper-v4", "mujoco") == (str(mujoco / "model_5.pt"), str(mujoco))
+    assert resolve_resume(auto, root, "Hopper-v4", "gymnasium") == (str(gym / "model_5.pt"), str(gym))
+    with pytest.raises(UsageError, match=r"^--resume auto: no checkpoint of --env.task Walker2d-v4 under "):
+        resolve_resume(auto, root, "Walker2d-v4", "gymnasium")
+    with pytest.raises(UsageError, match=r"^--resume auto: no checkpoint of --env.name isaaclab under "):
+        resolve_resume(auto, root, env="isaaclab")
+    _touch(odd / "model_1.pt", mtime=3_000_000)
+    for config in ({"config": {"env": ["mujoco"]}}, {"config": {}}, None):    # not a mapping, no env, no file
+        if config is not None:
+            (odd / "config_1.json").write_text(json.dumps(config))
+        else:
+            (odd / "config_1.json").unlink()
+        assert resolve_resume(auto, root, "Walker2d-v4", "isaaclab") == (str(odd / "model_1.pt"), str(odd)), config
+
+
+def test_resume_auto_of_a_shared_experiment_continues_this_presets_run(tmp_path, capsys, monkeypatch):
+    """End to end: a cartpole run, then a tracking run, one --log.experiment; cartpole --resume auto continues the
+    cartpole run (it was refused: `--env.name cartpole does not match the checkpoint's --env.name tracking`)."""
+    import train
+    from configs import preset
+    from configs.typed_flags import typed_flags
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    root, runs = str(tmp_path), {}
+    for name in ("cartpole", "tracking"):
+        cfg = preset(name)
+        cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 2, 2, 1, 1
+        cfg.policy.actor_hidden = cfg.policy.critic_hidden = (8,)
+        cfg.log.root, cfg.log.experiment, cfg.dist.device = root, "shared", "cpu"
+        train.main(cfg)
+        (runs[name],) = [d for d in os.listdir(os.path.join(root, "shared")) if d not in runs.values()]
+    cfg = preset("cartpole")
+    cfg.resume, cfg.max_iterations, cfg.dry_run, cfg.log.root, cfg.log.experiment = "auto", 2, True, root, "shared"
+    capsys.readouterr()
+    train.main(cfg, typed_flags(["cartpole", "--resume", "auto", "--max-iterations", "2", "--dry-run",
+                                 "--log.root", root, "--log.experiment", "shared"]))
+    path = os.path.join(root, "shared", runs["cartpole"], "model_1.pt")
+    assert f"[syncppo] would resume {path} at iteration 1" in capsys.readouterr().out
+    from types import SimpleNamespace
+    from configs.resume import resolve_resume
+    from dist.errors import UsageError
+    with pytest.raises(UsageError, match=r"--resume auto: no checkpoint of --env.name gymnasium under "):
+        resolve_resume(SimpleNamespace(resume="auto"), os.path.join(root, "shared"), env="gymnasium")
