@@ -54,7 +54,8 @@ from ppo.logger import RunLogger
 from ppo.minibatch_step import build_optimizer
 from ppo.normalizer import RewardNormalizer
 from ppo.restore import restore
-from ppo.rollout import TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout, fill_storage
+from ppo.rollout import (TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout, episode_returns_plan_rows,
+                          fill_storage)
 from rollout_ranks import LearnerTeam, describe_rollout, restore_team_states, run_rollout_rank
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update, update_plan_rows
@@ -166,6 +167,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
             *sum_counts_plan_rows(sampler, cfg.dist.sampler_sync_every, cfg.log.save_every),
             *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS)),
+            *episode_returns_plan_rows(cfg.log.episode_returns, T, N),
             *(team.plan_rows() if team else []),
             *verify_plan_rows(cfg.dist.verify_every, checkpoint is not None),
             rng_plan_row(rng_states(env, shuffle, device), cfg.log.save_every)]
@@ -204,7 +206,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         episodes.start_iteration()
         if team is None:
             batch, obs = collect_rollout(model, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, episodes,
-                                         record_returns=cfg.log.episode_returns and is_main,
+                                         record_returns=cfg.log.episode_returns,
                                          check=check_first if iteration == start_iteration else None)
             check_finite(batch, env_label(cfg), rank)    # before anything enters a normalizer
         else:
@@ -238,6 +240,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         for key, (flag, one) in stop.local_flags(device).items():
             sums[key], counts[key] = flag + (remote[key] if team else 0), one   # the rollout ranks' flags too
         scalars = reduce_metrics(sums, counts)
+        returns = episodes.ended_returns() if cfg.log.episode_returns else []   # every rank's, in end order
         stop_signal, launcher_gone = (scalars.pop(key) > 0 for key in STOP_KEYS)
         scalars.update({"Loss/learning_rate": stats["learning_rate"], "Policy/kl": stats["kl"],
                         "Policy/mean_noise_std": model.log_std.exp().mean().item(),
@@ -252,8 +255,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             scalars[f"Comm/{purpose}_calls"], scalars[f"Comm/{purpose}_bytes"] = calls - before[0], nbytes - before[1]
         ledger_before = ledger
         if is_main:
-            returns = torch.stack(episodes.ended).flatten().cpu() if episodes.ended else torch.zeros(0)  # in end order
-            logger.log(scalars, iteration + 1, returns[~returns.isnan()].tolist())
+            logger.log(scalars, iteration + 1, returns)
             if (iteration + 1) % cfg.log.print_every == 0 or iteration + 1 == cfg.max_iterations:
                 logger.print_line(iteration, scalars)
         if launcher_gone:     # orphans: no launcher is left to restart or collect the job, so write nothing

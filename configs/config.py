@@ -144,7 +144,7 @@ class LogConfig:
     print_every: int = 1
     """console line every K iterations"""
     episode_returns: bool = False
-    """rank 0 writes every finished episode's raw return to TensorBoard as Episode/return (CleanRL's statistic)"""
+    """every finished episode's raw return, on any rank, to TensorBoard as Episode/return (CleanRL's statistic)"""
 
 
 @dataclass

@@ -9,7 +9,9 @@ bootstrap term beside them, so both layouts compute the stored rewards with the 
 
 import torch
 
+from dist import comm
 from dist.errors import RunError
+from dist.plan import PlanRow
 from ppo.gae import bootstrap_time_outs, compute_gae
 
 TRAIN_KEYS = ("Train/mean_reward", "Train/mean_episode_length", "Loss/surrogate", "Loss/value_function", "Loss/entropy")
@@ -49,6 +51,23 @@ class EpisodeStats:
         self.episode_length *= ~done
         for key, value in log.items():
             self.add(key, value, 1)
+
+    def ended_returns(self) -> list[float]:
+        """The raw return of every episode that ended this iteration on any rank, in end order (by step, then
+        rank, then env). Call on every rank, only when returns were recorded (--log.episode-returns).
+
+        Crosses ranks: one all-gather of this rank's [T, N] float32 returns (NaN where no episode ended), once per
+        iteration: the same size on every rank whatever ended where, so one call, where exact counts would take two.
+        """
+        gathered = comm.all_gather(torch.stack(self.ended).float().to(comm.device()), "episode_returns")
+        flat = gathered.transpose(0, 1).flatten().cpu()
+        return flat[~flat.isnan()].tolist()
+
+
+def episode_returns_plan_rows(recorded: bool, num_steps: int, num_envs: int) -> list[PlanRow]:
+    """EpisodeStats.ended_returns' row of the sync plan, when --log.episode-returns records them."""
+    return [PlanRow("episode_returns", "every rank's [T, N] returns (NaN: none ended)", "all_gather", "iteration",
+                    [num_steps * num_envs * 4])] if recorded else []
 
 
 @torch.inference_mode()

@@ -7,7 +7,8 @@
 - reduce_metrics: keys are matched by name, not by the order each rank happened to insert them; no keys, no entries.
 - ppo/: collect_rollout sums log-probs over action dims (more than one action) and calls `check` on the first
   step only; EpisodeStats.start_iteration forgets the last iteration's ended returns; ppo_loss refuses inputs
-  that all share one shape other than [B].
+  that all share one shape other than [B]; EpisodeStats.ended_returns gathers every rank's returns in end order,
+  and a 2-rank run with --log.episode-returns logs them all (their mean is Train/mean_reward), its gather planned.
 
 Expected values are computed here independently: one process over the concatenated data, or by hand.
 """
@@ -216,3 +217,42 @@ def test_ppo_loss_refuses_seven_inputs_of_one_shape_other_than_b():
         t = torch.zeros(shape)
         with pytest.raises(ValueError, match=r"shape \[B\]"):
             ppo_loss(t, t, t, t, t, t, t, 0.2, True, 0.5, 0.0)
+
+
+def ended_returns_of_two_ranks(rank, world_size):
+    """Rank r ends, over 2 steps of 2 envs: step 0 env 1 (10 + r), step 1 env 0 (20 + r) and, on rank 1 only,
+    step 1 env 1 (30): different numbers of episodes per rank."""
+    stats = EpisodeStats(2, TRAIN_KEYS, torch.device("cpu"))
+    stats.step(torch.tensor([1.0, 10.0 + rank]), torch.tensor([False, True]), {}, record_returns=True)
+    stats.step(torch.tensor([19.0 + rank, 30.0]), torch.tensor([True, rank == 1]), {}, record_returns=True)
+    return stats.ended_returns()
+
+
+def test_ended_returns_are_every_ranks_in_end_order():
+    """By step, then rank, then env, worked out by hand from the per-rank endings above; identical on both ranks."""
+    expected = [10.0, 11.0, 20.0, 21.0, 30.0]
+    assert run_ranks(ended_returns_of_two_ranks, 2) == [expected, expected]
+
+
+@pytest.mark.slow
+def test_every_ranks_episode_returns_reach_tensorboard_and_the_plan(tmp_path):
+    """--log.episode-returns on 2 ranks: Episode/return holds the episodes that ended on either rank (per iteration
+    they average to Train/mean_reward, computed over both ranks by the separate (sum, count) all-reduce; until this
+    version rank 0 logged its own alone), and their all-gather is in the sync plan: plan == ledger on each rank."""
+    import glob
+
+    import numpy as np
+    from test_rollout_ranks import body, small
+    from test_tools import tb_scalars
+    cfg = small(tmp_path, iterations=3)
+    cfg.log.episode_returns = True
+    for rank, (_, _, ledger, expected) in enumerate(run_ranks(body, 2, args=(cfg, 3))):
+        assert ledger == expected and ledger["episode_returns"] == [3, 3 * 8 * 16 * 4], rank   # 3 x [T, N] float32
+    (run,) = glob.glob(str(tmp_path / "tracking" / "*"))
+    returns: dict[int, list[float]] = {}
+    for step, value in tb_scalars(run, "Episode/return"):
+        returns.setdefault(step, []).append(value)
+    means = dict(tb_scalars(run, "Train/mean_reward"))
+    assert set(returns) == set(means) == {1, 2, 3}
+    for step, values in returns.items():
+        assert np.mean(values) == pytest.approx(means[step], rel=1e-5), step
