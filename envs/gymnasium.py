@@ -49,7 +49,9 @@ class GymnasiumEnv:
             hint = f"; {INSTALL_HINT}" if missing_mujoco else ""
             raise MissingSimulator(f"--env.task {task}: {exc}{hint}") from exc
         action_space, obs_space = self.env.single_action_space, self.env.single_observation_space
-        if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
+        # A 1-D float Box. An integer Box is discrete too: the policy's actions would be cast to integers on their way.
+        continuous = isinstance(action_space, gym.spaces.Box) and action_space.dtype.kind == "f"
+        if not continuous or len(action_space.shape) != 1:
             raise ValueError(f"--env.task {task}: needs a 1-D continuous (Box) action space, got {action_space}")
         if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
             raise ValueError(f"--env.task {task}: needs a 1-D Box observation space, got {obs_space}")

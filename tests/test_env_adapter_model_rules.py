@@ -38,6 +38,10 @@ class _MatrixActions(_Recorder):
     action_space = gymnasium.spaces.Box(-1.0, 1.0, (2, 2), dtype=np.float32)
 
 
+class _IntegerActions(_Recorder):
+    action_space = gymnasium.spaces.Box(-3, 3, (2,), dtype=np.int64)
+
+
 def register(monkeypatch, name, entry_point):
     spec = gymnasium.envs.registration.EnvSpec(name, entry_point=entry_point, max_episode_steps=5)
     monkeypatch.setitem(gymnasium.registry, name, spec)
@@ -65,6 +69,15 @@ def test_a_matrix_action_space_is_refused(monkeypatch):
     register(monkeypatch, "MatrixActions-v0", _MatrixActions)
     with pytest.raises(ValueError, match=r"MatrixActions-v0: needs a 1-D continuous \(Box\) action space"):
         GymnasiumEnv("MatrixActions-v0", 1, torch.device("cpu"), seed=0)
+
+
+def test_an_integer_action_space_is_refused(monkeypatch):
+    """An integer Box is a discrete action space: it was accepted, and the policy's Gaussian actions reached the
+    simulator cast to integers (0.7 -> 0, -2.9 -> -2), silently. The Isaac Lab adapter already refused it."""
+    register(monkeypatch, "IntegerActions-v0", _IntegerActions)
+    with pytest.raises(ValueError, match=r"^--env.task IntegerActions-v0: needs a 1-D continuous \(Box\) action space, "
+                                         r"got Box\(-3, 3, \(2,\), int64\)$"):
+        GymnasiumEnv("IntegerActions-v0", 1, torch.device("cpu"), seed=0)
 
 
 def test_an_unknown_version_in_any_case_lists_every_registered_version_of_that_task():
