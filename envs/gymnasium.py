@@ -30,6 +30,18 @@ def import_gymnasium():
     return gymnasium
 
 
+def refuse_old_gym_api(env, task: str) -> None:
+    """An env written for gym < 0.26 (reset -> obs, step -> (obs, reward, done, info)) broke the vector env's first
+    reset with an unpacking or attribute error from inside gymnasium. One unseeded reset of a sub-env, while the env
+    is built, says so in one line; the run's own reset reseeds every sub-env after it."""
+    result = env.reset()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
+        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+        raise ValueError(f"--env.task {task}: reset() returned {got}, not gymnasium's (obs, info dict): the env is "
+                         f"written for the old gym API; port it to gymnasium's (reset -> (obs, info), step -> (obs, "
+                         f"reward, terminated, truncated, info))")
+
+
 class GymnasiumEnv:
     def __init__(self, task: str, num_envs: int, device: torch.device, seed: int,
                  action_scale: float = 1.0, action_clip: float | None = None):
@@ -57,6 +69,7 @@ class GymnasiumEnv:
             raise ValueError(f"--env.task {task}: needs a 1-D Box observation space, got {obs_space}")
         if self.env.spec.max_episode_steps is None:
             raise ValueError(f"--env.task {task}: has no time limit (max_episode_steps); PPO rollouts need one")
+        refuse_old_gym_api(self.env.envs[0], task)
 
         self.num_envs, self.device = num_envs, torch.device(device)
         self.num_actions = action_space.shape[0]

@@ -125,6 +125,37 @@ def test_bad_tasks_are_refused_by_name():
         GymnasiumEnv("CartPole-v1", 1, torch.device("cpu"), seed=0)
 
 
+def old_gym_env(dim: int) -> type:
+    """An env written for gym < 0.26: reset returns the observation alone, step (obs, reward, done, info)."""
+    class OldGym(gymnasium.Env):
+        observation_space = gymnasium.spaces.Box(-1.0, 1.0, (dim,))
+        action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,))
+
+        def reset(self, seed=None, options=None):
+            return np.zeros(dim, dtype=np.float32)
+
+        def step(self, action):
+            return np.zeros(dim, dtype=np.float32), 1.0, False, {}
+
+    return OldGym
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+@pytest.mark.filterwarnings("ignore:.*env.reset\\(\\)` was not a tuple:UserWarning")   # gymnasium's env checker
+def test_an_env_of_the_old_gym_api_is_one_line_from_the_cli(monkeypatch, tmp_path, capsys, dim):
+    """Its first reset failed inside gymnasium's vector env, after the model was built: a traceback ending in
+    "not enough values to unpack" (1 observation), "'numpy.float32' object has no attribute 'items'" (2) or
+    "too many values to unpack" (3)."""
+    monkeypatch.setitem(gymnasium.registry, "OldGym-v0", gymnasium.envs.registration.EnvSpec(
+        "OldGym-v0", entry_point=old_gym_env(dim), max_episode_steps=10))
+    cfg = preset("mujoco")
+    cfg.env.task, cfg.dry_run, cfg.log.root = "OldGym-v0", True, str(tmp_path)
+    assert train.cli(cfg) == 2
+    assert capsys.readouterr().err == ("error: --env.task OldGym-v0: reset() returned ndarray, not gymnasium's (obs, "
+                                       "info dict): the env is written for the old gym API; port it to gymnasium's "
+                                       "(reset -> (obs, info), step -> (obs, reward, terminated, truncated, info))\n")
+
+
 def test_missing_gymnasium_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "gymnasium", None)       # what an absent package looks like to import
     with pytest.raises(ImportError, match="make setup-mujoco"):
