@@ -12,6 +12,7 @@ is why the mode is set explicitly here.
 """
 
 import difflib
+import importlib
 
 import torch
 
@@ -30,6 +31,26 @@ def import_gymnasium():
     return gymnasium
 
 
+def check_task(gym, task: str) -> None:
+    """Refuse a task gymnasium does not know, naming the close ones. gymnasium's `module:TaskId` imports `module`
+    first: another package (gymnasium-robotics, a lab's own robots) registers its tasks when it is imported."""
+    module, _, name = task.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            raise MissingSimulator(f"--env.task {task}: cannot import {module} ({exc}); install the package that "
+                                   f"registers {name}, or correct the module's name") from exc
+    if name not in gym.registry:
+        known = sorted(other for other in gym.registry if other.split("-")[0].lower() == name.split("-")[0].lower())
+        close = known or difflib.get_close_matches(name, list(gym.registry), n=3)
+        hint = (f"registered: {', '.join(close)}" if close else
+                f"importing {module} registered no such task" if module else
+                "a task of another package is written module:TaskId (e.g. gymnasium_robotics:AdroitHandDoor-v1): "
+                "importing the module registers it")
+        raise ValueError(f"unknown --env.task {task!r} for gymnasium; {hint}")
+
+
 def refuse_old_gym_api(env, task: str) -> None:
     """An env written for gym < 0.26 (reset -> obs, step -> (obs, reward, done, info)) broke the vector env's first
     reset with an unpacking or attribute error from inside gymnasium. One unseeded reset of a sub-env, while the env
@@ -46,11 +67,7 @@ class GymnasiumEnv:
     def __init__(self, task: str, num_envs: int, device: torch.device, seed: int,
                  action_scale: float = 1.0, action_clip: float | None = None):
         gym = import_gymnasium()
-        if task not in gym.registry:
-            known = sorted(name for name in gym.registry if name.split("-")[0].lower() == task.split("-")[0].lower())
-            close = known or difflib.get_close_matches(task, list(gym.registry), n=3)
-            raise ValueError(f"unknown --env.task {task!r} for gymnasium"
-                             + (f"; registered: {', '.join(close)}" if close else ""))
+        check_task(gym, task)
         try:
             self.env = gym.make_vec(task, num_envs=num_envs, vectorization_mode="sync",
                                     vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})

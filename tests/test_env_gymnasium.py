@@ -125,6 +125,49 @@ def test_bad_tasks_are_refused_by_name():
         GymnasiumEnv("CartPole-v1", 1, torch.device("cpu"), seed=0)
 
 
+LAB_ROBOTS = """
+import gymnasium
+import numpy as np
+
+
+class Reach(gymnasium.Env):
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (5,))
+    action_space = gymnasium.spaces.Box(-1.0, 1.0, (2,))
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(5, dtype=np.float32), {}
+
+    def step(self, action):
+        return np.zeros(5, dtype=np.float32), 0.0, False, False, {}
+
+
+gymnasium.register("LabReach-v0", entry_point=Reach, max_episode_steps=7)
+"""
+
+
+def test_a_task_of_another_package_is_written_module_colon_task_id(monkeypatch, tmp_path):
+    """gymnasium's `module:TaskId` imports the module that registers the task (gymnasium-robotics, a lab's own
+    robots); it was refused as an unknown task, the registry looked up before anything imported the module."""
+    (tmp_path / "lab_robots.py").write_text(LAB_ROBOTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        env = GymnasiumEnv("lab_robots:LabReach-v0", 2, torch.device("cpu"), seed=0)
+        assert (env.num_actions, env.obs_dims["policy"], env.max_episode_length) == (2, 5, 7)
+        with pytest.raises(ValueError, match=r"^unknown --env.task 'lab_robots:Xyzzy-v0' for gymnasium; importing "
+                                             r"lab_robots registered no such task$"):
+            GymnasiumEnv("lab_robots:Xyzzy-v0", 1, torch.device("cpu"), seed=0)
+    finally:
+        gymnasium.registry.pop("LabReach-v0", None)
+        sys.modules.pop("lab_robots", None)
+    with pytest.raises(MissingSimulator, match=r"^--env.task no_lab:Reach-v0: cannot import no_lab \(No module named "
+                                               r"'no_lab'\); install the package that registers Reach-v0"):
+        GymnasiumEnv("no_lab:Reach-v0", 1, torch.device("cpu"), seed=0)
+    with pytest.raises(ValueError, match=r"^unknown --env.task 'Xyzzy-v0' for gymnasium; a task of another package "
+                                         r"is written module:TaskId \(e.g. gymnasium_robotics:AdroitHandDoor-v1\)"):
+        GymnasiumEnv("Xyzzy-v0", 1, torch.device("cpu"), seed=0)             # no close match: the way out
+
+
 def old_gym_env(dim: int) -> type:
     """An env written for gym < 0.26: reset returns the observation alone, step (obs, reward, done, info)."""
     class OldGym(gymnasium.Env):
