@@ -135,6 +135,8 @@ class IsaacLabEnv:
         self.obs_dims = {name: group.shape[1] for name, group in self._groups(obs).items()}
         self.log_keys = tuple(extras.get("log", {}))
         self._warned_keys: set[str] = set()
+        self.task = task
+        self._log(extras)      # a metric that is not one number is named here, at start-up
 
     def _groups(self, obs: dict) -> dict[str, torch.Tensor]:
         """Our `policy`/`critic` inputs: the configured Isaac Lab groups, each flattened, concatenated in order."""
@@ -189,8 +191,20 @@ class IsaacLabEnv:
             warnings.warn(f"Isaac Lab logged {sorted(new)}, which its first reset did not name; they are not "
                           f"reported (the cross-rank metric layout is fixed at start-up)")
             self._warned_keys |= new
-        return {key: torch.as_tensor(log[key], dtype=torch.float32, device=self.device).reshape(())
-                for key in self.log_keys if key in log}
+        return {key: self._scalar(key, log[key]) for key in self.log_keys if key in log}
+
+    def _scalar(self, key: str, value) -> torch.Tensor:
+        """One logged value as a 0-d tensor. A task's own code may log a per-env tensor (RSL-RL's logger takes its
+        mean) or None: that is named, not a reshape error from inside torch."""
+        try:
+            tensor = torch.as_tensor(value, dtype=torch.float32, device=self.device)
+        except (TypeError, ValueError, RuntimeError):
+            tensor = None
+        if tensor is None or tensor.numel() != 1:
+            what = type(value).__name__ if tensor is None else f"a tensor of shape {list(tensor.shape)}"
+            raise ValueError(f"--env.task {self.task}: extras['log'][{key!r}] is {what}, not one number; make the "
+                             f"task log one value per name (e.g. the mean over its envs)")
+        return tensor.reshape(())
 
     def state_dict(self) -> dict:
         return {}

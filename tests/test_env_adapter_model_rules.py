@@ -1,6 +1,7 @@
 """Rules of the gymnasium and Isaac Lab adapters and of the actor-critic that earlier tests left open (found by
 hand mutation testing). Expected values come from the spaces, the registry and the formulas, not from the code."""
 
+import re
 import sys
 
 import gymnasium
@@ -200,6 +201,22 @@ def test_an_observation_group_of_separate_terms_names_the_config_fix(fake):
     fake.entry_point = entry_point
     with pytest.raises(ValueError, match=r"^--env.actor-obs-groups: observation group 'policy' is a dict of terms; "
                                          r"set its concatenate_terms=True"):
+        IsaacLabEnv(TASK, 2, torch.device("cpu"), 0)
+
+@pytest.mark.parametrize("value, what", [(torch.ones(2), "a tensor of shape [2]"), (None, "NoneType")])
+def test_a_logged_value_that_is_not_one_number_is_named_at_start_up(fake, value, what):
+    """A task's own code may log a per-env tensor (RSL-RL's logger averages it) or None in extras['log']: the
+    adapter failed in its first step with torch's "shape '[]' is invalid for input of size 2" (or "must be real
+    number, not NoneType"), where env_check's message about log scalars never got the chance."""
+    def entry_point(cfg, **kw):
+        env = FakeRLEnv(cfg, fake, **kw)
+        env.extra_log = {"Metrics/per_env": value}
+        return env
+
+    fake.entry_point = entry_point
+    message = (f"--env.task {TASK}: extras['log']['Metrics/per_env'] is {what}, not one number; make the task log "
+               f"one value per name (e.g. the mean over its envs)")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         IsaacLabEnv(TASK, 2, torch.device("cpu"), 0)
 
 # ---- ppo/actor_critic.py ---------------------------------------------------------------------------
