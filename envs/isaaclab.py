@@ -79,6 +79,16 @@ def process_exit_code() -> int:
     return 0 if exc is None else 130 if isinstance(exc, KeyboardInterrupt) else 1
 
 
+def group_error(flag: str, group: str, value) -> str:
+    """Why Isaac Lab's observation group `group` cannot be an input, and what in the task config fixes it."""
+    if hasattr(value, "keys"):      # a dict (or TensorDict) of separate terms
+        return (f"{flag}: observation group {group!r} is a dict of terms; set its concatenate_terms=True in the task "
+                f"config")
+    what = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+    return (f"{flag}: observation group {group!r} is {what}, not a [num_envs, ...] tensor; fix the group in the task "
+            f"config or leave it out of {flag}")
+
+
 class IsaacLabEnv:
     def __init__(self, task: str, num_envs: int, device: torch.device, seed: int,
                  actor_obs_groups: tuple[str, ...] = ("policy",), critic_obs_groups: tuple[str, ...] = ("policy",),
@@ -146,10 +156,10 @@ class IsaacLabEnv:
             for group in self.group_names[name]:
                 if group not in obs:
                     raise ValueError(f"{flag}: this task has no observation group {group!r}; it has {sorted(obs)}")
-                if not isinstance(obs[group], torch.Tensor):
-                    raise ValueError(f"{flag}: observation group {group!r} is a dict of terms; set its "
-                                     f"concatenate_terms=True in the task config")
-                parts.append(obs[group].flatten(1))
+                value = obs[group]
+                if not isinstance(value, torch.Tensor) or value.dim() < 2:
+                    raise ValueError(group_error(flag, group, value))
+                parts.append(value.flatten(1))
             groups[name] = torch.cat(parts, dim=1)
         return groups
 

@@ -203,6 +203,24 @@ def test_an_observation_group_of_separate_terms_names_the_config_fix(fake):
                                          r"set its concatenate_terms=True"):
         IsaacLabEnv(TASK, 2, torch.device("cpu"), 0)
 
+@pytest.mark.parametrize("make_group, what", [(lambda pos: pos.numpy(), "ndarray"),
+                                               (lambda pos: pos[:, 0], "a tensor of shape [2]")],
+                         ids=["numpy", "one-dim"])
+def test_an_observation_group_that_is_no_batch_of_tensors_is_named_as_such(fake, make_group, what):
+    """A group that is neither a dict of terms nor a [num_envs, ...] tensor: a numpy array was called "a dict of terms"
+    (set concatenate_terms=True, which would not help), a [num_envs] tensor was an IndexError from flatten(1)."""
+    def entry_point(cfg, **kw):
+        env = FakeRLEnv(cfg, fake, **kw)
+        env._observe = lambda: {"policy": make_group(env.pos.clone()), "critic": torch.stack([env.pos, env.prev], 1)}
+        return env
+
+    fake.entry_point = entry_point
+    message = (f"--env.actor-obs-groups: observation group 'policy' is {what}, not a [num_envs, ...] tensor; fix the "
+               f"group in the task config or leave it out of --env.actor-obs-groups")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        IsaacLabEnv(TASK, 2, torch.device("cpu"), 0)
+
+
 @pytest.mark.parametrize("value, what", [(torch.ones(2), "a tensor of shape [2]"), (None, "NoneType")])
 def test_a_logged_value_that_is_not_one_number_is_named_at_start_up(fake, value, what):
     """A task's own code may log a per-env tensor (RSL-RL's logger averages it) or None in extras['log']: the
