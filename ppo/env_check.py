@@ -25,6 +25,13 @@ def check_built(env, name: str, num_envs: int) -> None:
     if missing:
         fail(name, f"env.obs_dims has no {' or '.join(map(repr, missing))} group (it has {sorted(env.obs_dims)}); "
                    f"declare both, giving the critic the policy's observation when it has nothing privileged")
+    # An empty action space or observation group (a Box of shape (0,), a group whose every term is left out) made
+    # the model and its normalizers of width 0: a broadcast error inside the rollout, after the start-up lines.
+    sizes = {"env.num_actions": env.num_actions, **{f"env.obs_dims[{g!r}]": env.obs_dims[g] for g in GROUPS}}
+    for what, size in sizes.items():
+        if not size > 0:
+            fail(name, f"{what} is {size}; the policy needs at least one action and one observation feature in each "
+                       f"group: check the env's action space and observation groups")
 
 
 def check_obs(obs, env, name: str, where: str, device: torch.device) -> None:

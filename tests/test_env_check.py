@@ -22,6 +22,10 @@ class Broken(CartPole):
             self.obs_dims = {"policy": 4}
         if mistake == "log_scalar":
             self.log_keys = ("Episode/x",)
+        if mistake == "no_actions":
+            self.num_actions = 0
+        if mistake == "empty_critic":
+            self.obs_dims = {"policy": 4, "critic": 0}
 
     def _observe(self):
         obs = super()._observe()
@@ -31,6 +35,8 @@ class Broken(CartPole):
             obs["critic"] = obs["critic"].double()
         if self.mistake == "no_critic_obs":
             del obs["critic"]
+        if self.mistake == "empty_critic":
+            obs["critic"] = obs["critic"][:, :0]
         return obs
 
     def reset(self):
@@ -60,6 +66,9 @@ class Broken(CartPole):
 MISTAKES = {
     "num_envs": r"env.num_envs is 11, but 8 envs were asked for",
     "no_critic_dim": r"env.obs_dims has no 'critic' group \(it has \['policy'\]\)",
+    "no_actions": r"env.num_actions is 0; the policy needs at least one action and one observation feature in "
+                  r"each group: check the env's action space and observation groups",
+    "empty_critic": r"env.obs_dims\['critic'\] is 0; the policy needs at least one action",
     "no_critic_obs": r"reset\(\)'s obs has no observation group 'critic' \(it has \['policy'\]\)",
     "obs_shape": r"reset\(\)'s obs\['policy'\] has shape \[8, 3\], expected \[num_envs, "
                  r"obs_dims\['policy'\]\] = \[8, 4\]",
