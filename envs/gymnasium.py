@@ -14,6 +14,7 @@ is why the mode is set explicitly here.
 import difflib
 import importlib
 
+import numpy as np
 import torch
 
 from envs.base import MissingSimulator
@@ -51,16 +52,20 @@ def check_task(gym, task: str) -> None:
         raise ValueError(f"unknown --env.task {task!r} for gymnasium; {hint}")
 
 
-def refuse_old_gym_api(env, task: str) -> None:
-    """An env written for gym < 0.26 (reset -> obs, step -> (obs, reward, done, info)) broke the vector env's first
-    reset with an unpacking or attribute error from inside gymnasium. One unseeded reset of a sub-env, while the env
-    is built, says so in one line; the run's own reset reseeds every sub-env after it."""
+def check_first_reset(env, task: str) -> None:
+    """What broke the vector env's first reset with an error from inside gymnasium or numpy, after the model was
+    built: an env written for gym < 0.26 (reset -> obs, step -> (obs, reward, done, info)), an unpacking or
+    attribute error; an observation of another shape than the space declares, "Output array is the wrong shape".
+    One unseeded reset of a sub-env, while the env is built, names them; the run's own reset reseeds every sub-env."""
     result = env.reset()
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
         got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
         raise ValueError(f"--env.task {task}: reset() returned {got}, not gymnasium's (obs, info dict): the env is "
                          f"written for the old gym API; port it to gymnasium's (reset -> (obs, info), step -> (obs, "
                          f"reward, terminated, truncated, info))")
+    if np.shape(result[0]) != env.observation_space.shape:
+        raise ValueError(f"--env.task {task}: reset()'s observation has shape {np.shape(result[0])}, but the env "
+                         f"declares observation_space {env.observation_space}; make the two agree")
 
 
 class GymnasiumEnv:
@@ -86,7 +91,7 @@ class GymnasiumEnv:
             raise ValueError(f"--env.task {task}: needs a 1-D Box observation space, got {obs_space}")
         if self.env.spec.max_episode_steps is None:
             raise ValueError(f"--env.task {task}: has no time limit (max_episode_steps); PPO rollouts need one")
-        refuse_old_gym_api(self.env.envs[0], task)
+        check_first_reset(self.env.envs[0], task)
 
         self.num_envs, self.device = num_envs, torch.device(device)
         self.num_actions = action_space.shape[0]

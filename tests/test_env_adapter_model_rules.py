@@ -43,6 +43,12 @@ class _IntegerActions(_Recorder):
     action_space = gymnasium.spaces.Box(-3, 3, (2,), dtype=np.int64)
 
 
+class _ObservesMoreThanDeclared(_Recorder):
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3, dtype=np.float32), {}
+
+
 def register(monkeypatch, name, entry_point):
     spec = gymnasium.envs.registration.EnvSpec(name, entry_point=entry_point, max_episode_steps=5)
     monkeypatch.setitem(gymnasium.registry, name, spec)
@@ -79,6 +85,17 @@ def test_an_integer_action_space_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"^--env.task IntegerActions-v0: needs a 1-D continuous \(Box\) action space, "
                                          r"got Box\(-3, 3, \(2,\), int64\)$"):
         GymnasiumEnv("IntegerActions-v0", 1, torch.device("cpu"), seed=0)
+
+
+@pytest.mark.filterwarnings("ignore:.*is not within the observation space:UserWarning")   # gymnasium's env checker
+def test_an_observation_of_another_shape_than_the_space_is_named_while_the_env_is_built(monkeypatch):
+    """A 3-value observation from an env that declares Box (1,) broke the vector env's first reset, after the model
+    was built, with numpy's "Output array is the wrong shape" (a traceback)."""
+    register(monkeypatch, "ObservesMore-v0", _ObservesMoreThanDeclared)
+    message = ("--env.task ObservesMore-v0: reset()'s observation has shape (3,), but the env declares "
+               "observation_space Box(-1.0, 1.0, (1,), float32); make the two agree")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        GymnasiumEnv("ObservesMore-v0", 2, torch.device("cpu"), seed=0)
 
 
 def test_an_unknown_version_in_any_case_lists_every_registered_version_of_that_task():
