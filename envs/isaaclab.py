@@ -52,12 +52,25 @@ def import_isaaclab():
     return gymnasium, add_launcher_args, launch_simulation, parse_env_cfg
 
 
+class LauncherParser(argparse.ArgumentParser):
+    """A launcher flag's bad value (--livestream 5, --viz with no value) is a ValueError naming --env.launcher-args,
+    which the runner says in one line; argparse's own error printed its usage and exited the process from inside
+    the env's build, past the runner's error handling."""
+
+    def error(self, message):
+        raise ValueError(f"--env.launcher-args: {message}")
+
+
 def launcher_namespace(add_launcher_args, extra_args: str, sim_device: str, distributed: bool) -> argparse.Namespace:
     """Isaac Lab's launcher flags (--viz, --kit_args, --livestream, ...) from --env.launcher-args, with this
     rank's device and `distributed` (more than one rank: Kit pins its renderer to that device) filled in."""
-    parser = argparse.ArgumentParser(prog="--env.launcher-args", add_help=False)
+    parser = LauncherParser(prog="--env.launcher-args", add_help=False)
     add_launcher_args(parser)
-    tokens = shlex.split(extra_args)
+    try:
+        tokens = shlex.split(extra_args)
+    except ValueError as exc:       # an unclosed quote
+        raise ValueError(f"--env.launcher-args: cannot split {extra_args!r} into flags ({exc}); close its "
+                         f"quotes") from exc
     if any(token == "--device" or token.startswith("--device=") for token in tokens):
         raise ValueError("--env.launcher-args must not set --device: each rank simulates on its own GPU "
                          "(cuda:LOCAL_RANK, from torchrun)")

@@ -6,6 +6,7 @@ that refuses non-CUDA devices, tested on its own below) so that the adapter asks
 
 import glob
 import os
+import re
 import sys
 import textwrap
 import warnings
@@ -210,6 +211,14 @@ def test_launcher_args_cannot_move_the_device_or_carry_unknown_flags(fake):
         envs.isaaclab.launcher_namespace(add_launcher_args, "--device=cuda:1", "cuda:3", False)
     with pytest.raises(ValueError, match="does not know --headles"):
         envs.isaaclab.launcher_namespace(add_launcher_args, "--headles", "cuda:3", False)
+    # A bad value or an unclosed quote: one line naming the flag. argparse printed its usage and raised SystemExit
+    # from inside the env's build, past the runner's error handling; shlex said only "No closing quotation".
+    for args, message in (("--livestream 5", "argument --livestream: invalid choice: 5 (choose from 0, 1, 2)"),
+                          ("--viz", "argument --visualizer/--viz: expected one argument"),
+                          ("--kit_args='--no-window", "cannot split \"--kit_args='--no-window\" into flags (No closing "
+                                                      "quotation); close its quotes")):
+        with pytest.raises(ValueError, match=f"^{re.escape('--env.launcher-args: ' + message)}$"):
+            envs.isaaclab.launcher_namespace(add_launcher_args, args, "cuda:3", False)
     # 3.0.0's launcher has no --physics: the task's own physics presets are chosen through parse_env_cfg.
     with pytest.raises(ValueError, match="no --physics flag.*--env.task-overrides physics="):
         envs.isaaclab.launcher_namespace(add_launcher_args, "--physics newton_mjwarp", "cuda:3", False)
