@@ -25,6 +25,9 @@ def check_built(env, name: str, num_envs: int) -> None:
     if missing:
         fail(name, f"env.obs_dims has no {' or '.join(map(repr, missing))} group (it has {sorted(env.obs_dims)}); "
                    f"declare both, giving the critic the policy's observation when it has nothing privileged")
+    if isinstance(env.log_keys, str):      # ("Episode/x") is a str: its letters became metric names, a KeyError later
+        fail(name, f"env.log_keys is the str {env.log_keys!r}, not a tuple of names; a tuple of one name needs its "
+                   f"comma: ({env.log_keys!r},)")
     # An empty action space or observation group (a Box of shape (0,), a group whose every term is left out) made
     # the model and its normalizers of width 0: a broadcast error inside the rollout, after the start-up lines.
     sizes = {"env.num_actions": env.num_actions, **{f"env.obs_dims[{g!r}]": env.obs_dims[g] for g in GROUPS}}

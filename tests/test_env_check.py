@@ -22,6 +22,8 @@ class Broken(CartPole):
             self.obs_dims = {"policy": 4}
         if mistake == "log_scalar":
             self.log_keys = ("Episode/x",)
+        if mistake == "log_keys_str":
+            self.log_keys = ("Episode/x")                     # the missing comma is the mistake
         if mistake == "no_actions":
             self.num_actions = 0
         if mistake == "empty_critic":
@@ -60,12 +62,16 @@ class Broken(CartPole):
             extras["log"] = {"Episode/x": reward.mean()}
         if self.mistake == "log_scalar":
             extras["log"] = {"Episode/x": reward}
+        if self.mistake == "log_keys_str":
+            extras["log"] = {"Episode/x": reward.mean()}
         return obs, reward, terminated, truncated, extras
 
 
 MISTAKES = {
     "num_envs": r"env.num_envs is 11, but 8 envs were asked for",
     "no_critic_dim": r"env.obs_dims has no 'critic' group \(it has \['policy'\]\)",
+    "log_keys_str": r"env.log_keys is the str 'Episode/x', not a tuple of names; a tuple of one name needs its "
+                    r"comma: \('Episode/x',\)",
     "no_actions": r"env.num_actions is 0; the policy needs at least one action and one observation feature in "
                   r"each group: check the env's action space and observation groups",
     "empty_critic": r"env.obs_dims\['critic'\] is 0; the policy needs at least one action",
