@@ -79,8 +79,8 @@ def check_step(env, result, name: str, device: torch.device, bootstrap: bool) ->
             shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             fail(name, f"step()'s {what} must be a [num_envs] = [{env.num_envs}] tensor, got {shape}")
         check_tensor(name, f"step()'s {what}", value, dtype, device)
-    if not isinstance(extras, dict) or "log" not in extras:
-        fail(name, "step()'s extras must be a dict with 'log' ({} when the env logs nothing)")
+    if not isinstance(extras, dict) or not isinstance(extras.get("log"), dict):   # not None: {} when nothing logged
+        fail(name, "step()'s extras must be a dict with 'log', a dict ({} when the env logs nothing)")
     if bootstrap and "final_obs" not in extras:
         fail(name, "step()'s extras has no 'final_obs': the observation groups before the auto-reset, which a "
                    "time-out is bootstrapped from (or train with --ppo.no-bootstrap-time-outs)")

@@ -64,12 +64,15 @@ class Broken(CartPole):
             extras["log"] = {"Episode/x": reward}
         if self.mistake == "log_keys_str":
             extras["log"] = {"Episode/x": reward.mean()}
+        if self.mistake == "log_none":
+            extras["log"] = None
         return obs, reward, terminated, truncated, extras
 
 
 MISTAKES = {
     "num_envs": r"env.num_envs is 11, but 8 envs were asked for",
     "no_critic_dim": r"env.obs_dims has no 'critic' group \(it has \['policy'\]\)",
+    "log_none": r"step\(\)'s extras must be a dict with 'log', a dict \(\{\} when the env logs nothing\)",
     "log_keys_str": r"env.log_keys is the str 'Episode/x', not a tuple of names; a tuple of one name needs its "
                     r"comma: \('Episode/x',\)",
     "no_actions": r"env.num_actions is 0; the policy needs at least one action and one observation feature in "
