@@ -195,6 +195,18 @@ def test_observation_group_errors_name_the_flag(make):
         make(critic_obs_groups=("privileged",))
 
 
+def test_a_critic_group_no_input_uses_is_warned_of(make):
+    """The task has a `critic` group; with the default --env.critic-obs-groups (policy) the critic would silently
+    go without it (RSL-RL would feed it): a warning names the flag that uses it. Used, or in no task, no warning."""
+    with pytest.warns(UserWarning, match=r"privileged observation group 'critic' that no input uses: the critic sees "
+                                         r"\['policy'\]; --env.critic-obs-groups policy critic gives it both"):
+        make(critic_obs_groups=("policy",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make(critic_obs_groups=("critic",)).obs_dims["critic"] == 2 * 2
+        make(actor_obs_groups=("policy", "critic"), critic_obs_groups=("policy",))
+
+
 def test_unknown_task_suggests_registered_ones(fake):
     # Isaac Lab 3.0 dropped the -v0 suffix of its task ids.
     with pytest.raises(ValueError, match="unknown --env.task 'Isaac-Velocity-Rough-G1-v0'.*did you mean: "
