@@ -157,8 +157,8 @@ class IsaacLabEnv:
         obs, extras = self.env.reset()
         self.obs_dims = {name: group.shape[1] for name, group in self._groups(obs).items()}
         if "critic" in obs and "critic" not in actor_obs_groups + critic_obs_groups:   # RSL-RL would feed it the critic
-            warnings.warn(f"--env.task {task} has a privileged observation group 'critic' that no input uses: the critic "
-                          f"sees {list(critic_obs_groups)}; --env.critic-obs-groups policy critic gives it both")
+            warnings.warn(f"--env.task {task} has a privileged observation group 'critic' that no input uses: the "
+                          f"critic sees {list(critic_obs_groups)}; --env.critic-obs-groups policy critic gives it both")
         self.log_keys = tuple(extras.get("log", {}))
         self._warned_keys: set[str] = set()
         self.task = task
