@@ -32,9 +32,9 @@ def import_gymnasium():
     return gymnasium
 
 
-def check_task(gym, task: str) -> None:
-    """Refuse a task gymnasium does not know, naming the close ones. gymnasium's `module:TaskId` imports `module`
-    first: another package (gymnasium-robotics, a lab's own robots) registers its tasks when it is imported."""
+def import_task_module(task: str) -> str:
+    """gymnasium's `module:TaskId`: import `module` (another package, gymnasium-robotics or a lab's own robots,
+    registers its tasks when it is imported); returns TaskId (the task alone when no module is given)."""
     module, _, name = task.rpartition(":")
     if module:
         try:
@@ -42,6 +42,12 @@ def check_task(gym, task: str) -> None:
         except ModuleNotFoundError as exc:
             raise MissingSimulator(f"--env.task {task}: cannot import {module} ({exc}); install the package that "
                                    f"registers {name}, or correct the module's name") from exc
+    return name
+
+
+def check_task(gym, task: str) -> None:
+    """Refuse a task gymnasium does not know, naming the close ones (`module:TaskId` imports `module` first)."""
+    module, name = task.rpartition(":")[0], import_task_module(task)
     if name not in gym.registry:
         known = sorted(other for other in gym.registry if other.split("-")[0].lower() == name.split("-")[0].lower())
         close = known or difflib.get_close_matches(name, list(gym.registry), n=3)

@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from envs.base import MissingSimulator
+from envs.gymnasium import import_task_module
 
 INSTALL_HINT = "make setup-isaaclab   (Isaac Lab 3.0 installed next to this repo, Python 3.12; see docs/simulators.md)"
 
@@ -109,15 +110,17 @@ class IsaacLabEnv:
                  task_overrides: tuple[str, ...] = ()):
         sim_device = simulation_device(device)
         gym, add_launcher_args, launch_simulation, parse_env_cfg = import_isaaclab()
-        if task not in gym.registry:
-            close = difflib.get_close_matches(task, [name for name in gym.registry if name.startswith("Isaac")], n=5)
-            raise ValueError(f"unknown --env.task {task!r} for Isaac Lab"
-                             + (f"; did you mean: {', '.join(close)}" if close else ""))
+        name = import_task_module(task)     # module:TaskId, a task of an extension project that its package registers
+        if name not in gym.registry:
+            close = difflib.get_close_matches(name, [other for other in gym.registry if other.startswith("Isaac")], n=5)
+            raise ValueError(f"unknown --env.task {task!r} for Isaac Lab; "
+                             + (f"did you mean: {', '.join(close)}" if close else "a task of an extension project is "
+                                "written package:TaskId (importing the package registers it)"))
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         launcher = launcher_namespace(add_launcher_args, launcher_args, sim_device, distributed)
         self.action_scale, self.action_clip = action_scale, action_clip
 
-        env_cfg = parse_env_cfg(task, device=sim_device, num_envs=num_envs, overrides=list(task_overrides))
+        env_cfg = parse_env_cfg(name, device=sim_device, num_envs=num_envs, overrides=list(task_overrides))
         env_cfg.seed = seed
         if not hasattr(env_cfg, "compute_final_obs"):
             raise ValueError("this Isaac Lab has no `compute_final_obs` env option (isaac-sim/IsaacLab#6219), so the "
@@ -131,7 +134,7 @@ class IsaacLabEnv:
         self.env, self._runtime = None, contextlib.ExitStack()
         self._runtime.enter_context(launch_simulation(env_cfg, launcher))
         atexit.register(self.close)
-        self.env = gym.make(task, cfg=env_cfg)
+        self.env = gym.make(name, cfg=env_cfg)
         self._describe(task, device, seed, actor_obs_groups, critic_obs_groups)
 
     def _describe(self, task, device, seed, actor_obs_groups, critic_obs_groups) -> None:

@@ -11,12 +11,14 @@ import sys
 import textwrap
 import warnings
 
+import gymnasium
 import pytest
 import torch
 
 import envs.isaaclab
 import train
 from configs import preset, validate
+from envs.base import MissingSimulator
 from envs.isaaclab import IsaacLabEnv, simulation_device
 from tests.fake_isaaclab import MAX_EPISODE_LENGTH, TASK, TERMINATE_ABOVE, install, install_for_test
 from tests.forked_python import run_python
@@ -212,6 +214,28 @@ def test_unknown_task_suggests_registered_ones(fake):
     with pytest.raises(ValueError, match="unknown --env.task 'Isaac-Velocity-Rough-G1-v0'.*did you mean: "
                                          "Isaac-Velocity-Rough-G1"):
         IsaacLabEnv("Isaac-Velocity-Rough-G1-v0", 4, torch.device("cpu"), 0)
+
+
+def test_a_task_of_an_extension_project_is_written_package_colon_task_id(fake, tmp_path, monkeypatch):
+    """Research tasks live in Isaac Lab extension projects whose package registers them when imported: `--env.task
+    package:TaskId` (gymnasium's form) imports it, then parses and builds TaskId. Unimported, the task is unknown and
+    the error names that form; a package that is not there is named."""
+    (tmp_path / "ext_tasks_for_test.py").write_text(
+        f"import dataclasses, gymnasium\ngymnasium.registry['Ext-Point'] = "
+        f"dataclasses.replace(gymnasium.registry[{TASK!r}], id='Ext-Point')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="^unknown --env.task 'Ext-Point' for Isaac Lab; a task of an extension "
+                                         "project is written package:TaskId"):
+        IsaacLabEnv("Ext-Point", 4, torch.device("cpu"), 0)
+    with pytest.raises(MissingSimulator, match="cannot import no_such_ext_package"):
+        IsaacLabEnv("no_such_ext_package:Ext-Point", 4, torch.device("cpu"), 0)
+    try:
+        env = IsaacLabEnv("ext_tasks_for_test:Ext-Point", 4, torch.device("cpu"), 0, critic_obs_groups=("critic",))
+        assert env.num_envs == 4 and env.obs_dims == {"policy": 3, "critic": 4}
+        env.close()
+    finally:
+        gymnasium.registry.pop("Ext-Point", None)
+        sys.modules.pop("ext_tasks_for_test", None)
 
 
 def test_launcher_args_cannot_move_the_device_or_carry_unknown_flags(fake):
