@@ -1,7 +1,8 @@
 """Check that an env keeps the VecEnv protocol (envs/base.py) where the runner first meets it, so that a mistake in
 a new env is one line naming the field to fix rather than a shape error deep in the model, or silently wrong numbers.
 
-Run once: on the env as built, on its reset, and on the first step of a run (no host sync; never per step).
+Run once: on the env as built, on its reset (one host sync: its values are finite), and on the first step of a
+run (no host sync; never per step).
 """
 
 import torch
@@ -60,10 +61,17 @@ def check_tensor(name: str, what: str, value, dtype: torch.dtype, device: torch.
 
 
 def check_reset(env, result, name: str, device: torch.device) -> dict:
-    """reset()'s (obs, extras), checked; returns obs."""
+    """reset()'s (obs, extras), checked, its values finite too (one host sync): a NaN or inf would reach the
+    normalizers' first shift before the first rollout's check_finite; returns obs."""
     if not (isinstance(result, tuple) and len(result) == 2):
         fail(name, "reset() must return (obs, extras)")
     check_obs(result[0], env, name, "reset()'s obs", device)
+    for group in GROUPS:
+        bad = ~torch.isfinite(result[0][group])
+        if bad.any():
+            n, feature = (int(i) for i in bad.nonzero()[0])
+            fail(name, f"reset()'s obs[{group!r}] holds {result[0][group][n, feature].item()} at env {n} feature "
+                       f"{feature}; make the env's reset produce finite observations")
     return result[0]
 
 

@@ -43,6 +43,8 @@ class Broken(CartPole):
 
     def reset(self):
         obs, extras = super().reset()
+        if self.mistake == "reset_nan":
+            obs["critic"][2, 1] = torch.nan
         return obs if self.mistake == "reset_obs_only" else (obs, extras)
 
     def step(self, actions):
@@ -88,6 +90,8 @@ MISTAKES = {
     "final_obs_float64": r"step\(\)'s extras\['final_obs'\]\['critic'\] has dtype torch.float64, expected "
                          r"torch.float32",
     "reset_obs_only": r"reset\(\) must return \(obs, extras\)",   # a dict of its two groups: also of length 2
+    "reset_nan": r"reset\(\)'s obs\['critic'\] holds nan at env 2 feature 1; make the env's reset produce finite "
+                 r"observations",
     "log_undeclared": r"step\(\) logged 'Episode/x', which env.log_keys \(\) does not declare",
     "log_scalar": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar .* got shape \[8\]",
 }
@@ -102,6 +106,8 @@ def test_env_protocol_mistake_is_one_line_naming_it(mistake, tmp_path, monkeypat
     cfg.log.root = str(tmp_path)
     with pytest.raises(RunError, match=r"^env 'cartpole': " + MISTAKES[mistake]):
         train.main(cfg)
+    if not MISTAKES[mistake].startswith(r"step"):        # found before the run starts: nothing of a run is written
+        assert not any(tmp_path.rglob("events.out.*")) and not any(tmp_path.rglob("model_*.pt"))
 
 
 def test_a_correct_env_passes_and_no_final_obs_is_fine_without_bootstrap(tmp_path, monkeypatch):
