@@ -63,3 +63,29 @@ def test_time_out_bootstrap_of_a_bfloat16_critic_adds_in_the_rewards_float32():
     # gamma times the value in float32, as an accelerator's masked sum does (in bfloat16, 0.99 x 4 is 3.953125)
     expected = np.float32(2.0) + np.float32(0.99) * np.float32(4.0)
     assert out.dtype == torch.float32 and out.tolist() == [1.0, float(expected), 3.0]
+
+
+class _OnAnAccelerator(torch.Tensor):
+    """A CPU tensor that reports a non-CPU device, so bootstrap_time_outs takes its accelerator branch here."""
+
+    @property
+    def device(self):
+        return torch.device("meta")
+
+
+def test_time_out_bootstrap_of_the_accelerator_branch_by_hand_on_cpu():
+    # The masked full-forward branch (reward + gamma * truncated * V) otherwise runs only on a GPU
+    # (bench/gpu_check.sh); a dropped gamma or mask there would pass every CPU test.
+    from ppo.gae import bootstrap_time_outs
+    reward = torch.tensor([1.0, -2.0, 0.5, 3.0]).as_subclass(_OnAnAccelerator)
+    final_obs = torch.tensor([[1.0, 1.0], [2.0, 0.0], [0.0, 4.0], [3.0, 3.0]])
+    truncated = torch.tensor([False, True, True, False])
+    calls = []
+
+    def value(obs):                    # V(obs) = 2 * obs0 - obs1 = 1, 4, -4, 3
+        calls.append(obs.shape[0])
+        return obs[:, 0] * 2.0 - obs[:, 1]
+
+    out = bootstrap_time_outs(reward, truncated, final_obs, value, 0.5)
+    assert calls == [4]                # the branch under test: the critic ran on every row
+    assert out.as_subclass(torch.Tensor).tolist() == [1.0, -2.0 + 0.5 * 4.0, 0.5 + 0.5 * -4.0, 3.0]
