@@ -87,6 +87,20 @@ def test_set_first_shift_does_nothing_once_statistics_exist():
     np.testing.assert_allclose((norm.m2 / norm.count).numpy(), union.var(0), rtol=1e-9)
 
 
+def test_set_first_shift_leaves_the_forward_pass_unchanged_until_the_first_merge():
+    """The shift only conditions the first merge's sums: before that merge the forward must still be the identity
+    (mean 0, std 1; the rollout that collects the first batch sees raw observations), and after it the forward
+    uses the batch's own mean and population std, as without a shift."""
+    norm = ObsNormalizer(2)
+    norm.set_first_shift(torch.tensor([[100.0, -40.0], [102.0, -44.0]]))    # shift (101, -42)
+    x = torch.tensor([[3.0, -4.0], [0.5, 2.0]])
+    assert torch.equal(norm(x), x)                                         # |x| < clip: (x - 0) / (1 + 1e-8) == x
+    batch = torch.tensor([[100.0, -40.0], [104.0, -46.0]])                # mean (102, -43), std (2, 3)
+    norm.update(batch)
+    expected = (torch.tensor([[106.0, -37.0]]) - torch.tensor([102.0, -43.0])) / torch.tensor([2.0, 3.0])
+    torch.testing.assert_close(norm(torch.tensor([[106.0, -37.0]])), expected)   # (2, 2)
+
+
 def test_reward_normalizer_tracks_discounted_returns_that_restart_each_episode():
     """The statistics are those of the running discounted return, recorded after each step's reward is added
     and reset to 0 after an episode ends (CleanRL's NormalizeReward); each update merges only the returns
