@@ -187,6 +187,19 @@ def test_episode_stats_sum_each_finished_episode_once_and_count_log_entries():
     assert stats.episode_return.tolist() == [0.0, 11.0] and stats.episode_length.tolist() == [0.0, 1.0]
 
 
+def test_episode_stats_accumulate_sums_and_counts_in_float64():
+    """An iteration's sums and counts add up across steps in float64: a float32 accumulator would drop the 1
+    from 2**24 + 1 (its spacing there is 2), in a sum of returns as in a count."""
+    stats = EpisodeStats(1, TRAIN_KEYS + ("Episode/x",), torch.device("cpu"))
+    stats.step(torch.tensor([2.0 ** 24]), torch.tensor([True]), {}, record_returns=False)
+    stats.step(torch.tensor([1.0]), torch.tensor([True]), {}, record_returns=False)
+    i = stats.index
+    assert stats.sums[i["Train/mean_reward"]].item() == 2 ** 24 + 1
+    stats.add("Episode/x", 0.5, 2 ** 24)
+    stats.add("Episode/x", 0.5, 1)
+    assert stats.counts[i["Episode/x"]].item() == 2 ** 24 + 1 and stats.sums[i["Episode/x"]].item() == 1.0
+
+
 # ---- ppo/update.py, ppo/minibatch_step.py ------------------------------------------------------------
 
 def test_local_and_none_advantage_normalization():
