@@ -1,6 +1,6 @@
 """Edges of ppo/update.py, ppo/restore.py and dist/comm.py that hand mutation testing found unpinned: the 1e-8 that
-keeps a constant advantage from becoming 0/0, a transposed Adam moment, a checkpoint of another rollout layout with
-as many learners, and dist.comm's device setter.
+keeps a constant advantage from becoming 0/0 (over the rollout and per minibatch), a transposed Adam moment, a
+checkpoint of another rollout layout with as many learners, and dist.comm's device setter.
 
 Mutants of these files found equivalent (no test can tell them apart):
 - kl_schedule: clamping as max(min(lr, lr_max), lr_min) (validate ensures lr_min <= lr_max); `elif` -> `if` (the two
@@ -19,9 +19,11 @@ import torch
 from dist import comm
 from dist.checkpoint import rng_states
 from dist.errors import UsageError
+from dist.grad_sync import GradSync
 from ppo.restore import restore
 from ppo.storage import RolloutStorage
-from ppo.update import normalize_advantages
+from ppo.update import normalize_advantages, ppo_update
+from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
 from tests.test_step_restore_rules import CPU, _built, _checkpoint, _run
 
 
@@ -39,6 +41,20 @@ def test_advantages_with_no_or_tiny_spread_are_divided_by_std_plus_1e_8(mode):
     normalize_advantages(s, mode)
     expected = torch.tensor([[1.0, -1.0], [-1.0, 1.0]]) * (1e-9 / 1.1e-8)
     torch.testing.assert_close(s.advantages, expected, rtol=1e-5, atol=0)
+
+
+def test_a_minibatch_of_equal_advantages_normalizes_to_0_and_its_step_is_taken():
+    """advantage_norm "minibatch" divides by the minibatch's std + 1e-8 as well: equal advantages give 0, not
+    0/0 = nan, whose gradient would make every such step a skipped one."""
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, CPU)
+    fill(storage, 0, model)
+    storage.advantages = torch.full((T, N), 0.75)
+    cfg = ppo_cfg(num_epochs=1, num_mini_batches=2, advantage_norm="minibatch", schedule="fixed")
+    stats = ppo_update(model, torch.optim.Adam(model.parameters(), lr=1e-3), storage,
+                       GradSync(model.parameters(), num_extras=2), cfg, generator=torch.Generator().manual_seed(0))
+    assert stats["skipped_steps"] == 0.0
+    assert stats["surrogate"] == 0.0            # -mean(ratio * 0) in both steps
 
 
 # ---- ppo/restore.py --------------------------------------------------------------------------------------------
