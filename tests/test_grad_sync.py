@@ -161,6 +161,17 @@ def test_missing_gradient_is_an_error_naming_the_parameter():
         sync.synchronize()
 
 
+def test_a_single_parameter_without_gradient_is_an_error_too():
+    """One missing gradient is enough (e.g. a log-std the loss forgot): #2, a 0-dim scale never in the forward."""
+    lin, scale = nn.Linear(3, 1), nn.Parameter(torch.ones(()))
+    sync = GradSync([*lin.parameters(), scale], "flat")
+    sync.zero_grad()
+    sync.arm()
+    lin(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"^1 parameter\(s\) received no gradient this step \(#2 of shape \(\)\)"):
+        sync.synchronize()
+
+
 @pytest.mark.parametrize("mode", ["flat", "bucketed"])
 def test_a_parameter_used_in_an_earlier_step_but_not_this_one_is_missing(mode):
     """unused="error" asks about THIS step: a head that got a gradient in the previous step but none now must
