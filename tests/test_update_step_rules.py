@@ -8,6 +8,8 @@ Mutants of these files found equivalent (no test can tell them apart):
 - update: normalizing "minibatch" advantages over the rollout first (a per-minibatch normalization is invariant to
   that affine map, up to the 1e-8 and float32 rounding);
 - minibatch_step: SyncFreeStep.finish dividing by max(taken, 0.5) (the sums are 0 when no step was taken).
+- update: setting the adaptive LR on param_groups[0] only (build_optimizer makes one group, and SyncFreeStep
+  refuses more).
 The CUDA-graph replay path (shape check, ledger per replay, warm-up count) cannot run on CPU and was not mutated.
 """
 
@@ -55,6 +57,30 @@ def test_a_minibatch_of_equal_advantages_normalizes_to_0_and_its_step_is_taken()
                        GradSync(model.parameters(), num_extras=2), cfg, generator=torch.Generator().manual_seed(0))
     assert stats["skipped_steps"] == 0.0
     assert stats["surrogate"] == 0.0            # -mean(ratio * 0) in both steps
+
+
+def test_every_epoch_normalizes_each_minibatch_s_advantages(monkeypatch):
+    """advantage_norm "minibatch": every step of every epoch sees its minibatch's advantages at mean 0 and unbiased
+    std 1 (the storage keeps the raw ones, so epoch 2 must normalize again), checked in numpy per step."""
+    import ppo.update
+    seen = []
+    original = ppo.update.backward_minibatch
+
+    def spy(model, batch, grad_sync, cfg):
+        seen.append(batch["advantages"].double().numpy().copy())
+        return original(model, batch, grad_sync, cfg)
+
+    monkeypatch.setattr(ppo.update, "backward_minibatch", spy)
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, CPU)
+    fill(storage, 0, model)
+    storage.advantages = storage.advantages * 5 + 3
+    cfg = ppo_cfg(num_epochs=2, num_mini_batches=2, advantage_norm="minibatch", schedule="fixed")
+    ppo_update(model, torch.optim.Adam(model.parameters(), lr=1e-3), storage,
+               GradSync(model.parameters(), num_extras=2), cfg, generator=torch.Generator().manual_seed(0))
+    assert len(seen) == 4
+    for adv in seen:
+        assert abs(adv.mean()) < 1e-6 and abs(adv.std(ddof=1) - 1.0) < 1e-6
 
 
 # ---- ppo/restore.py --------------------------------------------------------------------------------------------
