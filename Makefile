@@ -69,9 +69,10 @@ bench-mujoco: setup-mujoco  ## mujoco preset vs CleanRL: 3 tasks x 3 seeds x {1,
 	$(BIN)/python bench/bench_mujoco.py $(ARGS)
 
 # What bench/gpu_check.sh needs beyond the GPU machine's own packages (it has torch, numpy, tensorboard,
-# onnx): tyro and rsl-rl-lib with their pure-Python needs, as Python 3.12 wheels to carry there.
+# onnx): tyro and rsl-rl-lib with their pure-Python needs, as Python 3.12 wheels to carry there (typing-extensions
+# too: tyro and typeguard need >= 4.13 and 4.14, and the version there is not known).
 GPU_WHEELS := tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 rsl-rl-lib==5.5.1 tensordict==0.15.3 \
-	pyvers==0.2.3 GitPython==3.2.1 gitdb==4.0.12 smmap==5.0.3
+	pyvers==0.2.3 GitPython==3.2.1 gitdb==4.0.12 smmap==5.0.3 typing-extensions==4.16.0
 gpu-wheels: $(BIN)/python  ## download the wheels bench/gpu_check.sh installs on a bare GPU machine into .whl/
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -254,6 +254,7 @@ def test_a_logged_value_that_is_not_one_number_is_named_at_start_up(fake, value,
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         IsaacLabEnv(TASK, 2, torch.device("cpu"), 0)
 
+
 # ---- ppo/actor_critic.py ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("activation", ["elu", "tanh"])
