@@ -1,8 +1,8 @@
 """One minibatch step of the PPO update, and the same step with no host read (`--ppo.capture-step`).
 
 `backward_minibatch` is forward + loss + backward (in micro-batches) + gradient sync + clip; both
-paths of `ppo_update` call it. The host path then reads KL and norm (one host sync per step) to apply
-the adaptive-LR rule and skip a non-finite step in Python. `SyncFreeStep` does the same on the
+paths of `ppo_update` call it. The host path then reads KL, norm and the loss terms (one host sync per
+step) to apply the adaptive-LR rule and skip a non-finite step in Python. `SyncFreeStep` does the same on the
 device, so that a GPU never waits for the host inside the update and the whole step can be captured
 once as a CUDA graph and replayed (one launch instead of hundreds of small kernels):
 

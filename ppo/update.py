@@ -61,7 +61,9 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
                 step(batch)
                 continue
             kl_stats, grad_norm, terms_mean = backward_minibatch(model, batch, grad_sync, cfg)
-            kl, norm = torch.stack([kl_stats[0] / kl_stats[1], grad_norm]).tolist()  # one host sync per step
+            # One host read per step, the loss terms in it: read after optimizer.step(), they drained the GPU again.
+            kl, norm, *terms = torch.cat([(kl_stats[0] / kl_stats[1]).reshape(1), grad_norm.reshape(1),
+                                          terms_mean]).tolist()
             if cfg.schedule == "adaptive" and math.isfinite(kl):
                 lr = adaptive_lr(lr, kl, cfg.desired_kl, cfg.lr_min, cfg.lr_max)
                 for group in optimizer.param_groups:
@@ -71,7 +73,7 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
                 continue
             optimizer.step()
             num_steps += 1
-            for key, value in zip(("surrogate", "value_function", "entropy"), terms_mean.tolist()):
+            for key, value in zip(("surrogate", "value_function", "entropy"), terms):
                 totals[key] += value
             totals["kl"] += kl
     for storage_field, normalizer in model.normalizers().items():

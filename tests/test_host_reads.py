@@ -1,4 +1,5 @@
-"""The per-step GPU paths read nothing back to the host: an env step and a rollout step.
+"""The per-step GPU paths read nothing back to the host: an env step and a rollout step; an update reads once per
+minibatch step (the host path) or once in all (--ppo.capture-step).
 
 A host read of a device value (`.item()`, a `nonzero`, an error-flag check), or a tensor made from Python
 data (a blocking copy to the device), stalls a GPU's launch queue until the device catches up; once per
@@ -12,9 +13,14 @@ import os
 import pytest
 import torch
 
+from dist.grad_sync import GradSync
 from envs import CartPole, Tracking
 from ppo.actor_critic import ActorCritic
+from ppo.minibatch_step import build_optimizer
 from ppo.rollout import TRAIN_KEYS, EpisodeStats, collect_rollout
+from ppo.storage import RolloutStorage
+from ppo.update import ppo_update
+from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
 
 DEVICE = os.environ.get("SYNCPPO_TEST_DEVICE", "cpu")
 HOST_READS = {"aten::_local_scalar_dense", "aten::_linalg_check_errors", "aten::nonzero", "aten::is_nonzero",
@@ -73,3 +79,24 @@ def test_rollout_step_reads_nothing_back_to_the_host():
     stats = EpisodeStats(env.num_envs, TRAIN_KEYS + env.log_keys, torch.device(DEVICE))
     reads = host_reads(lambda: collect_rollout(model, env, obs, 40, 0.99, True, stats))
     assert reads == [], "sampling, the critic, the bootstrap or the episode statistics read the device on the host"
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_an_update_reads_the_device_once_per_step_on_the_host_path_and_once_in_all_sync_free(capture, monkeypatch):
+    """The host path reads KL, norm and the loss terms in one read per minibatch step: the terms were read again
+    after optimizer.step(), a second drain of the GPU's queue per step. The sync-free step (--ppo.capture-step)
+    reads once per update, in finish(). Counted at the Python reads (on CPU the profiler does not see tolist);
+    both paths with the fused Adam, which reads nothing from Python (foreach reads its host step counts)."""
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, torch.device(DEVICE))
+    fill(storage, 0, model)
+    model.to(DEVICE)
+    cfg = ppo_cfg(capture_step=capture)
+    optimizer = build_optimizer(model.parameters(), ppo_cfg(capture_step=True), torch.device(DEVICE))
+    sync = GradSync(model.parameters(), num_extras=2)
+    reads = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, _f=original, _n=name: reads.append(_n) or _f(t))
+    ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(0))
+    assert len(reads) == (1 if capture else cfg.num_epochs * cfg.num_mini_batches), reads
