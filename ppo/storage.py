@@ -69,7 +69,10 @@ class RolloutStorage:
             what = "trajectories (envs)" if unit == "trajectory" else "transitions"
             raise ValueError(f"{count} {what} per rank are not divisible by num_mini_batches ({num_mini_batches})")
         size = count // num_mini_batches
-        perm = torch.randperm(count, generator=generator, device="cpu").to(self.data.device)
+        perm = torch.randperm(count, generator=generator, device="cpu")
+        if self.data.is_cuda:   # pinned, so the copy is queued: from pageable memory it waits for the GPU to drain
+            perm = perm.pin_memory()
+        perm = perm.to(self.data.device, non_blocking=self.data.is_cuda)
         for i in range(num_mini_batches):
             ids = perm[i * size:(i + 1) * size]
             if unit == "trajectory":

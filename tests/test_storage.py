@@ -91,3 +91,19 @@ def test_fill_storage_recomputes_old_policy_outputs_with_the_learners_model():
         assert torch.equal(storage.action_mean, pi.mean) and torch.equal(storage.values, model.value(batch["critic_obs"]))
     fill_storage(storage, batch, model, None, 0.99, 0.95, recompute=False)
     assert torch.equal(storage.log_probs, batch["log_probs"])       # the copy's numbers, as sent
+
+
+def test_a_gpu_storage_queues_each_epochs_permutation_from_pinned_memory(monkeypatch):
+    """The permutation is drawn on the host; on a GPU it was copied from pageable memory, a copy that synchronizes
+    the stream (torch's memcpy_and_sync): a drain of the GPU's queue at every epoch, 5 per update, which the
+    sync-free step (--ppo.capture-step) otherwise never waits for. It is now pinned and copied with non_blocking.
+    Simulated on the CPU: the storage's buffer says it is on CUDA, and pinning and the copy are recorded."""
+    s = filled_storage()
+    expected = [mb["actor_obs"] for mb in s.minibatches(3, torch.Generator().manual_seed(0))]
+    calls, to = [], torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t is s.data))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append("pin_memory") or t)
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kw: calls.append(("to", kw)) or to(t, *args, **kw))
+    got = [mb["actor_obs"] for mb in s.minibatches(3, torch.Generator().manual_seed(0))]
+    assert calls == ["pin_memory", ("to", {"non_blocking": True})]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))   # the same permutation
