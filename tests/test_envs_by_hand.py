@@ -207,6 +207,37 @@ def test_tracking_substep_matches_the_documented_equations_in_float64():
         np.testing.assert_allclose(env.qd[i].double().numpy(), want_qd, rtol=0, atol=2e-4 * max(1, np.abs(want_qd).max()))
 
 
+def test_tracking_policy_step_is_decimation_substeps_toward_the_current_clamped_action():
+    """One env step = `decimation` (4) substeps of the float64 equations, all with the PD target
+    action_scale * clamp(action, -5, 5) of *this* step's action: not the previous one (a one-step action delay),
+    not fewer substeps than the 0.02 s the motion clock advances."""
+    env = Tracking(3, "cpu", 0, base_seed=0, num_motions=4, episode_length_s=100.0)
+    env.reset()
+    env.episode_length.zero_()
+    set_reference_state(env, [0, 1, 2], [0.5, 0.7, 0.9])
+    q0, qd0 = env.q.double().numpy(), env.qd.double().numpy()
+    g = torch.Generator().manual_seed(3)
+    env.last_action = torch.randn(3, 6, generator=g)                   # the previous step's: must not act now
+    actions = env.q + 0.3 * torch.randn(3, 6, generator=g)
+    actions[2, 4] = 7.0                                                  # acts as 5
+    _, _, _, _, extras = env.step(actions)
+    final = extras["final_obs"]["policy"].double().numpy()              # the state before any reset
+    for i in range(3):
+        target = env.action_scale * np.clip(actions[i].double().numpy(), -5.0, 5.0)
+        q, qd = q0[i], qd0[i]
+        for _ in range(4):
+            q, qd = numpy_substep(env, q, qd, target)
+        np.testing.assert_allclose(final[i, :6], q, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(final[i, 6:12], 0.1 * qd, rtol=0, atol=2e-4)
+
+
+def test_the_time_limit_in_steps_is_rounded_not_truncated():
+    """--env.episode-length-s 2.3 is 115 steps of 0.02 s; in floats 2.3 / 0.02 = 114.99999999999999, which a
+    truncating int() made 114."""
+    assert CartPole(1, "cpu", 0, episode_length_s=2.3).max_episode_length == 115
+    assert Tracking(1, "cpu", 0, base_seed=0, num_motions=2, episode_length_s=2.3).max_episode_length == 115
+
+
 # ---- envs/motions.py --------------------------------------------------------------------------------
 
 def test_sampler_counts_only_ended_failures_and_commit_adds_then_restarts_local():
@@ -225,6 +256,22 @@ def test_sampler_counts_only_ended_failures_and_commit_adds_then_restarts_local(
     bad = {"global_counts": torch.zeros(2, 3, dtype=torch.float64), "local_counts": torch.zeros(2, 4, dtype=torch.float64)}
     with pytest.raises(ValueError, match="local_counts.*num-motions"):
         s.load_state_dict(bad)
+
+
+def test_tracking_episodes_start_on_motions_the_adaptive_sampler_draws():
+    """Resets (the first and a step's) draw motions with the sampler's probabilities, not uniformly. With floor 0,
+    motion 2 failing 999,000 of 10^6 episodes and the others 0 of 10^6: rate_2 = 999001/1000002, rate_other =
+    1/1000002, so p_2 = 999001/999004 by hand (a uniform draw gives 1/4, one favouring the easy motions ~1e-6);
+    the step's 400 episodes counted on motion 0 before its resets move that by less than 1e-3."""
+    n = 400
+    env = Tracking(n, "cpu", 0, base_seed=0, num_motions=4, uniform_floor=0.0)
+    env.sampler.global_counts = torch.tensor([[1e6] * 4, [0.0, 0.0, 999e3, 0.0]], dtype=torch.float64)
+    env.reset()
+    assert (env.motion_ids == 2).float().mean().item() > 0.99
+    env.motion_ids.fill_(0)
+    env.episode_length.fill_(env.max_episode_length - 1)                # every env times out and restarts
+    env.step(torch.zeros(n, env.num_actions))
+    assert (env.motion_ids == 2).float().mean().item() > 0.99
 
 
 # ---- envs/cartpole.py -------------------------------------------------------------------------------
