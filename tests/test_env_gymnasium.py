@@ -111,6 +111,41 @@ def test_sub_envs_get_distinct_seeds_and_a_seed_replays_exactly():
         rollouts.append(torch.stack(trajectory))
     assert seeds[0] == seeds[1] and torch.equal(rollouts[0], rollouts[1])
     assert len(set(seeds[0]) | set(seeds[2])) == 8           # ranks (seed + rank) never share a sub-env seed
+    # Seeds come from the generator's current state (restored by --resume): a later reset does not replay the first.
+    env = GymnasiumEnv("Pendulum-v1", 2, torch.device("cpu"), seed=1)
+    recorded, state = recording_seeds(env), env.generator.get_state()
+    env.reset(), env.reset(), env.generator.set_state(state), env.reset()
+    assert recorded[0] != recorded[1] and recorded[2] == recorded[0]
+
+
+class Float64Bounds(gymnasium.Env):
+    """Actions in a float64 Box [-0.3, 0.3]; records what it receives."""
+
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (1,))
+    action_space = gymnasium.spaces.Box(-0.3, 0.3, (2,), dtype=np.float64)
+    received: list = []
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, dtype=np.float32), {}
+
+    def step(self, action):
+        Float64Bounds.received.append(action)
+        return np.zeros(1, dtype=np.float32), 0.0, False, False, {}
+
+
+def test_actions_stay_inside_a_float64_space_exactly(monkeypatch):
+    """The bound 0.3 rounded to float32 is 0.30000001: clipped to that, the action lies just outside the space.
+    Clipped to the float64 bounds, it is 0.3 and -0.3 exactly, in the space's dtype."""
+    monkeypatch.setitem(gymnasium.registry, "Float64Bounds-v0", gymnasium.envs.registration.EnvSpec(
+        "Float64Bounds-v0", entry_point=Float64Bounds, max_episode_steps=5))
+    monkeypatch.setattr(Float64Bounds, "received", [])
+    env = GymnasiumEnv("Float64Bounds-v0", 1, torch.device("cpu"), seed=0)
+    env.reset()
+    env.step(torch.tensor([[5.0, -5.0]]))
+    (action,) = Float64Bounds.received
+    assert action.dtype == np.float64 and action.tolist() == [0.3, -0.3]
+    assert env.env.single_action_space.contains(action)
 
 
 def test_bad_tasks_are_refused_by_name():
