@@ -137,6 +137,9 @@ def test_reset_spreads_episode_ends_deterministically(make):
     assert torch.equal(lengths[0], lengths[1])
     assert lengths[0].min() >= 0 and lengths[0].max() < MAX_EPISODE_LENGTH
     assert len(lengths[0].unique()) > 1
+    other = make(num_envs=32, seed=4)                        # another rank (seed + rank): another spread
+    other.reset()
+    assert not torch.equal(other.unwrapped.episode_length_buf, lengths[0])
 
 
 def test_failure_at_the_time_limit_is_a_failure(make):
@@ -170,10 +173,27 @@ def test_actions_are_scaled_then_clipped(make):
 def test_returned_rewards_and_flags_survive_the_next_step(make):
     env = make()
     env.reset()
+    env.unwrapped.episode_length_buf[:] = torch.tensor([0, MAX_EPISODE_LENGTH - 1, 0, 0])
+    env.unwrapped.pos[0, 0] = TERMINATE_ABOVE                # env 0 falls, env 1 times out, on this step only
     _, reward, terminated, truncated, _ = env.step(torch.ones(4, 2))
+    assert terminated.tolist() == [True, False, False, False] and truncated.tolist() == [False, True, False, False]
     kept = reward.clone(), terminated.clone(), truncated.clone()
     env.step(-torch.ones(4, 2))                              # the fake overwrites its buffers in place
     assert all(torch.equal(a, b) for a, b in zip((reward, terminated, truncated), kept))
+
+
+def test_a_reset_without_final_obs_is_an_error_not_a_silent_bootstrap(make):
+    """An env that resets without extras['final_obs'] (compute_final_obs off again in the task's code) would have its
+    time-outs bootstrapped from the next episode's first observation: that step is refused; steps without a reset
+    need no final_obs."""
+    env = make(num_envs=2)
+    env.reset()
+    env.unwrapped.cfg.compute_final_obs = False
+    env.unwrapped.episode_length_buf[:] = 0
+    env.step(torch.zeros(2, 2))
+    env.unwrapped.episode_length_buf[1] = MAX_EPISODE_LENGTH - 1
+    with pytest.raises(RuntimeError, match=r"reset envs without extras\['final_obs'\]"):
+        env.step(torch.zeros(2, 2))
 
 
 def test_episode_log_becomes_scalar_tensors_and_late_keys_warn(make):
