@@ -106,6 +106,37 @@ def test_only_a_name_that_ends_in_model_k_pt_is_a_checkpoint(tmp_path):
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model_3.pt")
 
 
+def test_the_newest_run_is_found_by_its_checkpoint_s_time_whichever_name_sorts_last(tmp_path):
+    """Directory names sort the other way round from the checkpoints' times here (a clock set back, a run named by
+    hand): "b-run" sorts after "a-run", but a-run's checkpoint was written last, and a-run it is."""
+    from dist.checkpoint import newest_run_with_checkpoint
+    for run, written in (("a-run", 3_000_000), ("b-run", 1_000_000)):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "model_5.pt").write_bytes(b"x")
+        os.utime(tmp_path / run / "model_5.pt", (written, written))
+    assert newest_run_with_checkpoint(str(tmp_path)) == str(tmp_path / "a-run")
+
+
+def test_a_restart_finds_the_run_of_its_own_job_id_not_of_one_that_contains_it(tmp_path):
+    """find_run_dir compares whole run ids: job "job-1" is not the run of job "job-12" (listed first here)."""
+    from dist.checkpoint import find_run_dir
+    for run, run_id in (("2024-01-01_00-00-00", "job-12\n"), ("2024-01-02_00-00-00", "job-1\n")):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "run_id").write_text(run_id)
+    assert find_run_dir(str(tmp_path), "job-1") == str(tmp_path / "2024-01-02_00-00-00")
+    assert find_run_dir(str(tmp_path), "job-") is None
+
+
+def test_every_stale_temporary_is_removed_not_only_the_first(tmp_path):
+    """Two saves killed in turn leave two temporaries; continuing the run removes both, and only them."""
+    from dist.checkpoint import remove_stale_temporaries
+    names = ["model_4.pt.tmp-11-aaaaaaaa", "model_8.pt.tmp-12-bbbbbbbb", "model_4.pt"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(remove_stale_temporaries(str(tmp_path))) == [str(tmp_path / name) for name in names[:2]]
+    assert os.listdir(tmp_path) == ["model_4.pt"]
+
+
 def test_the_run_directory_lock_never_waits_and_names_only_its_holder(tmp_path, monkeypatch):
     """lock_run_dir asks flock for an exclusive lock without blocking (a second run is refused at once, never left
     waiting for the first to end), and the lock file then names this process alone, even over a longer line a
