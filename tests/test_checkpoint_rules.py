@@ -34,6 +34,10 @@ _DROP = object()
     ({"layout": [1, -1]}, r"its layout \[1, -1\] does not say \[1 learner\(s\), rollout ranks\]"),
     ({"layout": [1, 1], "rollout_rng": [3]}, r"1 rollout rank\(s\) but not as many 'rollout_rng' dicts"),
     ({"config": {"env": 3}}, r"its config section 'env' is not a dict"),
+    ({"config": {"rollout": [2]}}, r"its config section 'rollout' is not a dict"),     # the last section named
+    # params holds indices into the model's parameters: a name, a float or a bool is none
+    *[({"optimizer": {"param_groups": [{"params": [0, index], "lr": 1e-3}], "state": {}}},
+       r"its optimizer param group 0 is not a dict with a 'params' list of indices") for index in ("1", 1.0, True)],
     # The shuffle generator is always a CPU one: a 16-byte (cuda-sized) state could never fit it.
     ({"rng": [{"torch": torch.get_rng_state(), "shuffle": torch.zeros(16, dtype=torch.uint8)}]},
      r"its rng\[0\]\['shuffle'\] \(16 bytes\) is not the state of a torch generator"),
@@ -44,7 +48,8 @@ def test_checkpoint_entries_train_restore_cannot_use_are_refused_by_name(tmp_pat
     KeyError, TypeError or a silent run from a wrong layout. The entries no other test damaged: a missing RNG
     list, a bool iteration (True is an int to Python), a layout that disagrees with the number of learner RNG
     states or counts negative rollout ranks, rollout RNG states that are not dicts, a config section that is
-    not a dict, and an optimizer whose 'state' is not a dict. The undamaged file loads."""
+    not a dict, an optimizer param group whose 'params' are not all integer indices, and an optimizer whose
+    'state' is not a dict. The undamaged file loads."""
     from dist.checkpoint import save_checkpoint
     from dist.checkpoint_read import load_checkpoint
     from dist.errors import UsageError
