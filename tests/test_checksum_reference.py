@@ -113,3 +113,14 @@ def test_checksum_of_a_tensor_longer_than_1024_rows():
     w, h = _ref_weights(1, 24, 0)[0], _ref_weights(1, 31, (1 << 40) + 1024)[0]
     parts = [w[k] * h[k] % REF_P for k in range(2)]
     assert int(tensor_checksum(t)) == parts[0] * 2**31 + parts[1]
+
+
+def test_a_list_of_more_tensors_than_an_earlier_call_had_weighs_each_by_its_own_position(monkeypatch):
+    """checksum() keeps the per-tensor weights of its first call (at least 64) and must grow them for a longer
+    list (a model of more than 64 parameter tensors checked after a small one): 70 one-element tensors, each
+    a different value, against the reference."""
+    from dist import checksum as module
+    monkeypatch.delitem(module._tables, ("I", "cpu"), raising=False)     # as in a fresh process (put back after)
+    module.checksum([torch.zeros(1)])                                     # the weights of a short list exist now
+    many = [torch.tensor([float(i) - 0.5]) for i in range(70)]
+    assert int(module.checksum(many)) == ref_checksum(many)
