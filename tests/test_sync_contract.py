@@ -128,6 +128,35 @@ def test_divergent_parameters_are_detected_naming_the_rank():
         assert "rank(s) [2] differ from rank 0" in message
 
 
+def last_parameter_body(rank, world_size):
+    """Rank 1 moves the last parameter of a small model by one ulp; returns verify_replicas' message and this
+    rank's checksum by the independent reference."""
+    from test_checksum_reference import ref_checksum
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    if rank == 1:
+        with torch.no_grad():
+            model[1].bias.copy_(torch.nextafter(model[1].bias, torch.tensor(2.0)))
+    try:
+        verify_replicas(model)
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    return message, ref_checksum(list(model.parameters()))
+
+
+@pytest.mark.slow
+def test_a_change_to_the_last_parameter_on_a_middle_rank_names_that_rank_alone_with_every_checksum():
+    """Every parameter is in the checksum (the last too), each rank is compared with rank 0 (not with a neighbour:
+    rank 1 differing from both must not name ranks 0 and 2), and the message lists the exact int64 checksums, as
+    the reference computes them."""
+    (message, ref0), (_, ref1), (_, ref2) = results = run_ranks(last_parameter_body, 3)
+    assert ref0 == ref2 != ref1
+    for got, _ in results:
+        assert got == (f"parameters diverged across ranks: rank(s) [1] differ from rank 0 (checksums "
+                       f"{[ref0, ref1, ref2]}); something updated one replica without the others")
+
+
 def sampler_body(rank, world_size):
     s = AdaptiveMotionSampler(3, 0.2, "cpu")
     s.record(torch.tensor([rank, rank]), torch.tensor([True, True]), torch.tensor([True, True]))
