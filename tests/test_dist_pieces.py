@@ -202,6 +202,29 @@ def test_roles_teams_seeds_and_description_by_hand():
     assert co.describe() == "4 colocated rank(s): each collects and learns"
 
 
+def test_every_rank_makes_the_same_groups_in_order_and_keeps_its_own_team_s(monkeypatch):
+    """6 ranks, 4 rollout ranks, --dist.timeout-s 5: every rank (new_group is collective) makes, in this order, the
+    learners' group [0, 1], the rollout ranks' [2, 3, 4, 5], then per learner its team's batches and weights groups
+    (two distinct groups each: [0, 2, 3] twice, [1, 4, 5] twice), all with the timeout; each rank keeps its team's
+    two. new_group is recorded, not run: a group is its call's number."""
+    from datetime import timedelta
+
+    import torch.distributed as torch_dist
+    from dist.roles import assign_roles
+    expected = [[0, 1], [2, 3, 4, 5], [0, 2, 3], [0, 2, 3], [1, 4, 5], [1, 4, 5]]
+    for rank in range(6):
+        calls = []
+        monkeypatch.setattr(torch_dist, "new_group", lambda ranks, timeout: calls.append((ranks, timeout))
+                            or len(calls) - 1)
+        roles = assign_roles(rank, 6, 4, timeout_s=5.0)
+        assert calls == [(ranks, timedelta(seconds=5.0)) for ranks in expected], rank
+        mine = (2, 3) if rank in (0, 2, 3) else (4, 5)
+        assert (roles.learner_group, roles.rollout_group, roles.batches_group, roles.weights_group) == (0, 1, *mine)
+        assert roles.team == expected[mine[0]], rank
+    monkeypatch.setattr(torch_dist, "new_group", lambda *a, **kw: pytest.fail("a colocated run makes no group"))
+    assert assign_roles(3, 4, 0).team == []
+
+
 def _silent_partner_in_a_team_group(rank, world_size):
     """Rank 0 waits for a message rank 1 never sends, in their team's batches group made with a 2 s timeout;
     rank 1 waits (on the world group, torch's long default) until rank 0 says how its receive ended."""
