@@ -116,6 +116,16 @@ def test_one_process_has_backend_none_and_resets_comm_s_group(launch_env):
     assert comm._GROUP is None and comm.device() == torch.device("cpu")
 
 
+def test_a_rank_on_a_second_node_keeps_its_global_and_local_numbers_apart(launch_env):
+    """Rank 5 of 8 is local rank 1 on its node (4 per node): DistInfo carries RANK and LOCAL_RANK each as set."""
+    for name, value in (("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "4")):
+        launch_env.setenv(name, value)
+    launch_env.setattr(torch_dist, "is_initialized", lambda: True)      # joined already: nothing is joined here
+    info = init_distributed("gloo", "cpu")
+    assert (info.rank, info.local_rank, info.world_size, info.backend, info.device) == \
+        (5, 1, 8, "gloo", torch.device("cpu"))
+
+
 # ---- dist/setup.py: seeds ---------------------------------------------------------------------------------
 
 def test_seed_everything_seeds_python_numpy_and_torch():
