@@ -10,7 +10,8 @@ import torch
 
 from configs import preset
 from dist import comm
-from dist.batches import BatchReceiver, BatchSender, Layout, concat_batches, naming, send_object
+from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, naming, recv_object, send_object,
+                          setup_plan_row)
 from dist.checkpoint import flatten_state, to_bytes
 from dist.errors import RunError
 from dist.plan import expected_ledger
@@ -85,6 +86,26 @@ def test_a_failed_message_names_the_peer_and_its_role(peer, role, who):
         with naming(peer, role):
             raise comm.CollectiveError("batches: recv timed out")
     assert str(exc.value) == f"{who} died or stalled: batches: recv timed out"
+
+
+def object_body(rank, world_size, obj):
+    """Rank 1 sends `obj` pickled to rank 0 (send_object); each returns what it got and its ledger."""
+    comm.reset_ledger()
+    got = send_object(obj, 0, None, "setup") if rank == 1 else recv_object(1, None, "setup")
+    return got, comm.ledger_snapshot()
+
+
+@pytest.mark.slow
+def test_a_pickled_description_arrives_whole_and_both_ends_count_its_size_then_its_bytes():
+    """A size header (one int64) then the pickle's bytes: the receiver returns the object and the pickle's size,
+    and each end counts 8 + size bytes in two calls, as the plan row says."""
+    import pickle
+    obj = {"num_envs": 4, "obs_dims": {"policy": 4, "critic": 5}, "log_keys": ("a", "b")}
+    size = len(pickle.dumps(obj))
+    (received, learner_ledger), (sent_size, rollout_ledger) = run_ranks(object_body, 2, args=(obj,))
+    assert received == (obj, size) and sent_size == size
+    assert learner_ledger == rollout_ledger == {"setup": (2, 8 + size)}
+    assert setup_plan_row([size], "recv").call_bytes == [8, size]
 
 
 # ----- a learner and one rollout rank: receives posted ahead, decisions, states ------------------------------
