@@ -49,7 +49,8 @@ def _with_moments(**moments):
     _with_moments(exp_avg_sq=torch.zeros(2)),                   # a parameter that never had a gradient: 0 is a square
     _state(model={"w": torch.tensor([0.5]), "empty": torch.zeros(0)}),     # a 0-element float tensor has no extremes
     _with_group(lr=torch.tensor(1e-3)),                          # --ppo.capture-step: a one-element tensor
-], ids=["iteration-0", "seed-2**32-1", "env_seed-2**32-1", "zero-exp_avg_sq", "empty-tensor", "tensor-lr"])
+    _with_group(lr=1),                                           # an integer is a number too
+], ids=["iteration-0", "seed-2**32-1", "env_seed-2**32-1", "zero-exp_avg_sq", "empty-tensor", "tensor-lr", "int-lr"])
 def test_values_a_healthy_run_saves_at_their_bounds_load(tmp_path, state):
     loaded = load_checkpoint(_saved(tmp_path, state))
     assert loaded["iteration"] == state["iteration"]
@@ -71,7 +72,11 @@ def test_values_a_healthy_run_saves_at_their_bounds_load(tmp_path, state):
     (_with_moments(exp_avg_sq=torch.tensor([0.0, -1e-8])),
      "has a negative value (-1e-08) in its optimizer['state'][0]['exp_avg_sq'], a mean of squares: the file is "
      "damaged or its run diverged; resume from an earlier model_<k>.pt"),
-], ids=["seed-2**32", "env_seed-2**32", "iteration--1", "two-element-lr", "nan-beta", "inf-beta", "negative-square"])
+    # both an entry restore cannot use and a nan: the entry is named (its types are checked before any value is read)
+    (_state(iteration=-1, model={"w": torch.tensor([math.nan])}),
+     "is damaged (its iteration is -1, not an integer >= 0); resume from another checkpoint"),
+], ids=["seed-2**32", "env_seed-2**32", "iteration--1", "two-element-lr", "nan-beta", "inf-beta", "negative-square",
+        "malformed-before-nan"])
 def test_the_first_value_past_each_bound_is_refused_naming_it(tmp_path, state, what):
     path = _saved(tmp_path, state)
     with pytest.raises(UsageError) as exc:
