@@ -232,6 +232,8 @@ def agree_body(rank, world_size, loads, roots=(None, None, None), max_restarts=N
         os.environ["TORCHELASTIC_MAX_RESTARTS"] = str(max_restarts)
     spec = loads[rank]
     checkpoint = None if spec is None else {"iteration": spec[0], "model": {"w": torch.full((3,), float(spec[1]))}}
+    if spec is not None and len(spec) > 2:           # (iteration, w, log_std): a second saved tensor
+        checkpoint["model"]["log_std"] = torch.full((2,), float(spec[2]))
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
@@ -259,6 +261,19 @@ def test_ranks_that_loaded_another_checkpoint_or_none_stop_every_rank_at_start()
                 f"rank(s) [1] loaded no checkpoint; rank(s) [2] loaded iteration 4 (weights checksum {other}). Every "
                 f"rank reads --resume")
     assert all(said.startswith(expected) and "every node sees the same files" in said for said, _, _ in fresh)
+
+
+@pytest.mark.slow
+def test_checkpoints_that_differ_only_past_their_first_tensor_are_not_the_same_checkpoint():
+    """The gathered checksum covers every saved model tensor: rank 2's checkpoint of the same iteration and the same
+    first tensor but another log_std stops every rank, naming both checksums (from the independent reference)."""
+    from test_checksum_reference import ref_checksum
+    from tests.multirank import run_ranks
+    results = run_ranks(agree_body, 3, args=([(4, 1.0, 0.5), (4, 1.0, 0.5), (4, 1.0, -0.5)],))
+    ours, theirs = (ref_checksum([torch.full((3,), 1.0), torch.full((2,), x)]) for x in (0.5, -0.5))
+    expected = (f"ranks did not load the same checkpoint: rank(s) [0, 1] loaded iteration 4 (weights checksum {ours}); "
+                f"rank(s) [2] loaded iteration 4 (weights checksum {theirs}). Every rank reads --resume")
+    assert all(said.startswith(expected) for said, _, _ in results), results[0][0]
 
 
 @pytest.mark.slow
