@@ -124,3 +124,14 @@ def test_a_list_of_more_tensors_than_an_earlier_call_had_weighs_each_by_its_own_
     module.checksum([torch.zeros(1)])                                     # the weights of a short list exist now
     many = [torch.tensor([float(i) - 0.5]) for i in range(70)]
     assert int(module.checksum(many)) == ref_checksum(many)
+
+
+def test_no_change_leaves_a_checksum_as_it_was_and_no_tensors_sum_to_zero():
+    """update_checksum with no changed position (a tensor a sparse patch leaves alone) returns the checksum it was
+    given; the checksum of no tensors is the reference's empty sum, 0."""
+    from dist.checksum import checksum, update_checksum
+    t = torch.tensor([1.5, -2.0, 3.25])
+    none = torch.zeros(0, dtype=torch.int64)
+    before = torch.tensor(ref_tensor_checksum(t))
+    assert int(update_checksum(before, none, t[none], t[none], t.numel())) == ref_tensor_checksum(t)
+    assert int(checksum([])) == ref_checksum([]) == 0
