@@ -154,3 +154,66 @@ def _position_past_the_end(rank, world_size):
 def test_a_gap_past_the_end_is_refused_before_anything_reads_there():
     sender, receiver = run_ranks(_position_past_the_end, 2)
     assert bits_equal(receiver, sender)
+
+
+def _extra_position_in_a_sparse_tensor(rank, world_size):
+    syncer = _syncer(world_size)
+    state = {"w": torch.zeros(1000)}
+    if rank == 0:
+        syncer.init_sender(state)
+        state["w"][[10, 500, 990]] = 1.0        # 3 of 1000: under 1/16, checked before writing
+        syncer.sync(state, 1)
+        syncer.resync(state, 2)
+        return snapshot(state)
+
+    syncer.init_receiver(state)
+    update = syncer.recv_update()
+    # Gaps 10, 489, 489; 1-byte symbols: 10 | 255 234 | 255 234 (5 bytes + 12 < 2-byte gaps 6 + 12).
+    assert update.table.tolist() == [[0, 3, sync.patch.GAPS8, 5]]
+    assert update.segments[0][0].tolist() == [10, 255, 234, 255, 234]
+    update.segments[0][0][1] = 0             # the first escape becomes a change: positions 10, 11, 246, 736
+    with pytest.raises(SyncIntegrityError, match="a wrong number of changes"):
+        syncer.apply_update(state, update)   # not a shape error from the checksum update of 4 positions, 3 values
+    assert not state["w"].any() and syncer.version == 0
+    assert syncer.resync(state) == 2
+    return snapshot(state)
+
+
+@pytest.mark.slow
+def test_a_sparse_tensor_with_more_positions_than_values_is_refused_by_count():
+    sender, receiver = run_ranks(_extra_position_in_a_sparse_tensor, 2)
+    assert bits_equal(receiver, sender)
+
+
+def _corrupted_after_writing(rank, world_size):
+    syncer = _syncer(world_size)
+    state = {"w": torch.zeros(64)}
+    if rank == 0:
+        syncer.init_sender(state)
+        state["w"][::4] = 1.0                    # 16 of 64 (over 1/16): a bitmap, checked after writing
+        syncer.sync(state, 1)
+        state["w"][1] = 3.0
+        syncer.sync(state, 2)
+        syncer.resync(state, 3)
+        return snapshot(state)
+
+    syncer.init_receiver(state)
+    update = syncer.recv_update()
+    # Bitmap 8 bytes + 16 values of 4 bytes = 72, under 1-byte gaps (16 + 64) and dense (256).
+    assert update.table.tolist() == [[0, 16, sync.patch.BITMAP, 8]]
+    update.segments[0][1][0] = 2.0           # a wrong value at position 0
+    with pytest.raises(SyncIntegrityError) as caught:
+        syncer.apply_update(state, update)
+    assert caught.value.model_written and state["w"][0] == 2.0 and syncer.version == 0
+    with pytest.raises(SyncIntegrityError, match="needs resync"):
+        syncer.apply(state)                  # patch 2 applies to version 1 but must not even be tried
+    assert syncer.resync(state) == 3
+    return snapshot(state)
+
+
+@pytest.mark.slow
+def test_a_sparse_tensor_found_wrong_after_writing_makes_the_receiver_refuse_until_resync():
+    """docs/weight_sync.md: a sparse tensor over 1/16 density is checked right after it is written, and a
+    mismatch then makes the receiver refuse every update until resync()."""
+    sender, receiver = run_ranks(_corrupted_after_writing, 2)
+    assert bits_equal(receiver, sender)
