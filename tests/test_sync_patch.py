@@ -132,3 +132,27 @@ def test_patch_bytes_and_encodings_by_hand(receiver_dtype):
     assert stats[2] == (header + table_row + trailer(1) + 10 * v, 10 * v, 0, 1)
     assert tables[1] == [[1, 10, DENSE, 0]]
     assert vec == [2.0] * 10
+
+
+def _staging_one_byte_short(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    state = {"m": torch.zeros(1000, dtype=torch.bool)}
+    if rank == 0:
+        syncer.init_sender(state)
+        state["m"][10] = True   # 1-byte gaps [10] + 1 value byte: 2 payload bytes
+        syncer.sync(state, 1)
+        state["m"][310] = True  # gap 299: an escape (255) then 44, + 1 value byte: 3 payload bytes
+        return syncer.sync(state, 2).payload_bytes
+    syncer.init_receiver(state)
+    assert syncer.apply(state) == 1
+    first = syncer.staging[0].numel()
+    assert syncer.apply(state) == 2
+    return first, state["m"].nonzero().view(-1).tolist()
+
+
+@pytest.mark.slow
+def test_a_staging_buffer_one_byte_too_small_is_grown():
+    """The receive buffer is reused across patches and grown when the next one needs more, even by one byte."""
+    payload, (first, positions) = run_ranks(_staging_one_byte_short, 2)
+    assert (first, payload) == (2, 3)
+    assert positions == [10, 310]
