@@ -93,6 +93,8 @@ def _bad_calls(rank, world_size):
         make_weight_syncer(WeightSyncConfig(), src=5, dsts=[6])
     with pytest.raises(ValueError, match="distinct receiver ranks other than the sender 0"):
         make_weight_syncer(WeightSyncConfig(), src=0, dsts=[0, 1])
+    with pytest.raises(ValueError, match="distinct receiver ranks other than the sender 0"):
+        make_weight_syncer(WeightSyncConfig(), src=0, dsts=[1, 1])
     with pytest.raises(ValueError, match="gloo backend cannot send from device 'cuda'"):
         make_weight_syncer(WeightSyncConfig(type="bucket", bucket=BucketConfig(bucket_device="cuda")), 0, [1])
     if not torch.cuda.is_available():
@@ -110,6 +112,8 @@ def _bad_calls(rank, world_size):
             syncer.sync(state, 0)
         with pytest.raises(KeyError, match=r"missing \['b'\], unexpected \['c'\]"):
             syncer.sync({"a": state["a"], "c": state["b"], "steps": state["steps"]}, 1)
+        with pytest.raises(KeyError, match=r"missing \[\], unexpected \['extra'\]"):
+            syncer.sync({**state, "extra": torch.zeros(1)}, 1)    # an extra key alone is refused as well
         with pytest.raises(ValueError, match=r"shape or dtype changed since init for \['a'\]"):
             syncer.sync({**state, "a": torch.zeros(3, 4)}, 1)
         with pytest.raises(ValueError, match="the sender's resync needs the version to restart from"):
@@ -119,6 +123,8 @@ def _bad_calls(rank, world_size):
         syncer.init_receiver(state)
         with pytest.raises(KeyError, match=r"receiver model keys differ from init_receiver: missing \['steps'\]"):
             syncer.apply({"a": state["a"], "b": state["b"]})
+        with pytest.raises(KeyError, match=r"missing \[\], unexpected \['extra'\]"):
+            syncer.apply({**state, "extra": torch.zeros(1)})
         with pytest.raises(ValueError, match="load_instant=true writes buckets as they arrive"):
             syncer.apply(state, blocking=False)
         with pytest.raises(TypeError, match="expected an nn.Module or a state_dict, got list"):
