@@ -148,11 +148,15 @@ def _multi_bucket_resync_damaged(rank, world_size, mode):
         return frame
 
     sync.link.recv_frame = damaged
+    before = snapshot(model)
     try:
         with pytest.raises(SyncIntegrityError, match="does not match its checksums"):
             syncer.resync(model)
     finally:
         sync.link.recv_frame = real
+    # Buckets 2 and 3 (enc.weight alone at 84,000 bytes; then the rest) are received and dropped, not written.
+    later = ["enc.weight", "conv.weight", "dec.weight", "steps", "mask"]
+    assert bits_equal({k: model[k] for k in later}, {k: before[k] for k in later})
     assert syncer.resync(model) == 2  # the rest of the refused resync must not be taken for the new one
     assert syncer.apply(model) == 3
     return snapshot(model)
