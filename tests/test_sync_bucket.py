@@ -84,3 +84,27 @@ def test_bucket_to_a_bf16_receiver_sends_its_dtype():
         assert bits_equal(received[step], converted(history[step], torch.bfloat16))
     bf16_bytes = sum(n // 2 for n in FP32_BYTES[:5]) + sum(FP32_BYTES[5:])
     assert stats == [(64 + 8 + 7 * 40 + bf16_bytes, bf16_bytes)] * 3
+
+
+def _frozen_equal_after_conversion(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(50, generator=g), "frozen": torch.randn(50, generator=g)}  # fp32, not bf16-exact
+    if rank == 0:
+        syncer.init_sender(state, keys=["w"])
+        state["w"] += 1.0
+        syncer.sync(state, 1)
+        return snapshot(state)
+    model = cast_floats(state, torch.bfloat16)  # the same weights, loaded into a bf16 rollout copy
+    syncer.init_receiver(model)
+    assert syncer.apply(model) == 1
+    return snapshot(model)
+
+
+@pytest.mark.slow
+def test_frozen_keys_are_compared_in_the_receivers_dtype():
+    """The start check of keys no sync carries compares the sender's weights converted to the receiver's dtype:
+    an fp32 trainer and a bf16 copy loaded from the same weights start equal (not every fp32 value is a bf16)."""
+    sender, receiver = run_ranks(_frozen_equal_after_conversion, 2)
+    assert not torch.equal(sender["frozen"], sender["frozen"].bfloat16().float())
+    assert bits_equal(receiver, cast_floats(sender, torch.bfloat16))

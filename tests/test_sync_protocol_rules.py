@@ -257,3 +257,24 @@ def test_a_non_contiguous_tensor_on_the_sender_is_refused_on_both_sides():
     the existing test only puts one on the receiver. The sender's side must be refused as well, by name."""
     for message in run_ranks(_sender_not_contiguous, 2):
         assert "not_contiguous on the sender: ['a']" in message, message
+
+
+def _sender_in_another_key_order(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    if rank == 0:
+        state = {"a": torch.zeros(8), "b": torch.zeros(3)}
+        syncer.init_sender(state, version=7)
+        state["a"][2], state["b"][:] = 1.0, 2.0
+        return syncer.sync(state, 8).changed_elements
+    model = {"b": torch.full((3,), 5.0), "a": torch.full((8,), 5.0)}   # the receiver's own key order
+    started = syncer.init_receiver(model)
+    return started, syncer.apply(model), model["a"].tolist(), model["b"].tolist()
+
+
+@pytest.mark.slow
+def test_a_sender_listing_keys_in_another_order_and_starting_at_a_later_version():
+    """Ordinals follow the receiver's key order whatever the sender's (patch rows go in ordinal order), and the
+    receiver starts from the version the sender was initialized with (e.g. a resumed run)."""
+    changed, (started, applied, a, b) = run_ranks(_sender_in_another_key_order, 2)
+    assert (changed, started, applied) == (4, 7, 8)
+    assert a == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0] and b == [2.0, 2.0, 2.0]
