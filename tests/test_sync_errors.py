@@ -42,6 +42,7 @@ HANDSHAKES = [
     ("int dtype", "'steps' is torch.float32 on the receiver and torch.int64 on the sender"),
     ("config", "config differs from the sender's"),
     ("not contiguous", "not_contiguous on the receiver: ['a']"),
+    ("not a tensor", "not_tensors on the sender: ['note']"),  # on both sides: keys, shapes and dtypes agree
 ]
 # (keys the sender asks to sync, what both sides' error must say)
 SENDER_KEYS = [(["a", "nope"], "keys to sync not in the sender's state_dict: ['nope']"),
@@ -53,6 +54,8 @@ def _bad_handshakes(rank, world_size):
     for change, _ in HANDSHAKES:
         cfg = WeightSyncConfig(type="patch")
         state = _state()
+        if change == "not a tensor":
+            state["note"] = "v1"
         if rank == 1:
             if change == "keys":
                 state["extra"] = state.pop("b")
