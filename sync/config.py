@@ -21,6 +21,7 @@ class InitSyncConfig:
     """largest bootstrap bucket in bytes (a bigger tensor travels alone)"""
 
     def __post_init__(self):
+        _require_bool("patch.init_sync.enabled", self.enabled)
         _require_positive("patch.init_sync.bucket_size", self.bucket_size)
         if self.prefixes is not None:
             if isinstance(self.prefixes, str):
@@ -69,6 +70,7 @@ class BucketConfig:
         if self.bucket_dtype is not None:
             _require_choice("bucket.bucket_dtype", self.bucket_dtype, tuple(BUCKET_DTYPES))
         _require_choice("bucket.bucket_device", self.bucket_device, DEVICES)
+        _require_bool("bucket.load_instant", self.load_instant)
 
 
 @dataclass
@@ -87,6 +89,11 @@ class WeightSyncConfig:
 def _require_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"weight sync config: {name}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _require_bool(name, value):
+    if not isinstance(value, bool):      # a string "false" from a hand-written config would read as true
+        raise ValueError(f"weight sync config: {name} must be true or false, got {value!r}")
 
 
 def _require_positive(name, value):

@@ -212,11 +212,14 @@ def test_symbol_streams_a_sender_never_produces_are_flagged():
     (lambda: BucketConfig(bucket_size=True), "bucket.bucket_size must be a positive number of bytes, got True"),
     (lambda: InitSyncConfig(bucket_size=0), "patch.init_sync.bucket_size must be a positive number of bytes"),
     (lambda: InitSyncConfig(prefixes=["actor", ""]), "must be None or non-empty strings"),
+    (lambda: InitSyncConfig(enabled="false"), "patch.init_sync.enabled must be true or false, got 'false'"),
+    (lambda: BucketConfig(load_instant=0), "bucket.load_instant must be true or false, got 0"),
 ])
 def test_each_config_field_refuses_what_its_docs_exclude(build, message):
     """docs/weight_sync.md: "Bad values are errors naming the field". The fields no other test fed a bad value:
-    a bool where a count is meant (True is an int to Python), devices, the bootstrap's bucket size, and an
-    empty prefix (which would match every key under its `_under` rule only by accident)."""
+    a bool where a count is meant (True is an int to Python), devices, the bootstrap's bucket size, an
+    empty prefix (which would match every key under its `_under` rule only by accident), and a switch that is
+    not a bool (a hand-written config's string "false" is true to Python)."""
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         build()
 
