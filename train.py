@@ -240,7 +240,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         for key, (flag, one) in stop.local_flags(device).items():
             sums[key], counts[key] = flag + (remote[key] if team else 0), one   # the rollout ranks' flags too
         scalars = reduce_metrics(sums, counts)
-        returns = episodes.ended_returns() if cfg.log.episode_returns else []   # every rank's, in end order
+        returns = episodes.ended_returns(keep=is_main) if cfg.log.episode_returns else []   # every rank's, end order
         stop_signal, launcher_gone = (scalars.pop(key) > 0 for key in STOP_KEYS)
         scalars.update({"Loss/learning_rate": stats["learning_rate"], "Policy/kl": stats["kl"],
                         "Policy/mean_noise_std": model.log_std.exp().mean().item(),

@@ -52,14 +52,17 @@ class EpisodeStats:
         for key, value in log.items():
             self.add(key, value, 1)
 
-    def ended_returns(self) -> list[float]:
+    def ended_returns(self, keep: bool = True) -> list[float]:
         """The raw return of every episode that ended this iteration on any rank, in end order (by step, then
-        rank, then env). Call on every rank, only when returns were recorded (--log.episode-returns).
+        rank, then env). Call on every rank, only when returns were recorded (--log.episode-returns); `keep=False`
+        on ranks that log nothing: they take part in the gather but skip the copy to the host (W x T x N values).
 
         Crosses ranks: one all-gather of this rank's [T, N] float32 returns (NaN where no episode ended), once per
         iteration: the same size on every rank whatever ended where, so one call, where exact counts would take two.
         """
         gathered = comm.all_gather(torch.stack(self.ended).float().to(comm.device()), "episode_returns")
+        if not keep:
+            return []
         flat = gathered.transpose(0, 1).flatten().cpu()
         return flat[~flat.isnan()].tolist()
 

@@ -225,13 +225,13 @@ def ended_returns_of_two_ranks(rank, world_size):
     stats = EpisodeStats(2, TRAIN_KEYS, torch.device("cpu"))
     stats.step(torch.tensor([1.0, 10.0 + rank]), torch.tensor([False, True]), {}, record_returns=True)
     stats.step(torch.tensor([19.0 + rank, 30.0]), torch.tensor([True, rank == 1]), {}, record_returns=True)
-    return stats.ended_returns()
+    return stats.ended_returns(keep=rank == 0)
 
 
 def test_ended_returns_are_every_ranks_in_end_order():
-    """By step, then rank, then env, worked out by hand from the per-rank endings above; identical on both ranks."""
-    expected = [10.0, 11.0, 20.0, 21.0, 30.0]
-    assert run_ranks(ended_returns_of_two_ranks, 2) == [expected, expected]
+    """By step, then rank, then env, worked out by hand from the per-rank endings above, on the rank that keeps
+    them; the other takes part in the gather and keeps nothing."""
+    assert run_ranks(ended_returns_of_two_ranks, 2) == [[10.0, 11.0, 20.0, 21.0, 30.0], []]
 
 
 @pytest.mark.slow
