@@ -137,10 +137,10 @@ class LearnerTeam:
     def finish(self, model, iteration: int, stop: bool, save: bool) -> torch.Tensor | None:
         """Tell the rollout ranks the decision; at a save, collect every rollout rank's state; then publish the
         next weights. Crosses ranks once per iteration: `control` down; at saves `checkpoint` up, then one
-        all-gather of the teams' states among the learners (weights go from WeightServer's threads). Returns
-        the gathered states at a save, else None."""
+        gather of the teams' states to learner 0, which writes the checkpoint (weights go from WeightServer's
+        threads). Returns the gathered states on learner 0 at a save, else None."""
         self.receiver.decide(stop, save)
-        states = comm.all_gather(self.receiver.states(), "checkpoint") if save else None
+        states = comm.gather(self.receiver.states(), "checkpoint") if save else None
         if not stop:          # after the last iteration too: the copies end with the final weights
             self.weights.publish(model, iteration + 1)
         return states
@@ -153,7 +153,7 @@ class LearnerTeam:
         self.weights.close()
 
     def plan_rows(self) -> list[PlanRow]:
-        gathered = PlanRow("checkpoint", "rollout states of every team", "all_gather", "checkpoint",
+        gathered = PlanRow("checkpoint", "rollout states of every team to learner 0", "gather", "checkpoint",
                            [self.spec["state_bytes"] * len(self.rollouts)], every=self.cfg.log.save_every)
         return [setup_plan_row(self.spec_sizes, "recv"), *self.receiver.plan_rows(self.cfg.log.save_every), gathered,
                 *self.weights.plan_rows()]

@@ -240,7 +240,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         for key, (flag, one) in stop.local_flags(device).items():
             sums[key], counts[key] = flag + (remote[key] if team else 0), one   # the rollout ranks' flags too
         scalars = reduce_metrics(sums, counts)
-        returns = episodes.ended_returns(keep=is_main) if cfg.log.episode_returns else []   # every rank's, end order
+        returns = episodes.ended_returns() if cfg.log.episode_returns else []   # every rank's, on rank 0
         stop_signal, launcher_gone = (scalars.pop(key) > 0 for key in STOP_KEYS)
         scalars.update({"Loss/learning_rate": stats["learning_rate"], "Policy/kl": stats["kl"],
                         "Policy/mean_noise_std": model.log_std.exp().mean().item(),
@@ -279,9 +279,9 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             if sampler is not None:
                 sum_counts(sampler)
             rngs = gather_rng_states(rng_states(env, shuffle, device))
-            extra = {"env": env.state_dict(), "layout": [world, 0]} if team is None else \
-                team_checkpoint(team_states, team.spec, roles)
             if is_main:
+                extra = {"env": env.state_dict(), "layout": [world, 0]} if team is None else \
+                    team_checkpoint(team_states, team.spec, roles)
                 path = os.path.join(run_dir, f"model_{iteration + 1}.pt")
                 save_checkpoint(path, {**{k: v.state_dict() for k, v in stateful.items() if v is not None},
                                        "iteration": iteration + 1, "learning_rate": optimizer.param_groups[0]["lr"],

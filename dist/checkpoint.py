@@ -317,15 +317,16 @@ def agree_plan_rows() -> list[PlanRow]:
 
 
 def gather_rng_states(states: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Every rank's RNG states ({name: uint8 state tensor}, same names and sizes on every rank), by rank.
+    """Every rank's RNG states ({name: uint8 state tensor}, same names and sizes on every rank), by rank, on rank 0
+    (which writes the checkpoint); [] on the others.
 
-    Crosses ranks: one all-gather of the states packed into one uint8 tensor (a few KB), once per
+    Crosses ranks: one gather to rank 0 of the states packed into one uint8 tensor (a few KB), once per
     checkpoint; see `rng_plan_row`.
     """
     packed = torch.cat([s.reshape(-1) for s in states.values()]).to(comm.device())
-    gathered = comm.all_gather(packed, "checkpoint").cpu()
+    gathered = comm.gather(packed, "checkpoint")
     out = []
-    for row in gathered:
+    for row in gathered.cpu() if gathered is not None else []:
         offsets, ranks_states = 0, {}
         for name, s in states.items():
             ranks_states[name] = row[offsets:offsets + s.numel()].clone()
@@ -335,7 +336,7 @@ def gather_rng_states(states: dict[str, torch.Tensor]) -> list[dict[str, torch.T
 
 
 def rng_plan_row(states: dict[str, torch.Tensor], save_every: int) -> PlanRow:
-    return PlanRow("checkpoint", "RNG states of every rank", "all_gather", "checkpoint",
+    return PlanRow("checkpoint", "RNG states of every rank to rank 0", "gather", "checkpoint",
                    [sum(s.numel() for s in states.values())], every=save_every)
 
 

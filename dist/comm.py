@@ -145,6 +145,22 @@ def all_gather(tensor: torch.Tensor, purpose: str) -> torch.Tensor:
     return torch.stack(out)
 
 
+def gather(tensor: torch.Tensor, purpose: str, dst: int = 0) -> torch.Tensor | None:
+    """Every rank's `tensor`, stacked along a new first dim [world_size, ...], on global rank `dst`; None elsewhere.
+
+    Crosses ranks once per call: each rank's `tensor` to `dst` alone, for the caller's `purpose` (counted in LEDGER
+    as all_gather counts: this rank's tensor); nothing with one rank. For results one rank uses (it writes the log
+    or the checkpoint): the other ranks receive nothing, where an all-gather would bring each of them W tensors."""
+    if world_size() == 1:
+        return tensor.unsqueeze(0)
+    _count(purpose, tensor)
+    out = torch.empty((world_size(), *tensor.shape), dtype=tensor.dtype, device=tensor.device) \
+        if torch_dist.get_rank() == dst else None
+    with _named("gather", purpose):
+        torch_dist.gather(tensor, list(out.unbind(0)) if out is not None else None, dst=dst, group=_GROUP)
+    return out
+
+
 def reset_ledger() -> None:
     with _COUNTING:
         LEDGER.clear()

@@ -41,7 +41,7 @@ class PlanRow:
         return 0
 
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "gather")
 
 
 def expected_ledger(rows: list[PlanRow], iterations: int, final_iteration: int | None = None,

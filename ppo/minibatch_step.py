@@ -106,7 +106,8 @@ class SyncFreeStep:
     update's single host read). During an update the LR lives in `self.lr` (float64, exact) and the
     optimizer reads `self.opt_lr` (see lr_tensor); `finish()` hands it back to the param group as a float,
     so that checkpoints save it exactly, and `begin()` takes up whatever float is there (ours, or one
-    assigned from outside: the linear schedule, a checkpoint load).
+    assigned from outside: the linear schedule, a checkpoint load). A captured graph steps the Adam moments that
+    existed when it was recorded: after `optimizer.load_state_dict` (new tensors), `begin()` records it again.
     """
 
     def __init__(self, model, optimizer, grad_sync, cfg):
@@ -123,6 +124,7 @@ class SyncFreeStep:
         self.sums = torch.zeros(6, dtype=torch.float64, device=device)
         self.capture = device.type == "cuda"
         self.graph, self.static, self.ledger_per_replay, self.eager_steps = None, None, {}, 0
+        self.captured_state: list[torch.Tensor] = []   # the Adam state tensors the graph steps
 
     def begin(self) -> None:
         group = self.optimizer.param_groups[0]
@@ -130,7 +132,14 @@ class SyncFreeStep:
             self.lr.fill_(float(group["lr"]))
             self.opt_lr.copy_(self.lr)
             group["lr"] = self.opt_lr
+        state = self._adam_state()
+        if self.graph is not None and (len(state) != len(self.captured_state)
+                                       or any(a is not b for a, b in zip(state, self.captured_state))):
+            self.graph = None    # load_state_dict made new moments: the graph would step the old ones; record again
         self.sums.zero_()
+
+    def _adam_state(self) -> list[torch.Tensor]:
+        return [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
 
     def __call__(self, batch: dict) -> None:
         """Take one minibatch step. Crosses ranks: its gradient all-reduce(s) (backward_minibatch), issued
@@ -171,6 +180,7 @@ class SyncFreeStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._step(self.static)
+        self.captured_state = self._adam_state()
         self.ledger_per_replay = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
                                   for k, v in comm.ledger_snapshot().items()}
         for purpose, (calls, nbytes) in self.ledger_per_replay.items():   # recording is not issuing

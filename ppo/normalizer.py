@@ -46,7 +46,9 @@ class ObsNormalizer(nn.Module):
         Crosses ranks: one all-reduce of 1 + 2*dim float64 values (see merge_moments); call once per
         iteration, at the same point on every rank.
         """
-        self.count, self.mean64, self.m2 = merge_moments(self.count, self.mean64, self.m2, batch)
+        merged = merge_moments(self.count, self.mean64, self.m2, batch)
+        for buffer, value in zip((self.count, self.mean64, self.m2), merged):
+            buffer.copy_(value)        # in place: a state_dict() taken earlier holds these tensors, and stays live
         self.mean.copy_(self.mean64)
         self.std.copy_((self.m2 / self.count).sqrt())
 
@@ -95,7 +97,9 @@ class RewardNormalizer(nn.Module):
         """
         seen = torch.cat(self._seen)[:, None]
         self._seen.clear()
-        self.count, self.mean64, self.m2 = merge_moments(self.count, self.mean64, self.m2, seen)
+        merged = merge_moments(self.count, self.mean64, self.m2, seen)
+        for buffer, value in zip((self.count, self.mean64, self.m2), merged):
+            buffer.copy_(value)
         self.std.copy_((self.m2[0] / self.count).sqrt())
 
     def plan_rows(self) -> list[PlanRow]:

@@ -52,16 +52,17 @@ class EpisodeStats:
         for key, value in log.items():
             self.add(key, value, 1)
 
-    def ended_returns(self, keep: bool = True) -> list[float]:
+    def ended_returns(self) -> list[float]:
         """The raw return of every episode that ended this iteration on any rank, in end order (by step, then
-        rank, then env). Call on every rank, only when returns were recorded (--log.episode-returns); `keep=False`
-        on ranks that log nothing: they take part in the gather but skip the copy to the host (W x T x N values).
+        rank, then env), on rank 0 (the rank that logs); [] on the others. Call on every rank, only when returns
+        were recorded (--log.episode-returns).
 
-        Crosses ranks: one all-gather of this rank's [T, N] float32 returns (NaN where no episode ended), once per
-        iteration: the same size on every rank whatever ended where, so one call, where exact counts would take two.
+        Crosses ranks: one gather to rank 0 of this rank's [T, N] float32 returns (NaN where no episode ended), once
+        per iteration: the same size on every rank whatever ended where, so one call, where exact counts would take
+        two; a gather, not an all-gather, because no other rank uses them.
         """
-        gathered = comm.all_gather(torch.stack(self.ended).float().to(comm.device()), "episode_returns")
-        if not keep:
+        gathered = comm.gather(torch.stack(self.ended).float().to(comm.device()), "episode_returns")
+        if gathered is None:
             return []
         flat = gathered.transpose(0, 1).flatten().cpu()
         return flat[~flat.isnan()].tolist()
@@ -69,8 +70,8 @@ class EpisodeStats:
 
 def episode_returns_plan_rows(recorded: bool, num_steps: int, num_envs: int) -> list[PlanRow]:
     """EpisodeStats.ended_returns' row of the sync plan, when --log.episode-returns records them."""
-    return [PlanRow("episode_returns", "every rank's [T, N] returns (NaN: none ended)", "all_gather", "iteration",
-                    [num_steps * num_envs * 4])] if recorded else []
+    return [PlanRow("episode_returns", "every rank's [T, N] returns to rank 0 (NaN: none ended)", "gather",
+                    "iteration", [num_steps * num_envs * 4])] if recorded else []
 
 
 @torch.inference_mode()

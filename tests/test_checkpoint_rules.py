@@ -184,8 +184,8 @@ def test_named_tensors_travel_as_bytes_and_back_exactly():
 
 
 def test_rng_states_gathered_come_back_under_their_own_names():
-    """gather_rng_states packs each RNG state into one uint8 tensor for a single all-gather and unpacks it per
-    rank: every state must come back from its own offset (one process: the all-gather is the identity)."""
+    """gather_rng_states packs each RNG state into one uint8 tensor for a single gather and unpacks it per
+    rank: every state must come back from its own offset (one process: the gather is the identity)."""
     from dist.checkpoint import gather_rng_states
     states = {"torch": torch.arange(5, dtype=torch.uint8), "shuffle": torch.tensor([200, 201], dtype=torch.uint8),
               "env": torch.tensor([7, 8, 9], dtype=torch.uint8)}

@@ -143,7 +143,8 @@ def two_rank_traffic(rank, world_size):
     out = {"max": comm.all_reduce(x.clone(), "metrics", op="max"),
            "min": comm.all_reduce(x.clone(), "metrics", op="min"), "sum": comm.all_reduce(x.clone(), "metrics"),
            "broadcast": comm.broadcast(torch.tensor([rank + 5]), "params", src=1),
-           "gathered": comm.all_gather(torch.tensor([rank, 2 * rank], dtype=torch.int32), "checksum")}
+           "gathered": comm.all_gather(torch.tensor([rank, 2 * rank], dtype=torch.int32), "checksum"),
+           "to_rank1": comm.gather(torch.tensor([rank, 3 * rank + 1], dtype=torch.uint8), "episode_returns", dst=1)}
     work = comm.all_reduce(torch.ones(3, dtype=torch.float64), "gradients", async_op=True)
     work.wait()
     if rank == 0:
@@ -161,7 +162,8 @@ def two_rank_traffic(rank, world_size):
 
 @pytest.mark.slow
 def test_the_wrappers_on_two_ranks_reduce_broadcast_gather_and_count_what_each_rank_moved():
-    """max/min/sum element-wise over [0, 10] and [1, 9]; a broadcast from rank 1; the gather stacked in rank order;
+    """max/min/sum element-wise over [0, 10] and [1, 9]; a broadcast from rank 1; the all-gather stacked in rank order
+    on both ranks, the gather to rank 1 there alone;
     the ledger counts each call and its payload bytes under its purpose: the sender what it sent, the receiver what it
     received, a header under the purpose it names once received."""
     results = run_ranks(two_rank_traffic, 2)
@@ -169,22 +171,26 @@ def test_the_wrappers_on_two_ranks_reduce_broadcast_gather_and_count_what_each_r
         assert out["max"].tolist() == [1.0, 10.0] and out["min"].tolist() == [0.0, 9.0], rank
         assert out["sum"].tolist() == [1.0, 19.0] and out["broadcast"].tolist() == [6], rank
         assert out["gathered"].tolist() == [[0, 0], [1, 2]], rank
+    assert results[0][0]["to_rank1"] is None and results[1][0]["to_rank1"].tolist() == [[0, 1], [1, 4]]
     (out0, ledger0), (out1, ledger1) = results
     assert out1["received"].tolist() == [7.0, 8.0, 9.0] and out1["header"].tolist() == [3]
     assert out0["received"].tolist() == [4, 2]
-    collectives = {"metrics": (3, 3 * 8), "params": (1, 8), "checksum": (1, 8), "gradients": (1, 24)}
+    collectives = {"metrics": (3, 3 * 8), "params": (1, 8), "checksum": (1, 8), "gradients": (1, 24),
+                   "episode_returns": (1, 2)}
     assert ledger0 == {**collectives, "batches": (1, 12), "control": (1, 8), "weight_sync": (1, 8)}
     assert ledger1 == {**collectives, "batches": (1, 12), "kind3": (1, 8), "weight_sync": (1, 8)}
 
 
 def test_in_one_process_the_collectives_return_their_input_and_count_nothing():
-    """World size 1: all_reduce and broadcast give the tensor back (None as an async all_reduce's work), all_gather a
-    stack of one; nothing crossed ranks, so nothing is counted."""
+    """World size 1: all_reduce and broadcast give the tensor back (None as an async all_reduce's work), all_gather and
+    gather a stack of one; nothing crossed ranks, so nothing is counted."""
     comm.reset_ledger()
     x = torch.tensor([1.5, -2.0])
     assert comm.all_reduce(x, "metrics") is x and comm.all_reduce(x, "gradients", async_op=True) is None
     assert comm.broadcast(x, "params") is x
     gathered = comm.all_gather(x, "checksum")
+    assert gathered.shape == (1, 2) and torch.equal(gathered[0], x)
+    gathered = comm.gather(x, "checkpoint")
     assert gathered.shape == (1, 2) and torch.equal(gathered[0], x)
     assert comm.ledger_snapshot() == {}
 
@@ -220,12 +226,13 @@ class _Failing:
     (lambda: comm.all_reduce(torch.ones(2), "metrics"), "all_reduce"),
     (lambda: comm.broadcast(torch.ones(2), "metrics"), "broadcast"),
     (lambda: comm.all_gather(torch.ones(2), "metrics"), "all_gather"),
+    (lambda: comm.gather(torch.ones(2), "metrics", dst=1), "gather"),
     (lambda: comm.send(torch.ones(2), "metrics", dst=0), "send"),
     (lambda: comm.recv(torch.ones(2), "metrics", src=0), "recv"),
     (lambda: comm.isend(torch.ones(2), "metrics", dst=0).wait(), "isend"),
     (lambda: comm.irecv(torch.ones(2), "metrics", src=0).wait(), "irecv"),
     (lambda: comm.all_reduce(torch.ones(2), "metrics", async_op=True).wait(), "all_reduce"),
-], ids=["all_reduce", "broadcast", "all_gather", "send", "recv", "isend-wait", "irecv-wait", "async-wait"])
+], ids=["all_reduce", "broadcast", "all_gather", "gather", "send", "recv", "isend-wait", "irecv-wait", "async-wait"])
 @pytest.mark.parametrize("message, said, why", [
     ("Connection closed by peer [127.0.0.1]:1234\n  at gloo/pair.cc:598", "Connection closed by peer [127.0.0.1]:1234",
      "a peer rank died (its connection closed)"),
@@ -240,7 +247,7 @@ def test_a_failed_call_or_wait_is_a_collective_error_naming_the_call_purpose_ran
     the timeout, and the first line of the backend's message (its type when the message is blank)."""
     failing = _Failing(message)
     monkeypatch.setattr(comm, "world_size", lambda: 2)
-    for name in ("all_reduce", "broadcast", "all_gather", "send", "recv"):
+    for name in ("all_reduce", "broadcast", "all_gather", "gather", "send", "recv"):
         monkeypatch.setattr(comm.torch_dist, name, failing)
     for name in ("isend", "irecv"):
         monkeypatch.setattr(comm.torch_dist, name, lambda *args, **kwargs: failing)
@@ -276,17 +283,20 @@ def pairs_in_their_own_groups(rank, world_size):
         summed = comm.all_reduce(torch.tensor([10.0 ** rank]), "metrics")
         first = comm.broadcast(torch.tensor([rank]), "params", src=2 * (rank // 2))
         gathered = comm.all_gather(torch.tensor([rank]), "checksum")
-        return comm.world_size(), summed, first, gathered
+        to_first = comm.gather(torch.tensor([rank]), "checkpoint", dst=2 * (rank // 2))
+        return comm.world_size(), summed, first, gathered, to_first
     finally:
         comm.use_group(None)
 
 
 @pytest.mark.slow
 def test_collectives_run_in_the_group_use_group_set():
-    """4 ranks as two pairs: sums, broadcasts and gathers stay within each pair (1 + 10, 100 + 1000)."""
+    """4 ranks as two pairs: sums, broadcasts and gathers stay within each pair (1 + 10, 100 + 1000); a gather to
+    each pair's first rank brings the pair's two values there alone."""
     results = run_ranks(pairs_in_their_own_groups, 4)
-    for rank, (size, summed, first, gathered) in enumerate(results):
+    for rank, (size, summed, first, gathered, to_first) in enumerate(results):
         pair = 2 * (rank // 2)
         assert size == 2, rank
         assert summed.tolist() == [10.0 ** pair + 10.0 ** (pair + 1)], rank
         assert first.tolist() == [pair] and gathered.flatten().tolist() == [pair, pair + 1], rank
+        assert (to_first.flatten().tolist() if rank == pair else to_first) == ([pair, pair + 1] if rank == pair else None)

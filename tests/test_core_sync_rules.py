@@ -225,12 +225,17 @@ def ended_returns_of_two_ranks(rank, world_size):
     stats = EpisodeStats(2, TRAIN_KEYS, torch.device("cpu"))
     stats.step(torch.tensor([1.0, 10.0 + rank]), torch.tensor([False, True]), {}, record_returns=True)
     stats.step(torch.tensor([19.0 + rank, 30.0]), torch.tensor([True, rank == 1]), {}, record_returns=True)
-    return stats.ended_returns(keep=rank == 0)
+    torch.distributed.all_gather = _no_all_gather           # this forked rank's own copy of torch
+    return stats.ended_returns()
+
+
+def _no_all_gather(*args, **kwargs):
+    raise AssertionError("an all-gather: every rank would receive W x T x N returns that rank 0 alone writes")
 
 
 def test_ended_returns_are_every_ranks_in_end_order():
-    """By step, then rank, then env, worked out by hand from the per-rank endings above, on the rank that keeps
-    them; the other takes part in the gather and keeps nothing."""
+    """By step, then rank, then env, worked out by hand from the per-rank endings above, on rank 0, which logs them;
+    the other sends its own by a gather (no all-gather) and keeps nothing."""
     assert run_ranks(ended_returns_of_two_ranks, 2) == [[10.0, 11.0, 20.0, 21.0, 30.0], []]
 
 
@@ -238,7 +243,7 @@ def test_ended_returns_are_every_ranks_in_end_order():
 def test_every_ranks_episode_returns_reach_tensorboard_and_the_plan(tmp_path):
     """--log.episode-returns on 2 ranks: Episode/return holds the episodes that ended on either rank (per iteration
     they average to Train/mean_reward, computed over both ranks by the separate (sum, count) all-reduce; until this
-    version rank 0 logged its own alone), and their all-gather is in the sync plan: plan == ledger on each rank."""
+    version rank 0 logged its own alone), and their gather to rank 0 is in the sync plan: plan == ledger on each rank."""
     import glob
 
     import numpy as np

@@ -6,6 +6,8 @@ after its warm-up steps and replayed (bench/gpu_check.sh does this). CUDA's fuse
 as float32 (ppo.minibatch_step.lr_tensor), so there the host path's steps take the LR rounded the same way.
 """
 
+import contextlib
+import copy
 import math
 import os
 from unittest import mock
@@ -216,3 +218,40 @@ def test_a_checkpoint_of_either_path_resumes_in_the_other(saved_with_capture):
         p.grad = torch.ones_like(p)
     resuming.step()                        # the resumed optimizer runs with its own implementation
     assert all(float(s["step"]) == 2.0 for s in resuming.state.values())
+
+
+def test_a_captured_step_is_recorded_again_after_load_state_dict_replaces_adams_moments(monkeypatch):
+    """A CUDA graph steps the moment tensors that existed when it was recorded. Here the graph is a fake (CPU:
+    recording runs the step, replay counts): updates replay the same graph until `load_state_dict` gives Adam new
+    tensors; the next update records a new one over them instead of replaying the stale one."""
+    class FakeGraph:
+        def __init__(self):
+            self.replays = 0
+
+        def replay(self):
+            self.replays += 1
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, DEVICE)
+    fill(storage, 0, model)
+    model.to(DEVICE)
+    cfg = ppo_cfg(capture_step=True)
+    optimizer = build_optimizer(model.parameters(), cfg, DEVICE)
+    sync = GradSync(model.parameters(), num_extras=2)
+    step = minibatch_step.sync_free_step(model, optimizer, sync, cfg)
+    step.capture, step.eager_steps = True, minibatch_step.CAPTURE_WARMUP_STEPS   # record at the first step
+    steps = cfg.num_epochs * cfg.num_mini_batches
+
+    def update():
+        ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(0))
+        return step.graph
+
+    first = update()
+    assert first.replays == steps and update() is first and first.replays == 2 * steps
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))     # as from a file: new tensors
+    moments = [t for state in optimizer.state.values() for t in state.values()]
+    second = update()
+    assert second is not first and first.replays == 2 * steps and second.replays == steps
+    assert all(a is b for a, b in zip(step.captured_state, moments)) and len(step.captured_state) == len(moments)

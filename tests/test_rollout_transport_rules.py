@@ -232,16 +232,16 @@ def team_setup(rank, world_size, second_num_envs):
     except RunError as exc:
         return str(exc)
     team.weights = SimpleNamespace(plan_rows=lambda: [])          # the weight rows are rollout_weights.py's
-    gathered = [(r.collective, r.call_bytes, r.every) for r in team.plan_rows() if r.collective == "all_gather"]
+    gathered = [(r.collective, r.call_bytes, r.every) for r in team.plan_rows() if r.collective == "gather"]
     return team.num_envs, team.receiver.depth, team.receiver.rollouts, gathered
 
 
 @pytest.mark.slow
 def test_a_learner_counts_the_envs_and_states_of_both_rollout_ranks_and_posts_s_plus_1_ahead():
-    """2 rollout ranks x 4 envs = 8 envs to learn from; async with S = 2 keeps 3 receives posted; the all-gather of
-    the team's states at a save carries 2 x 5 bytes."""
+    """2 rollout ranks x 4 envs = 8 envs to learn from; async with S = 2 keeps 3 receives posted; the gather of
+    the team's states to learner 0 at a save carries 2 x 5 bytes."""
     learner, _, _ = run_ranks(team_setup, 3, args=(4,), timeout=60)
-    assert learner == (8, 3, [1, 2], [("all_gather", [10], 2)])
+    assert learner == (8, 3, [1, 2], [("gather", [10], 2)])
 
 
 @pytest.mark.slow

@@ -123,3 +123,28 @@ def test_first_merge_and_global_std_stay_exact_when_the_mean_dominates(offset, s
     assert abs(mean.item() - x64.numpy().mean()) <= 1e-12 * abs(offset)
     one_pass = (x64.square().mean() - x64.mean().square()).clamp_min(0).sqrt().item()   # (n, sum, sum sq)
     assert abs(one_pass - reference[0]) > 1e-6 * reference[0]
+
+
+def test_both_normalizers_merge_into_their_own_buffers_so_an_earlier_state_dict_stays_live():
+    """A state_dict() taken before update() holds the buffer tensors themselves; the merge writes into them, so it
+    reads the merged statistics: numpy's count, mean and sum of squared deviations over the two batches."""
+    from ppo.normalizer import ObsNormalizer, RewardNormalizer
+    rng = np.random.default_rng(3)
+    first, second = rng.normal(2.0, 3.0, (5, 2)), rng.normal(-1.0, 0.5, (7, 2))
+    obs = ObsNormalizer(2)
+    held = obs.state_dict()
+    for batch in (first, second):
+        obs.update(torch.from_numpy(batch))
+    union = np.concatenate([first, second])
+    assert held["count"].item() == 12
+    np.testing.assert_allclose(held["mean64"].numpy(), union.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(held["m2"].numpy(), ((union - union.mean(0)) ** 2).sum(0), rtol=1e-12)
+    rewards = RewardNormalizer(num_envs=2, gamma=0.5, clip=10.0)
+    held = rewards.state_dict()
+    rewards(torch.tensor([1.0, 2.0]), torch.tensor([False, True]))
+    rewards(torch.tensor([4.0, 8.0]), torch.tensor([False, False]))
+    rewards.update()
+    returns = np.array([1.0, 2.0, 0.5 * 1.0 + 4.0, 8.0])  # env 1's return restarts after its episode ended
+    assert held["count"].item() == 4
+    np.testing.assert_allclose(held["m2"].numpy(), [((returns - returns.mean()) ** 2).sum()], rtol=1e-12)
+    np.testing.assert_allclose(held["std"].numpy(), returns.std(), rtol=1e-6)
