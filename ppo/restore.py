@@ -21,13 +21,10 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
 
     Buffers declared `local` (per-env running state such as the reward normalizer's running returns)
     keep their fresh values: envs restart their episodes, so that state restarts too. The optimizer takes
-    this run's --ppo.adam-eps, and its --ppo.learning-rate where that differs from the checkpoint's run
-    (else the restored LR, which the adaptive schedule moved): a restart with the same flags continues
-    exactly, a new LR typed on resume is used.
+    this run's --ppo.adam-eps, and the LR resumed_lr decides.
     """
     ppo, saved_run = cfg.ppo, state.get("config", {})
-    saved_seed, saved_lr = saved_run.get("seed"), saved_run.get("ppo", {}).get("learning_rate")
-    settings = {"eps": ppo.adam_eps, **({"lr": ppo.learning_rate} if saved_lr not in (None, ppo.learning_rate) else {})}
+    saved_seed, lr_line = saved_run.get("seed"), None
     for key, obj in stateful.items():
         if obj is None:
             continue
@@ -42,7 +39,8 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
             misfit = misshapen_moment(obj, saved)
             if misfit:
                 raise UsageError(f"--resume {path!r} is damaged ({misfit}); resume from another checkpoint")
-            saved = saved_state_for(obj, saved, settings)
+            lr, lr_line = resumed_lr(cfg, saved_run, float(saved["param_groups"][0]["lr"]), state["iteration"])
+            saved = saved_state_for(obj, saved, {"eps": ppo.adam_eps, **({"lr": lr} if lr is not None else {})})
         try:
             obj.load_state_dict(saved)
         except (RuntimeError, ValueError, KeyError) as exc:
@@ -72,15 +70,52 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
     if roles.rank == 0:
         print(f"[syncppo] {'would resume' if cfg.dry_run else 'resumed'} {path} at iteration {state['iteration']}",
               flush=True)
-        if "lr" in settings:
-            print(f"[syncppo] --ppo.learning-rate {ppo.learning_rate:g} replaces the checkpoint's LR (its run "
-                  f"started at {saved_lr:g})", flush=True)
-        end, k = saved_run.get("max_iterations"), state["iteration"]
-        both_linear = ppo.schedule == "linear" == saved_run.get("ppo", {}).get("schedule")
-        if both_linear and end not in (None, cfg.max_iterations):
-            now, was = ppo.learning_rate * (1 - k / cfg.max_iterations), (saved_lr or ppo.learning_rate) * (1 - k / end)
-            print(f"[syncppo] --max-iterations {cfg.max_iterations} re-anneals the linear LR (the checkpoint's run "
-                  f"reached 0 at {end}): iteration {k + 1} runs at LR {now:.4g}, not {was:.4g}", flush=True)
+        if lr_line is not None:
+            print(f"[syncppo] {lr_line}", flush=True)
+
+
+def resumed_lr(cfg, saved_run: dict, restored: float, iteration: int) -> tuple[float | None, str]:
+    """(the LR a resumed run's optimizer loads instead of the checkpoint's `restored` one, or None to keep it; the
+    start-up line saying which LR the run continues at and why). `saved_run`: the checkpoint run's config.
+
+    The restored LR is schedule state only under the adaptive schedule: it continues when this run is adaptive, the
+    checkpoint's run was too and --ppo.learning-rate is its run's (a restart with the same flags continues exactly).
+    Another --ppo.learning-rate restarts the adaptive schedule from it. --ppo.schedule fixed runs at
+    --ppo.learning-rate, which is what its config says, never at a value another schedule left; linear anneals from
+    --ppo.learning-rate to 0 at --max-iterations (train.py sets it every iteration). A schedule other than the
+    checkpoint run's starts as a new run of that schedule would, from --ppo.learning-rate."""
+    ppo, saved_ppo, k = cfg.ppo, saved_run.get("ppo", {}), iteration
+    saved_lr, saved_schedule = saved_ppo.get("learning_rate"), saved_ppo.get("schedule")
+    other = saved_schedule not in (None, ppo.schedule)     # an old checkpoint without one ran the default, adaptive
+    was = f"the checkpoint's LR {restored:.4g} was its {saved_schedule} schedule's" if other else \
+        f"the checkpoint's LR was {restored:.4g}"
+    if ppo.schedule == "linear":
+        now, end = ppo.learning_rate * (1.0 - k / cfg.max_iterations), saved_run.get("max_iterations")
+        span = f"from --ppo.learning-rate {ppo.learning_rate:g} to 0 at --max-iterations {cfg.max_iterations}"
+        if other:
+            return now, (f"--ppo.schedule linear (the checkpoint's run: {saved_schedule}) anneals the LR {span}, as a "
+                         f"new run would: iteration {k + 1} runs at LR {now:.4g} ({was})")
+        new_lr = saved_lr not in (None, ppo.learning_rate)
+        if end in (None, cfg.max_iterations) and not new_lr:    # an older checkpoint without its end: not known
+            return now, f"the linear LR continues ({span}): iteration {k + 1} runs at LR {now:.4g}"
+        then = (saved_lr or ppo.learning_rate) * (1 - k / (end or cfg.max_iterations))   # where its run would be
+        theirs = ([f"--ppo.learning-rate {saved_lr:g}"] if new_lr else []) + \
+            ([f"--max-iterations {end}"] if end not in (None, cfg.max_iterations) else [])
+        return now, (f"the linear LR re-anneals {span} (the checkpoint's run: {', '.join(theirs)}): iteration {k + 1} "
+                     f"runs at LR {now:.4g}, not {then:.4g}")
+    if ppo.schedule == "fixed":
+        return ppo.learning_rate, (f"--ppo.schedule fixed: the LR is --ppo.learning-rate {ppo.learning_rate:g}"
+                                   + ("" if restored == ppo.learning_rate else f" ({was})"))
+    if other:
+        return ppo.learning_rate, (f"--ppo.schedule adaptive (the checkpoint's run: {saved_schedule}) starts from "
+                                   f"--ppo.learning-rate {ppo.learning_rate:g}, as a new run would ({was})")
+    if saved_lr not in (None, ppo.learning_rate):
+        return ppo.learning_rate, (f"--ppo.learning-rate {ppo.learning_rate:g} replaces the checkpoint's LR "
+                                   f"{restored:.4g} (its run started at {saved_lr:g}): the adaptive schedule restarts "
+                                   f"from it")
+    started = f"its run started at {saved_lr:g}; " if saved_lr is not None else ""
+    return None, (f"the LR continues at {restored:.4g}, where the checkpoint's adaptive schedule left it ({started}"
+                  f"another --ppo.learning-rate restarts the schedule from that)")
 
 
 def misshapen_moment(optimizer: torch.optim.Optimizer, saved: dict) -> str:

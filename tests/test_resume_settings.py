@@ -1,8 +1,9 @@
 """What a resumed run takes from its flags and what from the checkpoint: the optimizer's eps always from the
-flags, its LR from the flags only when they name another LR than the checkpoint's run (a restart with the same
-command line continues the adapted LR exactly), and a policy's start (init std, orthogonal init) never: a
-checkpoint replaces it, so a flag that asks for another one is refused. A --seed other than the checkpoint run's
-restarts the RNG streams from it; what the envs share (the tracking motion library) stays the checkpoint's.
+flags, its LR from the checkpoint only where it is the adaptive schedule's state (an adaptive run resumed adaptive
+with its own LR: a restart with the same command line continues the adapted LR exactly), and a policy's start
+(init std, orthogonal init) never: a checkpoint replaces it, so a flag that asks for another one is refused. A
+--seed other than the checkpoint run's restarts the RNG streams from it; what the envs share (the tracking motion
+library) stays the checkpoint's.
 From the command line, everything not typed (launch settings aside) continues the checkpoint run's settings."""
 
 import glob
@@ -44,25 +45,61 @@ def saved_run(tmp_path, **changes):
 
 def resumed_optimizer(tmp_path, ckpt, name, **changes):
     """One more iteration from `ckpt`; the optimizer settings it saved (under the fixed schedule the LR it
-    resumed with)."""
+    ran with)."""
     train.main(cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=3, resume=ckpt,
                         log__root=str(tmp_path / name), log__print_every=100, **changes))
     (written,) = glob.glob(str(tmp_path / name / "tracking" / "*" / "model_3.pt"))
     return torch.load(written, weights_only=True)["optimizer"]["param_groups"][0]
 
 
-def test_a_resumed_run_takes_a_new_lr_and_eps_and_keeps_the_adapted_lr_otherwise(tmp_path, capsys):
+def first_update_lr(tmp_path, monkeypatch, ckpt, name, **changes):
+    """The LR the first resumed update starts with (the adaptive schedule moves it during that update), and the
+    optimizer settings the resumed run saved."""
+    seen, update = [], train.ppo_update
+
+    def recording_update(model, optimizer, *args, **kwargs):
+        seen.append(float(optimizer.param_groups[0]["lr"]))
+        return update(model, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(train, "ppo_update", recording_update)
+    group = resumed_optimizer(tmp_path, ckpt, name, **changes)
+    return seen[0], group
+
+
+def test_a_resumed_run_takes_a_new_lr_and_eps_and_keeps_the_adapted_lr_otherwise(tmp_path, monkeypatch, capsys):
     ckpt, saved = saved_run(tmp_path, ppo__learning_rate=1e-3)
     adapted = saved["optimizer"]["param_groups"][0]["lr"]
     assert adapted != 1e-3                           # the adaptive schedule moved it in 2 iterations
-    fixed = {"ppo__schedule": "fixed"}
-    same = resumed_optimizer(tmp_path, ckpt, "same", ppo__learning_rate=1e-3, **fixed)
-    assert same["lr"] == adapted and same["eps"] == saved["optimizer"]["param_groups"][0]["eps"]
-    assert "replaces the checkpoint's LR" not in capsys.readouterr().out
-    new = resumed_optimizer(tmp_path, ckpt, "new", ppo__learning_rate=2e-4, ppo__adam_eps=1e-5, **fixed)
-    assert new["lr"] == 2e-4 and new["eps"] == 1e-5
-    assert "--ppo.learning-rate 0.0002 replaces the checkpoint's LR (its run started at 0.001)" in \
+    lr, same = first_update_lr(tmp_path, monkeypatch, ckpt, "same", ppo__learning_rate=1e-3)
+    assert lr == adapted and same["eps"] == saved["optimizer"]["param_groups"][0]["eps"]
+    assert (f"the LR continues at {adapted:.4g}, where the checkpoint's adaptive schedule left it (its run started "
+            f"at 0.001; ") in capsys.readouterr().out
+    lr, new = first_update_lr(tmp_path, monkeypatch, ckpt, "new", ppo__learning_rate=2e-4, ppo__adam_eps=1e-5)
+    assert lr == 2e-4 and new["eps"] == 1e-5
+    assert f"--ppo.learning-rate 0.0002 replaces the checkpoint's LR {adapted:.4g} (its run started at 0.001)" in \
         capsys.readouterr().out
+
+
+@pytest.mark.parametrize("before, after", [("adaptive", "fixed"), ("linear", "adaptive"), ("adaptive", "linear")])
+def test_a_schedule_other_than_the_checkpoints_starts_as_a_new_run_of_it_would(tmp_path, monkeypatch, capsys,
+                                                                              before, after):
+    """The checkpoint's LR is where its schedule left it: the adaptive schedule's state, the linear one's value at
+    iteration 2 of 2 (0). Another schedule starts from --ppo.learning-rate as in a new run; --ppo.schedule fixed
+    had continued at the adapted LR, not at the --ppo.learning-rate its config then recorded."""
+    ckpt, saved = saved_run(tmp_path, ppo__learning_rate=1e-3, ppo__schedule=before)
+    left = saved["optimizer"]["param_groups"][0]["lr"]
+    assert left != 1e-3
+    capsys.readouterr()
+    lr, _ = first_update_lr(tmp_path, monkeypatch, ckpt, "other", ppo__learning_rate=1e-3, ppo__schedule=after)
+    assert lr == (1e-3 * (1.0 - 2 / 3) if after == "linear" else 1e-3)     # iteration 3 of 3 starts at 2/3 annealed
+    out = capsys.readouterr().out
+    expected = {"fixed": "--ppo.schedule fixed: the LR is --ppo.learning-rate 0.001 (",
+                "adaptive": "--ppo.schedule adaptive (the checkpoint's run: linear) starts from --ppo.learning-rate "
+                            "0.001, as a new run would (",
+                "linear": f"--ppo.schedule linear (the checkpoint's run: adaptive) anneals the LR from "
+                          f"--ppo.learning-rate 0.001 to 0 at --max-iterations 3, as a new run would: iteration 3 runs "
+                          f"at LR {1e-3 / 3:.4g} ("}[after]
+    assert expected + f"the checkpoint's LR {left:.4g} was its {before} schedule's)" in out
 
 
 def test_a_resume_with_another_max_iterations_says_where_the_linear_lr_jumps(tmp_path, capsys):
@@ -73,8 +110,8 @@ def test_a_resume_with_another_max_iterations_says_where_the_linear_lr_jumps(tmp
     resumed = resumed_optimizer(tmp_path, ckpt, "longer", ppo__learning_rate=1e-3, ppo__schedule="linear")
     assert resumed["lr"] == 1e-3 * (1.0 - 2 / 3)          # what iteration 3, the first resumed one, ran with
     out = capsys.readouterr().out
-    assert (f"--max-iterations 3 re-anneals the linear LR (the checkpoint's run reached 0 at 2): iteration 3 runs "
-            f"at LR {1e-3 / 3:.4g}, not 0") in out
+    assert (f"the linear LR re-anneals from --ppo.learning-rate 0.001 to 0 at --max-iterations 3 (the checkpoint's "
+            f"run: --max-iterations 2): iteration 3 runs at LR {1e-3 / 3:.4g}, not 0") in out
     # the iteration it names is the console's: the line `it 3/3` shows that LR (it had said iteration 2, the
     # checkpoint's last, in the loop's 0-based count)
     (line,) = [line for line in out.splitlines() if line.startswith("it ")]

@@ -246,31 +246,36 @@ def test_rank_1_of_two_learners_takes_its_own_rng_states(layout):
 
 
 def test_the_start_up_lines_of_a_resume_with_a_new_lr_and_a_longer_linear_schedule(capsys):
-    """Rank 0 says what it resumed, that a typed LR replaces the checkpoint's, and where the linear LR jumps: here
+    """Rank 0 says what it resumed and where the linear LR jumps, naming both settings that moved it: here
     iteration 3 (the first after the checkpoint of iteration 2) of a run that annealed 1e-3 to 0 at 4 runs at
     2e-4 * (1 - 2/8) = 1.5e-4 instead of 1e-3 * (1 - 2/4)."""
     config = {"seed": 1, "max_iterations": 4, "ppo": {"learning_rate": 1e-3, "schedule": "linear"}}
     saved = _checkpoint(_built(), [rng_states()], config)
     cfg = _run(max_iterations=8, ppo__learning_rate=2e-4, ppo__schedule="linear")
     restore(saved, "c.pt", _built(), None, _roles(), CPU, cfg)
-    assert capsys.readouterr().out.splitlines()[-3:] == [
+    assert capsys.readouterr().out.splitlines()[-2:] == [
         "[syncppo] resumed c.pt at iteration 2",
-        "[syncppo] --ppo.learning-rate 0.0002 replaces the checkpoint's LR (its run started at 0.001)",
-        "[syncppo] --max-iterations 8 re-anneals the linear LR (the checkpoint's run reached 0 at 4): iteration 3 runs "
-        "at LR 0.00015, not 0.0005"]
+        "[syncppo] the linear LR re-anneals from --ppo.learning-rate 0.0002 to 0 at --max-iterations 8 (the "
+        "checkpoint's run: --ppo.learning-rate 0.001, --max-iterations 4): iteration 3 runs at LR 0.00015, not 0.0005"]
 
 
-@pytest.mark.parametrize("saved_ppo, max_iterations", [({"schedule": "fixed"}, 4), ({"schedule": "linear"}, None)],
-                         ids=["other-schedule", "no-max-iterations"])
-def test_no_re_anneal_line_unless_both_runs_anneal_linearly_to_a_known_end(capsys, saved_ppo, max_iterations):
+@pytest.mark.parametrize("saved_ppo, max_iterations, line", [
+    ({"schedule": "fixed"}, 4, "--ppo.schedule linear (the checkpoint's run: fixed) anneals the LR from "
+                               "--ppo.learning-rate 0.001 to 0 at --max-iterations 8, as a new run would: iteration 3 "
+                               "runs at LR 0.00075 (the checkpoint's LR 0.001 was its fixed schedule's)"),
+    ({"schedule": "linear"}, None, "the linear LR continues (from --ppo.learning-rate 0.001 to 0 at --max-iterations "
+                                   "8): iteration 3 runs at LR 0.00075")],
+    ids=["other-schedule", "no-max-iterations"])
+def test_no_re_anneal_line_unless_both_runs_anneal_linearly_to_a_known_end(capsys, saved_ppo, max_iterations, line):
     """The jump is only said when the checkpoint's run was linear too and its --max-iterations is known (an older
-    checkpoint without it resumes without one, rather than failing on the arithmetic); a dry run says 'would'."""
+    checkpoint without it resumes without one, rather than failing on the arithmetic); a dry run says 'would'. The
+    LR line says where iteration 3 starts all the same: 1e-3 * (1 - 2/8)."""
     config = {"seed": 1, "ppo": {"learning_rate": 1e-3, **saved_ppo}}
     if max_iterations is not None:
         config["max_iterations"] = max_iterations
     saved = _checkpoint(_built(), [rng_states()], config)
     restore(saved, "c.pt", _built(), None, _roles(), CPU, _run(max_iterations=8, ppo__schedule="linear", dry_run=True))
-    assert capsys.readouterr().out.splitlines() == ["[syncppo] would resume c.pt at iteration 2"]
+    assert capsys.readouterr().out.splitlines() == ["[syncppo] would resume c.pt at iteration 2", f"[syncppo] {line}"]
 
 
 def test_only_rank_0_says_that_a_new_seed_restarts_the_rng_streams(capsys):
