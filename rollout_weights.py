@@ -96,9 +96,9 @@ class WeightServer:
                 return        # the learner already failed and tore the groups down; its error is already reported
             self.failure = exc
             if isinstance(exc, comm.CollectiveError):
-                # Its rollout rank died or stalled, so the main thread's wait for that rank's batch fails too and
-                # reports it. One write for the whole line: the main thread's comes at about this time.
-                print(f"[syncppo] serving weights to rank {dst} failed: {exc}\n", end="", file=sys.stderr, flush=True)
+                # Its rollout rank died or stalled: the main thread's wait for that rank's batch fails too (within
+                # --dist.timeout-s), and the learner says it in its one line, this failure when check() finds it
+                # first. A line from here as well was a second one for the same failure.
                 return
             # Anything else (a bug): the rollout rank waits for these weights, and the main thread for its next
             # batch, in receives that nothing else ends before --dist.timeout-s. End the process now, as a failed

@@ -129,6 +129,54 @@ def test_a_bug_in_the_weight_serving_thread_ends_the_job_at_once(tmp_path):
     assert re.search(r"Connection (closed|reset) by peer", rollout), rollout
 
 
+# Rank 1 (the rollout rank) fails in its env's step at iteration 2. Rank 0 (the learner) waits, before it tears its
+# process group down, until its weight-serving thread is out of its receive (failed on the closed connection): the
+# thread's failure then comes while the learner still has its group, as it may in any run.
+ROLLOUT_STEP_FAILS = textwrap.dedent("""
+    import os, sys, threading
+    sys.path.insert(0, {root!r})
+    import tyro
+    import train
+    from configs import PRESETS
+
+    if os.environ["RANK"] == "1":
+        import envs.cartpole
+        step, steps = envs.cartpole.CartPole.step, []
+        def failing(self, actions):
+            steps.append(1)
+            if len(steps) == 2 * 32 + 5:            # in the third batch of 32 steps
+                raise RuntimeError("injected env failure")
+            return step(self, actions)
+        envs.cartpole.CartPole.step = failing
+    else:
+        shutdown = train.shutdown
+        def after_the_serving_thread():
+            for thread in threading.enumerate():
+                if thread.name.startswith("weights-to-rank"):
+                    thread.join(30)
+            shutdown()
+        train.shutdown = after_the_serving_thread
+    sys.argv = ["train.py", *sys.argv[1:]]
+    sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for n, f in PRESETS.items()}})))
+""")
+
+
+@pytest.mark.slow
+def test_a_failed_rollout_rank_is_one_line_on_its_learner(tmp_path):
+    """A run-time failure is one line from the rank that met it (docs/fault_tolerance.md): the learner's names the
+    rollout rank that is gone and why it thinks so. Its weight-serving thread, failing on the same closed
+    connection, printed a second line (`[syncppo] serving weights to rank 1 failed: ...`)."""
+    script = tmp_path / "step_fails.py"
+    script.write_text(ROLLOUT_STEP_FAILS.format(root=ROOT))
+    codes, (learner, rollout) = learner_and_rollout_rank(script, tmp_path)
+    assert codes == [1, 1], learner + rollout
+    assert "error: unexpected RuntimeError (traceback above): injected env failure" in rollout, rollout
+    said = [line for line in learner.splitlines() if "rank 1" in line or "error" in line.lower()]
+    assert len(said) == 1, "\n".join(said)
+    assert said[0].startswith("error: rollout rank 1 died or stalled: ") and "a peer rank died" in said[0], learner
+    assert "Traceback" not in learner, learner
+
+
 # A rank killed while it writes its error file for torchrun: a failed run restores the default handlers, so torchrun's
 # SIGTERM (sent once a peer failed, e.g. a rollout rank that saw its learner killed) ends it mid-write.
 KILLED_WHILE_TELLING = textwrap.dedent("""
