@@ -176,9 +176,10 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     """A rollout rank's whole life: build, agree layouts with its learner, then collect until told to stop.
 
     Crosses ranks: at start-up its env spec up and sync/'s init handshake; per iteration a weight request (and
-    update), its batch up and a decision down; every --dist.sampler-sync-every iterations and at saves the
-    sampler-count sum among the rollout ranks, and at saves its state up; at the end the final weights (after
-    the last iteration) and a `done` request. Returns the policy copy and this rank's sync-plan rows."""
+    update), its batch up and a decision down (once its own stop flag went up, only the batch, sent again); every
+    --dist.sampler-sync-every iterations and at saves the sampler-count sum among the rollout ranks, and at saves its
+    state up; at the end the final weights (after the last iteration) and a `done` request. Returns the policy copy
+    and this rank's sync-plan rows."""
     j, learner = roles.rollout_index, roles.team[0]
     seed_everything(cfg.seed + j)                 # the seeds colocated rank j would use
     try:
@@ -235,6 +236,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     autocast = torch.autocast(device.type, dtype=getattr(torch, cfg.rollout.dtype), enabled=low_precision)
 
     counted = {}    # iteration -> this rank's sampler counts from collecting it, until its decision is read
+    stopping, sent = False, {}    # whether a batch sent carried this rank's own stop flag; the last batch sent
 
     def read_decision() -> bool:
         """The learners' (stop, save) for the next undecided iteration; True if they stopped there. Crosses ranks:
@@ -262,24 +264,33 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
             while decided < iteration - 1 - lag:    # sync: the weights after update k - 1; async: up to S older
                 if read_decision():
                     return done()
-            # the newest weights, at least the bound's: sync mode gets exactly version k
-            need = max(iteration - lag, start_iteration)
-            version = request_weights(syncer, copy, learner, roles.weights_group, version, need)
-            stats.start_iteration()
-            before = env.sampler.local_counts.clone() if env.sampler is not None else None
-            with autocast:
-                batch, obs = collect_rollout(copy, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, stats,
-                                             record_returns=cfg.log.episode_returns, check=check_first
-                                             if iteration == start_iteration else None)
-            if env.sampler is not None:
-                counted[iteration] = env.sampler.local_counts - before
-            check_finite(batch, env_label(cfg), roles.rank)
-            batch["flags"] = torch.tensor([version, stop.signal_name is not None, stop.launcher_gone()],
-                                          dtype=torch.float64)
-            batch["sums"], batch["counts"] = stats.sums, stats.counts
-            if cfg.log.episode_returns:
-                batch["episode_returns"] = torch.stack(stats.ended)
-            sender.send({k: v.cpu() for k, v in batch.items()})
+            if stopping:
+                # This rank's own stop flag rode in a batch already sent, so the learners stop at that batch's
+                # iteration at the latest (train.py) and never train on this one (async mode: up to S of them).
+                # Not collected; the last batch goes again only to complete the receive its learner posted ahead.
+                sender.send(sent)
+            else:
+                # the newest weights, at least the bound's: sync mode gets exactly version k
+                need = max(iteration - lag, start_iteration)
+                version = request_weights(syncer, copy, learner, roles.weights_group, version, need)
+                stats.start_iteration()
+                before = env.sampler.local_counts.clone() if env.sampler is not None else None
+                with autocast:
+                    batch, obs = collect_rollout(copy, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, stats,
+                                                 record_returns=cfg.log.episode_returns, check=check_first
+                                                 if iteration == start_iteration else None)
+                if env.sampler is not None:
+                    counted[iteration] = env.sampler.local_counts - before
+                check_finite(batch, env_label(cfg), roles.rank)
+                batch["flags"] = torch.tensor([version, stop.signal_name is not None, stop.launcher_gone()],
+                                              dtype=torch.float64)
+                batch["sums"], batch["counts"] = stats.sums, stats.counts
+                if cfg.log.episode_returns:
+                    batch["episode_returns"] = torch.stack(stats.ended)
+                sent = {k: v.cpu() for k, v in batch.items()}
+                sender.send(sent)
+                stopping = bool(sent["flags"][1:].any())      # FLAGS: a signal here, or this rank's launcher gone
+            # every rollout rank sums at the same iterations, stopping or not: the other ranks still collect
             if env.sampler is not None and (iteration + 1) % cfg.dist.sampler_sync_every == 0:
                 sum_counts(env.sampler)
         while decided < cfg.max_iterations - 1:

@@ -36,12 +36,14 @@ class Deadlock(AssertionError):
 class ScriptedLearner:
     """A learner as the rollout rank's messages let it go on, with no time of its own: per iteration i it takes batch
     i (its receives posted `depth` batches ahead, none past the run), sends its (stop, save), waits at a save for the
-    rollout rank's state, publishes weights i + 1 unless it stopped (after `stop_after`, as on a signal); then it
-    closes: every decision read, `done` said. Records what reached it: each batch's weight version, the states."""
+    rollout rank's state, publishes weights i + 1 unless it stopped (after `stop_after`, as on a signal, or after a
+    batch that carries a stop flag, as train.py does); then it closes: every decision read, `done` said. Records what
+    reached it: each batch's weight version, the states, the batches that carried a stop flag."""
 
     def __init__(self, start: int, end: int, depth: int, save_every: int, stop_after=None):
         self.start, self.depth, self.published, self.posted, self.closed = start, depth, start, start - 1, False
         self.batches, self.decisions, self.states, self.read, self.done = {}, [], set(), 0, False
+        self.flagged = set()
         self.next_batch = start
         self.script = self.iterations(start, end, save_every, stop_after)
         self.waits = next(self.script)
@@ -50,7 +52,7 @@ class ScriptedLearner:
         for i in range(start, end):
             self.posted = max(self.posted, min(i + self.depth, end) - 1)     # BatchReceiver.take posts ahead
             yield "batch", i
-            stop = i == stop_after
+            stop = i == stop_after or i in self.flagged
             save = (i + 1) % save_every == 0 or i + 1 == end or stop           # train.py's rule
             self.decisions.append((stop, save))
             if save:
@@ -73,6 +75,8 @@ class ScriptedLearner:
         if self.closed or k > self.posted:
             raise Deadlock(f"batch {k} sent, but the learner (waiting for {self.waits}) never posts its receive")
         self.batches[k], self.next_batch = int(tensors["flags"][0]), k + 1     # flags[0]: the weights' version
+        if tensors["flags"][1:].any():                                          # a signal, or the launcher gone
+            self.flagged.add(k)
         self.pump()
 
     def decision(self):
@@ -142,6 +146,45 @@ def test_a_rollout_rank_reads_every_decision_in_turn_and_says_done_once_its_lear
     taken = {k: v for k, v in learner.batches.items() if k <= last}
     assert sorted(taken) == list(range(last + 1)) and len(learner.batches) <= last + 1 + depth - 1
     assert all(k - staleness <= v <= k for k, v in taken.items()), learner.batches
+
+
+@pytest.mark.parametrize("mode, staleness", [("sync", 0), ("async", 1), ("async", 2)])
+@pytest.mark.parametrize("flag", ["signal", "launcher"])
+def test_a_rollout_rank_that_raised_a_stop_collects_no_batch_past_it(monkeypatch, mode, staleness, flag):
+    """A signal reaches the rollout rank while it collects batch 2 of 8 (or it finds its launcher gone): its flag rides
+    in batch 2, so the learner stops after iteration 2. In async mode the rank went on collecting batches 3 .. 2 + S,
+    which no update would use; now it collects none past 2, and sends the receives its learner posted ahead (depth - 1
+    of them) the last batch again. Every decision is still read, the stop's save gets its state, `done` comes last."""
+    depth = 1 if mode == "sync" else staleness + 1
+    collected, stops = [], []
+    collect = rollout_ranks.collect_rollout
+
+    class Requests:                  # dist.stop.StopRequests, raised from inside the third collection
+        def __init__(self, watch_launcher):
+            self.signal_name, self.gone = None, False
+            stops.append(self)
+
+        def launcher_gone(self):
+            return self.gone
+
+        @staticmethod
+        def restore_default_handlers():
+            pass
+
+    def counted(*args, **kwargs):
+        collected.append(1)
+        if len(collected) == 3:
+            stops[0].signal_name, stops[0].gone = ("SIGTERM", False) if flag == "signal" else (None, True)
+        return collect(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_ranks, "StopRequests", Requests)
+    monkeypatch.setattr(rollout_ranks, "collect_rollout", counted)
+    learner = ScriptedLearner(0, 8, depth, save_every=4)
+    run_against(learner, cartpole(8, mode, max(staleness, 1), save_every=4), monkeypatch)
+    assert learner.done and learner.decisions == [(False, False)] * 2 + [(True, True)]
+    assert learner.states == {2} and learner.read == 3
+    assert len(collected) == 3, len(collected)
+    assert sorted(learner.batches) == list(range(2 + depth))       # every posted receive completed, none more
 
 
 def test_a_resumed_rollout_rank_counts_decisions_from_its_start(monkeypatch):
