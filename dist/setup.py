@@ -19,7 +19,6 @@ from dist.errors import UsageError
 @dataclass
 class DistInfo:
     rank: int
-    local_rank: int
     world_size: int
     backend: str          # "nccl", "gloo", or "none" for a single process
     device: torch.device
@@ -74,7 +73,6 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     launcher's store (addresses, no tensors, so nothing in the ledger).
     """
     rank, world_size = launch_rank_and_world()
-    local_rank = launch_int("LOCAL_RANK", 0)
     if world_size > 1 and not torch_dist.is_initialized() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
         if missing:
@@ -107,7 +105,7 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     # A main() before this one in the process (tests, a notebook) left comm on its learner or rollout group,
     # destroyed or not: the collectives before the roles split (the resume agreement) must span every rank.
     comm.use_group(None)
-    return DistInfo(rank, local_rank, world_size, backend, dev)
+    return DistInfo(rank, world_size, backend, dev)
 
 
 HEAP_UP_TO = 32 << 20       # glibc's largest mmap threshold: smaller allocations come from the heap

@@ -101,8 +101,7 @@ def test_auto_on_gpus_joins_with_nccl_and_stages_collectives_on_the_rank_s_gpu(t
     launch_env.setenv("LOCAL_RANK", "1")
     launch_env.setattr(torch_dist, "is_initialized", lambda: True)
     info = init_distributed("auto", "auto")
-    assert (info.rank, info.local_rank, info.world_size, info.backend, info.device) == \
-        (1, 1, 2, "nccl", torch.device("cuda:1"))
+    assert (info.rank, info.world_size, info.backend, info.device) == (1, 2, "nccl", torch.device("cuda:1"))
     assert two_gpus == [torch.device("cuda:1")] and comm.device() == torch.device("cuda:1")
     info = init_distributed("gloo", "cuda")                         # gloo moves tensors through the host
     assert (info.backend, info.device, comm.device()) == ("gloo", torch.device("cuda:1"), torch.device("cpu"))
@@ -111,19 +110,18 @@ def test_auto_on_gpus_joins_with_nccl_and_stages_collectives_on_the_rank_s_gpu(t
 def test_one_process_has_backend_none_and_resets_comm_s_group(launch_env):
     launch_env.setattr(comm, "_GROUP", "a learners' group left by an earlier run")
     info = init_distributed("gloo", "cpu")
-    assert (info.rank, info.local_rank, info.world_size, info.backend, info.device) == \
-        (0, 0, 1, "none", torch.device("cpu"))
+    assert (info.rank, info.world_size, info.backend, info.device) == (0, 1, "none", torch.device("cpu"))
     assert comm._GROUP is None and comm.device() == torch.device("cpu")
 
 
 def test_a_rank_on_a_second_node_keeps_its_global_and_local_numbers_apart(launch_env):
-    """Rank 5 of 8 is local rank 1 on its node (4 per node): DistInfo carries RANK and LOCAL_RANK each as set."""
+    """Rank 5 of 8 is local rank 1 on its node (4 per node): DistInfo's rank is RANK, not LOCAL_RANK (which only picks
+    the GPU: cuda:LOCAL_RANK, above)."""
     for name, value in (("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "4")):
         launch_env.setenv(name, value)
     launch_env.setattr(torch_dist, "is_initialized", lambda: True)      # joined already: nothing is joined here
     info = init_distributed("gloo", "cpu")
-    assert (info.rank, info.local_rank, info.world_size, info.backend, info.device) == \
-        (5, 1, 8, "gloo", torch.device("cpu"))
+    assert (info.rank, info.world_size, info.backend, info.device) == (5, 8, "gloo", torch.device("cpu"))
 
 
 # ---- dist/setup.py: seeds ---------------------------------------------------------------------------------
