@@ -278,3 +278,37 @@ def test_a_sender_listing_keys_in_another_order_and_starting_at_a_later_version(
     changed, (started, applied, a, b) = run_ranks(_sender_in_another_key_order, 2)
     assert (changed, started, applied) == (4, 7, 8)
     assert a == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0] and b == [2.0, 2.0, 2.0]
+
+
+def _permuted_sender(rank, world_size, kind, settings):
+    """Four tensors of one shape and dtype, so a tensor written under another's ordinal fails no shape or dtype
+    check: only its values tell. The sender lists them in reverse; the receiver in its own (alphabetical) order."""
+    cfg = WeightSyncConfig(type=kind, **({"bucket": BucketConfig(**settings)} if kind == "bucket" else {}))
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    start = {k: torch.full((6,), float(i)) for i, k in enumerate("abcd")}
+    if rank == 1:
+        model = dict(start)
+        syncer.init_receiver(model)
+        for version in (1, 2):
+            assert syncer.apply(model) == version
+        return list(model), snapshot(model)
+    state = {k: start[k].clone() for k in reversed(list(start))}
+    syncer.init_sender(state)
+    for version in (1, 2):
+        for i, k in enumerate(state):       # each tensor its own change, in the sender's order
+            state[k][version + i] += 10.0 * (i + 1) + version
+        syncer.sync(state, version)
+    return list(state), snapshot(state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, settings", [("patch", {}), ("bucket", {"bucket_size": 24, "load_instant": True}),
+                                            ("bucket", {"bucket_size": 24, "load_instant": False})])
+def test_a_sender_with_its_keys_permuted_syncs_each_tensor_to_the_receivers_tensor_of_that_name(kind, settings):
+    """The receivers' key order gives each tensor its ordinal on the wire (sync/link.py `_adopt`); the sender maps
+    its own state by name, whatever its order. Bucket mode sends one 24-byte tensor per bucket here, so every frame
+    names one ordinal."""
+    (sender_keys, sent), (receiver_keys, received) = run_ranks(_permuted_sender, 2, args=(kind, settings))
+    assert sender_keys == ["d", "c", "b", "a"] and receiver_keys == ["a", "b", "c", "d"]
+    assert bits_equal(received, sent)
+    assert len({tuple(v.tolist()) for v in sent.values()}) == 4      # four different tensors: a swap would show
