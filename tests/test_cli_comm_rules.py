@@ -299,4 +299,5 @@ def test_collectives_run_in_the_group_use_group_set():
         assert size == 2, rank
         assert summed.tolist() == [10.0 ** pair + 10.0 ** (pair + 1)], rank
         assert first.tolist() == [pair] and gathered.flatten().tolist() == [pair, pair + 1], rank
-        assert (to_first.flatten().tolist() if rank == pair else to_first) == ([pair, pair + 1] if rank == pair else None)
+        assert (to_first.flatten().tolist() if rank == pair else to_first) == \
+            ([pair, pair + 1] if rank == pair else None)

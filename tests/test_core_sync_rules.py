@@ -243,7 +243,8 @@ def test_ended_returns_are_every_ranks_in_end_order():
 def test_every_ranks_episode_returns_reach_tensorboard_and_the_plan(tmp_path):
     """--log.episode-returns on 2 ranks: Episode/return holds the episodes that ended on either rank (per iteration
     they average to Train/mean_reward, computed over both ranks by the separate (sum, count) all-reduce; until this
-    version rank 0 logged its own alone), and their gather to rank 0 is in the sync plan: plan == ledger on each rank."""
+    version rank 0 logged its own alone), and their gather to rank 0 is in the sync plan: plan == ledger on each
+    rank."""
     import glob
 
     import numpy as np
