@@ -15,7 +15,7 @@ from dist.grad_sync import GradSync
 from ppo.kl_schedule import adaptive_lr
 from ppo.minibatch_step import SyncFreeStep, build_optimizer, device_adaptive_lr, saved_state_for
 from ppo.normalizer import RewardNormalizer
-from ppo.restore import restore
+from ppo.restore import restore, resumed_lr
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update
 from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
@@ -285,3 +285,35 @@ def test_only_rank_0_says_that_a_new_seed_restarts_the_rng_streams(capsys):
         restore(_checkpoint(_built(), rngs), "c.pt", _built(), torch.Generator(), _roles(rank, 2), CPU, _run(seed=5))
         out = capsys.readouterr().out
         assert ("--seed 5 is not the checkpoint run's (1): RNG streams restart" in out) == (rank == 0), rank
+
+
+@pytest.mark.parametrize("saved_run, changes, lr, line", [
+    ({"max_iterations": 8, "ppo": {"learning_rate": 1e-3, "schedule": "linear"}},
+     {"ppo__learning_rate": 2e-4, "ppo__schedule": "linear"}, 1.5e-4,
+     "the linear LR re-anneals from --ppo.learning-rate 0.0002 to 0 at --max-iterations 8 (the checkpoint's run: "
+     "--ppo.learning-rate 0.001): iteration 3 runs at LR 0.00015, not 0.00075"),
+    ({"ppo": {"learning_rate": 3e-4, "schedule": "fixed"}}, {"ppo__learning_rate": 1e-3}, 1e-3,
+     "--ppo.schedule adaptive (the checkpoint's run: fixed) starts from --ppo.learning-rate 0.001, as a new run "
+     "would (the checkpoint's LR 0.0003 was its fixed schedule's)"),
+    ({"ppo": {"learning_rate": 1e-3}}, {"ppo__learning_rate": 1e-3}, None,
+     "the LR continues at 0.0003, where the checkpoint's adaptive schedule left it (its run started at 0.001; "
+     "another --ppo.learning-rate restarts the schedule from that)"),
+    ({}, {"ppo__learning_rate": 1e-3}, None,
+     "the LR continues at 0.0003, where the checkpoint's adaptive schedule left it (another --ppo.learning-rate "
+     "restarts the schedule from that)"),
+    ({"max_iterations": 8, "ppo": {"schedule": "linear"}}, {"ppo__learning_rate": 1e-3, "ppo__schedule": "linear"},
+     7.5e-4, "the linear LR continues (from --ppo.learning-rate 0.001 to 0 at --max-iterations 8): iteration 3 runs "
+             "at LR 0.00075")],
+    ids=["linear-new-lr-same-end", "fixed-to-adaptive", "no-schedule-saved", "no-config-saved", "linear-no-lr-saved"])
+def test_resumed_lr_by_hand_where_only_the_lr_or_the_schedule_changed_or_the_config_is_older(saved_run, changes, lr,
+                                                                                              line):
+    """resumed_lr at iteration 2 of a run to --max-iterations 8, restoring LR 3e-4, by hand (docs/fault_tolerance.md,
+    "Resuming: the rules"). A new --ppo.learning-rate alone re-anneals the linear LR to 2e-4 * (1 - 2/8), against
+    1e-3 * (1 - 2/8), and names only the LR as changed (not the unchanged --max-iterations). Adaptive after fixed (a
+    fixed run at 3e-4) starts from --ppo.learning-rate as a new run would and says so, not that a typed LR replaces
+    an adaptive one. A config that recorded no schedule ran the default, adaptive: its LR continues; one that
+    recorded no LR continues it too (the line without 'its run started at'), also under linear (1e-3 * (1 - 2/8));
+    neither formats the missing LR."""
+    got, said = resumed_lr(_run(max_iterations=8, **changes), saved_run, 3e-4, 2)
+    assert (got is None) == (lr is None) and (lr is None or got == pytest.approx(lr, rel=1e-12))
+    assert said == line
