@@ -9,10 +9,16 @@ testing of rollout_ranks.py, where these mutants either survived or were caught 
   produce;
 - the learner leaving without waiting for its weight-serving threads (`weights.close()`): a rollout rank that asks
   for its final weights a little late found the learner gone.
+- a rollout rank past its own stop flag (it collects nothing more, resending its last batch) skipping the
+  sampler-count sums the other rollout ranks still enter: their collective pairs with its save's.
 
 Found equivalent: LearnerTeam.close without `receiver.close()`. A rollout rank says `done` only after reading every
 decision sent to it, and `weights.close()` right after waits for that `done`, so every `control` send has completed
 by then (the gloo works left unwaited are complete; runs of real processes exit 0 without an abort).
+Also equivalent, of the stopping path: the resent batch's stop flags cleared (the learners stop at the flagged
+batch's iteration at the latest and never take the resent ones), the stopping branch taken only in async mode (in
+sync mode the flagged batch's decision, a stop, is read before the next collection), `sent` starting as None (read
+only once a batch has set `stopping`).
 """
 
 import time
@@ -232,3 +238,59 @@ def test_a_learner_leaves_only_once_its_rollout_rank_took_the_final_weights(tmp_
         assert torch.equal(copy[key], value), key
     for rank, (_, _, ledger, expected) in enumerate(results):
         assert ledger == expected, f"rank {rank}"     # the learner counted the final request and the done
+
+
+def tracking(iterations, staleness):
+    """`cartpole`'s layout on the tracking env, whose motion sampler's counts the rollout ranks sum among them."""
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations, cfg.log.save_every = 4, 4, iterations, 4
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (8,)
+    cfg.rollout.ranks, cfg.rollout.mode, cfg.rollout.max_staleness = 1, "async", staleness
+    cfg.dist.device, cfg.dist.sampler_sync_every = "cpu", 2
+    return cfg
+
+
+@pytest.mark.parametrize("signalled", [True, False], ids=["own-flag", "stopped-by-the-learner"])
+def test_a_rollout_rank_past_its_own_stop_still_sums_sampler_counts_where_the_other_rollout_ranks_do(monkeypatch,
+                                                                                                   signalled):
+    """The sampler-count sum is a collective among the rollout ranks: one whose own stop flag rode in batch 2 collects
+    nothing more, but the others still collect and sum, so it must enter the sum at every iteration they do (else the
+    others' iteration-3 sum pairs with its save's, or waits out --dist.timeout-s). Async S = 2, sums after every 2nd
+    iteration, saves every 4: by hand, as (batches sent, decisions read) at each sum: after batch 1 (2, 0); after
+    batch 3, a resend when signalled (4, 1); at the stop's save, in decision 2's read (5, 3). A rank that raised no
+    flag, stopped after iteration 2 by its learner (as on another rank's flag), sums at the same points."""
+    stops, sums, collected = [], [], []
+    collect, summed = rollout_ranks.collect_rollout, rollout_ranks.sum_counts
+
+    class Requests:                  # dist.stop.StopRequests, raised from inside the third collection
+        def __init__(self, watch_launcher):
+            self.signal_name = None
+            stops.append(self)
+
+        @staticmethod
+        def launcher_gone():
+            return False
+
+        @staticmethod
+        def restore_default_handlers():
+            pass
+
+    def counted(*args, **kwargs):
+        collected.append(1)
+        if len(collected) == 3 and signalled:
+            stops[0].signal_name = "SIGTERM"
+        return collect(*args, **kwargs)
+
+    learner = ScriptedLearner(0, 8, 3, save_every=4, stop_after=None if signalled else 2)
+
+    def recorded(sampler):
+        sums.append((learner.next_batch, learner.read))
+        return summed(sampler)
+
+    monkeypatch.setattr(rollout_ranks, "StopRequests", Requests)
+    monkeypatch.setattr(rollout_ranks, "collect_rollout", counted)
+    monkeypatch.setattr(rollout_ranks, "sum_counts", recorded)
+    run_against(learner, tracking(8, 2), monkeypatch)
+    assert learner.done and learner.decisions == [(False, False)] * 2 + [(True, True)] and learner.states == {2}
+    assert len(collected) == (3 if signalled else 5)
+    assert sums == [(2, 0), (4, 1), (5, 3)]
