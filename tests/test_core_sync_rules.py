@@ -21,7 +21,7 @@ from dist.grad_sync import GradSync
 from dist.stats import reduce_metrics
 from ppo.actor_critic import ActorCritic
 from ppo.loss import ppo_loss
-from ppo.rollout import TRAIN_KEYS, EpisodeStats, collect_rollout
+from ppo.rollout import TRAIN_KEYS, EpisodeStats, collect_rollout, episode_returns_plan_rows
 from tests.multirank import run_ranks
 
 B = 4   # samples per rank per step
@@ -262,3 +262,12 @@ def test_every_ranks_episode_returns_reach_tensorboard_and_the_plan(tmp_path):
     assert set(returns) == set(means) == {1, 2, 3}
     for step, values in returns.items():
         assert np.mean(values) == pytest.approx(means[step], rel=1e-5), step
+
+
+def test_the_episode_returns_plan_row_is_one_gather_of_a_ranks_t_by_n_float32_returns_each_iteration():
+    """The printed sync plan names the collective: the returns go to rank 0 alone (a gather); the ledger counts a
+    gather as an all-gather (this rank's tensor), so plan == ledger cannot tell the two apart. None unrecorded."""
+    (row,) = episode_returns_plan_rows(True, 8, 16)
+    assert (row.purpose, row.collective, row.cadence, row.call_bytes) == ("episode_returns", "gather", "iteration",
+                                                                         [8 * 16 * 4])
+    assert episode_returns_plan_rows(False, 8, 16) == []

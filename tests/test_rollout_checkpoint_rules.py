@@ -1,14 +1,15 @@
 """Rules of dist/checkpoint.py and dist/setup.py that the earlier tests left open: a save fsyncs its temporary,
 renames it over the path, then fsyncs the directory, and a failed save leaves the old file as it was (a non-disk
 error raised as itself); which run and which file a resume takes; the run lock never blocks and names its holder
-alone; a read-only --root is only checked to be a directory; every rank's RNG states come back from the
-gather as that rank's; init_distributed hands the process group torchrun's store under a prefix of the
-restart count, this rank's number, the --dist.timeout-s and the rank's GPU. (Rollout-rank rules:
-test_rollout_resume_rules.py.)"""
+alone; a read-only --root is only checked to be a directory; every rank's RNG states come back from the gather as
+that rank's, and a learner team's rollout states go to learner 0 by a gather; init_distributed hands the process
+group torchrun's store under a prefix of the restart count, this rank's number, the --dist.timeout-s and the rank's
+GPU. (Rollout-rank rules: test_rollout_resume_rules.py.)"""
 
 import fnmatch
 import os
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -200,6 +201,34 @@ def test_the_rng_plan_row_is_one_gather_of_every_state_s_bytes_at_each_save():
     row = rng_plan_row({"torch": torch.zeros(5056, dtype=torch.uint8), "env": torch.zeros(16, dtype=torch.uint8)}, 7)
     assert (row.purpose, row.collective, row.cadence, row.call_bytes, row.every) == \
         ("checkpoint", "gather", "checkpoint", [5056 + 16], 7)
+
+
+@pytest.mark.parametrize("stop, save", [(False, False), (False, True), (True, True)])
+def test_a_learner_team_gathers_its_rollout_states_to_learner_0_at_a_save_alone_and_publishes_unless_stopped(
+        monkeypatch, stop, save):
+    """LearnerTeam.finish after iteration 4: the decision goes down; at a save the team's states (the receiver's blob)
+    go to learner 0 by one gather, not an all-gather that would bring every learner the states learner 0 alone
+    writes (one process: the gather is a stack of one); weights 5 are published unless the learners stopped (the
+    rollout ranks ask for none after a stop: a copy of the model for nobody)."""
+    from rollout_ranks import LearnerTeam
+    blob, calls, gather = torch.arange(10, dtype=torch.uint8), [], comm.gather
+
+    def no_all_gather(*args, **kwargs):
+        raise AssertionError("an all-gather: every learner would receive the states learner 0 alone writes")
+
+    def gathered(tensor, purpose, dst=0):
+        calls.append(("gather", purpose, dst))
+        return gather(tensor, purpose, dst)
+
+    monkeypatch.setattr(comm, "all_gather", no_all_gather)
+    monkeypatch.setattr(comm, "gather", gathered)
+    team = object.__new__(LearnerTeam)
+    team.receiver = SimpleNamespace(decide=lambda *decision: calls.append(("decide", decision)), states=lambda: blob)
+    team.weights = SimpleNamespace(publish=lambda model, version: calls.append(("publish", version)))
+    got = team.finish(None, 4, stop, save)
+    assert calls == [("decide", (stop, save))] + ([("gather", "checkpoint", 0)] if save else []) + \
+        ([] if stop else [("publish", 5)])
+    assert got.tolist() == [list(range(10))] if save else got is None
 
 
 # ----- init_distributed: what the process group is given -----------------------------------------------------
