@@ -220,10 +220,12 @@ def test_a_checkpoint_of_either_path_resumes_in_the_other(saved_with_capture):
     assert all(float(s["step"]) == 2.0 for s in resuming.state.values())
 
 
-def test_a_captured_step_is_recorded_again_after_load_state_dict_replaces_adams_moments(monkeypatch):
+@pytest.mark.parametrize("loaded", ["copy", "unstepped"])
+def test_a_captured_step_is_recorded_again_after_load_state_dict_replaces_adams_moments(monkeypatch, loaded):
     """A CUDA graph steps the moment tensors that existed when it was recorded. Here the graph is a fake (CPU:
     recording runs the step, replay counts): updates replay the same graph until `load_state_dict` gives Adam new
-    tensors; the next update records a new one over them instead of replaying the stale one."""
+    tensors; the next update records a new one over them instead of replaying the stale one. Also when the
+    state loaded is an optimizer's that never stepped: it holds no moments at all (none of them the graph's)."""
     class FakeGraph:
         def __init__(self):
             self.replays = 0
@@ -250,8 +252,9 @@ def test_a_captured_step_is_recorded_again_after_load_state_dict_replaces_adams_
 
     first = update()
     assert first.replays == steps and update() is first and first.replays == 2 * steps
-    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))     # as from a file: new tensors
-    moments = [t for state in optimizer.state.values() for t in state.values()]
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()) if loaded == "copy" else   # as from a file
+                              build_optimizer(make_model().parameters(), cfg, DEVICE).state_dict())
     second = update()
+    moments = [t for state in optimizer.state.values() for t in state.values()]     # Adam steps them in place
     assert second is not first and first.replays == 2 * steps and second.replays == steps
     assert all(a is b for a, b in zip(step.captured_state, moments)) and len(step.captured_state) == len(moments)
