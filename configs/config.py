@@ -185,6 +185,9 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
     """Raise UsageError naming the flag for every value that cannot work. Runs before anything is built.
     `typed`: the flags on the command line (configs/typed_flags.py); one that has no effect here is refused."""
     check_typed_flags(cfg, typed)     # first: a flag that does not apply is the thing to fix, whatever its value
+    if "--resume" in typed and not cfg.resume:   # --resume "$CKPT", unset: "" is the default, a fresh run, unsaid
+        raise UsageError("--resume is empty; pass a model_<iteration>.pt file, a run directory or auto, or leave "
+                         "the flag out to start a new run")
     if not 0 <= cfg.seed <= 2**32 - world_size:
         raise UsageError(f"--seed must be in [0, {2**32 - world_size}] with {world_size} rank(s) (rank r seeds "
                          f"numpy with seed + r, which must fit 32 bits), got {cfg.seed}")

@@ -206,3 +206,15 @@ def test_an_empty_log_root_is_refused_not_taken_for_the_working_directory(tmp_pa
         train.main(cfg_with(log__root="", dist__device="cpu", max_iterations=1, env__num_envs=4, ppo__num_steps=4,
                             ppo__num_mini_batches=1))       # small: the old code trained it
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv", [["--resume", ""], ["--resume="]])
+def test_an_empty_resume_typed_is_refused_not_taken_for_a_new_run(tmp_path, argv):
+    # --resume "$CKPT" with CKPT unset: "" is the default (no resume), so the old code trained a new run from scratch,
+    # exit 0, nothing said; the run the user meant to continue was left where it was
+    from configs.typed_flags import typed_flags
+    cfg = cfg_with(log__root=str(tmp_path), dist__device="cpu", max_iterations=1, env__num_envs=4, ppo__num_steps=4,
+                   ppo__num_mini_batches=1)
+    with pytest.raises(UsageError, match=r"^--resume is empty; pass a model_<iteration>\.pt file, a run directory "):
+        train.main(cfg, typed_flags(argv))
+    assert os.listdir(tmp_path) == []
