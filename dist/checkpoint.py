@@ -125,6 +125,11 @@ def lock_run_dir(run_dir: str) -> None:
     path = os.path.realpath(run_dir)
     if path in _LOCKED:
         return
+    try:    # the directory itself, not only .lock: a run dir made read-only (chmod a-w) keeps a writable .lock
+        os.rmdir(tempfile.mkdtemp(prefix=".syncppo-probe-", dir=path))
+    except OSError as exc:
+        raise UsageError(f"run directory {run_dir} cannot be continued in place: {exc.strerror} (creating a file "
+                         f"there); continue one of its checkpoints in a new directory with --resume PATH") from None
     try:
         lock = open(os.path.join(path, ".lock"), "a+")
     except OSError as exc:   # another user's run, a read-only mount: continuing in place would write there

@@ -369,3 +369,28 @@ def test_a_run_directory_that_cannot_be_written_is_refused_in_one_line(tmp_path,
                                          rf"(Is a directory|Permission denied) \(.*\.lock\); continue one of its "):
         train.main(cfg)
     assert sorted(os.listdir(run_dir)) == before
+
+
+def test_a_read_only_run_directory_whose_lock_file_is_writable_is_refused_before_the_build(tmp_path):
+    """`chmod a-w RUN_DIR` (a finished run kept from changes) leaves RUN_DIR/.lock writable: the lock opened, the run
+    was built and failed at the TensorBoard writer with status 1, saying to free disk space."""
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 4, 4, 1, 1
+    cfg.log.root, cfg.log.print_every, cfg.dist.device = str(tmp_path), 100, "cpu"
+    train.main(cfg)
+    (run_dir,) = glob.glob(str(tmp_path / "cartpole" / "*"))
+    before = sorted(os.listdir(run_dir))
+    os.chmod(run_dir, 0o555)     # root writes there anyway: an immutable directory is read-only to root too
+    root = os.geteuid() == 0
+    immutable = root and subprocess.run(["chattr", "+i", run_dir], capture_output=True).returncode == 0
+    try:
+        if root and not immutable:
+            pytest.skip("running as root without chattr: no way to make a directory read-only here")
+        cfg.resume, cfg.max_iterations = run_dir, 2
+        with pytest.raises(UsageError, match=rf"^run directory {re.escape(run_dir)} cannot be continued in place: "):
+            train.main(cfg)
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", run_dir], check=True)
+        os.chmod(run_dir, 0o755)
+    assert sorted(os.listdir(run_dir)) == before
