@@ -17,6 +17,7 @@ import copy
 import importlib.util
 import logging
 import os
+import tempfile
 import warnings
 
 import torch
@@ -85,14 +86,17 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
         raise ValueError(f"CKPT {path!r}: no such checkpoint file")
     model, config = load_policy(path)
     policy = DeterministicActor(model).eval().requires_grad_(False)   # deployed calls build no autograd graph
-    out_dir = out_dir or os.path.dirname(os.path.abspath(path))
+    typed_out, out_dir = bool(out_dir), out_dir or os.path.dirname(os.path.abspath(path))
+    where = f"--out {out_dir!r}" if typed_out else f"the checkpoint's folder {out_dir!r} (the default --out)"
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:     # a file of that name, a read-only place: the user's error, not a traceback
-        raise ValueError(f"--out {out_dir!r} cannot be an output folder "
-                         f"({exc.strerror or type(exc).__name__})") from None
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out_dir!r} is not writable")
+        raise ValueError(f"{where} cannot be an output folder ({exc.strerror or type(exc).__name__})") from None
+    try:     # a directory made and removed: os.access says yes to root where writes fail (/proc, NFS root_squash)
+        os.rmdir(tempfile.mkdtemp(prefix=".export-probe-", dir=out_dir))
+    except OSError as exc:
+        raise ValueError(f"{where} is not writable ({exc.strerror or type(exc).__name__}); pass --out with a "
+                         f"folder you can write to") from None
     stem = os.path.join(out_dir, os.path.splitext(os.path.basename(path))[0] + ".policy")
     example = torch.zeros(1, policy.actor[0].in_features)
     written = {}

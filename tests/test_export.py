@@ -4,6 +4,7 @@ normalizer, one without)."""
 
 import glob
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -90,3 +91,36 @@ def test_bad_checkpoint_path_is_one_line_and_status_2(tmp_path):
                           (not_a_checkpoint, "is not a torch checkpoint (torch.save writes a zip archive")):
         result = run_python(["-m", "ppo.export", str(path)], cwd=REPO, timeout=120)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_out_folder_that_refuses_writes_is_one_line_even_for_root(tmp_path):
+    """os.access says yes to root where writing fails (/proc here; an NFS mount that squashes root): the export
+    passed that check and died in torch.jit.save with a RuntimeError traceback, status 1."""
+    from test_export_logger_env_rules import small_checkpoint
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    result = run_python(["-m", "ppo.export", path, "--out", "/proc"], cwd=REPO, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("export: --out '/proc' is not writable (") and result.stderr.count("\n") == 1
+
+
+def test_a_read_only_run_folder_names_itself_and_the_way_out_not_an_out_never_typed(tmp_path):
+    """Exporting from a finished run kept read-only (no --out): the error said `--out '<run dir>' is not writable`."""
+    from test_export_logger_env_rules import small_checkpoint
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = small_checkpoint(run_dir / "model_3.pt", False)
+    os.chmod(run_dir, 0o555)     # root writes there anyway: an immutable directory is read-only to root too
+    root = os.geteuid() == 0
+    immutable = root and subprocess.run(["chattr", "+i", str(run_dir)], capture_output=True).returncode == 0
+    try:
+        if root and not immutable:
+            pytest.skip("running as root without chattr: no way to make a directory read-only here")
+        result = run_python(["-m", "ppo.export", path], cwd=REPO, timeout=120)
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(run_dir)], check=True)
+        os.chmod(run_dir, 0o755)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"export: the checkpoint's folder {str(run_dir)!r} (the default --out) is not "
+                                    f"writable (") and "; pass --out with a folder you can write to" in result.stderr
+    assert sorted(os.listdir(run_dir)) == ["model_3.pt"]
