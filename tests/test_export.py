@@ -4,7 +4,6 @@ normalizer, one without)."""
 
 import glob
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from configs.config import PolicyConfig
 from ppo import export
 from ppo.actor_critic import build_actor_critic
 from tests.forked_python import run_python
+from tests.read_only import read_only_folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,17 +109,8 @@ def test_a_read_only_run_folder_names_itself_and_the_way_out_not_an_out_never_ty
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     path = small_checkpoint(run_dir / "model_3.pt", False)
-    os.chmod(run_dir, 0o555)     # root writes there anyway: an immutable directory is read-only to root too
-    root = os.geteuid() == 0
-    immutable = root and subprocess.run(["chattr", "+i", str(run_dir)], capture_output=True).returncode == 0
-    try:
-        if root and not immutable:
-            pytest.skip("running as root without chattr: no way to make a directory read-only here")
+    with read_only_folder(run_dir):
         result = run_python(["-m", "ppo.export", path], cwd=REPO, timeout=120)
-    finally:
-        if immutable:
-            subprocess.run(["chattr", "-i", str(run_dir)], check=True)
-        os.chmod(run_dir, 0o755)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"export: the checkpoint's folder {str(run_dir)!r} (the default --out) is not "
                                     f"writable (") and "; pass --out with a folder you can write to" in result.stderr

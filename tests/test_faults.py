@@ -29,6 +29,7 @@ from dist.errors import RunError, UsageError
 from dist.setup import init_distributed
 from dist.stop import SecondInterrupt, StopRequests
 from tests.multirank import run_ranks
+from tests.read_only import read_only_folder
 from tests.torchrun_job import Job, alive
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -380,17 +381,8 @@ def test_a_read_only_run_directory_whose_lock_file_is_writable_is_refused_before
     train.main(cfg)
     (run_dir,) = glob.glob(str(tmp_path / "cartpole" / "*"))
     before = sorted(os.listdir(run_dir))
-    os.chmod(run_dir, 0o555)     # root writes there anyway: an immutable directory is read-only to root too
-    root = os.geteuid() == 0
-    immutable = root and subprocess.run(["chattr", "+i", run_dir], capture_output=True).returncode == 0
-    try:
-        if root and not immutable:
-            pytest.skip("running as root without chattr: no way to make a directory read-only here")
-        cfg.resume, cfg.max_iterations = run_dir, 2
-        with pytest.raises(UsageError, match=rf"^run directory {re.escape(run_dir)} cannot be continued in place: "):
-            train.main(cfg)
-    finally:
-        if immutable:
-            subprocess.run(["chattr", "-i", run_dir], check=True)
-        os.chmod(run_dir, 0o755)
+    cfg.resume, cfg.max_iterations = run_dir, 2
+    with read_only_folder(run_dir), pytest.raises(UsageError, match=rf"^run directory {re.escape(run_dir)} cannot "
+                                                                     rf"be continued in place: "):
+        train.main(cfg)
     assert sorted(os.listdir(run_dir)) == before
