@@ -94,6 +94,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     except UsageError as exc:
         raise blame_checkpoint(exc, kept, resume_path) from None
     check_writable_root(cfg.log.root)
+    if run_dir is None:   # a new run's directory goes in the experiment's: another user's, or a file of that name
+        check_writable_root(experiment, "--log.root/--log.experiment")
     done = checkpoint is not None and not check_resume_fits(checkpoint, cfg, resume_path, restarted)
     if checkpoint is not None and rank == 0 and not done:
         if run_dir is not None and not cfg.dry_run:

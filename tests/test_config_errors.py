@@ -1,7 +1,9 @@
 """Bad input fails before anything is built, with a message naming the flag to fix."""
 
+import contextlib
 import glob
 import os
+import re
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from dist.errors import RunError, UsageError
 from ppo.logger import RunLogger
 from ppo.normalizer import ObsNormalizer
 from tests.forked_python import run_python
+from tests.read_only import read_only_folder
 
 
 def cfg_with(**changes):
@@ -344,3 +347,17 @@ def test_the_minibatch_norm_refusal_counts_a_learner_s_rollout_ranks():
     assert str(exc.value) == ("--ppo.advantage-norm minibatch needs at least 2 transitions per rank in a minibatch "
                               "(the std of one is nan), got 1 = --env.num-envs x 2 x --ppo.num-steps / "
                               "--ppo.num-mini-batches; use fewer minibatches or another --ppo.advantage-norm")
+
+
+@pytest.mark.parametrize("blocker", ["file", "read-only folder"])
+def test_an_experiment_folder_that_cannot_take_a_run_fails_before_the_env_is_built(tmp_path, monkeypatch, blocker):
+    """--log.root was checked, not --log.root/--log.experiment in it: a file of the experiment's name (or a folder
+    another user made) passed, the run was built, then `error: unexpected FileExistsError (traceback above)`."""
+    experiment = tmp_path / "tracking"
+    experiment.write_text("x") if blocker == "file" else experiment.mkdir()
+    monkeypatch.setattr(train, "make_env", lambda *a, **k: pytest.fail("env built before the check"))
+    with read_only_folder(experiment) if blocker != "file" else contextlib.nullcontext():
+        with pytest.raises(UsageError, match=rf"^--log.root/--log.experiment {re.escape(repr(str(experiment)))}: "):
+            train.main(cfg_with(log__root=str(tmp_path)))
+    assert sorted(os.listdir(tmp_path)) == ["tracking"]
+    assert blocker == "file" or os.listdir(experiment) == []
