@@ -89,14 +89,14 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         raise blame_checkpoint(exc, kept, resume_path) from None
     if cfg.rollout.ranks and cfg.dist.device == "auto":
         cfg.dist.device = "cpu"       # rollout ranks stage everything on the host over gloo (docs/rollout_ranks.md)
-    try:
+    try:              # a kept --max-iterations or --env.global-num-envs the checkpoint refuses: blamed on it too
         validate_device(cfg, world, resolve_device(cfg.dist.device).type)
+        done = checkpoint is not None and not check_resume_fits(checkpoint, cfg, resume_path, restarted)
     except UsageError as exc:
         raise blame_checkpoint(exc, kept, resume_path) from None
     check_writable_root(cfg.log.root)
     if run_dir is None:   # a new run's directory goes in the experiment's: another user's, or a file of that name
         check_writable_root(experiment, "--log.root/--log.experiment")
-    done = checkpoint is not None and not check_resume_fits(checkpoint, cfg, resume_path, restarted)
     if checkpoint is not None and rank == 0 and not done:
         if run_dir is not None and not cfg.dry_run:
             lock_run_dir(run_dir)     # before anything is built: a live run's directory is refused now

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import train
+from configs import preset
 from configs.resume import continue_saved_config
 from configs.typed_flags import typed_flags
 from dist.checkpoint import save_checkpoint
@@ -340,3 +341,29 @@ def test_a_refused_setting_a_resume_keeps_names_each_other_flag_of_the_error_onc
     assert blame_checkpoint(error := UsageError("--env.num-envs must be positive, got 0"), [], "c.pt") is error
     # the setting must be that flag: --env.task-overrides taken from the checkpoint is not --env.task
     assert blame_checkpoint(error := UsageError("--env.task X: no such task"), ["--env.task-overrides {}"], "") is error
+
+
+def test_a_setting_taken_from_the_checkpoint_that_it_does_not_fit_says_it_came_from_there(trained, tmp_path):
+    """check_resume_fits's errors were not blamed: `--resume auto --seed 3` of a short run ended with `--max-iterations
+    1: ... is already at iteration 1`, a flag never typed; a run saved with a global env budget, resumed on another
+    world size, with `--env.global-num-envs 2N gives 2N envs per rank`, the same."""
+    def budget(state):
+        state["config"]["env"]["global_num_envs"] = 2 * state["config"]["env"]["num_envs"]   # as saved by 2 ranks
+    root = str(tmp_path / "runs")
+    saved = torch.load(trained, weights_only=True)
+    iterations, per_rank = saved["config"]["max_iterations"], saved["config"]["env"]["num_envs"]
+    assert iterations == saved["iteration"] and iterations != preset("tracking").max_iterations
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg_with(resume=trained, dry_run=True, log__root=root, seed=3),
+                   typed_flags(["tracking", "--resume", trained, "--dry-run", "--log.root", root, "--seed", "3"]))
+    assert str(exc.value).endswith(f"pass a larger --max-iterations to train further (the value of the checkpoint's "
+                                   f"run, {trained!r}: pass --max-iterations to change it)")
+    path = damaged(trained, tmp_path, budget)
+    argv = ["tracking", "--resume", path, "--dry-run", "--log.root", root, "--max-iterations", str(iterations + 1)]
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg_with(resume=path, dry_run=True, log__root=root, max_iterations=iterations + 1),
+                   typed_flags(argv))
+    assert str(exc.value) == (f"--env.global-num-envs {2 * per_rank} gives {2 * per_rank} envs per rank on 1 rank(s), "
+                              f"the checkpoint {path!r} has {per_rank} per rank; pass --env.global-num-envs {per_rank} "
+                              f"to resume it (the value of the checkpoint's run, {path!r}: pass --env.global-num-envs "
+                              f"to change it)")
