@@ -7,7 +7,6 @@ from typing import Literal, Optional
 import torch
 
 DEVICES = ("cpu", "cuda")
-COMPRESSIONS = ("none", "zstd")
 BUCKET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -21,8 +20,8 @@ class InitSyncConfig:
     """largest bootstrap bucket in bytes (a bigger tensor travels alone)"""
 
     def __post_init__(self):
-        _require_bool("patch.init_sync.enabled", self.enabled)
-        _require_positive("patch.init_sync.bucket_size", self.bucket_size)
+        _require_type("patch.init_sync.enabled", self.enabled, bool, "true or false")
+        _require_count("patch.init_sync.bucket_size", self.bucket_size)
         if self.prefixes is not None:
             if isinstance(self.prefixes, str):
                 raise ValueError(f"patch.init_sync.prefixes must be a list of key prefixes, got the string {self.prefixes!r}")
@@ -47,11 +46,11 @@ class PatchConfig:
     def __post_init__(self):
         _require_choice("patch.snapshot_device", self.snapshot_device, DEVICES)
         _require_choice("patch.transport_device", self.transport_device, DEVICES)
-        _require_choice("patch.compression", self.compression, COMPRESSIONS)
-        if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 0:
-            raise ValueError(f"weight sync config: patch.verify_every must be an integer >= 0, got {self.verify_every!r}")
+        _require_choice("patch.compression", self.compression, ("none", "zstd"))
+        _require_count("patch.verify_every", self.verify_every, 0, "an integer >= 0")
         if self.compression == "zstd" and self.transport_device != "cpu":
             raise ValueError("patch.compression=zstd runs on the host: set patch.transport_device=cpu")
+        _require_type("patch.init_sync", self.init_sync, InitSyncConfig, "an InitSyncConfig")
 
 
 @dataclass
@@ -66,11 +65,10 @@ class BucketConfig:
     """apply each bucket as it arrives (less receiver memory); False stages all buckets and applies at the end"""
 
     def __post_init__(self):
-        _require_positive("bucket.bucket_size", self.bucket_size)
-        if self.bucket_dtype is not None:
-            _require_choice("bucket.bucket_dtype", self.bucket_dtype, tuple(BUCKET_DTYPES))
+        _require_count("bucket.bucket_size", self.bucket_size)
+        _require_choice("bucket.bucket_dtype", self.bucket_dtype, (None, *BUCKET_DTYPES))
         _require_choice("bucket.bucket_device", self.bucket_device, DEVICES)
-        _require_bool("bucket.load_instant", self.load_instant)
+        _require_type("bucket.load_instant", self.load_instant, bool, "true or false")
 
 
 @dataclass
@@ -84,6 +82,8 @@ class WeightSyncConfig:
 
     def __post_init__(self):
         _require_choice("type", self.type, ("patch", "bucket"))
+        _require_type("patch", self.patch, PatchConfig, "a PatchConfig")
+        _require_type("bucket", self.bucket, BucketConfig, "a BucketConfig")
 
 
 def _require_choice(name, value, choices):
@@ -91,11 +91,11 @@ def _require_choice(name, value, choices):
         raise ValueError(f"weight sync config: {name}={value!r} is not one of {', '.join(map(repr, choices))}")
 
 
-def _require_bool(name, value):
-    if not isinstance(value, bool):      # a string "false" from a hand-written config would read as true
-        raise ValueError(f"weight sync config: {name} must be true or false, got {value!r}")
+def _require_type(name, value, kind, wanted):
+    if not isinstance(value, kind):  # a string "false" would read as true; a YAML mapping fails later, or hangs init
+        raise ValueError(f"weight sync config: {name} must be {wanted}, got {value!r}")
 
 
-def _require_positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"weight sync config: {name} must be a positive number of bytes, got {value!r}")
+def _require_count(name, value, low=1, what="a positive number of bytes"):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"weight sync config: {name} must be {what}, got {value!r}")

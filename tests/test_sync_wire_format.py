@@ -214,12 +214,17 @@ def test_symbol_streams_a_sender_never_produces_are_flagged():
     (lambda: InitSyncConfig(prefixes=["actor", ""]), "must be None or non-empty strings"),
     (lambda: InitSyncConfig(enabled="false"), "patch.init_sync.enabled must be true or false, got 'false'"),
     (lambda: BucketConfig(load_instant=0), "bucket.load_instant must be true or false, got 0"),
+    (lambda: WeightSyncConfig(type="patch", patch={"verify_every": 5}), "patch must be a PatchConfig, got"),
+    (lambda: WeightSyncConfig(bucket=PatchConfig()), "bucket must be a BucketConfig, got PatchConfig("),
+    (lambda: PatchConfig(init_sync={"prefixes": ["actor"]}), "patch.init_sync must be an InitSyncConfig, got"),
 ])
 def test_each_config_field_refuses_what_its_docs_exclude(build, message):
     """docs/weight_sync.md: "Bad values are errors naming the field". The fields no other test fed a bad value:
     a bool where a count is meant (True is an int to Python), devices, the bootstrap's bucket size, an
-    empty prefix (which would match every key under its `_under` rule only by accident), and a switch that is
-    not a bool (a hand-written config's string "false" is true to Python)."""
+    empty prefix (which would match every key under its `_under` rule only by accident), a switch that is
+    not a bool (a hand-written config's string "false" is true to Python), and a section given as the mapping
+    a YAML file holds (it was taken, then failed with an AttributeError at the syncer's construction, or, for
+    init_sync, in init_sender only, while the receivers waited for the handshake's reply)."""
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         build()
 
