@@ -94,8 +94,7 @@ class Link:
         self.numels = [int(torch.Size(self.shapes[k]).numel()) for k in self.keys]
         self._tie_of = {k: tuple(group) for group in meta["ties"] for k in group}
         self.synced = self.once_per_tie([k for k in self.keys if k in set(synced)])
-        self._documents = documents  # (metadata, reply) JSON bytes per receiver, for plan()
-        self._checked: list[str] = []  # keys compared at init by verify_same_start
+        self._documents, self._checked = documents, []  # plan(): JSON bytes per receiver, keys checked at init
 
     def once_per_tie(self, keys: Sequence[str]) -> list[str]:
         """Keep only the first of several keys that are one tensor (tied weights travel once)."""
@@ -149,8 +148,9 @@ class Link:
         if sender != self.is_sender:
             role = "sender" if self.is_sender else "receiver"
             raise RuntimeError(f"weight sync: rank {dist.get_rank()} is the {role}; call the {role} methods")
-        if initialized and self.version is None:
-            raise RuntimeError("weight sync: call init_sender/init_receiver first")
+        if initialized != (self.version is not None):  # a second init would wait for a handshake the peer never sends
+            raise RuntimeError("weight sync: " + ("call init_sender/init_receiver first" if initialized else
+                               "init already ran: call resync() on both sides to send the weights again"))
         if version is not None and version <= self.version:
             raise ValueError(f"weight sync: version must increase, last sent {self.version}, got {version}")
 

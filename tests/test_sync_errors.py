@@ -111,6 +111,8 @@ def _bad_calls(rank, world_size):
         with pytest.raises(RuntimeError, match="rank 0 is the sender; call the sender methods"):
             syncer.apply(state)
         syncer.init_sender(state)
+        with pytest.raises(RuntimeError, match="init already ran: call resync"):   # it had waited for a handshake
+            syncer.init_sender(state)
         with pytest.raises(ValueError, match="version must increase, last sent 0, got 0"):
             syncer.sync(state, 0)
         with pytest.raises(KeyError, match=r"missing \['b'\], unexpected \['c'\]"):
@@ -124,6 +126,8 @@ def _bad_calls(rank, world_size):
         syncer.sync(state, 1)
     else:
         syncer.init_receiver(state)
+        with pytest.raises(RuntimeError, match="init already ran: call resync"):
+            syncer.init_receiver(state)
         with pytest.raises(KeyError, match=r"receiver model keys differ from init_receiver: missing \['steps'\]"):
             syncer.apply({"a": state["a"], "b": state["b"]})
         with pytest.raises(KeyError, match=r"missing \[\], unexpected \['extra'\]"):
