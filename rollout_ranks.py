@@ -258,7 +258,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
             env.sampler.local_counts += ahead
         return must_stop
 
-    check_first = step_checker(env, env_label(cfg), device, cfg.ppo.bootstrap_time_outs)   # the run's first step
+    check_steps = step_checker(env, env_label(cfg), device, cfg.ppo.bootstrap_time_outs)
     try:
         for iteration in range(start_iteration, cfg.max_iterations):
             while decided < iteration - 1 - lag:    # sync: the weights after update k - 1; async: up to S older
@@ -277,8 +277,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
                 before = env.sampler.local_counts.clone() if env.sampler is not None else None
                 with autocast:
                     batch, obs = collect_rollout(copy, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, stats,
-                                                 record_returns=cfg.log.episode_returns, check=check_first
-                                                 if iteration == start_iteration else None)
+                                                 record_returns=cfg.log.episode_returns, check=check_steps)
                 if env.sampler is not None:
                     counted[iteration] = env.sampler.local_counts - before
                 check_finite(batch, env_label(cfg), roles.rank)

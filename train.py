@@ -201,7 +201,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     episodes = EpisodeStats(N, metric_keys, device)
     ledger_before = comm.ledger_snapshot()       # weight-serving threads count into the ledger meanwhile
     scalars: dict[str, float] = {}
-    check_first = step_checker(env, env_label(cfg), device, cfg.ppo.bootstrap_time_outs)   # the run's first step
+    check_steps = step_checker(env, env_label(cfg), device, cfg.ppo.bootstrap_time_outs)
     for iteration in range(start_iteration, cfg.max_iterations):
         # ---- rollout: T steps of every local env (no communication), or the rollout ranks' batches ----
         t0 = time.time()
@@ -209,7 +209,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         if team is None:
             batch, obs = collect_rollout(model, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, episodes,
                                          record_returns=cfg.log.episode_returns,
-                                         check=check_first if iteration == start_iteration else None)
+                                         check=check_steps)
             check_finite(batch, env_label(cfg), rank)    # before anything enters a normalizer
         else:
             batch, remote = team.receive(iteration)

@@ -2,8 +2,11 @@
 a new env is one line naming the field to fix rather than a shape error deep in the model, or silently wrong numbers.
 
 Run once: on the env as built, on its reset (one host sync: its values are finite), and on the first step of a
-run (no host sync; never per step).
+run (no host sync). Every later step's extras too, host-side only (names, types, shapes: no sync): an env fills them
+on the steps where episodes end, so a mistake there can first show mid-run.
 """
+
+import numbers
 
 import torch
 
@@ -77,9 +80,7 @@ def check_reset(env, result, name: str, device: torch.device) -> dict:
 
 def check_step(env, result, name: str, device: torch.device, bootstrap: bool) -> None:
     """One step's (obs, reward, terminated, truncated, extras); `bootstrap`: time-outs need extras['final_obs']."""
-    if not (isinstance(result, tuple) and len(result) == 5):
-        fail(name, "step() must return (obs, reward, terminated, truncated, extras)")
-    obs, reward, terminated, truncated, extras = result
+    obs, reward, terminated, truncated, extras = unpack_step(result, name)
     check_obs(obs, env, name, "step()'s obs", device)
     for what, value, dtype in (("reward", reward, torch.float32), ("terminated", terminated, torch.bool),
                                ("truncated", truncated, torch.bool)):
@@ -87,21 +88,44 @@ def check_step(env, result, name: str, device: torch.device, bootstrap: bool) ->
             shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             fail(name, f"step()'s {what} must be a [num_envs] = [{env.num_envs}] tensor, got {shape}")
         check_tensor(name, f"step()'s {what}", value, dtype, device)
+    check_extras(env, extras, name, bootstrap)
+    if "final_obs" in extras:
+        check_obs(extras["final_obs"], env, name, "step()'s extras['final_obs']", device)
+
+
+def unpack_step(result, name: str) -> tuple:
+    if not (isinstance(result, tuple) and len(result) == 5):
+        fail(name, "step() must return (obs, reward, terminated, truncated, extras)")
+    return result
+
+
+def check_extras(env, extras, name: str, bootstrap: bool) -> None:
+    """A step's extras: 'log' (names declared, values scalars) and 'final_obs' there when time-outs bootstrap."""
     if not isinstance(extras, dict) or not isinstance(extras.get("log"), dict):   # not None: {} when nothing logged
         fail(name, "step()'s extras must be a dict with 'log', a dict ({} when the env logs nothing)")
     if bootstrap and "final_obs" not in extras:
         fail(name, "step()'s extras has no 'final_obs': the observation groups before the auto-reset, which a "
                    "time-out is bootstrapped from (or train with --ppo.no-bootstrap-time-outs)")
-    if "final_obs" in extras:
-        check_obs(extras["final_obs"], env, name, "step()'s extras['final_obs']", device)
     for key, value in extras["log"].items():
         if key not in env.log_keys:
             fail(name, f"step() logged {key!r}, which env.log_keys {tuple(env.log_keys)} does not declare")
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
-            fail(name, f"step()'s extras['log'][{key!r}] must be a scalar (one value per step, e.g. a mean over "
-                       f"the envs), got shape {list(value.shape)}")
+        # A 0-d tensor or a number adds into the iteration's sums; a [1] tensor does not broadcast into one of them.
+        if isinstance(value, torch.Tensor) and value.dim() != 0 or \
+                not isinstance(value, (torch.Tensor, numbers.Real)):
+            got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+            fail(name, f"step()'s extras['log'][{key!r}] must be a scalar (a 0-d tensor or a number: one value per "
+                       f"step, e.g. a mean over the envs), got {got}")
 
 
 def step_checker(env, name: str, device: torch.device, bootstrap: bool):
-    """`collect_rollout`'s `check`: `check_step` on a step's result."""
-    return lambda result: check_step(env, result, name, device, bootstrap)
+    """`collect_rollout`'s `check`, for every step of a run: `check_step` on the first, `check_extras` on the others."""
+    checked_first = False
+
+    def check(result) -> None:
+        nonlocal checked_first
+        if not checked_first:
+            check_step(env, result, name, device, bootstrap)
+            checked_first = True
+        else:
+            check_extras(env, unpack_step(result, name)[4], name, bootstrap)
+    return check

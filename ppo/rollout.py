@@ -78,15 +78,15 @@ def episode_returns_plan_rows(recorded: bool, num_steps: int, num_envs: int) -> 
 def collect_rollout(model, env, obs: dict, num_steps: int, gamma: float, bootstrap: bool, stats: EpisodeStats,
                     record_returns: bool = False, check=None) -> tuple[dict[str, torch.Tensor], dict]:
     """T steps of every env with `model`; returns the batch ([T, N, ...] fields + `last_critic_obs`) and the
-    observation to continue from. No communication. `check`: called with the first step's result (the run's
-    first rollout checks the env's protocol, ppo/env_check.py)."""
+    observation to continue from. No communication. `check`: called with every step's result (the env's protocol,
+    ppo/env_check.py: all of it on the run's first step, the extras on the others)."""
     steps = {name: [] for name in BATCH_FIELDS}
     for step in range(num_steps):
         pi = model.distribution(obs["policy"])
         actions = pi.sample()
         values = model.value(obs["critic"])
         result = env.step(actions)
-        if check is not None and step == 0:
+        if check is not None:
             check(result)
         next_obs, raw_reward, terminated, truncated, extras = result
         truncated = truncated & ~terminated     # flagged both: a termination, never bootstrapped (as the adapters do)

@@ -184,14 +184,14 @@ class ThreeActionEnv:
         return self.observe(), torch.ones(self.num_envs), no, no.clone(), {"log": {}}
 
 
-def test_collect_rollout_sums_log_probs_over_action_dims_and_checks_the_first_step_only():
+def test_collect_rollout_sums_log_probs_over_action_dims_and_checks_every_step():
     torch.manual_seed(0)
     model = ActorCritic(2, 2, 3, (8,), (8,), normalize_critic_obs=False)
     env = ThreeActionEnv()
     stats = EpisodeStats(env.num_envs, TRAIN_KEYS, torch.device("cpu"))
     checked = []
     batch, _ = collect_rollout(model, env, env.observe(), 3, 0.9, False, stats, check=checked.append)
-    assert len(checked) == 1                              # the env protocol is checked on the first step's result
+    assert len(checked) == 3          # every step's result (step_checker: all of the first, the others' extras)
     with torch.no_grad():
         mean = model.actor(batch["actor_obs"])
         ref = torch.distributions.Normal(mean, model.log_std.exp().expand_as(mean))

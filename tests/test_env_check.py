@@ -20,7 +20,7 @@ class Broken(CartPole):
         self.mistake = mistake
         if mistake == "no_critic_dim":
             self.obs_dims = {"policy": 4}
-        if mistake == "log_scalar":
+        if mistake in ("log_scalar", "log_one_element", "log_str"):
             self.log_keys = ("Episode/x",)
         if mistake == "log_keys_str":
             self.log_keys = ("Episode/x")                     # the missing comma is the mistake
@@ -68,6 +68,10 @@ class Broken(CartPole):
             extras["log"] = {"Episode/x": reward.mean()}
         if self.mistake == "log_none":
             extras["log"] = None
+        if self.mistake == "log_one_element":
+            extras["log"] = {"Episode/x": reward.mean()[None]}
+        if self.mistake == "log_str":
+            extras["log"] = {"Episode/x": "high"}
         return obs, reward, terminated, truncated, extras
 
 
@@ -94,6 +98,9 @@ MISTAKES = {
                  r"observations",
     "log_undeclared": r"step\(\) logged 'Episode/x', which env.log_keys \(\) does not declare",
     "log_scalar": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar .* got shape \[8\]",
+    "log_one_element": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar \(a 0-d tensor or a number: "
+                       r"one value per step, e.g. a mean over the envs\), got shape \[1\]",
+    "log_str": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar .* got a str",
 }
 
 
@@ -128,3 +135,46 @@ def test_a_step_flagged_both_terminated_and_truncated_is_a_termination_never_boo
     batch, _ = collect_rollout(model, env, env.reset()[0], 3, 0.99, True, EpisodeStats(8, TRAIN_KEYS, "cpu"))
     assert batch["dones"].all()
     assert torch.equal(batch["bootstrap"], torch.zeros(3, 8))     # gamma * V(final obs) would be nonzero
+
+
+class LateMistake(CartPole):
+    """Cart-pole whose extras go wrong only from its 6th step on (the second iteration of 4 steps), as those of an
+    env that fills them on the steps where episodes end first go wrong mid-run."""
+
+    def __init__(self, num_envs, device, seed, mistake):
+        super().__init__(num_envs, device, seed)
+        self.mistake, self.steps, self.log_keys = mistake, 0, ("Episode/x",)
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, extras = super().step(actions)
+        self.steps += 1
+        if self.steps < 6:
+            return obs, reward, terminated, truncated, {**extras, "log": {"Episode/x": reward.mean()}}
+        if self.mistake == "undeclared":
+            extras["log"] = {"Episode/y": reward.mean()}
+        if self.mistake == "per_env":
+            extras["log"] = {"Episode/x": reward}
+        if self.mistake == "no_final_obs":
+            del extras["final_obs"]
+        if self.mistake == "no_log":
+            del extras["log"]
+        return obs, reward, terminated, truncated, extras
+
+
+LATE_MISTAKES = {
+    "undeclared": r"step\(\) logged 'Episode/y', which env.log_keys \('Episode/x',\) does not declare",
+    "per_env": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar .* got shape \[8\]",
+    "no_final_obs": r"step\(\)'s extras has no 'final_obs'",
+    "no_log": r"step\(\)'s extras must be a dict with 'log'",
+}
+
+
+@pytest.mark.parametrize("mistake", LATE_MISTAKES)
+def test_a_mistake_in_the_extras_of_a_later_step_is_named_too(mistake, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "make_env", lambda cfg, device, seed, base_seed: LateMistake(cfg.num_envs, device, seed,
+                                                                                             mistake))
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 8, 4, 2, 2
+    cfg.log.root = str(tmp_path)
+    with pytest.raises(RunError, match=r"^env 'cartpole': " + LATE_MISTAKES[mistake]):
+        train.main(cfg)
