@@ -85,7 +85,9 @@ def collect_rollout(model, env, obs: dict, num_steps: int, gamma: float, bootstr
         pi = model.distribution(obs["policy"])
         actions = pi.sample()
         values = model.value(obs["critic"])
-        result = env.step(actions)
+        # The env gets a copy: one that clamps or scales its actions in place would otherwise change the stored
+        # actions and their log-probs, training on actions the policy never sampled.
+        result = env.step(actions.clone())
         if check is not None:
             check(result)
         next_obs, raw_reward, terminated, truncated, extras = result

@@ -178,3 +178,28 @@ def test_a_mistake_in_the_extras_of_a_later_step_is_named_too(mistake, tmp_path,
     cfg.log.root = str(tmp_path)
     with pytest.raises(RunError, match=r"^env 'cartpole': " + LATE_MISTAKES[mistake]):
         train.main(cfg)
+
+
+class ClampsInPlace(CartPole):
+    """Cart-pole that clamps its actions to +-0.1 in place, or (`in_place=False`) into a new tensor: same dynamics."""
+
+    def __init__(self, num_envs, device, seed, in_place):
+        super().__init__(num_envs, device, seed)
+        self.in_place = in_place
+
+    def step(self, actions):
+        return super().step(actions.clamp_(-0.1, 0.1) if self.in_place else actions.clamp(-0.1, 0.1))
+
+
+def test_the_batch_keeps_the_sampled_actions_when_the_env_changes_them_in_place():
+    batches = []
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        env = ClampsInPlace(8, "cpu", 0, in_place)
+        model = build_actor_critic(preset("cartpole").policy, env.obs_dims, env.num_actions)
+        stats = EpisodeStats(8, TRAIN_KEYS, "cpu")
+        batches.append(collect_rollout(model, env, env.reset()[0], 5, 0.99, True, stats)[0])
+    reference, batch = batches
+    assert batch["actions"].abs().max() > 0.1           # the policy's std is 1: what it sampled, not what the env ran
+    for field in ("actions", "log_probs", "actor_obs", "rewards"):
+        assert torch.equal(batch[field], reference[field]), field
