@@ -19,7 +19,9 @@
   up front: the cross-rank metrics vector must have the same layout on every rank even when one
   rank has not logged a key yet.
 - `sampler` is the env's adaptive sampler (counts summed across ranks by the runner), or None.
-- `state_dict()`/`load_state_dict()` carry sampler/curriculum state into checkpoints.
+- `state_dict()`/`load_state_dict()` carry sampler/curriculum state into checkpoints: tensors in (nested) dicts
+  under str names without '/' (`{}` when there is none); rollout ranks send it as named tensors, their shapes and
+  dtypes agreed at start-up.
 """
 
 from typing import Protocol

@@ -39,6 +39,23 @@ def check_built(env, name: str, num_envs: int) -> None:
         if not size > 0:
             fail(name, f"{what} is {size}; the policy needs at least one action and one observation feature in each "
                        f"group: check the env's action space and observation groups")
+    check_state(env.state_dict(), name)
+
+
+def check_state(state, name: str, where: str = "env.state_dict()") -> None:
+    """The env's checkpointed state: tensors in (nested) dicts under names without '/'. Rollout ranks send it as
+    named tensors ({'a': {'b': t}} as 'a/b'), where anything else was a traceback, and only there."""
+    if not isinstance(state, dict):
+        fail(name, f"{where} must be a dict of tensors ({{}} when the env has no sampler or curriculum), got "
+                   f"{type(state).__name__}")
+    for key, value in state.items():
+        if not isinstance(key, str) or "/" in key:
+            fail(name, f"{where} has the key {key!r}; a key must be a str without '/' (nested names are nested dicts)")
+        if isinstance(value, dict):
+            check_state(value, name, f"{where}[{key!r}]")
+        elif not isinstance(value, torch.Tensor):
+            fail(name, f"{where}[{key!r}] is a {type(value).__name__}, not a tensor: the sampler or curriculum state "
+                       f"that checkpoints save is tensors in (nested) dicts")
 
 
 def check_obs(obs, env, name: str, where: str, device: torch.device) -> None:

@@ -28,6 +28,11 @@ class Broken(CartPole):
             self.num_actions = 0
         if mistake == "empty_critic":
             self.obs_dims = {"policy": 4, "critic": 0}
+        self.saved = {"state_list": {"counts": [1, 2]}, "state_float": {"sampler": {"floor": 0.1}},
+                      "state_slash": {"sampler/counts": torch.zeros(2)}, "state_tuple": ()}.get(mistake)
+
+    def state_dict(self):
+        return super().state_dict() if self.saved is None else self.saved
 
     def _observe(self):
         obs = super()._observe()
@@ -100,6 +105,12 @@ MISTAKES = {
     "log_scalar": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar .* got shape \[8\]",
     "log_one_element": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar \(a 0-d tensor or a number: "
                        r"one value per step, e.g. a mean over the envs\), got shape \[1\]",
+    "state_list": r"env.state_dict\(\)\['counts'\] is a list, not a tensor: the sampler or curriculum state that "
+                  r"checkpoints save is tensors in \(nested\) dicts",
+    "state_float": r"env.state_dict\(\)\['sampler'\]\['floor'\] is a float, not a tensor",
+    "state_slash": r"env.state_dict\(\) has the key 'sampler/counts'; a key must be a str without '/'",
+    "state_tuple": r"env.state_dict\(\) must be a dict of tensors \(\{\} when the env has no sampler or "
+                   r"curriculum\), got tuple",
     "log_str": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar .* got a str",
 }
 
