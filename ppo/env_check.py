@@ -13,6 +13,8 @@ import torch
 from dist.errors import RunError
 
 GROUPS = ("policy", "critic")
+ATTRIBUTES = ("num_envs", "num_actions", "obs_dims", "log_keys", "sampler", "generator")   # what the runner reads
+METHODS = ("reset", "step", "state_dict", "load_state_dict")
 PROTOCOL = "see the VecEnv protocol in envs/base.py"
 
 
@@ -20,8 +22,21 @@ def fail(name: str, what: str) -> None:
     raise RunError(f"env {name!r}: {what} ({PROTOCOL})")
 
 
+def a_type(value) -> str:
+    """'an int', 'a list': the type of `value` as a message names it."""
+    kind = type(value).__name__
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+
+
 def check_built(env, name: str, num_envs: int) -> None:
     """The env's declared sizes, before anything is built from them."""
+    missing = [what for what in ATTRIBUTES + METHODS if not hasattr(env, what)]
+    if missing:                       # else an AttributeError from wherever the runner first reads one
+        fail(name, f"the env has no {', '.join(missing)} (the runner reads the attributes {', '.join(ATTRIBUTES)} "
+                   f"and calls {', '.join(METHODS)})")
+    if not isinstance(env.generator, torch.Generator):
+        fail(name, f"env.generator is {a_type(env.generator)}, not a torch.Generator (the env's RNG, seeded "
+                   f"with the seed make_env passes; checkpoints save its state per rank)")
     if env.num_envs != num_envs:
         fail(name, f"env.num_envs is {env.num_envs}, but {num_envs} envs were asked for (make_env passes "
                    f"--env.num-envs per rank; the env must build exactly that many)")
@@ -54,7 +69,7 @@ def check_state(state, name: str, where: str = "env.state_dict()") -> None:
         if isinstance(value, dict):
             check_state(value, name, f"{where}[{key!r}]")
         elif not isinstance(value, torch.Tensor):
-            fail(name, f"{where}[{key!r}] is a {type(value).__name__}, not a tensor: the sampler or curriculum state "
+            fail(name, f"{where}[{key!r}] is {a_type(value)}, not a tensor: the sampler or curriculum state "
                        f"that checkpoints save is tensors in (nested) dicts")
 
 
@@ -129,7 +144,7 @@ def check_extras(env, extras, name: str, bootstrap: bool) -> None:
         # A 0-d tensor or a number adds into the iteration's sums; a [1] tensor does not broadcast into one of them.
         if isinstance(value, torch.Tensor) and value.dim() != 0 or \
                 not isinstance(value, (torch.Tensor, numbers.Real)):
-            got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+            got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else a_type(value)
             fail(name, f"step()'s extras['log'][{key!r}] must be a scalar (a 0-d tensor or a number: one value per "
                        f"step, e.g. a mean over the envs), got {got}")
 

@@ -28,6 +28,12 @@ class Broken(CartPole):
             self.num_actions = 0
         if mistake == "empty_critic":
             self.obs_dims = {"policy": 4, "critic": 0}
+        if mistake == "no_sampler":
+            del self.sampler
+        if mistake == "no_generator_no_log_keys":
+            del self.generator, self.log_keys
+        if mistake == "generator_seed":
+            self.generator = seed
         self.saved = {"state_list": {"counts": [1, 2]}, "state_float": {"sampler": {"floor": 0.1}},
                       "state_slash": {"sampler/counts": torch.zeros(2)}, "state_tuple": ()}.get(mistake)
 
@@ -105,6 +111,11 @@ MISTAKES = {
     "log_scalar": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar .* got shape \[8\]",
     "log_one_element": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar \(a 0-d tensor or a number: "
                        r"one value per step, e.g. a mean over the envs\), got shape \[1\]",
+    "no_sampler": r"the env has no sampler \(the runner reads the attributes num_envs, num_actions, obs_dims, "
+                  r"log_keys, sampler, generator and calls reset, step, state_dict, load_state_dict\)",
+    "no_generator_no_log_keys": r"the env has no log_keys, generator \(the runner reads",
+    "generator_seed": r"env.generator is an int, not a torch.Generator \(the env's RNG, seeded with the seed "
+                      r"make_env passes; checkpoints save its state per rank\)",
     "state_list": r"env.state_dict\(\)\['counts'\] is a list, not a tensor: the sampler or curriculum state that "
                   r"checkpoints save is tensors in \(nested\) dicts",
     "state_float": r"env.state_dict\(\)\['sampler'\]\['floor'\] is a float, not a tensor",
