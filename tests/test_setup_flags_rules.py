@@ -2,8 +2,12 @@
 configs/typed_flags.py (which env reads each --env.* flag, the order and paths of refusals), dist/params.py
 (start-up broadcast by dtype) and dist/buffers.py (ledger purposes, integer `mean` buffers)."""
 
+import ast
+import inspect
 import os
 import random
+import textwrap
+import typing
 
 import numpy as np
 import pytest
@@ -11,6 +15,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from configs.config import EnvConfig
 from configs.typed_flags import check_typed_flags, env_reads
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
@@ -170,6 +175,25 @@ def test_every_env_specific_flag_is_accepted_exactly_by_the_envs_that_read_it(en
             with pytest.raises(UsageError, match=rf"^{flag} applies only with --env\.name .*\(the run uses {env}\)"):
                 check_typed_flags(cfg, frozenset({flag}))
     assert env_reads(cfg, "--ppo.gamma") and env_reads(cfg, "--env.num-envs")     # read by every env
+
+
+def test_envs_and_read_by_cover_every_env_name_and_its_help_strings_name_the_envs_that_read_them():
+    """An env added by docs/design.md's five edits must be in ENVS (and READ_BY), so that the test above checks its
+    ENV_ONLY entries; and --env.name's help and every env flag's help name the envs (`cartpole/tracking: ...`)."""
+    assert set(ENVS) == set(typing.get_args(typing.get_type_hints(EnvConfig)["name"]))
+    helps = field_helps(EnvConfig)
+    assert all(env in helps["name"] for env in ENVS), helps["name"]
+    for flag, envs in READ_BY.items():
+        if flag.startswith("--env."):
+            named = helps[flag.removeprefix("--env.").replace("-", "_")].split(":")[0].removesuffix(" only")
+            assert set(named.split("/")) == envs, (flag, named)
+
+
+def field_helps(cls) -> dict[str, str]:
+    """{field: the help string under it} read off the class's source, as tyro reads it."""
+    (tree,) = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
+    return {field.target.id: doc.value.value for field, doc in zip(tree.body, tree.body[1:])
+            if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)}
 
 
 def test_of_several_refused_flags_the_first_in_sorted_order_is_named():
