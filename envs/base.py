@@ -9,7 +9,9 @@
 - `terminated` (failure: no bootstrap) and `truncated` (time-out: bootstrap from the value function)
   are separate bool [num_envs] tensors (not ints: the runner negates them with `~`); an env that
   sets both for a step is taken as terminated.
-- `step` may change `actions` in place (it gets the runner's copy; the runner keeps what it sampled).
+- `step` may change `actions` in place (it gets the runner's copy; the runner keeps what it sampled), and may
+  return tensors it writes into again later (buffers it reuses): the runner copies what it keeps before the next
+  step. Not `extras["final_obs"]`, though: a buffer that the reset inside `step` writes into holds the next episode.
 - `step` resets finished envs itself; the returned `obs` is already the first observation of the next
   episode. `extras["final_obs"]` holds the observation groups *before* that reset (equal to `obs`
   for envs that did not finish), which is what a time-out must be bootstrapped from.

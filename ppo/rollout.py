@@ -80,13 +80,15 @@ def collect_rollout(model, env, obs: dict, num_steps: int, gamma: float, bootstr
     """T steps of every env with `model`; returns the batch ([T, N, ...] fields + `last_critic_obs`) and the
     observation to continue from. No communication. `check`: called with every step's result (the env's protocol,
     ppo/env_check.py: all of it on the run's first step, the extras on the others)."""
-    steps = {name: [] for name in BATCH_FIELDS}
+    batch: dict[str, torch.Tensor] = {}
     for step in range(num_steps):
         pi = model.distribution(obs["policy"])
         actions = pi.sample()
         values = model.value(obs["critic"])
-        # The env gets a copy: one that clamps or scales its actions in place would otherwise change the stored
-        # actions and their log-probs, training on actions the policy never sampled.
+        # Copied before the step: an env that writes its next observation into the tensors it returned (a buffer
+        # it reuses) would otherwise change this one. The env gets a copy of the actions: one that clamps or
+        # scales them in place would otherwise change the stored actions, which the policy never sampled.
+        keep(batch, step, num_steps, actor_obs=obs["policy"], critic_obs=obs["critic"])
         result = env.step(actions.clone())
         if check is not None:
             check(result)
@@ -97,14 +99,23 @@ def collect_rollout(model, env, obs: dict, num_steps: int, gamma: float, bootstr
         if bootstrap:   # a time-out is not a failure: gamma * V(obs before the reset), added to the reward later
             bootstrap_term = bootstrap_time_outs(bootstrap_term, truncated, extras["final_obs"]["critic"], model.value,
                                                  gamma)
-        for name, value in zip(BATCH_FIELDS, (obs["policy"], obs["critic"], actions, pi.mean, pi.stddev,
-                                              pi.log_prob(actions).sum(-1), values, raw_reward, bootstrap_term, done)):
-            steps[name].append(value)
+        keep(batch, step, num_steps, actions=actions, action_mean=pi.mean, action_std=pi.stddev,
+             log_probs=pi.log_prob(actions).sum(-1), values=values, rewards=raw_reward, bootstrap=bootstrap_term,
+             dones=done)
         stats.step(raw_reward, done, extras["log"], record_returns)
         obs = next_obs
-    batch = {name: torch.stack(values) for name, values in steps.items()}
-    batch["last_critic_obs"] = obs["critic"]
+    batch = {name: batch[name] for name in BATCH_FIELDS}
+    batch["last_critic_obs"] = obs["critic"].clone()
     return batch, obs
+
+
+def keep(batch: dict[str, torch.Tensor], step: int, num_steps: int, **fields: torch.Tensor) -> None:
+    """Copy each field into row `step` of its [T, ...] tensor in `batch` (made at step 0): one copy, as a stack at
+    the end would make, but made before the env can write into what it returned."""
+    for name, value in fields.items():
+        if step == 0:
+            batch[name] = torch.empty((num_steps, *value.shape), dtype=value.dtype, device=value.device)
+        batch[name][step].copy_(value)
 
 
 def check_finite(batch: dict[str, torch.Tensor], env_name: str, rank: int) -> None:

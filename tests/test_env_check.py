@@ -225,3 +225,41 @@ def test_the_batch_keeps_the_sampled_actions_when_the_env_changes_them_in_place(
     assert batch["actions"].abs().max() > 0.1           # the policy's std is 1: what it sampled, not what the env ran
     for field in ("actions", "log_probs", "actor_obs", "rewards"):
         assert torch.equal(batch[field], reference[field]), field
+
+
+class ReusesBuffers(CartPole):
+    """Cart-pole that writes each observation and reward into the tensors it returned before (one buffer each, as
+    simulators keep them), or (`reuse=False`) returns new ones: the same numbers."""
+
+    def __init__(self, num_envs, device, seed, reuse):
+        super().__init__(num_envs, device, seed)
+        self.reuse, self.buffers = reuse, {}
+
+    def into_buffer(self, name, value):
+        if not self.reuse:
+            return value
+        self.buffers.setdefault(name, torch.empty_like(value)).copy_(value)
+        return self.buffers[name]
+
+    def reset(self):
+        obs, extras = super().reset()
+        return {group: self.into_buffer(group, value) for group, value in obs.items()}, extras
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, extras = super().step(actions)
+        obs = {group: self.into_buffer(group, value) for group, value in obs.items()}
+        return obs, self.into_buffer("reward", reward), terminated, truncated, extras
+
+
+def test_the_batch_keeps_every_step_of_an_env_that_reuses_its_observation_and_reward_tensors():
+    batches = []
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        env = ReusesBuffers(8, "cpu", 0, reuse)
+        model = build_actor_critic(preset("cartpole").policy, env.obs_dims, env.num_actions)
+        stats = EpisodeStats(8, TRAIN_KEYS, "cpu")
+        batches.append(collect_rollout(model, env, env.reset()[0], 5, 0.99, True, stats)[0])
+    reference, batch = batches
+    assert not torch.equal(reference["actor_obs"][0], reference["actor_obs"][1])     # the steps differ
+    for field in ("actor_obs", "critic_obs", "rewards", "last_critic_obs", "actions", "log_probs"):
+        assert torch.equal(batch[field], reference[field]), field
