@@ -46,6 +46,8 @@ class Broken(CartPole):
             obs["policy"] = obs["policy"][:, :3]
         if self.mistake == "obs_float64":
             obs["critic"] = obs["critic"].double()
+        if self.mistake == "obs_device":          # meta: a device other than the run's, on a CPU-only machine too
+            obs["policy"] = obs["policy"].to("meta")
         if self.mistake == "no_critic_obs":
             del obs["critic"]
         if self.mistake == "empty_critic":
@@ -99,6 +101,8 @@ MISTAKES = {
     "obs_shape": r"reset\(\)'s obs\['policy'\] has shape \[8, 3\], expected \[num_envs, "
                  r"obs_dims\['policy'\]\] = \[8, 4\]",
     "obs_float64": r"reset\(\)'s obs\['critic'\] has dtype torch.float64, expected torch.float32",
+    "obs_device": r"reset\(\)'s obs\['policy'\] is on meta, expected the run's device cpu \(the env gets it from "
+                  r"make_env\)",
     "reward_shape": r"step\(\)'s reward must be a \[num_envs\] = \[8\] tensor, got \[8, 1\]",
     "done_int": r"step\(\)'s terminated has dtype torch.int64, expected torch.bool",
     "no_final_obs": r"step\(\)'s extras has no 'final_obs'",
