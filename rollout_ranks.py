@@ -280,7 +280,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
                                                  record_returns=cfg.log.episode_returns, check=check_steps)
                 if env.sampler is not None:
                     counted[iteration] = env.sampler.local_counts - before
-                check_finite(batch, env_label(cfg), roles.rank)
+                check_finite(batch, env_label(cfg), roles.rank, iteration + 1)
                 batch["flags"] = torch.tensor([version, stop.signal_name is not None, stop.launcher_gone()],
                                               dtype=torch.float64)
                 batch["sums"], batch["counts"] = stats.sums, stats.counts

@@ -210,7 +210,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             batch, obs = collect_rollout(model, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, episodes,
                                          record_returns=cfg.log.episode_returns,
                                          check=check_steps)
-            check_finite(batch, env_label(cfg), rank)    # before anything enters a normalizer
+            check_finite(batch, env_label(cfg), rank, iteration + 1)    # before anything enters a normalizer
         else:
             batch, remote = team.receive(iteration)
             episodes.sums += remote["sums"].to(device)

@@ -118,8 +118,9 @@ def keep(batch: dict[str, torch.Tensor], step: int, num_steps: int, **fields: to
         batch[name][step].copy_(value)
 
 
-def check_finite(batch: dict[str, torch.Tensor], env_name: str, rank: int) -> None:
-    """Raise naming the env, observation group and feature of the first NaN/inf the env produced.
+def check_finite(batch: dict[str, torch.Tensor], env_name: str, rank: int, iteration: int) -> None:
+    """Raise naming the env, observation group and feature of the first NaN/inf the env produced, and where: the step
+    within `iteration` (numbered as the console numbers it), the env and the rank.
 
     One host sync per iteration in the common case (all finite); the search for the culprit only on failure."""
     fields = ("actor_obs", "critic_obs", "rewards", "bootstrap")
@@ -135,8 +136,9 @@ def check_finite(batch: dict[str, torch.Tensor], env_name: str, rank: int) -> No
         if bad.any():
             t, n, *feature = (int(i) for i in bad.nonzero()[0])
             where = f" feature {feature[0]}" if feature else ""
-            raise RunError(f"env {env_name!r} produced {data[bad][0].item()} in {what}{where} at step {t} of env "
-                             f"{n} on rank {rank}; stopped before it reached a normalizer (fix the env or its config)")
+            raise RunError(f"env {env_name!r} produced {data[bad][0].item()} in {what}{where} at step {t} of "
+                           f"iteration {iteration} in env {n} on rank {rank}; stopped before it reached a normalizer "
+                           f"(fix the env or its config)")
 
 
 @torch.inference_mode()

@@ -252,7 +252,7 @@ def test_non_finite_observation_names_env_group_and_feature_before_the_normalize
     seen = []
     monkeypatch.setattr(ObsNormalizer, "update", lambda self, batch: seen.append(batch))
     with pytest.raises(RunError, match=r"env 'tracking' produced nan in observation group 'critic' feature 2 "
-                                       r"at step 4 of env 3 on rank 0"):   # obs of env step 12 = step 4 of iteration 2
+                                       r"at step 4 of iteration 2 in env 3 on rank 0"):   # obs of env step 12
         train.main(cfg)
     assert len(seen) == 1            # iteration 1 was clean; iteration 2's NaN never reached a normalizer
 
@@ -318,10 +318,10 @@ def test_check_finite_finds_every_kind_of_non_finite_value_in_every_field(field,
              "bootstrap": torch.zeros(4, 3)}
     batch["rewards"][0, 0] = 3.4e38                         # the largest finite values are finite
     batch["actor_obs"][1, 1, 1] = -3.4e38
-    check_finite(batch, "tracking", 0)
+    check_finite(batch, "tracking", 0, 1)
     batch[field].view(-1)[-1] = value
     with pytest.raises(RunError, match=f"produced {value}"):
-        check_finite(batch, "tracking", 1)
+        check_finite(batch, "tracking", 1, 1)
 
 
 def test_minibatches_divide_the_envs_a_learner_holds_from_all_its_rollout_ranks():
