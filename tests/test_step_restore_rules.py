@@ -78,12 +78,14 @@ def test_build_optimizer_takes_the_configured_lr_and_eps_on_both_paths(capture):
     assert (group["lr"], group["eps"]) == (3e-4, 1e-5)
 
 
-def test_build_optimizer_picks_foreach_for_the_host_path_and_fused_capturable_only_on_cuda_for_capture():
-    """The host path steps with the multi-tensor kernels; --ppo.capture-step with the fused one, `capturable` on a
-    CUDA device only (CUDA-graph capture refuses Adam without it). The device is an argument, so the CUDA choice is
-    checked here with host parameters."""
-    host = build_optimizer(make_model().parameters(), ppo_cfg(), CPU).param_groups[0]
-    assert host["foreach"] is True and not host["fused"]
+def test_build_optimizer_picks_fused_for_both_paths_and_capturable_only_on_cuda_for_capture():
+    """Both paths step with the fused kernel (one arithmetic for the host path and --ppo.capture-step);
+    `capturable` only with --ppo.capture-step on a CUDA device (CUDA-graph capture refuses Adam without it, and
+    a capturable Adam outside a graph keeps its step counts on the device). The device is an argument, so the CUDA
+    choice is checked here with host parameters."""
+    for device in (CPU, torch.device("cuda")):
+        host = build_optimizer(make_model().parameters(), ppo_cfg(), device).param_groups[0]
+        assert host["fused"] is True and not host["foreach"] and host["capturable"] is False, device
     for device, capturable in ((CPU, False), (torch.device("cuda"), True)):
         group = build_optimizer(make_model().parameters(), ppo_cfg(capture_step=True), device).param_groups[0]
         assert group["fused"] is True and group["capturable"] is capturable, device
