@@ -130,15 +130,20 @@ MISTAKES = {
 }
 
 
+def train_with(env_class, mistake: str, iterations: int, tmp_path, monkeypatch, error: str) -> None:
+    """A short cartpole run on `env_class(..., mistake)` must end with the one line `error` names."""
+    monkeypatch.setattr(train, "make_env", lambda cfg, device, seed, base_seed: env_class(cfg.num_envs, device, seed,
+                                                                                           mistake))
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 8, 4, 2, iterations
+    cfg.log.root = str(tmp_path)
+    with pytest.raises(RunError, match=r"^env 'cartpole': " + error):
+        train.main(cfg)
+
+
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_env_protocol_mistake_is_one_line_naming_it(mistake, tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "make_env", lambda cfg, device, seed, base_seed: Broken(cfg.num_envs, device, seed,
-                                                                                        mistake))
-    cfg = preset("cartpole")
-    cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 8, 4, 2, 1
-    cfg.log.root = str(tmp_path)
-    with pytest.raises(RunError, match=r"^env 'cartpole': " + MISTAKES[mistake]):
-        train.main(cfg)
+    train_with(Broken, mistake, 1, tmp_path, monkeypatch, MISTAKES[mistake])
     if not MISTAKES[mistake].startswith(r"step"):        # found before the run starts: nothing of a run is written
         assert not any(tmp_path.rglob("events.out.*")) and not any(tmp_path.rglob("model_*.pt"))
 
@@ -197,13 +202,7 @@ LATE_MISTAKES = {
 
 @pytest.mark.parametrize("mistake", LATE_MISTAKES)
 def test_a_mistake_in_the_extras_of_a_later_step_is_named_too(mistake, tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "make_env", lambda cfg, device, seed, base_seed: LateMistake(cfg.num_envs, device, seed,
-                                                                                             mistake))
-    cfg = preset("cartpole")
-    cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 8, 4, 2, 2
-    cfg.log.root = str(tmp_path)
-    with pytest.raises(RunError, match=r"^env 'cartpole': " + LATE_MISTAKES[mistake]):
-        train.main(cfg)
+    train_with(LateMistake, mistake, 2, tmp_path, monkeypatch, LATE_MISTAKES[mistake])
 
 
 class ClampsInPlace(CartPole):
@@ -217,15 +216,21 @@ class ClampsInPlace(CartPole):
         return super().step(actions.clamp_(-0.1, 0.1) if self.in_place else actions.clamp(-0.1, 0.1))
 
 
-def test_the_batch_keeps_the_sampled_actions_when_the_env_changes_them_in_place():
+def rollouts_of(env_class) -> list[dict]:
+    """5 steps of 8 envs of `env_class(..., False)`, then of `env_class(..., True)`, from the same seeds: batches
+    that must be equal when the rollout is immune to what the True variant does."""
     batches = []
-    for in_place in (False, True):
+    for variant in (False, True):
         torch.manual_seed(0)
-        env = ClampsInPlace(8, "cpu", 0, in_place)
+        env = env_class(8, "cpu", 0, variant)
         model = build_actor_critic(preset("cartpole").policy, env.obs_dims, env.num_actions)
         stats = EpisodeStats(8, TRAIN_KEYS, "cpu")
         batches.append(collect_rollout(model, env, env.reset()[0], 5, 0.99, True, stats)[0])
-    reference, batch = batches
+    return batches
+
+
+def test_the_batch_keeps_the_sampled_actions_when_the_env_changes_them_in_place():
+    reference, batch = rollouts_of(ClampsInPlace)
     assert batch["actions"].abs().max() > 0.1           # the policy's std is 1: what it sampled, not what the env ran
     for field in ("actions", "log_probs", "actor_obs", "rewards"):
         assert torch.equal(batch[field], reference[field]), field
@@ -256,14 +261,7 @@ class ReusesBuffers(CartPole):
 
 
 def test_the_batch_keeps_every_step_of_an_env_that_reuses_its_observation_and_reward_tensors():
-    batches = []
-    for reuse in (False, True):
-        torch.manual_seed(0)
-        env = ReusesBuffers(8, "cpu", 0, reuse)
-        model = build_actor_critic(preset("cartpole").policy, env.obs_dims, env.num_actions)
-        stats = EpisodeStats(8, TRAIN_KEYS, "cpu")
-        batches.append(collect_rollout(model, env, env.reset()[0], 5, 0.99, True, stats)[0])
-    reference, batch = batches
+    reference, batch = rollouts_of(ReusesBuffers)
     assert not torch.equal(reference["actor_obs"][0], reference["actor_obs"][1])     # the steps differ
     for field in ("actor_obs", "critic_obs", "rewards", "last_critic_obs", "actions", "log_probs"):
         assert torch.equal(batch[field], reference[field]), field
