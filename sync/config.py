@@ -1,7 +1,8 @@
 """Weight-sync configuration: dataclasses whose fields mirror RLinf's `weight_syncer` YAML. Both sides of a
 transfer must build the same config: the handshake compares them, because the wire format depends on it."""
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
 
 import torch
@@ -99,3 +100,14 @@ def _require_type(name, value, kind, wanted):
 def _require_count(name, value, low=1, what="a positive number of bytes"):
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"weight sync config: {name} must be {what}, got {value!r}")
+
+
+def config_fields(cfg: WeightSyncConfig) -> dict:
+    """Every field of `cfg` by dotted name (`patch.verify_every`), as JSON gives it back: what the handshake compares,
+    so that a difference names its field."""
+    fields, todo = {}, list(json.loads(json.dumps(asdict(cfg))).items())
+    while todo:
+        name, value = todo.pop(0)
+        todo += [(f"{name}.{k}", v) for k, v in value.items()] if isinstance(value, dict) else []
+        fields.update({} if isinstance(value, dict) else {name: value})
+    return fields

@@ -6,10 +6,8 @@ receive of a non-blocking apply, and the sync plan.
 each write their own init/sync/apply/resync on top of it, top to bottom.
 """
 
-import json
 import threading
 from concurrent.futures import Future
-from dataclasses import asdict
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
@@ -18,7 +16,7 @@ import torch.distributed as dist
 from dist import comm
 from dist.checksum import tensor_checksum
 from dist.plan import PlanRow
-from .config import WeightSyncConfig
+from .config import WeightSyncConfig, config_fields
 from .wire import (DENSE, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats, check_kind,
                    plan_buckets, recv_frame, recv_json, send_frame, send_json)
 
@@ -345,7 +343,7 @@ def _describe(tensors: dict, cfg: WeightSyncConfig) -> dict:
             place = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
             groups.setdefault(place, []).append(key)
     return {
-        "config": json.loads(json.dumps(asdict(cfg))),
+        "config": config_fields(cfg),
         "keys": list(tensors),
         "shapes": [list(t.shape) if isinstance(t, torch.Tensor) else [] for t in tensors.values()],
         "dtypes": [str(t.dtype) if isinstance(t, torch.Tensor) else "?" for t in tensors.values()],
@@ -359,7 +357,7 @@ def _compare(sender: dict, receiver: dict) -> list[str]:
     """Reasons the receiver's metadata cannot take the sender's updates (empty when it can)."""
     if receiver["config"] != sender["config"]:
         diff = {k: (v, receiver["config"][k]) for k, v in sender["config"].items() if v != receiver["config"][k]}
-        return [f"weight sync config differs from the sender's (sender, receiver): {diff}"]
+        return [f"weight sync config differs from the sender's, by field (sender, receiver): {diff}"]
     problems = [f"{what} on the {side}: {meta[what]}" for side, meta in (("sender", sender), ("receiver", receiver))
                 for what in ("not_tensors", "not_contiguous") if meta[what]]
     missing = [k for k in sender["keys"] if k not in receiver["keys"]]

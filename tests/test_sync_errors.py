@@ -40,7 +40,7 @@ HANDSHAKES = [
     ("keys", "missing on the receiver ['b'], unexpected on the receiver ['extra']"),
     ("shape", "'a' has shape [3, 4] on the receiver and [4, 3] on the sender"),
     ("int dtype", "'steps' is torch.float32 on the receiver and torch.int64 on the sender"),
-    ("config", "config differs from the sender's"),
+    ("config", "config differs from the sender's, by field (sender, receiver): {'patch.verify_every': (100, 7)}"),
     ("not contiguous", "not_contiguous on the receiver: ['a']"),
     ("not a tensor", "not_tensors on the sender: ['note']"),  # on both sides: keys, shapes and dtypes agree
 ]
