@@ -125,11 +125,10 @@ def lock_run_dir(run_dir: str) -> None:
     path = os.path.realpath(run_dir)
     if path in _LOCKED:
         return
-    try:    # the directory itself, not only .lock: a run dir made read-only (chmod a-w) keeps a writable .lock
-        os.rmdir(tempfile.mkdtemp(prefix=".syncppo-probe-", dir=path))
-    except OSError as exc:
-        raise UsageError(f"run directory {run_dir} cannot be continued in place: {exc.strerror} (creating a file "
-                         f"there); continue one of its checkpoints in a new directory with --resume PATH") from None
+    refused = write_refusal(path)   # the directory itself, not only .lock: one made read-only keeps a writable .lock
+    if refused:
+        raise UsageError(f"run directory {run_dir} cannot be continued in place: {refused} (creating a file "
+                         f"there); continue one of its checkpoints in a new directory with --resume PATH")
     try:
         lock = open(os.path.join(path, ".lock"), "a+")
     except OSError as exc:   # another user's run, a read-only mount: continuing in place would write there
@@ -188,11 +187,19 @@ def check_writable_root(root: str, flag: str = "--log.root", write: bool = True)
         raise UsageError(f"{flag} {root!r}: {probe!r} is a file, not a directory; pick another {flag}")
     if not write:
         return
-    try:     # a directory made and removed: os.access says yes to root even where mkdir fails (/proc, some mounts)
-        os.rmdir(tempfile.mkdtemp(prefix=".syncppo-probe-", dir=probe))
+    refused = write_refusal(probe)
+    if refused:
+        raise UsageError(f"{flag} {root!r}: {probe!r} is not writable ({refused}); pick a directory you can write to")
+
+
+def write_refusal(folder: str) -> str:
+    """Why the existing directory `folder` refuses new entries, "" when it takes them: a directory made there and
+    removed. os.access says yes to root where writes fail (/proc, NFS root_squash, an immutable directory)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".syncppo-probe-", dir=folder))
     except OSError as exc:
-        raise UsageError(f"{flag} {root!r}: {probe!r} is not writable ({exc.strerror}); pick a directory you can "
-                         f"write to") from None
+        return exc.strerror or type(exc).__name__
+    return ""
 
 
 def rng_states(env=None, shuffle: torch.Generator | None = None,

@@ -17,13 +17,13 @@ import copy
 import importlib.util
 import logging
 import os
-import tempfile
 import warnings
 
 import torch
 from torch import nn
 
 from configs.config import PolicyConfig
+from dist.checkpoint import write_refusal
 from dist.checkpoint_read import read_checkpoint
 from dist.errors import one_line
 from ppo.actor_critic import ActorCritic, build_actor_critic
@@ -92,11 +92,9 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:     # a file of that name, a read-only place: the user's error, not a traceback
         raise ValueError(f"{where} cannot be an output folder ({exc.strerror or type(exc).__name__})") from None
-    try:     # a directory made and removed: os.access says yes to root where writes fail (/proc, NFS root_squash)
-        os.rmdir(tempfile.mkdtemp(prefix=".export-probe-", dir=out_dir))
-    except OSError as exc:
-        raise ValueError(f"{where} is not writable ({exc.strerror or type(exc).__name__}); pass --out with a "
-                         f"folder you can write to") from None
+    refused = write_refusal(out_dir)
+    if refused:
+        raise ValueError(f"{where} is not writable ({refused}); pass --out with a folder you can write to")
     stem = os.path.join(out_dir, os.path.splitext(os.path.basename(path))[0] + ".policy")
     example = torch.zeros(1, policy.actor[0].in_features)
     written = {}

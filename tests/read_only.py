@@ -1,5 +1,6 @@
 """A folder made read-only for a test, whoever runs it: `chmod a-w` stops a user, but root writes anyway, so as root
-the folder is also made immutable (`chattr +i`), and the test is skipped where that is not possible."""
+the folder is also made immutable (`chattr +i`); where root cannot do that, the test fails saying so (skipped, it
+would prove nothing)."""
 
 import contextlib
 import os
@@ -18,7 +19,8 @@ def read_only_folder(path):
     immutable = root and subprocess.run(["chattr", "+i", path], capture_output=True).returncode == 0
     try:
         if root and not immutable:
-            pytest.skip("running as root without chattr: no way to make a folder read-only here")
+            pytest.fail("running as root, and `chattr +i` failed (it needs CAP_LINUX_IMMUTABLE): no way to make a "
+                        "folder read-only to root here; run the tests as a non-root user")
         yield path
     finally:
         if immutable:
