@@ -108,6 +108,8 @@ def config_fields(cfg: WeightSyncConfig) -> dict:
     fields, todo = {}, list(json.loads(json.dumps(asdict(cfg))).items())
     while todo:
         name, value = todo.pop(0)
-        todo += [(f"{name}.{k}", v) for k, v in value.items()] if isinstance(value, dict) else []
-        fields.update({} if isinstance(value, dict) else {name: value})
+        if isinstance(value, dict):
+            todo += [(f"{name}.{k}", v) for k, v in value.items()]
+        else:
+            fields[name] = value
     return fields
