@@ -106,16 +106,17 @@ def test_without_out_the_files_go_next_to_the_checkpoint(tmp_path, monkeypatch, 
 
 def test_an_unwritable_out_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     # The tests run as root, for whom every folder is writable: the write probe is refused here instead.
+    from dist import checkpoint as write_check     # dist.checkpoint.write_refusal, export's probe
     path = small_checkpoint(tmp_path / "model_3.pt")
     out = tmp_path / "read-only"
     out.mkdir()
-    real_mkdtemp = export.tempfile.mkdtemp
+    real_mkdtemp = write_check.tempfile.mkdtemp
 
     def mkdtemp(prefix, dir):
         if os.path.samefile(dir, out):
             raise PermissionError(13, "Permission denied")
         return real_mkdtemp(prefix=prefix, dir=dir)
-    monkeypatch.setattr(export.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(write_check.tempfile, "mkdtemp", mkdtemp)
     with pytest.raises(ValueError, match=r"--out .*read-only.* is not writable"):
         export.export(path, str(out))
     assert os.listdir(out) == []
