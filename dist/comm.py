@@ -48,11 +48,6 @@ def use_group(group) -> None:
     _GROUP = group
 
 
-def backend() -> str:
-    """The backend of the current group (nccl averages in the collective; gloo has no AVG)."""
-    return torch_dist.get_backend(_GROUP)
-
-
 def world_size() -> int:
     """Ranks taking part in this module's collectives (1 without a process group)."""
     return torch_dist.get_world_size(_GROUP) if torch_dist.is_available() and torch_dist.is_initialized() else 1
@@ -103,7 +98,7 @@ class _Work:
 
 
 def all_reduce(tensor: torch.Tensor, purpose: str, op: str = "sum", async_op: bool = False):
-    """In-place all-reduce of `tensor` over all ranks with op "sum", "avg" (NCCL only), "max" or "min".
+    """In-place all-reduce of `tensor` over all ranks with op "sum", "max" or "min".
 
     Crosses ranks once per call: `tensor`, reduced over the group, for the caller's `purpose` (counted in LEDGER);
     nothing with one rank. Returns a work handle when `async_op` (None in a single process), else the tensor.
@@ -111,8 +106,7 @@ def all_reduce(tensor: torch.Tensor, purpose: str, op: str = "sum", async_op: bo
     if world_size() == 1:
         return None if async_op else tensor
     _count(purpose, tensor)
-    reduce_op = {"sum": torch_dist.ReduceOp.SUM, "avg": torch_dist.ReduceOp.AVG, "max": torch_dist.ReduceOp.MAX,
-                 "min": torch_dist.ReduceOp.MIN}[op]
+    reduce_op = {"sum": torch_dist.ReduceOp.SUM, "max": torch_dist.ReduceOp.MAX, "min": torch_dist.ReduceOp.MIN}[op]
     with _named("all_reduce", purpose):
         work = torch_dist.all_reduce(tensor, op=reduce_op, group=_GROUP, async_op=async_op)
     return _Work(work, "all_reduce", purpose) if async_op else tensor

@@ -193,10 +193,10 @@ class GradSync:
     def _all_reduce(self, buffer: torch.Tensor, async_op: bool):
         """Crosses ranks: one all-reduce of a bucket (its gradients + any extras), once per optimizer step.
 
-        NCCL averages in the collective (AVG); gloo has no AVG, so it sums and `synchronize` divides.
+        A SUM on every backend; `synchronize` divides the gradients. Not NCCL's AVG: it multiplies each rank's
+        input by 1/W rounded before summing, so at a world size that is not a power of 2 the extras came back
+        inexact (a count of 7 on each of 3 ranks: 21.000002) and the gradients rounded unlike gloo's.
         """
-        if comm.world_size() > 1 and comm.backend() == "nccl":
-            return comm.all_reduce(buffer, "gradients", op="avg", async_op=async_op)
         return comm.all_reduce(buffer, "gradients", op="sum", async_op=async_op)
 
     def synchronize(self) -> torch.Tensor:
@@ -221,16 +221,14 @@ class GradSync:
                                f"--dist.unused-params zero in train.py")
         self._launch_ready(force=True)      # flat: the one bucket; bucketed: only buckets with unused params
         world = comm.world_size()
-        averaged_by_backend = world > 1 and comm.backend() == "nccl"
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
                 b.work = None     # a finished work kept alive until interpreter exit can abort the process
-            if world > 1 and not averaged_by_backend:
+            if world > 1:
                 b.grads.div_(world)
         self._armed = False
-        extras = self.buckets[-1].extras
-        return extras * world if averaged_by_backend else extras.clone()
+        return self.buckets[-1].extras.clone()
 
     def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale the synchronized gradient to global L2 norm <= max_norm; return the norm before clipping.

@@ -35,14 +35,14 @@ def loss_fn(net, x, y):
     return (net(x) - y).square().mean()
 
 
-def sync_grads(rank, world_size, mode, num_micro_batches, bucket_mb):
+def sync_grads(rank, world_size, mode, num_micro_batches, bucket_mb, count=1.0):
     net = Net()
     sync = GradSync(net.parameters(), mode, bucket_mb=bucket_mb, num_extras=2, unused="zero")
     x, y = data(rank)
     sync.zero_grad()
     for i, (xm, ym) in enumerate(zip(x.chunk(num_micro_batches), y.chunk(num_micro_batches))):
         if i == num_micro_batches - 1:
-            sync.arm(torch.tensor([float(rank), 1.0]))
+            sync.arm(torch.tensor([float(rank), count]))
         (loss_fn(net, xm, ym) / num_micro_batches).backward()
     extras = sync.synchronize()
     grads = [p.grad.clone() for p in net.parameters()]
@@ -102,52 +102,38 @@ def test_micro_batches_give_the_same_synchronized_and_clipped_gradient(mode):
     assert clipped_norm.item() == pytest.approx(0.05, rel=1e-4)
 
 
-class _AveragedWhenWaited:
-    """A gloo SUM work that divides by the world size when waited: NCCL's AVG, for the branch GradSync takes
-    under NCCL (its buffer averaged by the collective, the extras multiplied back into sums)."""
-
-    def __init__(self, work, tensor, world):
-        self.work, self.tensor, self.world = work, tensor, world
-
-    def wait(self):
-        self.work.wait()
-        self.tensor.div_(self.world)
-        return True
-
-
-def sync_grads_under_nccl_rules(rank, world_size, mode):
-    """sync_grads with comm.backend() saying nccl and ReduceOp.AVG done as SUM then divide; returns the same
-    dict, plus how many all-reduces asked for AVG."""
+def sync_grads_under_nccl(rank, world_size, mode):
+    """sync_grads with the backend saying nccl, its AVG done as NCCL does it for floats (each rank's input
+    multiplied by 1/W rounded to float32, then summed; NCCL's ncclDevPreMulSum), and 7 samples counted per rank;
+    returns the same dict, plus how many all-reduces asked for AVG."""
     import torch.distributed as torch_dist
-    from dist import comm
     real, averaged = torch_dist.all_reduce, []
 
     def all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=None, async_op=False):
-        if op != torch_dist.ReduceOp.AVG:
-            return real(tensor, op=op, group=group, async_op=async_op)
-        averaged.append(tensor.numel())
-        work = _AveragedWhenWaited(real(tensor, op=torch_dist.ReduceOp.SUM, group=group, async_op=True), tensor,
-                                   world_size)
-        return work if async_op else work.wait()
+        if op == torch_dist.ReduceOp.AVG:
+            averaged.append(tensor.numel())
+            tensor.mul_(torch.tensor(1.0 / world_size, dtype=tensor.dtype))
+            op = torch_dist.ReduceOp.SUM
+        return real(tensor, op=op, group=group, async_op=async_op)
 
-    torch_dist.all_reduce, comm.backend = all_reduce, lambda: "nccl"
-    return {**sync_grads(rank, world_size, mode, 2, 0.01), "averaged": len(averaged)}
+    torch_dist.all_reduce, torch_dist.get_backend = all_reduce, lambda group=None: "nccl"
+    return {**sync_grads(rank, world_size, mode, 2, 0.01, 7.0), "averaged": len(averaged)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["flat", "bucketed"])
-def test_the_nccl_branch_averages_in_the_collective_and_still_sums_the_extras(mode):
-    """Under NCCL the all-reduce averages (AVG) and GradSync must neither divide again nor return averaged extras.
-    No GPU here: the branch runs on gloo with AVG emulated, and must give the gloo path's numbers bit for bit
-    (at 2 ranks halving and doubling are exact)."""
-    gloo = run_ranks(sync_grads, 2, args=(mode, 2, 0.01))
-    nccl = run_ranks(sync_grads_under_nccl_rules, 2, args=(mode,))
+def test_under_nccl_the_gradients_are_summed_then_divided_and_the_extras_stay_exact(mode):
+    """NCCL's AVG rounds each rank's share before summing: at 3 ranks a count of 7 per rank came back 21.000002
+    and the gradients differed from gloo's in the last bits. GradSync sums on every backend and divides, so the
+    NCCL run gives the gloo run's numbers bit for bit (no GPU here: NCCL's arithmetic emulated on gloo)."""
+    gloo = run_ranks(sync_grads, 3, args=(mode, 2, 0.01, 7.0))
+    nccl = run_ranks(sync_grads_under_nccl, 3, args=(mode,))
     for ours, theirs in zip(nccl, gloo):
-        assert ours["averaged"] == theirs["buckets"] == ours["buckets"]      # every bucket asked for AVG
+        assert ours["extras"].tolist() == [0.0 + 1.0 + 2.0, 21.0]   # summed: ranks 0 + 1 + 2, and 3 x 7 samples
         for key in ("grads", "clipped"):
             assert all(torch.equal(x, y) for x, y in zip(ours[key], theirs[key])), key
         assert torch.equal(ours["norm"], theirs["norm"])
-        assert ours["extras"].tolist() == theirs["extras"].tolist() == [1.0, 2.0]   # summed: ranks 0 + 1, counts
+        assert ours["averaged"] == 0
 
 
 def test_missing_gradient_is_an_error_naming_the_parameter():
