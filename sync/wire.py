@@ -99,9 +99,11 @@ def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments
     they refuse (the link stays in step for resync()) and the error is raised here.
     """
     order, _, raw = layout([(s.dtype, s.numel()) for s in segments])
-    payload = [segments[i].reshape(-1) for i in order if segments[i].numel()]
-    if (compress is not None and payload) or _packed([p.numel() * p.element_size() for p in payload]):
-        payload = [torch.cat([p.view(torch.uint8) for p in payload])]
+    # Each segment crosses as its bytes: NCCL has no int16 (gaps16 symbols), uint16-64 or complex type (torch's
+    # to_nccl_data_type, torch/csrc/cuda/nccl.cpp, refuses them), while gloo moves bytes whatever the dtype.
+    payload = [segments[i].reshape(-1).view(torch.uint8) for i in order if segments[i].numel()]
+    if (compress is not None and payload) or _packed([p.numel() for p in payload]):
+        payload = [torch.cat(payload)]
         payload = [compress(payload[0])] if compress is not None else payload
     payload = [p.to(device) for p in payload]
     wire = sum(p.numel() * p.element_size() for p in payload)
@@ -235,8 +237,8 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
         frame.works[PAYLOAD] = comm.irecv(buffer[:raw], purpose, src, group)
     elif decompress is None:
         for i in order:  # in send order: messages between two ranks match in the order they were posted
-            if specs[i][1]:
-                frame.works[places[i]] = comm.irecv(parts[i], purpose, src, group)
+            if specs[i][1]:  # as bytes, as send_frame sends them
+                frame.works[places[i]] = comm.irecv(parts[i].view(torch.uint8), purpose, src, group)
     if rows:
         frame.trailer = torch.empty(rows + 1, dtype=torch.int64, device=device)
         frame.works[(-1, -1)] = comm.irecv(frame.trailer, purpose, src, group)

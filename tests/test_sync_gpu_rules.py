@@ -1,0 +1,59 @@
+"""sync/'s rules for NCCL and CUDA, checked on CPU: no GPU has run this code, so what NCCL and CUDA would do is
+taken from torch's source, cited where it is used. The GPU round trips are in test_sync_patch.py and
+test_sync_bucket.py (SYNCPPO_TEST_DEVICE=cuda, bench/gpu_check.sh)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multirank import run_ranks
+from sync import WeightSyncConfig, make_weight_syncer
+from sync.patch import GAPS16, _encode
+from test_sync_common import bits_equal, snapshot
+
+# What ProcessGroupNCCL can send or receive point to point: it hands the tensor to torch::cuda::nccl::send/recv,
+# which map its dtype with to_nccl_data_type (torch/csrc/cuda/nccl.cpp); any other dtype raises "Unconvertible
+# NCCL type" there. int16, uint16-64 and complex are not in that switch.
+NCCL_DTYPES = {torch.float32, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8,
+               torch.bool, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+               torch.float8_e5m2fnuz}
+
+
+def _changed(state: dict) -> None:
+    state["w"][::1000] += 1  # 100 changes 999 apart: 2-byte gaps are a patch's smallest encoding
+    state["counts"] += 1
+
+
+def _dtypes_on_the_wire(rank, world_size):
+    """The dtype of every point-to-point message of a bucket syncer's init and sync, then a patch syncer's
+    (bootstrap included), with every payload segment in a message of its own, as in frames over wire.PACK_BYTES."""
+    import sync.wire
+    sync.wire.PACK_BYTES = 0
+    seen = set()
+    for name in ("send", "recv", "isend", "irecv"):
+        real = getattr(dist, name)
+        setattr(dist, name, lambda tensor, *a, _real=real, **k: (seen.add(tensor.dtype), _real(tensor, *a, **k))[1])
+    state = {"w": torch.zeros(100_000), "counts": torch.arange(10, dtype=torch.int16)}
+    for kind in ("bucket", "patch"):
+        syncer = make_weight_syncer(WeightSyncConfig(type=kind), src=0, dsts=[1])
+        if rank == 0:
+            syncer.init_sender(state)
+            _changed(state)
+            syncer.sync(state, 1)
+        else:
+            syncer.init_receiver(state)
+            assert syncer.apply(state) == 1
+    return seen, snapshot(state)
+
+
+@pytest.mark.slow
+def test_every_message_has_a_dtype_nccl_can_send():
+    """An int16 buffer sent whole, and a patch's 2-byte gap symbols, had crossed as int16, which NCCL cannot send:
+    transport_device=cuda failed on the first frame over 1 MiB (or with one tensor) that held either."""
+    w = torch.zeros(100_000)
+    mask = torch.zeros(100_000, dtype=torch.bool)
+    mask[::1000] = True
+    assert _encode(w, mask, 100)[0] == GAPS16  # the premise: the patch's positions travel as int16 symbols
+    (sent, final), (received, model) = run_ranks(_dtypes_on_the_wire, 2)
+    assert sent <= NCCL_DTYPES and received <= NCCL_DTYPES, (sent - NCCL_DTYPES, received - NCCL_DTYPES)
+    assert bits_equal(model, final)
