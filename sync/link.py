@@ -34,10 +34,12 @@ class Link:
             raise ValueError(f"weight sync: need distinct receiver ranks other than the sender {src}, got {list(dsts)}")
         if rank != src and rank not in self.dsts:
             raise ValueError(f"weight sync: rank {rank} is neither the sender ({src}) nor a receiver ({list(dsts)})")
-        backend = dist.get_backend(group)
-        if (backend == "nccl") != (device == "cuda"):
-            raise ValueError(f"weight sync: the {backend} backend cannot send from device {device!r}; "
-                             "use cpu with gloo and cuda with nccl")
+        # By device: a group made without naming a backend is "undefined" to get_backend(), cuda:nccl alone on a GPU
+        config = dist.get_backend_config(group)
+        backend = dict(pair.split(":") for pair in config.split(",")).get(device, "no backend")
+        if backend == "no backend" or (backend == "nccl") != (device == "cuda"):
+            raise ValueError(f"weight sync: this process group sends {device} tensors with {backend} (its backends: "
+                             f"{config}); use cpu with gloo and cuda with nccl")
         self.is_sender, self.device = rank == src, torch.device(device)
         self.version: Optional[int] = None  # None until init; then the version in place (receiver) or sent (sender)
         self.lock = threading.Lock()  # readers of the receiver's model hold it to never see a half-applied update

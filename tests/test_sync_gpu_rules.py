@@ -57,3 +57,22 @@ def test_every_message_has_a_dtype_nccl_can_send():
     (sent, final), (received, model) = run_ranks(_dtypes_on_the_wire, 2)
     assert sent <= NCCL_DTYPES and received <= NCCL_DTYPES, (sent - NCCL_DTYPES, received - NCCL_DTYPES)
     assert bits_equal(model, final)
+
+
+def _group_backends(monkeypatch, name: str, config: str) -> None:
+    """Stand in for a process group (this process has none): rank 0, get_backend() `name`, get_backend_config()
+    `config`. Making a syncer asks nothing else of the group."""
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: name)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+
+
+def test_a_transport_device_needs_a_backend_for_its_tensors(monkeypatch):
+    """init_process_group() without a backend, on a GPU machine: get_backend() says "undefined" and the group has
+    NCCL for cuda tensors alone (torch's BackendConfig takes the accelerator's default backend). The default
+    transport (cpu) had been accepted there and failed at the handshake's first message, inside torch."""
+    _group_backends(monkeypatch, "undefined", "cuda:nccl")
+    with pytest.raises(ValueError, match=r"sends cpu tensors with no backend \(its backends: cuda:nccl\)"):
+        make_weight_syncer(WeightSyncConfig(), src=0, dsts=[1])
+    _group_backends(monkeypatch, "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")
+    assert make_weight_syncer(WeightSyncConfig(), src=0, dsts=[1]).device == torch.device("cpu")
