@@ -25,8 +25,8 @@ class Link:
     def __init__(self, cfg: WeightSyncConfig, src: int, dsts: Sequence[int], group=None, device: str = "cpu"):
         """`src`, `dsts`: global ranks of the sender and receivers; `group`: their process group (None = WORLD).
 
-        `device` is where messages are staged: cpu for gloo, cuda for NCCL. Give the syncer a group of its
-        own (dist.new_group) when the receiver also runs collectives while a non-blocking apply is receiving.
+        `device` is where messages are staged: cpu for gloo, cuda for NCCL (the current CUDA device, by index).
+        Give the syncer its own group (dist.new_group) when the receiver runs collectives while apply receives.
         """
         self.cfg, self.src, self.dsts, self.group = cfg, src, tuple(dsts), group
         rank = dist.get_rank()
@@ -40,11 +40,13 @@ class Link:
         if backend == "no backend" or (backend == "nccl") != (device == "cuda"):
             raise ValueError(f"weight sync: this process group sends {device} tensors with {backend} (its backends: "
                              f"{config}); use cpu with gloo and cuda with nccl")
-        self.is_sender, self.device = rank == src, torch.device(device)
+        self.is_sender = rank == src
+        # By index: a non-blocking apply receives in a thread, which starts on cuda:0 (CUDA's device is per thread)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
         self.version: Optional[int] = None  # None until init; then the version in place (receiver) or sent (sender)
         self.lock = threading.Lock()  # readers of the receiver's model hold it to never see a half-applied update
         self.stats: Optional[SyncStats] = None
-        self.staging = [torch.empty(0, dtype=torch.uint8, device=self.device)]  # receive buffer, reused
+        self.staging: list = []  # the receive buffer, made by the first frame and reused
         self._inflight: Optional[Future] = None
         self._broken: Optional[str] = None  # why the receiver refuses every update until resync()
 
@@ -209,7 +211,7 @@ class Link:
         ordinals = [self.ordinal[k] for k in keys]
         flat = {self.ordinal[k]: tensors[k].view(-1) for k in keys} if staged is None else {}
         into = None if staged is not None else (lambda o: flat[o] if o in flat and flat[o].dtype == dtypes[o]
-                                                and flat[o].device.type == self.device.type else None)  # gloo: host
+                                                and flat[o].device == self.device else None)  # gloo: host
         plan = plan_buckets([self.numels[o] * dtypes[o].itemsize for o in ordinals], bucket_size)
         other = (UPDATE, drop, None, drop_decompress) if drop else (SETUP, [self.dtypes[k] for k in self.keys], None)
         version = None
@@ -345,12 +347,10 @@ def _describe(tensors: dict, cfg: WeightSyncConfig) -> dict:
             place = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
             groups.setdefault(place, []).append(key)
     return {
-        "config": config_fields(cfg),
-        "keys": list(tensors),
+        "config": config_fields(cfg), "keys": list(tensors),
         "shapes": [list(t.shape) if isinstance(t, torch.Tensor) else [] for t in tensors.values()],
         "dtypes": [str(t.dtype) if isinstance(t, torch.Tensor) else "?" for t in tensors.values()],
-        "ties": [g for g in groups.values() if len(g) > 1],
-        "not_tensors": not_tensors,
+        "ties": [g for g in groups.values() if len(g) > 1], "not_tensors": not_tensors,
         "not_contiguous": [k for k, t in tensors.items() if k not in not_tensors and not t.is_contiguous()],
     }
 

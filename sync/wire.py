@@ -219,7 +219,7 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     if total != raw or (decompress is None and wire != raw):
         raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces payload sizes its table "
                                  f"does not ({total} bytes); {LINK_LOST}")
-    buffer = staging[0] if staging and staging[0].device.type == torch.device(device).type else None  # cuda:0 ~ cuda
+    buffer = staging[0] if staging else None
     if buffer is None or buffer.numel() < staged:
         buffer = torch.empty(staged, dtype=torch.uint8, device=device)
         if staging is not None:

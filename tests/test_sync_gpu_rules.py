@@ -2,12 +2,14 @@
 taken from torch's source, cited where it is used. The GPU round trips are in test_sync_patch.py and
 test_sync_bucket.py (SYNCPPO_TEST_DEVICE=cuda, bench/gpu_check.sh)."""
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from multirank import run_ranks
-from sync import WeightSyncConfig, make_weight_syncer
+from sync import BucketConfig, WeightSyncConfig, make_weight_syncer
 from sync.patch import GAPS16, _encode
 from test_sync_common import bits_equal, snapshot
 
@@ -76,3 +78,18 @@ def test_a_transport_device_needs_a_backend_for_its_tensors(monkeypatch):
         make_weight_syncer(WeightSyncConfig(), src=0, dsts=[1])
     _group_backends(monkeypatch, "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")
     assert make_weight_syncer(WeightSyncConfig(), src=0, dsts=[1]).device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name, config", [("nccl", "cuda:nccl"), ("undefined", "cuda:nccl")])
+def test_a_cuda_transport_stages_on_the_current_device_of_the_thread_that_made_it(monkeypatch, name, config):
+    """CUDA keeps the current device per host thread, and a new thread starts on cuda:0 (torch.cuda.set_device
+    sets it for the calling thread alone). A non-blocking apply receives in a thread of its own: with the device
+    left as "cuda", a rank on cuda:3 had staged its frames on cuda:0, another rank's GPU. Made on a thread
+    whose current device is 3, the syncer stages on cuda:3 from any thread. A group made without naming a
+    backend ("undefined", NCCL for cuda tensors on a GPU machine) takes a cuda transport too."""
+    _group_backends(monkeypatch, name, config)
+    current = threading.local()  # this thread's device, as torch.cuda.set_device(3) leaves it; others on 0
+    current.device = 3
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current, "device", 0))
+    cfg = WeightSyncConfig(type="bucket", bucket=BucketConfig(bucket_device="cuda"))
+    assert make_weight_syncer(cfg, src=0, dsts=[1]).device == torch.device("cuda", 3)
