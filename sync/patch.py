@@ -120,8 +120,8 @@ class PatchSyncer(Link):
         rows, segments, changes = [], [], []
         for key in self.synced:  # in ordinal order: the table's rows must be
             current = state[key].detach().reshape(-1).to(self.dtypes[key])
-            # Asynchronous only towards a device: a device-to-host copy would land in pinned memory that the host
-            # (numpy's change mask) reads at once, before the copy finished (snapshot_device=cuda, weights on cpu).
+            # Asynchronous only towards a device (numpy would read a device-to-host copy before it landed); the
+            # pinned snapshot it reads is overwritten only at the commit, after _changes synced with this copy.
             old = self.snapshot[key].view(-1).to(current.device, non_blocking=current.device.type != "cpu")
             if self._mask.numel() < current.numel() or self._mask.device != current.device:
                 self._mask = torch.empty(current.numel(), dtype=torch.bool, device=current.device)
