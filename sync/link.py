@@ -180,8 +180,7 @@ class Link:
 
         Crosses ranks: one frame per bucket of at most `bucket_size` bytes to each receiver, once per bucket
         sync, bootstrap or resync. A tensor already in its wire dtype travels from its own memory; the
-        checksums that end each frame are computed while its values are in flight.
-        """
+        checksums that end each frame are computed while its values are in flight."""
         ordinals = [self.ordinal[k] for k in keys]
         wire = raw = 0
         for members in plan_buckets([self.numels[o] * dtypes[o].itemsize for o in ordinals], bucket_size):
@@ -263,9 +262,10 @@ class Link:
     def receive(self, blocking: bool, recv: Callable, write: Callable) -> int:
         """apply(): receive the next update with `recv()` and apply it with `write(update)` (returns its version).
 
-        blocking=False never waits: the first call starts `recv` in a background thread and returns the
-        current version; a later call applies the update once it fully arrived (on the caller's thread,
-        under `self.lock`) and returns the new version. Crosses ranks: `recv()`'s update, once per update."""
+        blocking=False never waits: the first call starts `recv` in a background thread and returns the current
+        version; a later call applies the update once it fully arrived, a Frame's payload and trailer too (on the
+        caller's thread, under `self.lock`), and returns the new version. Crosses ranks: `recv()`'s update, once
+        per update."""
         if self._inflight is None and not blocking:
             self._inflight = _in_background(recv)
         if self._inflight is None:
@@ -301,11 +301,8 @@ class Link:
         """Both strategies' resync: the sender sends `keys` whole in the receivers' dtypes and both continue
         from `version`; a receiver first drops the updates still queued for it (any number, counted under
         the purpose they were sent with; `update_dtypes`: their value dtype per ordinal; `update_decompress`:
-        how to take in their payload when compressed). Returns the tensors.
-
-        Crosses ranks: the queued update frames, then one frame per bucket of `bucket_size`, under the setup
-        purpose.
-        """
+        how to take in their payload when compressed). Returns the tensors. Crosses ranks once per resync: the
+        queued update frames, then one frame per bucket of `bucket_size`, under the setup purpose."""
         self.require(sender=self.is_sender)
         receiver = [self.dtypes[k] for k in self.keys]
         tensors = self.tensors(state_dict_or_model)
@@ -386,13 +383,15 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _in_background(fn) -> Future:
-    """Run fn in a daemon thread (a pending receive must not keep the process alive at exit)."""
+def _in_background(recv) -> Future:
+    """Run recv() in a daemon thread (a pending receive must not keep the process alive at exit); a Frame it
+    returns is waited for whole there, so that applying it never waits for the payload holding the lock."""
     future: Future = Future()
 
     def run():
         try:
-            future.set_result(fn())
+            update = recv()
+            future.set_result(update.wait() or update if isinstance(update, Frame) else update)
         except BaseException as error:  # noqa: BLE001 - delivered to the caller of apply
             future.set_exception(error)
 

@@ -1,5 +1,6 @@
 """Protocol rules of sync/ that mutation testing found unpinned: when the periodic verification runs, what a
-failed verify(model) leaves behind, a blocking apply after a non-blocking one, what the init handshake must
+failed verify(model) leaves behind, a blocking apply after a non-blocking one, a non-blocking apply while a
+frame is still arriving, what the init handshake must
 refuse (receivers in another key order, other tied keys) and must accept (zero-sized views), bucket writes
 with frozen keys before synced ones, and a bucket resync draining updates sent in bucket_dtype."""
 
@@ -112,6 +113,53 @@ def test_a_blocking_apply_waits_for_the_update_a_non_blocking_one_started():
     block, e.g. before an evaluation that needs the new weights)."""
     _, (started, finished, value) = run_ranks(_blocking_after_non_blocking, 2, timeout=60)
     assert (started, finished, value) == (0, 1, 3.0)
+
+
+def _non_blocking_while_the_trailer_is_held(rank, world_size, go_file):
+    import os
+    import threading
+    import sync.patch
+    from dist import comm
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    state = {"w": torch.zeros(30)}
+    if rank == 0:
+        held = sync.patch.update_checksum
+
+        def checksum_when_let_go(*args):   # runs while the payload is in flight: the trailer waits for it
+            while not os.path.exists(go_file):
+                time.sleep(0.01)
+            return held(*args)
+
+        sync.patch.update_checksum = checksum_when_let_go
+        syncer.init_sender(state)
+        state["w"][2] = 3.0
+        syncer.sync(state, 1)
+        return None
+    syncer.init_receiver(state)
+    first = syncer.apply(state, blocking=False)             # starts the background receive
+    while comm.ledger_snapshot().get("weight_sync", (0, 0))[0] < 4:
+        time.sleep(0.01)                                    # header, table, payload and trailer receives posted
+    time.sleep(0.5)
+    calls = []
+    caller = threading.Thread(target=lambda: calls.append(syncer.apply(state, blocking=False)), daemon=True)
+    caller.start()
+    caller.join(timeout=20)
+    returned = list(calls)
+    open(go_file, "w").close()                              # the sender sends the trailer now
+    caller.join()
+    while syncer.apply(state, blocking=False) != 1:
+        time.sleep(0.01)
+    return first, returned, state["w"][2].item()
+
+
+@pytest.mark.slow
+def test_a_non_blocking_apply_does_not_wait_for_a_frame_still_arriving(tmp_path):
+    """docs (Non-blocking apply): blocking=False never waits; the update is applied once it fully arrived. The
+    background receive ended when a patch's header and table had come, so the next non-blocking call waited for
+    the payload and trailer inside, holding the readers' lock (here: until the sender lets its trailer go)."""
+    _, (first, returned, value) = run_ranks(_non_blocking_while_the_trailer_is_held, 2,
+                                            args=(str(tmp_path / "go"),), timeout=90)
+    assert (first, returned, value) == (0, [0], 3.0)
 
 
 # ----- init handshake ------------------------------------------------------------------------------------
