@@ -10,7 +10,8 @@ Mutants of these files found equivalent (no test can tell them apart):
 - minibatch_step: SyncFreeStep.finish dividing by max(taken, 0.5) (the sums are 0 when no step was taken).
 - update: setting the adaptive LR on param_groups[0] only (build_optimizer makes one group, and SyncFreeStep
   refuses more).
-The CUDA-graph replay path (shape check, ledger per replay, warm-up count) cannot run on CPU and was not mutated.
+The CUDA-graph replay path (shape check, ledger per replay, warm-up count) runs on CPU only through
+tests/fake_cuda_graph.py (tests/test_minibatch_step.py) and was not mutated.
 """
 
 from types import SimpleNamespace
