@@ -106,7 +106,8 @@ class SyncFreeStep:
     optimizer reads `self.opt_lr` (see lr_tensor); `finish()` hands it back to the param group as a float,
     so that checkpoints save it exactly, and `begin()` takes up whatever float is there (ours, or one
     assigned from outside: the linear schedule, a checkpoint load). A captured graph steps the Adam moments that
-    existed when it was recorded: after `optimizer.load_state_dict` (new tensors), `begin()` records it again.
+    existed when it was recorded: after `optimizer.load_state_dict` (new tensors), the step warms up and is recorded
+    again.
     """
 
     def __init__(self, model, optimizer, grad_sync, cfg):
@@ -134,7 +135,10 @@ class SyncFreeStep:
         state = self._adam_state()
         if self.graph is not None and (len(state) != len(self.captured_state)
                                        or any(a is not b for a, b in zip(state, self.captured_state))):
-            self.graph = None    # load_state_dict made new moments: the graph would step the old ones; record again
+            # load_state_dict made new moments: the graph would step the old ones. Warm up again before recording:
+            # a state without moments (never stepped) would have Adam create them, zero-filled, inside the capture,
+            # and every replay would zero them again.
+            self.graph, self.eager_steps = None, 0
         self.sums.zero_()
 
     def _adam_state(self) -> list[torch.Tensor]:

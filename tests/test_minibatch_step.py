@@ -6,7 +6,6 @@ after its warm-up steps and replayed (bench/gpu_check.sh does this). CUDA's fuse
 as float32 (ppo.minibatch_step.lr_tensor), so there the host path's steps take the LR rounded the same way.
 """
 
-import contextlib
 import copy
 import math
 import os
@@ -21,6 +20,7 @@ from ppo import minibatch_step
 from ppo.minibatch_step import SyncFreeStep, build_optimizer, device_adaptive_lr, saved_state_for
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update
+from tests import fake_cuda_graph
 from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
 
 DEVICE = torch.device(os.environ.get("SYNCPPO_TEST_DEVICE", "cpu"))
@@ -45,12 +45,18 @@ def test_device_lr_rule_gives_the_host_rule_bit_for_bit():
 
 
 def run_update(capture: bool, poison_minibatch: int | None = None, iterations: int = 2, linear: bool = False,
-               lr_dtype: torch.dtype = LR_DTYPE, **overrides):
+               lr_dtype: torch.dtype = LR_DTYPE, graph: bool = False, nan_env: int | None = None, before=None,
+               **overrides):
     """`iterations` updates of the host path (capture False) or the sync-free step on the same data, both with the
-    fused Adam. The host path's steps take the LR rounded to `lr_dtype`, as the sync-free step's tensor holds it."""
+    fused Adam. The host path's steps take the LR rounded to `lr_dtype`, as the sync-free step's tensor holds it.
+    `graph`: the sync-free step captured and replayed on CPU too (install tests/fake_cuda_graph.py first; on CUDA it
+    always is). `nan_env`: that env's returns are NaN, so a minibatch per epoch holding it is skipped. `before(it,
+    optimizer)` runs before update `it`."""
     model = make_model()
     storage = RolloutStorage(T, N, OBS, A, DEVICE)
     fill(storage, 0, model)
+    if nan_env is not None:
+        storage.returns[:, nan_env] = float("nan")
     model.to(DEVICE)
     cfg = ppo_cfg(capture_step=capture, **overrides)
     optimizer = build_optimizer(model.parameters(), ppo_cfg(capture_step=True), DEVICE)  # both fused, a float LR
@@ -64,6 +70,8 @@ def run_update(capture: bool, poison_minibatch: int | None = None, iterations: i
             group["lr"] = exact
         optimizer.step = rounded_step
     sync = GradSync(model.parameters(), num_extras=2)
+    if graph:
+        minibatch_step.sync_free_step(model, optimizer, sync, cfg).capture = True
     if poison_minibatch is not None:   # a NaN loss on one minibatch: its step must be skipped
         calls = {"n": 0}
         value = model.value
@@ -79,6 +87,8 @@ def run_update(capture: bool, poison_minibatch: int | None = None, iterations: i
         storage.advantages, storage.returns = advantages, returns
         if linear:      # as train.py's linear schedule on a resume: a float unlike the config's, before every update
             optimizer.param_groups[0]["lr"] = 1e-3 * (1.0 - (it + 1) / (iterations + 1))
+        if before is not None:
+            before(it, optimizer)
         stats.append(ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(7 + it)))
     return model, optimizer, stats
 
@@ -220,41 +230,60 @@ def test_a_checkpoint_of_either_path_resumes_in_the_other(saved_with_capture):
     assert all(float(s["step"]) == 2.0 for s in resuming.state.values())
 
 
+def assert_same_run(host, dev) -> None:
+    """Two run_update results: parameters, Adam's moments and step counts, and the statistics, exactly equal."""
+    (host_model, host_opt, host_stats), (dev_model, dev_opt, dev_stats) = host, dev
+    for (name, p), q in zip(host_model.named_parameters(), dev_model.parameters()):
+        assert torch.equal(p, q), name
+    assert len(host_opt.state) == len(dev_opt.state)
+    for s_h, s_d in zip(host_opt.state.values(), dev_opt.state.values()):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(s_h[key], s_d[key]), key
+    assert dev_stats == host_stats
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_micro_batches": 2, "schedule": "fixed"}, {"nan_env": 2},
+                                       {"advantage_norm": "minibatch", "minibatch_unit": "transition"}])
+def test_a_captured_and_replayed_update_equals_the_host_update_exactly(monkeypatch, overrides):
+    """As a CUDA graph the step's Python runs once, at capture; every replay repeats only its kernels, so each
+    decision (the LR rule, the non-finite skip, the statistics) must be made on the device. On CPU through
+    tests/fake_cuda_graph.py (recording runs nothing, a replay runs the recorded ops again on the same tensors), on
+    CUDA through a real graph; with a NaN env one replayed step per epoch is skipped; per-minibatch advantages are a
+    new tensor each step, copied into the graph's input like the other fields."""
+    if DEVICE.type == "cpu":
+        fake_cuda_graph.install(monkeypatch)
+    host = run_update(False, iterations=3, **overrides)
+    dev = run_update(True, iterations=3, graph=True, **overrides)
+    assert_same_run(host, dev)
+    assert dev[1].sync_free_step.graph is not None
+    assert [s["skipped_steps"] for s in dev[2]] == [3.0 if "nan_env" in overrides else 0.0] * 3
+
+
 @pytest.mark.parametrize("loaded", ["copy", "unstepped"])
-def test_a_captured_step_is_recorded_again_after_load_state_dict_replaces_adams_moments(monkeypatch, loaded):
-    """A CUDA graph steps the moment tensors that existed when it was recorded. Here the graph is a fake (CPU:
-    recording runs the step, replay counts): updates replay the same graph until `load_state_dict` gives Adam new
-    tensors; the next update records a new one over them instead of replaying the stale one. Also when the
-    state loaded is an optimizer's that never stepped: it holds no moments at all (none of them the graph's)."""
-    class FakeGraph:
-        def __init__(self):
-            self.replays = 0
+def test_a_step_recorded_again_after_load_state_dict_replaced_adams_moments_equals_the_host_path(monkeypatch, loaded):
+    """A CUDA graph steps the moment tensors that existed when it was recorded: after `load_state_dict` gave Adam new
+    ones, the next update records the step again instead of replaying a graph that steps the old ones. It warms up
+    first, as before the first recording: a state loaded from an optimizer that never stepped holds no moments, and
+    the step recorded at once had Adam create them inside the capture, so every replay zero-filled them again before
+    stepping (each step Adam's first, from zero moments). Against the host path with the same load; on CPU through
+    tests/fake_cuda_graph.py, whose replays run the recorded ops again as a GPU's do, on CUDA through real graphs."""
+    if DEVICE.type == "cpu":
+        fake_cuda_graph.install(monkeypatch)
+    graphs = []
 
-        def replay(self):
-            self.replays += 1
+    def load(it, optimizer):
+        if hasattr(optimizer, "sync_free_step"):
+            graphs.append(optimizer.sync_free_step.graph)
+        if it == 1:    # as from a file: new tensors
+            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()) if loaded == "copy" else
+                                      build_optimizer(make_model().to(DEVICE).parameters(), ppo_cfg(capture_step=True),
+                                                      DEVICE).state_dict())
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
-    model = make_model()
-    storage = RolloutStorage(T, N, OBS, A, DEVICE)
-    fill(storage, 0, model)
-    model.to(DEVICE)
-    cfg = ppo_cfg(capture_step=True)
-    optimizer = build_optimizer(model.parameters(), cfg, DEVICE)
-    sync = GradSync(model.parameters(), num_extras=2)
-    step = minibatch_step.sync_free_step(model, optimizer, sync, cfg)
-    step.capture, step.eager_steps = True, minibatch_step.CAPTURE_WARMUP_STEPS   # record at the first step
-    steps = cfg.num_epochs * cfg.num_mini_batches
-
-    def update():
-        ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(0))
-        return step.graph
-
-    first = update()
-    assert first.replays == steps and update() is first and first.replays == 2 * steps
-    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()) if loaded == "copy" else   # as from a file
-                              build_optimizer(make_model().parameters(), cfg, DEVICE).state_dict())
-    second = update()
-    moments = [t for state in optimizer.state.values() for t in state.values()]     # Adam steps them in place
-    assert second is not first and first.replays == 2 * steps and second.replays == steps
-    assert all(a is b for a, b in zip(step.captured_state, moments)) and len(step.captured_state) == len(moments)
+    host = run_update(False, iterations=3, before=load)
+    dev = run_update(True, iterations=3, graph=True, before=load)
+    assert_same_run(host, dev)
+    step = dev[1].sync_free_step
+    assert graphs[0] is None and graphs[1] is not None and graphs[2] not in (None, graphs[1])
+    assert step.graph is graphs[2]    # the third update replayed the graph the second recorded
+    moments = [t for state in dev[1].state.values() for t in state.values()]     # Adam steps them in place
+    assert len(step.captured_state) == len(moments) and all(a is b for a, b in zip(step.captured_state, moments))
