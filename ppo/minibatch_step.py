@@ -4,7 +4,8 @@
 paths of `ppo_update` call it. The host path then reads KL, norm and the loss terms (one host sync per
 step) to apply the adaptive-LR rule and skip a non-finite step in Python. `SyncFreeStep` does the same on the
 device, so that a GPU never waits for the host inside the update and the whole step can be captured
-once as a CUDA graph and replayed (one launch instead of hundreds of small kernels):
+once as a CUDA graph and replayed (one copy of the packed minibatch and one launch instead of hundreds of small
+kernels):
 
 - adaptive LR: `device_adaptive_lr`, the rule of ppo/kl_schedule.py on a float64 0-dim tensor (the
   same comparisons and factors in the same precision, so the same LR sequence bit for bit; CUDA's fused
@@ -24,6 +25,7 @@ import torch
 
 from dist import comm
 from ppo.loss import gaussian_kl, ppo_loss
+from ppo.storage import split_fields
 
 CAPTURE_WARMUP_STEPS = 3    # eager steps on a side stream before capture (allocates Adam state, autograd buffers)
 
@@ -101,7 +103,7 @@ def device_adaptive_lr(lr: torch.Tensor, kl: torch.Tensor, desired_kl: float, lr
 class SyncFreeStep:
     """The minibatch step with every decision on the device; on CUDA captured once and replayed.
 
-    Call `begin()` once per update, the step once per minibatch, `finish()` once at the end (the
+    Call `begin()` once per update, the step once per packed minibatch, `finish()` once at the end (the
     update's single host read). During an update the LR lives in `self.lr` (float64, exact) and the
     optimizer reads `self.opt_lr` (see lr_tensor); `finish()` hands it back to the param group as a float,
     so that checkpoints save it exactly, and `begin()` takes up whatever float is there (ours, or one
@@ -123,7 +125,8 @@ class SyncFreeStep:
         # surrogate, value, entropy, KL summed over taken steps; taken steps; skipped steps
         self.sums = torch.zeros(6, dtype=torch.float64, device=device)
         self.capture = device.type == "cuda"
-        self.graph, self.static, self.ledger_per_replay, self.eager_steps = None, None, {}, 0
+        # The graph, its input (a packed minibatch) and that input's (shape, strides, field widths).
+        self.graph, self.static, self.layout, self.ledger_per_replay, self.eager_steps = None, None, None, {}, 0
         self.captured_state: list[torch.Tensor] = []   # the Adam state tensors the graph steps
 
     def begin(self) -> None:
@@ -144,22 +147,23 @@ class SyncFreeStep:
     def _adam_state(self) -> list[torch.Tensor]:
         return [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
 
-    def __call__(self, batch: dict) -> None:
-        """Take one minibatch step. Crosses ranks: its gradient all-reduce(s) (backward_minibatch), issued
+    def __call__(self, packed: torch.Tensor, widths: dict[str, int]) -> None:
+        """Take one step on the packed minibatch `packed` [B, F], its fields laid out by `widths` (as
+        ppo.storage.split_fields reads them). Crosses ranks: its gradient all-reduce(s) (backward_minibatch), issued
         eagerly or by the graph's replay, once per minibatch."""
         if self.graph is not None:
-            for key, value in batch.items():
-                if value.shape != self.static[key].shape:   # copy_ would broadcast a smaller batch unnoticed
-                    raise ValueError(f"--ppo.capture-step: minibatch field {key!r} has shape {tuple(value.shape)}, "
-                                     f"the captured step {tuple(self.static[key].shape)}")
-                self.static[key].copy_(value)
+            layout = (tuple(packed.shape), packed.stride(), widths)
+            if layout != self.layout:   # copy_ would broadcast a smaller batch unnoticed, or misplace the fields
+                raise ValueError(f"--ppo.capture-step: the minibatch has (shape, strides, field widths) {layout}, "
+                                 f"the captured step {self.layout}")
+            self.static.copy_(packed)   # the graph's one input: one copy per replay
             self.graph.replay()
             for purpose, (calls, nbytes) in self.ledger_per_replay.items():   # the replayed collectives
                 comm.ledger_add(purpose, calls, nbytes)
         elif self.capture and self.eager_steps >= CAPTURE_WARMUP_STEPS:
-            self._capture(batch)
+            self._capture(packed, widths)
         else:
-            self._eager(batch)
+            self._eager(split_fields(packed, widths))
 
     def _eager(self, batch: dict) -> None:
         """The step run, not recorded (a warm-up on a side stream before capture). Crosses ranks: _step's."""
@@ -175,20 +179,27 @@ class SyncFreeStep:
         torch.cuda.current_stream().wait_stream(side)
         self.eager_steps += 1
 
-    def _capture(self, batch: dict) -> None:
+    def _capture(self, packed: torch.Tensor, widths: dict[str, int]) -> None:
         """Record this step into a CUDA graph (nothing runs while recording), then replay it to take it. Crosses
-        ranks once, in that replay: the step's gradient all-reduce(s)."""
-        self.static = {key: value.clone() for key, value in batch.items()}
+        ranks once, in that replay: the step's gradient all-reduce(s).
+
+        The graph's input is one buffer laid out as the minibatch (clone keeps a dense tensor's strides), and it
+        reads the fields as views of it: the same shapes, strides and offsets as the uncaptured steps read, so the
+        GEMMs see the same leading dimensions and alignment (cuBLAS picks kernels by them, and kernels round
+        differently), and a replay's input is one copy of the packed minibatch."""
+        self.static = packed.clone()
+        self.layout = (tuple(self.static.shape), self.static.stride(), dict(widths))
+        fields = split_fields(self.static, widths)
         before = comm.ledger_snapshot()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self._step(self.static)
+            self._step(fields)
         self.captured_state = self._adam_state()
         self.ledger_per_replay = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
                                   for k, v in comm.ledger_snapshot().items()}
         for purpose, (calls, nbytes) in self.ledger_per_replay.items():   # recording is not issuing
             comm.ledger_add(purpose, -calls, -nbytes)
-        self(batch)
+        self(packed, widths)
 
     def _step(self, batch: dict) -> None:
         """The step itself (run, recorded or replayed). Crosses ranks: backward_minibatch's gradient all-reduce."""

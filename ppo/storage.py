@@ -10,6 +10,16 @@ from collections.abc import Iterator
 import torch
 
 
+def split_fields(packed: torch.Tensor, widths: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Views of every field in `packed` [..., F], laid out by `widths` (RolloutStorage.widths): each field a
+    column block at the same offset in whatever buffer is split (the storage, a minibatch, a graph's input)."""
+    views, start = {}, 0
+    for name, width in widths.items():
+        views[name] = packed[..., start] if width == 0 else packed[..., start:start + width]
+        start += max(width, 1)
+    return views
+
+
 class _Column:
     """A named column block of the packed buffer. Reading gives a view; assigning copies into the view,
     so `storage.advantages = compute(...)` keeps the packing (rebinding would silently detach it)."""
@@ -48,21 +58,18 @@ class RolloutStorage:
 
     def split(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of every field in `packed` [..., F] (the storage buffer, or a gathered minibatch)."""
-        views, start = {}, 0
-        for name, width in self.widths.items():
-            views[name] = packed[..., start] if width == 0 else packed[..., start:start + width]
-            start += max(width, 1)
-        return views
+        return split_fields(packed, self.widths)
 
     def minibatches(self, num_mini_batches: int, generator: torch.Generator | None = None,
-                    unit: str = "trajectory") -> Iterator[dict[str, torch.Tensor]]:
+                    unit: str = "trajectory") -> Iterator[torch.Tensor]:
         """One epoch: a fresh permutation split into `num_mini_batches` equal minibatches.
 
         unit "trajectory": permute the N envs; each minibatch holds N / M whole trajectories (all T
         steps, in time order), as flat [T * N / M, ...] tensors. unit "transition": permute all T * N
         transitions. Either way every sample appears exactly once per epoch. No communication: each
-        rank shuffles its own data with its own generator. The fields of a minibatch are views into
-        one freshly gathered [T * N / M, F] tensor.
+        rank shuffles its own data with its own generator. Each minibatch is one freshly gathered packed
+        [T * N / M, F] tensor (contiguous); `split(minibatch)` gives its fields as views into it. The packed
+        tensor is what a CUDA graph of the step takes as its input, in one copy (ppo/minibatch_step.py).
         """
         count = self.num_envs if unit == "trajectory" else self.num_envs * self.num_steps
         if count % num_mini_batches:
@@ -79,4 +86,4 @@ class RolloutStorage:
                 packed = self.data.index_select(1, ids).flatten(0, 1)
             else:
                 packed = self.data.flatten(0, 1).index_select(0, ids)
-            yield self.split(packed)
+            yield packed

@@ -49,16 +49,19 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
     if step is not None:
         step.begin()
     for _epoch in range(cfg.num_epochs):
-        for batch in storage.minibatches(cfg.num_mini_batches, generator, cfg.minibatch_unit):
-            batch_size = batch["actions"].shape[0]
+        for packed in storage.minibatches(cfg.num_mini_batches, generator, cfg.minibatch_unit):
+            batch = storage.split(packed)      # the fields: views of the packed minibatch
+            batch_size = packed.shape[0]
             if cfg.advantage_norm == "minibatch":   # CleanRL: this rank's minibatch alone, unbiased std
                 adv = batch["advantages"]
-                batch["advantages"] = (adv - adv.mean()) / (adv.std() + 1e-8)
+                # Into the minibatch's column (a fresh gather: the storage keeps the raw ones), so that the packed
+                # minibatch, all the sync-free step takes, carries them.
+                adv.copy_((adv - adv.mean()) / (adv.std() + 1e-8))
             if batch_size % num_micro_batches:
                 raise ValueError(f"minibatch of {batch_size} transitions is not divisible by "
                                  f"--ppo.num-micro-batches {num_micro_batches}")
             if step is not None:     # --ppo.capture-step: the same step, decided on the device
-                step(batch)
+                step(packed, storage.widths)
                 continue
             kl_stats, grad_norm, terms_mean = backward_minibatch(model, batch, grad_sync, cfg)
             # One host read per step, the loss terms in it: read after optimizer.step(), they drained the GPU again.

@@ -55,6 +55,4 @@ class ConcatStorage(RolloutStorage):
         perms = [torch.randperm(N, generator=g) + r * N for r, g in enumerate(self.generators)]
         for i in range(num_mini_batches):
             envs = torch.cat([p[i * size:(i + 1) * size] for p in perms])
-            yield {f: getattr(self, f)[:, envs].flatten(0, 1) for f in
-                   ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values",
-                    "advantages", "returns")}
+            yield self.data[:, envs].flatten(0, 1)     # packed, as RolloutStorage.minibatches yields

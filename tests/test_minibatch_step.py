@@ -13,9 +13,11 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist.grad_sync import GradSync
 from ppo.kl_schedule import adaptive_lr
+import ppo.update
 from ppo import minibatch_step
 from ppo.minibatch_step import SyncFreeStep, build_optimizer, device_adaptive_lr, saved_state_for
 from ppo.storage import RolloutStorage
@@ -248,8 +250,8 @@ def test_a_captured_and_replayed_update_equals_the_host_update_exactly(monkeypat
     """As a CUDA graph the step's Python runs once, at capture; every replay repeats only its kernels, so each
     decision (the LR rule, the non-finite skip, the statistics) must be made on the device. On CPU through
     tests/fake_cuda_graph.py (recording runs nothing, a replay runs the recorded ops again on the same tensors), on
-    CUDA through a real graph; with a NaN env one replayed step per epoch is skipped; per-minibatch advantages are a
-    new tensor each step, copied into the graph's input like the other fields."""
+    CUDA through a real graph; with a NaN env one replayed step per epoch is skipped; per-minibatch advantages are
+    written into each minibatch, copied into the graph's input with the other fields."""
     if DEVICE.type == "cpu":
         fake_cuda_graph.install(monkeypatch)
     host = run_update(False, iterations=3, **overrides)
@@ -287,3 +289,104 @@ def test_a_step_recorded_again_after_load_state_dict_replaced_adams_moments_equa
     assert step.graph is graphs[2]    # the third update replayed the graph the second recorded
     moments = [t for state in dev[1].state.values() for t in state.values()]     # Adam steps them in place
     assert len(step.captured_state) == len(moments) and all(a is b for a, b in zip(step.captured_state, moments))
+
+
+class HostIssued(TorchDispatchMode):
+    """The aten ops issued while active, leaving out those a graph's replay issues: a CUDA graph's replay is one
+    launch issuing no aten op, the CPU stand-in's reruns the recorded ones (`replaying` is set around it)."""
+
+    def __init__(self, replaying: list[bool]):
+        super().__init__()
+        self.ops, self.replaying = [], replaying
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.replaying[0]:
+            self.ops.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_micro_batches": 2, "schedule": "fixed"},
+                                       {"advantage_norm": "minibatch", "minibatch_unit": "transition"}])
+def test_the_graph_reads_one_packed_input_laid_out_as_the_host_minibatch_and_a_replay_copies_it_once(monkeypatch,
+                                                                                                    overrides):
+    """The captured step read contiguous copies of each field, made by one copy per field before every replay (9
+    launches where one does), while the host path reads the fields as views of the packed minibatch [B, F] (row
+    stride F): cuBLAS picks GEMM kernels partly by leading dimension and alignment, so the two could round
+    differently, a false alarm of the exactness tests on a GPU. The graph's input is now one buffer laid out as the
+    packed minibatch, the fields it reads are views of it with the host path's shapes, strides and offsets, and a
+    replay issues one op: the copy of the packed minibatch into that buffer. On CPU through tests/fake_cuda_graph.py,
+    on CUDA through a real graph (whose replay issues no aten op)."""
+    if DEVICE.type == "cpu":
+        fake_cuda_graph.install(monkeypatch)
+    seen = {False: [], True: []}    # per path: the layout of each minibatch backward_minibatch was handed
+    path = [False]
+
+    def spied(original):
+        def backward(model, batch, grad_sync, cfg):
+            storages = {v.untyped_storage().data_ptr() for v in batch.values()}
+            layout = tuple((k, tuple(v.shape), v.stride(), v.storage_offset()) for k, v in batch.items())
+            seen[path[0]].append((storages, layout))
+            return original(model, batch, grad_sync, cfg)
+        return backward
+    monkeypatch.setattr(ppo.update, "backward_minibatch", spied(ppo.update.backward_minibatch))
+    monkeypatch.setattr(minibatch_step, "backward_minibatch", spied(minibatch_step.backward_minibatch))
+    replaying, replays = [False], []
+    replay, call = torch.cuda.CUDAGraph.replay, SyncFreeStep.__call__
+
+    def flagged_replay(graph):
+        replaying[0] = True
+        try:
+            replay(graph)
+        finally:
+            replaying[0] = False
+
+    def counted_call(step, packed, *args):
+        if step.graph is None:          # a warm-up step, or the capture (whose replay comes back here)
+            return call(step, packed, *args)
+        issued = HostIssued(replaying)
+        with issued:
+            call(step, packed, *args)
+        replays.append((issued.ops, packed, step))
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", flagged_replay)
+    monkeypatch.setattr(SyncFreeStep, "__call__", counted_call)
+
+    host = run_update(False, iterations=2, **overrides)
+    path[0] = True
+    dev = run_update(True, iterations=2, graph=True, **overrides)
+    assert_same_run(host, dev)
+    steps = 2 * ppo_cfg().num_epochs * ppo_cfg().num_mini_batches
+    assert len(seen[False]) == steps and len(seen[True]) == minibatch_step.CAPTURE_WARMUP_STEPS + 1   # + the capture
+    host_layouts = {layout for storages, layout in seen[False]}
+    assert len(host_layouts) == 1 and all(len(storages) == 1 for storages, _ in seen[False])   # views of one tensor
+    storages, captured_layout = seen[True][-1]           # what the graph reads
+    assert captured_layout in host_layouts               # the host path's shapes, strides and offsets
+    step = dev[1].sync_free_step
+    assert storages == {step.static.untyped_storage().data_ptr()}
+    assert len(replays) == steps - minibatch_step.CAPTURE_WARMUP_STEPS
+    for ops, packed, replayed in replays:
+        assert replayed is step and [func for func, _ in ops] == [torch.ops.aten.copy_.default], ops   # one copy
+        (_, (dst, src)), = ops                            # of the packed minibatch into the graph's input
+        assert dst.data_ptr() == step.static.data_ptr() and dst.shape == step.static.shape and src is packed
+        assert dst.data_ptr() % 64 == src.data_ptr() % 64    # so each field (same offset) is aligned alike in both
+
+
+def test_a_replay_refuses_a_minibatch_laid_out_otherwise_than_the_captured_one(monkeypatch):
+    """copy_ would broadcast a smaller minibatch into the graph's input, and a buffer of the same shape with other
+    strides or field widths would put other numbers where the graph reads a field: each is refused, naming both."""
+    if DEVICE.type == "cpu":
+        fake_cuda_graph.install(monkeypatch)
+    _, optimizer, _ = run_update(True, iterations=1, graph=True)
+    step = optimizer.sync_free_step
+    widths = RolloutStorage(T, N, OBS, A, DEVICE).widths
+    B, F = step.static.shape
+    assert (B, F) == (T * N // ppo_cfg().num_mini_batches, sum(max(w, 1) for w in widths.values()))
+    other = {**widths, "actor_obs": widths["actor_obs"] + 1, "critic_obs": widths["critic_obs"] - 1}   # the same F
+    for packed, layout in [(torch.zeros(B // 2, F, device=DEVICE), widths),
+                           (torch.zeros(F, B, device=DEVICE).t(), widths),
+                           (torch.zeros(B, F, device=DEVICE), other)]:
+        with pytest.raises(ValueError, match=r"^--ppo\.capture-step: the minibatch has \(shape, strides, field "
+                                             r"widths\) .*, the captured step \(\(" + f"{B}, {F}\\), \\({F}, 1\\)"):
+            step(packed, layout)
+    graph, replays = step.graph, getattr(step.graph, "replays", 0)     # the CPU stand-in counts its replays
+    step(torch.zeros(B, F, device=DEVICE), dict(widths))                 # an equal layout (another dict) replays
+    assert step.graph is graph and (DEVICE.type != "cpu" or graph.replays == replays + 1)

@@ -20,7 +20,7 @@ def test_each_epoch_yields_every_trajectory_exactly_once_and_whole():
     orders = []
     for _epoch in range(3):
         seen = []
-        for batch in s.minibatches(M, g):
+        for batch in map(s.split, s.minibatches(M, g)):
             assert batch["actor_obs"].shape == (T * N // M, 3)
             env_ids = batch["values"].view(T, N // M)               # values hold the env id
             assert (env_ids == env_ids[0]).all(), "a minibatch must hold whole trajectories (all T steps)"
@@ -46,7 +46,7 @@ def test_transition_minibatches_cover_every_transition_once():
     T, N, M = 5, 12, 6
     s = filled_storage(T, N)
     seen = []
-    for batch in s.minibatches(M, torch.Generator().manual_seed(1), unit="transition"):
+    for batch in map(s.split, s.minibatches(M, torch.Generator().manual_seed(1), unit="transition")):
         assert batch["actor_obs"].shape == (T * N // M, 3)
         # (step, env) of each transition, recovered from the stored values: obs = env + 100 * step.
         seen += (batch["actor_obs"][:, 0] - batch["values"]).div(100).long().mul(N).add(batch["values"].long()).tolist()
@@ -64,12 +64,16 @@ def test_packed_fields_match_per_field_gathers_and_assignment_keeps_the_packing(
         assert getattr(s, f)._base is s.data
     assert torch.equal(s.advantages, reference["advantages"])
     perm = torch.randperm(N, generator=torch.Generator().manual_seed(5))
-    for i, batch in enumerate(s.minibatches(2, torch.Generator().manual_seed(5))):
+    for packed in s.minibatches(2, torch.Generator().manual_seed(5)):    # one contiguous [B, F] tensor each
+        assert packed.shape == (T * N // 2, s.data.shape[-1]) and packed.is_contiguous()
+        assert all(v.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+                   for v in s.split(packed).values())
+    for i, batch in enumerate(map(s.split, s.minibatches(2, torch.Generator().manual_seed(5)))):
         ids = perm[i * N // 2:(i + 1) * N // 2]
         for f in s.FIELDS:                       # the old per-field advanced indexing, time-major order
             assert torch.equal(batch[f], reference[f][:, ids].flatten(0, 1)), f
     flat_perm = torch.randperm(T * N, generator=torch.Generator().manual_seed(6))
-    batch = next(s.minibatches(4, torch.Generator().manual_seed(6), unit="transition"))
+    batch = s.split(next(s.minibatches(4, torch.Generator().manual_seed(6), unit="transition")))
     assert torch.equal(batch["actor_obs"], reference["actor_obs"].flatten(0, 1)[flat_perm[:T * N // 4]])
 
 
@@ -99,11 +103,11 @@ def test_a_gpu_storage_queues_each_epochs_permutation_from_pinned_memory(monkeyp
     sync-free step (--ppo.capture-step) otherwise never waits for. It is now pinned and copied with non_blocking.
     Simulated on the CPU: the storage's buffer says it is on CUDA, and pinning and the copy are recorded."""
     s = filled_storage()
-    expected = [mb["actor_obs"] for mb in s.minibatches(3, torch.Generator().manual_seed(0))]
+    expected = list(s.minibatches(3, torch.Generator().manual_seed(0)))
     calls, to = [], torch.Tensor.to
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t is s.data))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append("pin_memory") or t)
     monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kw: calls.append(("to", kw)) or to(t, *args, **kw))
-    got = [mb["actor_obs"] for mb in s.minibatches(3, torch.Generator().manual_seed(0))]
+    got = list(s.minibatches(3, torch.Generator().manual_seed(0)))
     assert calls == ["pin_memory", ("to", {"non_blocking": True})]
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))   # the same permutation
