@@ -101,7 +101,10 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
             torch_dist.init_process_group(**kwargs)
     else:
         backend = "none"
-    comm.set_device(dev if backend == "nccl" else torch.device("cpu"))
+    # Where collectives stage their tensors: the rank's GPU under NCCL, the host under gloo; with one process (no
+    # collective runs: each returns its input) where the run computes, since staged on the host a one-GPU run copied
+    # its advantage statistics there and back twice per update, a device sync each way.
+    comm.set_device(dev if backend in ("nccl", "none") else torch.device("cpu"))
     # A main() before this one in the process (tests, a notebook) left comm on its learner or rollout group,
     # destroyed or not: the collectives before the roles split (the resume agreement) must span every rank.
     comm.use_group(None)

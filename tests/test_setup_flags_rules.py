@@ -112,6 +112,17 @@ def test_auto_on_gpus_joins_with_nccl_and_stages_collectives_on_the_rank_s_gpu(t
     assert (info.backend, info.device, comm.device()) == ("gloo", torch.device("cuda:1"), torch.device("cpu"))
 
 
+def test_one_process_on_a_gpu_stages_its_collectives_on_that_gpu(two_gpus, launch_env):
+    """With one process no collective runs (each returns its input): what is staged for one stays where the run
+    computes. Staged on the host, a one-GPU run copied its advantage statistics to the host and back twice per update
+    (a device sync each way, inside the update that --ppo.capture-step keeps free of them), its sampler counts every
+    --dist.sampler-sync-every iterations, and its start-up broadcast."""
+    for backend in ("auto", "gloo"):
+        info = init_distributed(backend, "cuda")
+        assert (info.world_size, info.backend, info.device) == (1, "none", torch.device("cuda:0"))
+        assert comm.device() == torch.device("cuda:0")
+
+
 def test_one_process_has_backend_none_and_resets_comm_s_group(launch_env):
     launch_env.setattr(comm, "_GROUP", "a learners' group left by an earlier run")
     info = init_distributed("gloo", "cpu")
