@@ -30,14 +30,16 @@ def bootstrap_time_outs(reward: torch.Tensor, truncated: torch.Tensor, final_cri
     """reward + gamma * V(final obs) on the envs that timed out (`truncated`, [N] bool); others unchanged.
 
     On CPU the critic runs only on the timed-out rows (usually a few percent of N, so most of the
-    forward is saved). On an accelerator it runs on all N rows and masks: picking the rows needs their
-    count on the host, a device sync per env step that costs more than the whole small forward.
+    forward is saved). On an accelerator it runs on all N rows and keeps the timed-out ones: picking the
+    rows needs their count on the host, a device sync per env step that costs more than the whole small forward.
     """
     if reward.device.type != "cpu":
-        return reward + gamma * truncated * value_fn(final_critic_obs)
+        # Selected, not multiplied by the mask: 0 * V is nan where V is not finite (the final observation of an env
+        # that terminated, e.g. a simulator that blew up there), which the CPU path never evaluates.
+        return torch.where(truncated, reward + gamma * value_fn(final_critic_obs).to(reward.dtype), reward)
     ids = truncated.nonzero().squeeze(-1)
     if ids.numel() == 0:
         return reward
     # A bfloat16 policy copy (--rollout.dtype) gives bfloat16 values: index_add does not promote them as + does,
-    # and gamma multiplies them in the rewards' dtype, as in the masked sum above.
+    # and gamma multiplies them in the rewards' dtype, as on an accelerator above.
     return reward.index_add(0, ids, gamma * value_fn(final_critic_obs.index_select(0, ids)).to(reward.dtype))

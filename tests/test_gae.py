@@ -89,3 +89,21 @@ def test_time_out_bootstrap_of_the_accelerator_branch_by_hand_on_cpu():
     out = bootstrap_time_outs(reward, truncated, final_obs, value, 0.5)
     assert calls == [4]                # the branch under test: the critic ran on every row
     assert out.as_subclass(torch.Tensor).tolist() == [1.0, -2.0 + 0.5 * 4.0, 0.5 + 0.5 * -4.0, 3.0]
+
+
+def test_time_out_bootstrap_on_an_accelerator_leaves_envs_that_did_not_time_out_alone_whatever_their_value():
+    # The accelerator branch runs the critic on every row, also on the final observation of an env that terminated
+    # (one a simulator blew up: nan, or values beyond float32). Multiplied by the mask, 0 * nan and 0 * inf are nan:
+    # that env's reward became nan and check_finite stopped a GPU run that the CPU path, which evaluates only the
+    # timed-out rows, continues.
+    from ppo.gae import bootstrap_time_outs
+    final_obs = torch.tensor([[float("nan")], [2.0], [float("inf")], [3.0]])
+    truncated = torch.tensor([False, True, False, False])
+    reward = torch.tensor([1.0, -2.0, 0.5, 4.0])
+
+    def value(obs):                    # V(obs) = 3 * obs0: nan, 6, inf, 9
+        return obs[:, 0] * 3.0
+
+    on_accelerator = bootstrap_time_outs(reward.as_subclass(_OnAnAccelerator), truncated, final_obs, value, 0.5)
+    on_cpu = bootstrap_time_outs(reward, truncated, final_obs, value, 0.5)
+    assert on_accelerator.as_subclass(torch.Tensor).tolist() == [1.0, -2.0 + 0.5 * 6.0, 0.5, 4.0] == on_cpu.tolist()
