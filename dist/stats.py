@@ -24,7 +24,8 @@ def global_mean_std(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     squares) loses about log10(mean^2 / var) of float64's 16 digits to cancellation.
     """
     x64 = x.detach().double().flatten()
-    first = torch.stack([torch.tensor(float(x64.numel()), dtype=torch.float64, device=x.device), x64.sum()])
+    # The count filled in on the device: torch.tensor(count, device=...) copies from the host, a device sync on a GPU.
+    first = torch.stack([x64.new_full((), float(x64.numel())), x64.sum()])
     count, total = comm.all_reduce(first.to(comm.device()), "advantages").to(x.device).unbind(0)
     mean = total / count
     m2 = comm.all_reduce((x64 - mean).square().sum().reshape(1).to(comm.device()), "advantages").to(x.device)[0]
@@ -50,7 +51,7 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor,
     instead (ppo/normalizer.py's set_first_shift uses rank 0's first observations).
     """
     shifted = batch.detach().to(torch.float64, copy=True).sub_(mean)   # one temporary, reused for the squares
-    batch_count = torch.tensor([float(shifted.shape[0])], dtype=torch.float64, device=batch.device)
+    batch_count = shifted.new_full((1,), float(shifted.shape[0]))        # filled on the device (no host copy)
     batch_sum = shifted.sum(0)                                           # before the in-place square below
     local = torch.cat([batch_count, batch_sum, shifted.square_().sum(0)])
     summed = comm.all_reduce(local, "normalizer")

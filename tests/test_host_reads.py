@@ -1,5 +1,6 @@
 """The per-step GPU paths read nothing back to the host: an env step and a rollout step; an update reads once per
-minibatch step (the host path) or once in all (--ppo.capture-step).
+minibatch step (the host path) or once in all (--ppo.capture-step), its advantage statistics and normalizer merges
+never.
 
 A host read of a device value (`.item()`, a `nonzero`, an error-flag check), or a tensor made from Python
 data (a blocking copy to the device), stalls a GPU's launch queue until the device catches up; once per
@@ -13,10 +14,13 @@ import os
 import pytest
 import torch
 
+from dist import comm
 from dist.grad_sync import GradSync
+from dist.stats import global_mean_std
 from envs import CartPole, Tracking
 from ppo.actor_critic import ActorCritic
 from ppo.minibatch_step import build_optimizer
+from ppo.normalizer import ObsNormalizer, RewardNormalizer
 from ppo.rollout import TRAIN_KEYS, EpisodeStats, collect_rollout
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update
@@ -79,6 +83,26 @@ def test_rollout_step_reads_nothing_back_to_the_host():
     stats = EpisodeStats(env.num_envs, TRAIN_KEYS + env.log_keys, torch.device(DEVICE))
     reads = host_reads(lambda: collect_rollout(model, env, obs, 40, 0.99, True, stats))
     assert reads == [], "sampling, the critic, the bootstrap or the episode statistics read the device on the host"
+
+
+def test_the_update_s_statistics_read_nothing_back_to_the_host(monkeypatch):
+    """Every update computes the advantage statistics (global_mean_std, first in ppo_update) and merges the
+    normalizers (merge_moments, last); each made its sample count with torch.tensor from a Python number, a blocking
+    host-to-device copy on a GPU: a device sync per statistic per update, beside --ppo.capture-step's single read."""
+    values = torch.randn(T * N, OBS["critic"], generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    monkeypatch.setattr(comm, "_DEVICE", values.device)     # as init_distributed sets it for one process
+    observations, rewards = ObsNormalizer(OBS["critic"]).to(DEVICE), RewardNormalizer(N, 0.99, 10.0).to(DEVICE)
+    dones = torch.arange(N, device=DEVICE) % 3 == 0
+    for t in range(T):
+        rewards(values[t * N:(t + 1) * N, 0], dones)
+
+    def statistics():
+        global_mean_std(values[:, 0])
+        observations.update(values)
+        rewards.update()
+
+    assert host_reads(statistics) == []
+    assert observations.count.item() == T * N and rewards.count.item() == T * N   # all of it was merged
 
 
 @pytest.mark.parametrize("capture", [False, True])
