@@ -19,9 +19,10 @@ from dist.grad_sync import GradSync
 from dist.stats import global_mean_std
 from envs import CartPole, Tracking
 from ppo.actor_critic import ActorCritic
+from ppo.env_check import step_checker
 from ppo.minibatch_step import build_optimizer
 from ppo.normalizer import ObsNormalizer, RewardNormalizer
-from ppo.rollout import TRAIN_KEYS, EpisodeStats, collect_rollout
+from ppo.rollout import TRAIN_KEYS, EpisodeStats, collect_rollout, fill_storage
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update
 from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
@@ -77,12 +78,25 @@ def test_env_step_reads_nothing_back_to_the_host(name):
 
 
 def test_rollout_step_reads_nothing_back_to_the_host():
+    """As train.py runs it: with the env protocol's checks, the episode returns recorded (--log.episode-returns),
+    then the batch written into the storage through the reward normalizer and GAE."""
     env = make_env("tracking")
     model = ActorCritic(env.obs_dims["policy"], env.obs_dims["critic"], env.num_actions).to(DEVICE)
     obs = env.reset()[0]
-    stats = EpisodeStats(env.num_envs, TRAIN_KEYS + env.log_keys, torch.device(DEVICE))
-    reads = host_reads(lambda: collect_rollout(model, env, obs, 40, 0.99, True, stats))
-    assert reads == [], "sampling, the critic, the bootstrap or the episode statistics read the device on the host"
+    device = obs["policy"].device                   # indexed, as train.py's (the protocol checks compare devices)
+    stats = EpisodeStats(env.num_envs, TRAIN_KEYS + env.log_keys, device)
+    storage = RolloutStorage(40, env.num_envs, env.obs_dims, env.num_actions, device)
+    rewards = RewardNormalizer(env.num_envs, 0.99, 10.0).to(device)
+    check = step_checker(env, "tracking", device, bootstrap=True)
+
+    def rollout():
+        batch, _ = collect_rollout(model, env, obs, 40, 0.99, True, stats, record_returns=True, check=check)
+        fill_storage(storage, batch, model, rewards, 0.99, 0.95)
+
+    reads = host_reads(rollout)
+    assert reads == [], "sampling, the critic, the bootstrap, the checks, the episode statistics or the storage's " \
+        "rewards and GAE read the device on the host"
+    assert len(stats.ended) == 40 and storage.dones.any()    # the rollout ran, with episodes ending in it
 
 
 def test_the_update_s_statistics_read_nothing_back_to_the_host(monkeypatch):
