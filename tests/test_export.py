@@ -115,3 +115,23 @@ def test_a_read_only_run_folder_names_itself_and_the_way_out_not_an_out_never_ty
     assert result.stderr.startswith(f"export: the checkpoint's folder {str(run_dir)!r} (the default --out) is not "
                                     f"writable (") and "; pass --out with a folder you can write to" in result.stderr
     assert sorted(os.listdir(run_dir)) == ["model_3.pt"]
+
+
+def test_a_checkpoint_written_on_a_gpu_resumes_and_exports_on_a_cpu_only_machine(tmp_path, monkeypatch):
+    """A GPU rank's checkpoint holds CUDA tensors (torch.save tags each storage with its device, cuda:0 on rank 0):
+    read as torch.load reads by default, it fails on a machine without CUDA. Every reader here maps it to the host
+    (dist/checkpoint_read.py), then loads it into the run's device. Written here with the storages tagged cuda:0."""
+    import torch.serialization
+    tag = torch.serialization.location_tag
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+    path = checkpoint(tmp_path, "cartpole")
+    monkeypatch.setattr(torch.serialization, "location_tag", tag)
+    with pytest.raises(RuntimeError, match="on a CUDA device but torch.cuda.is_available"):
+        torch.load(path, weights_only=True)        # the file is a GPU one, as far as torch can tell
+    written = export.export(path, str(tmp_path / "exported"))
+    assert torch.jit.load(written["torchscript"])(torch.zeros(1, 4)).shape == (1, 1)
+    cfg = preset("cartpole")
+    cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.env.num_envs = 64, 4, 8
+    cfg.log.root, cfg.log.print_every, cfg.resume, cfg.max_iterations = str(tmp_path / "resumed"), 100, path, 2
+    model, scalars, _ = train.main(cfg)
+    assert "Policy/kl" in scalars and next(model.parameters()).device == torch.device("cpu")
