@@ -174,7 +174,7 @@ def replay_rank(rank: int, port: int, paths: list[str], dtype_name: str, queue) 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype_name)
-    first = torch.load(paths[0], weights_only=False)
+    first = torch.load(paths[0], map_location="cpu", weights_only=False)
     model = receiver_model(first["model"], first["config"]["policy"], dtype)
     syncers = {mode: make_weight_syncer(WeightSyncConfig(type=mode), 0, [1], dist.new_group([0, 1]))
                for mode in ("patch", "bucket")}
@@ -188,7 +188,7 @@ def replay_rank(rank: int, port: int, paths: list[str], dtype_name: str, queue) 
             syncer.init_receiver(model)
             syncer.apply(model)
     for version, path in enumerate(paths[1:], start=3):
-        state = torch.load(path, weights_only=False)["model"] if rank == 0 else None
+        state = torch.load(path, map_location="cpu", weights_only=False)["model"] if rank == 0 else None
         for mode, syncer in syncers.items():
             dist.barrier()
             t0 = time.perf_counter()
@@ -242,8 +242,8 @@ def weight_sync(args, root: str) -> None:
                 if mode == "patch":
                     paths = sorted(glob.glob(os.path.join(run_dir, "model_*.pt")),
                                    key=lambda p: int(p.rsplit("_", 1)[1][:-3]))
-            states = [torch.load(p, weights_only=False)["model"] for p in paths]
-            first = torch.load(paths[0], weights_only=False)
+            states = [torch.load(p, map_location="cpu", weights_only=False)["model"] for p in paths]
+            first = torch.load(paths[0], map_location="cpu", weights_only=False)
             copy = receiver_model(first["model"], first["config"]["policy"], getattr(torch, dtype))
             dtypes = {k: v.dtype for k, v in copy.state_dict().items()}
             counts = [changed_share(a, b, dtypes) for a, b in zip(states, states[1:])]

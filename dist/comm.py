@@ -22,7 +22,8 @@ import torch.distributed as torch_dist
 # purpose mid-read: change it only under _COUNTING (`ledger_add`) and read it whole through `ledger_snapshot`.
 LEDGER: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 _COUNTING = threading.Lock()
-# Where collective tensors must live: cuda:LOCAL_RANK under NCCL, cpu under gloo. Set by dist.setup.
+# Where collective tensors must live: cuda:LOCAL_RANK under NCCL, cpu under gloo; one process keeps them on its own
+# device (no collective runs, so nothing need cross to the host). Set by dist.setup.
 _DEVICE = torch.device("cpu")
 # The group every collective below runs in: the whole world, or the learners only when rollout ranks
 # exist (they never join the learners' collectives). Set by `use_group`.
