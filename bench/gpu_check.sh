@@ -41,8 +41,7 @@ runs="--log.root /tmp/gpu_runs --log.save-every 1000000"
 for part in $parts; do
     case $part in
     learner)
-        SYNCPPO_TEST_DEVICE=cuda step capture_tests 60 $py -m pytest -q -p no:cacheprovider tests/test_minibatch_step.py tests/test_host_reads.py \
-            tests/test_rollout_update_formulas.py::test_time_out_bootstrap_by_hand_on_the_test_device
+        SYNCPPO_TEST_DEVICE=cuda step capture_tests 60 $py -m pytest -q -p no:cacheprovider tests/test_minibatch_step.py tests/test_host_reads.py tests/test_rollout_update_formulas.py::test_time_out_bootstrap_by_hand_on_the_test_device
         step bench_train_host 80 $py bench/bench_train.py --device cuda --settings large
         step bench_train_capture 80 $py bench/bench_train.py --device cuda --settings large --capture-step
         step train_16384_capture 45 $py train.py tracking --env.num-envs 16384 $big --ppo.capture-step --max-iterations 12 --log.print-every 1 $runs
