@@ -91,7 +91,8 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     if world_size > 1:
         if not torch_dist.is_initialized():
             timeout = timedelta(seconds=timeout_s)
-            kwargs = {"backend": backend, "timeout": timeout, "device_id": dev if use_cuda else None}
+            # device_id binds the group to this GPU (NCCL's eager init); a gloo group stays unbound
+            kwargs = {"backend": backend, "timeout": timeout, "device_id": dev if backend == "nccl" else None}
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], launch_int("MASTER_PORT", 0), world_size,
                                             is_master=False, timeout=timeout)

@@ -112,6 +112,19 @@ def test_auto_on_gpus_joins_with_nccl_and_stages_collectives_on_the_rank_s_gpu(t
     assert (info.backend, info.device, comm.device()) == ("gloo", torch.device("cuda:1"), torch.device("cpu"))
 
 
+def test_only_nccl_is_bound_to_the_rank_s_gpu_when_the_group_is_made(two_gpus, launch_env):
+    """init_process_group's device_id binds the group to a GPU (NCCL's eager init): with gloo moving CUDA tensors
+    through the host it would bind a gloo group to cuda:1 (barriers and new_group splits then go by that device)."""
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29500")):
+        launch_env.setenv(name, value)
+    made = []
+    launch_env.setattr(torch_dist, "init_process_group", lambda **kwargs: made.append(kwargs))
+    init_distributed("nccl", "cuda")
+    init_distributed("gloo", "cuda")
+    assert [(kw["backend"], kw["device_id"]) for kw in made] == [("nccl", torch.device("cuda:1")), ("gloo", None)]
+
+
 def test_one_process_on_a_gpu_stages_its_collectives_on_that_gpu(two_gpus, launch_env):
     """With one process no collective runs (each returns its input): what is staged for one stays where the run
     computes. Staged on the host, a one-GPU run copied its advantage statistics to the host and back twice per update
