@@ -159,10 +159,10 @@ def malformed_entry(state: dict) -> str:
 def fits_a_generator(name: str, state: torch.Tensor) -> bool:
     """Whether a saved RNG state is one that a generator could have: a CPU generator's (a valid mt19937 state;
     'torch' and 'shuffle' are always one) or a cuda generator's (16 bytes of Philox seed and offset; 'cuda' is
-    always one)."""
+    always one; torch's set_state refuses a Philox offset that is not a multiple of 4)."""
     cpu = torch.get_rng_state().numel()
     if state.numel() == 16:
-        return name not in ("torch", "shuffle")
+        return name not in ("torch", "shuffle") and int.from_bytes(bytes(state[8:].tolist()), "little") % 4 == 0
     if state.numel() != cpu or name == "cuda":
         return False
     try:

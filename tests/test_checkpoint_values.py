@@ -174,6 +174,8 @@ def test_export_checks_the_crc_as_resume_does(trained, tmp_path):
      "its rng[0]['env'] (100 bytes) is not the state of a torch generator"),
     (replace("rng", 0, "torch", value=torch.zeros(16, dtype=torch.uint8)),   # torch's default generator is a CPU one
      "its rng[0]['torch'] (16 bytes) is not the state of a torch generator"),
+    (replace("rng", 0, "env", value=torch.tensor([0] * 8 + [6] + [0] * 7, dtype=torch.uint8)),   # a GPU's, at
+     "its rng[0]['env'] (16 bytes) is not the state of a torch generator"),   # a Philox offset of 6: not 4k
     (replace("rng", 0, "shuffle", value=torch.zeros(5056, dtype=torch.uint8)),
      "its rng[0]['shuffle'] (5056 bytes) is not the state of a torch generator"),
     (lambda state: state.update(layout=[1, 1], rollout_rng=[{"torch": torch.get_rng_state(),
