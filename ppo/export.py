@@ -15,6 +15,7 @@ space), which the deployment applies as the simulator did; the export prints the
 import argparse
 import copy
 import importlib.util
+import inspect
 import logging
 import os
 import warnings
@@ -72,10 +73,19 @@ def load_policy(path: str) -> tuple[ActorCritic, dict]:
     return model.eval(), config
 
 
+# The torch.export-based exporter's options export() passes: torch 2.4, inside requirements.txt's range, has the
+# TorchScript exporter alone (no dynamic_shapes, no external_data), and would fail the call with a TypeError.
+EXPORTER_OPTIONS = ("dynamo", "dynamic_shapes", "external_data")
+
+
 def onnx_missing() -> str:
     """Why ONNX cannot be written here ("" when it can)."""
     missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
-    return f"not installed: {', '.join(missing)} (pip install onnx onnxscript)" if missing else ""
+    if missing:
+        return f"not installed: {', '.join(missing)} (pip install onnx onnxscript)"
+    lacking = [name for name in EXPORTER_OPTIONS if name not in inspect.signature(torch.onnx.export).parameters]
+    return f"torch {torch.__version__}'s torch.onnx.export has no {', '.join(lacking)} (torch 2.5 or later)" \
+        if lacking else ""
 
 
 def export(path: str, out_dir: str = "") -> dict[str, str]:

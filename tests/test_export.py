@@ -83,6 +83,26 @@ def test_without_onnx_it_writes_torchscript_and_says_why(tmp_path, monkeypatch, 
     assert "ONNX skipped, not installed: onnxscript (pip install onnx onnxscript)" in capsys.readouterr().out
 
 
+def test_a_torch_without_the_export_based_onnx_exporter_writes_torchscript_and_says_why(tmp_path, monkeypatch,
+                                                                                          capsys):
+    # torch 2.4's torch.onnx.export, the TorchScript exporter alone (its parameters, in its order): requirements.txt
+    # allows 2.4, and the call with dynamic_shapes and external_data was a TypeError after the TorchScript was written
+    def export_of_torch_2_4(model, args, f=None, export_params=True, verbose=False, training=None, input_names=None,
+                            output_names=None, operator_export_type=None, opset_version=None,
+                            do_constant_folding=True, dynamic_axes=None, keep_initializers_as_inputs=None,
+                            custom_opsets=None, export_modules_as_functions=False, autograd_inlining=True,
+                            dynamo=False):
+        raise AssertionError("an exporter without the options export() passes was called")
+
+    path = checkpoint(tmp_path, "cartpole")
+    monkeypatch.setattr(torch.onnx, "export", export_of_torch_2_4)
+    written = export.export(path, str(tmp_path / "exported"))
+    assert list(written) == ["torchscript"] and os.path.isfile(written["torchscript"])
+    assert not glob.glob(str(tmp_path / "exported" / "*.onnx"))
+    assert (f"ONNX skipped, torch {torch.__version__}'s torch.onnx.export has no dynamic_shapes, external_data "
+            f"(torch 2.5 or later)") in capsys.readouterr().out
+
+
 def test_bad_checkpoint_path_is_one_line_and_status_2(tmp_path):
     not_a_checkpoint = tmp_path / "notes.txt"
     not_a_checkpoint.write_text("hello")
