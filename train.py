@@ -330,7 +330,8 @@ def first_on_node() -> bool:
 def out_of_memory(exc: BaseException) -> bool:
     """An allocation the device could not serve: CUDA's OutOfMemoryError, Python's MemoryError, or the RuntimeError
     of torch's CPU allocator (which has no type of its own, only its words)."""
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "DefaultCPUAllocator: can't allocate" in str(exc)
+    oom = (torch.cuda.OutOfMemoryError, MemoryError)    # torch.OutOfMemoryError is its newer name: not in every torch
+    return isinstance(exc, oom) or "DefaultCPUAllocator: can't allocate" in str(exc)
 
 
 def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:

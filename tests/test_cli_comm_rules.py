@@ -93,6 +93,15 @@ def test_cli_says_an_allocation_the_device_cannot_serve_as_out_of_memory_naming_
     assert train.out_of_memory(MemoryError()) and not train.out_of_memory(RuntimeError("can't allocate a name"))
 
 
+def test_a_cuda_allocation_failure_is_out_of_memory_without_torch_s_device_generic_class(monkeypatch):
+    """torch.OutOfMemoryError (device-generic, torch.cuda's class under a second name) came after torch 2.4, which
+    requirements allow (2.4 or 2.5: accounts differ): where it is missing, checking for it raised AttributeError while
+    a failure was being reported."""
+    monkeypatch.delattr(torch, "OutOfMemoryError")
+    assert train.out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not train.out_of_memory(RuntimeError("a bug"))
+
+
 @pytest.mark.parametrize("failure, local_rank, said", [
     (UsageError("--seed bad"), "0", True), (UsageError("--seed bad"), "1", False),
     (UsageError("--env.task bad", say_here=True), "1", True),
