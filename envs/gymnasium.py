@@ -58,20 +58,29 @@ def check_task(gym, task: str) -> None:
         raise ValueError(f"unknown --env.task {task!r} for gymnasium; {hint}")
 
 
-def check_first_reset(env, task: str) -> None:
-    """What broke the vector env's first reset with an error from inside gymnasium or numpy, after the model was
-    built: an env written for gym < 0.26 (reset -> obs, step -> (obs, reward, done, info)), an unpacking or
-    attribute error; an observation of another shape than the space declares, "Output array is the wrong shape".
-    One unseeded reset of a sub-env, while the env is built, names them; the run's own reset reseeds every sub-env."""
+OLD_API = ("the env is written for the old gym API; port it to gymnasium's (reset -> (obs, info), step -> (obs, "
+           "reward, terminated, truncated, info))")
+
+
+def check_reset_and_step(env, task: str) -> None:
+    """What broke the vector env's first reset or step with an error from inside gymnasium or numpy, after the
+    model was built: an env written for gym < 0.26 (reset -> obs, step -> (obs, reward, done, info)), or half ported
+    (reset only), an unpacking or attribute error; an observation of another shape than the space declares, "Output
+    array is the wrong shape". One unseeded reset and one step (the action nearest 0 in bounds) of a sub-env's own
+    env, while the env is built, name them; the run's own reset reseeds every sub-env."""
     result = env.reset()
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
         got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
-        raise ValueError(f"--env.task {task}: reset() returned {got}, not gymnasium's (obs, info dict): the env is "
-                         f"written for the old gym API; port it to gymnasium's (reset -> (obs, info), step -> (obs, "
-                         f"reward, terminated, truncated, info))")
+        raise ValueError(f"--env.task {task}: reset() returned {got}, not gymnasium's (obs, info dict): {OLD_API}")
     if np.shape(result[0]) != env.observation_space.shape:
         raise ValueError(f"--env.task {task}: reset()'s observation has shape {np.shape(result[0])}, but the env "
                          f"declares observation_space {env.observation_space}; make the two agree")
+    space = env.action_space
+    result = env.unwrapped.step(np.clip(np.zeros(space.shape), space.low, space.high).astype(space.dtype))
+    if not (isinstance(result, tuple) and len(result) == 5):   # gymnasium's wrappers would unpack it, and fail
+        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+        raise ValueError(f"--env.task {task}: step() returned {got}, not gymnasium's (obs, reward, terminated, "
+                         f"truncated, info): {OLD_API}")
 
 
 class GymnasiumEnv:
@@ -97,7 +106,7 @@ class GymnasiumEnv:
             raise ValueError(f"--env.task {task}: needs a 1-D Box observation space, got {obs_space}")
         if self.env.spec.max_episode_steps is None:
             raise ValueError(f"--env.task {task}: has no time limit (max_episode_steps); PPO rollouts need one")
-        check_first_reset(self.env.envs[0], task)
+        check_reset_and_step(self.env.envs[0], task)
 
         self.num_envs, self.device = num_envs, torch.device(device)
         self.num_actions = action_space.shape[0]
