@@ -14,24 +14,25 @@ every Linear layer at the minibatch size): that sum is the matmul limit of the u
 re-measured each round; the least-loaded round counts as the limit, so "% of matmul limit" (limit
 over the median update time) is a lower bound on a loaded machine. Ratios are medians of per-round ratios.
 
-What still differs between the two learners, and is printed rather than hidden:
-- RSL-RL counts its GAE (and the critic on the last observation) in the update time; syncppo counts
-  them in collection. Env-steps/s covers both phases, so it is the like-for-like number.
-- RSL-RL clips the actor's and the critic's gradients each to max_grad_norm; syncppo clips one global
-  norm over both (its distributed rule). Same FLOPs, slightly different step.
-- Time-out bootstrap: RSL-RL adds gamma * V(observation the step started from) using the value it
-  already computed; syncppo adds gamma * V(final observation before the reset), which needs a critic
-  forward on the envs that timed out.
+Both phases hold the same work for both learners: RSL-RL computes its GAE, the critic on the last observation and
+the advantage normalization inside its learning clock, syncppo in collection, so that call (`compute_returns`) is
+timed and moved to RSL-RL's collection (the update ratio of RSL-RL's own split is printed below the table).
+What still differs is printed below each table (DIFFERENCES) rather than hidden.
 Both learners draw from the one global torch RNG in turn, so neither reproduces its standalone run.
 The host-memory setting `train.main` applies on CPU (glibc, process-wide, dist/setup.py) holds for both
 from syncppo's start-up on, before either learner's first iteration.
 syncppo at 2 ranks (torchrun, small setting, full run only) is timed separately for the scaling row.
 
-On CUDA (`--device cuda`) both learners and the env run on the GPU, where small networks are bound by
-kernel launches and host syncs rather than FLOPs: the matmul limit is then timed with the GPU
-synchronized around each shape's repeats, and `--capture-step` runs syncppo's sync-free, CUDA-graph
-minibatch step (`--ppo.capture-step`). syncppo's phase clocks wait for the GPU; RSL-RL's do not, so the
-time its queued work takes to drain at its logging call is added to its learning time.
+On CUDA (`--device cuda`) both learners and the env run on the GPU, on its default stream, where small networks
+are bound by kernel launches and host syncs rather than FLOPs, and `--capture-step` runs syncppo's sync-free,
+CUDA-graph minibatch step (`--ppo.capture-step`). Every clock read waits for the device: syncppo's phase clocks
+sync (train.finished); RSL-RL's do not, so the rollout work still queued when its collection clock stops is drained
+at `compute_returns` and counted as collection, and its update's queued work is drained at its logging call and
+counted as update; each learner drains the device before it passes the baton, so neither's work runs on the
+other's clock. The matmul limit there is the update's GEMMs alone, queued back to back between two syncs (a sync
+around each shape would time a host round trip per GEMM): the update also runs elementwise kernels between them,
+so on a GPU "% of matmul limit" is the GEMMs' share of the update, not a distance to a roofline.
+Designed and tested on CPU with the device syncs faked; not yet run on a GPU.
 """
 
 import argparse
@@ -53,7 +54,20 @@ from dist.errors import UsageError  # noqa: E402
 from envs import make_env  # noqa: E402
 
 SETTINGS = {"small": (512, (128, 128)), "large": (4096, (512, 256, 128))}
-
+# (iterations, warm-up iterations left out of the medians) per setting. The first iteration holds each learner's
+# allocations, cuBLAS handle and heuristics and, with --capture-step, the 3 eager steps and the graph's recording
+# (all in the first update: 20 minibatch steps); on CUDA the second is left out too, and rounds are cheap there.
+ITERATIONS = {"cpu": {"small": (20, 3), "large": (6, 2)}, "cuda": {"small": (20, 3), "large": (10, 3)},
+              "quick": {"small": (8, 2), "large": (3, 1)}}
+DIFFERENCES = (
+    "RSL-RL normalizes advantages in compute_returns (here its collection), syncppo in its update: two reductions",
+    "RSL-RL clips the actor's and the critic's gradients each to max_grad_norm, syncppo one global norm over both "
+    "(its distributed rule): same FLOPs, a slightly different step",
+    "time-out bootstrap: RSL-RL adds gamma * V(the step's first observation), a value it has; syncppo "
+    "gamma * V(final observation before the reset), a critic forward on the timed-out envs (collection)",
+    "RSL-RL reads each step's outputs for NaN on the host (per observation group, rewards, dones: 4 reads), "
+    "syncppo the rollout's for non-finite values once (collection)",
+)
 
 class Baton:
     """Strict alternation between named runners; a runner that finishes drops out of the rotation."""
@@ -91,20 +105,39 @@ def gemm_shapes(in_dims: dict[str, int], hidden: tuple[int, ...], num_actions: i
 
 
 def matmul_limit_seconds(shapes: list, device: torch.device) -> float:
-    """Seconds for one pass of torch.mm over `shapes` (best of 3 per shape), on this thread or GPU."""
+    """Seconds for one pass of torch.mm over `shapes`, on this thread or GPU. On CPU the sum of each shape's best of
+    3 (operands made one shape at a time: the large setting's take 0.6 GB together). On a GPU the best of 3
+    whole passes queued back to back between two syncs, as an update queues its GEMMs: a sync around each shape would
+    add a host round trip per GEMM, the size of a small GEMM's own time."""
+    if device.type == "cuda":
+        operands = [(torch.randn(m, k, device=device), torch.randn(k, n, device=device)) for m, k, n in shapes]
+        for a, b in operands:
+            torch.mm(a, b)          # first calls: cuBLAS heuristics and workspace, outside the clock
+        best = float("inf")
+        for _ in range(3):
+            _synchronize(device)
+            t = time.perf_counter()
+            for a, b in operands:
+                torch.mm(a, b)
+            _synchronize(device)
+            best = min(best, time.perf_counter() - t)
+        return best
     total = 0.0
     for m, k, n in shapes:
         a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
         torch.mm(a, b)
         best = float("inf")
         for _ in range(3):
-            _synchronize(device)
             t = time.perf_counter()
             torch.mm(a, b)
-            _synchronize(device)
             best = min(best, time.perf_counter() - t)
         total += best
     return total
+
+def progress(learner: str, iteration: int, collect: float, update: float, extra: str = "") -> None:
+    """One iteration's phase times on stderr (both learners' stdout is silenced), written as it ends."""
+    print(f"[bench_train] {learner} iteration {iteration}: collection {collect:.4f} s, update {update:.4f} s{extra}",
+          file=sys.stderr, flush=True)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -137,15 +170,19 @@ def rsl_rl_runner(cfg, log_dir: str, device: torch.device):
     env = RslRlEnv(make_env(cfg.env, device, seed=cfg.seed, base_seed=cfg.seed))
     p, policy = cfg.ppo, cfg.policy
     train_cfg = {
-        "num_steps_per_env": p.num_steps, "save_interval": 10**6, "obs_groups": {"actor": ["policy"], "critic": ["critic"]},
-        "algorithm": {"class_name": "PPO", "num_learning_epochs": p.num_epochs, "num_mini_batches": p.num_mini_batches,
-                      "clip_param": p.clip_param, "gamma": p.gamma, "lam": p.lam, "value_loss_coef": p.value_loss_coef,
-                      "entropy_coef": p.entropy_coef, "learning_rate": p.learning_rate, "max_grad_norm": p.max_grad_norm,
-                      "use_clipped_value_loss": p.clip_value_loss, "schedule": p.schedule, "desired_kl": p.desired_kl},
+        "num_steps_per_env": p.num_steps, "save_interval": 10**6,
+        "obs_groups": {"actor": ["policy"], "critic": ["critic"]},
+        "algorithm": {"class_name": "PPO", "num_learning_epochs": p.num_epochs,
+                      "num_mini_batches": p.num_mini_batches, "clip_param": p.clip_param, "gamma": p.gamma,
+                      "lam": p.lam, "value_loss_coef": p.value_loss_coef, "entropy_coef": p.entropy_coef,
+                      "learning_rate": p.learning_rate, "max_grad_norm": p.max_grad_norm,
+                      "use_clipped_value_loss": p.clip_value_loss, "schedule": p.schedule,
+                      "desired_kl": p.desired_kl},
         "actor": {"class_name": "MLPModel", "hidden_dims": list(policy.actor_hidden), "activation": policy.activation,
                   "obs_normalization": policy.normalize_actor_obs,
                   "distribution_cfg": {"class_name": "GaussianDistribution", "init_std": policy.init_noise_std}},
-        "critic": {"class_name": "MLPModel", "hidden_dims": list(policy.critic_hidden), "activation": policy.activation,
+        "critic": {"class_name": "MLPModel", "hidden_dims": list(policy.critic_hidden),
+                   "activation": policy.activation,
                    "obs_normalization": policy.normalize_critic_obs},
     }
     with contextlib.redirect_stdout(open(os.devnull, "w")):
@@ -153,7 +190,9 @@ def rsl_rl_runner(cfg, log_dir: str, device: torch.device):
 
 
 def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> dict[str, list]:
-    """Per iteration: syncppo (collect, update) s, RSL-RL (collect, update) s and the matmul limit s."""
+    """Per iteration: syncppo (collect, update) s; RSL-RL (collect, update, of which compute_returns) s with its
+    compute_returns moved from update to collect; the matmul limit s. Each round is also printed to stderr as it
+    ends, so that a run stopped by a time box still leaves its rounds."""
     rows = {"syncppo": [], "rsl-rl": [], "limit": []}
     baton = Baton(["syncppo", "rsl-rl"])
     cfg.log.root, cfg.log.print_every, cfg.log.save_every = os.path.join(tmp, "syncppo"), 10**6, 10**6
@@ -162,21 +201,37 @@ def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> 
         def log(self, scalars, step, episode_returns=()):
             super().log(scalars, step, episode_returns)
             rows["syncppo"].append((scalars["Perf/collection_time"], scalars["Perf/learning_time"]))
+            _synchronize(device)     # the metrics' kernels, queued after the phase clocks, not on RSL-RL's clock
+            progress("syncppo", len(rows["syncppo"]), *rows["syncppo"][-1])
             baton.pass_on("syncppo")
 
     torch.manual_seed(cfg.seed)
     runner = rsl_rl_runner(cfg, os.path.join(tmp, "rsl"), device)
-    rsl_log = runner.logger.log
+    rsl_log, rsl_returns, moved = runner.logger.log, runner.alg.compute_returns, []
+
+    def timed_returns(obs):
+        # RSL-RL reads its collection clock, then calls this inside its learning clock. The sync first drains the
+        # rollout's kernels still queued at that clock read; then GAE, the critic on the last observation and the
+        # advantage normalization, which syncppo counts in collection. All of it moves to RSL-RL's collection.
+        start = time.perf_counter()
+        _synchronize(device)
+        rsl_returns(obs)
+        _synchronize(device)
+        moved.append(time.perf_counter() - start)
+    runner.alg.compute_returns = timed_returns
 
     def timed_rsl_log(**kw):
-        # On a GPU, RSL-RL's clock may stop while its last optimizer step still runs; syncppo's phase clocks wait
-        # for the device (train.finished), so the drain counts as RSL-RL's learning time too. ~0 on CPU.
+        # RSL-RL's learning clock stops while its last optimizer step may still run on a GPU; syncppo's phase clocks
+        # wait for the device (train.finished), so the drain counts as RSL-RL's update too. ~0 on CPU.
         start = time.perf_counter()
         _synchronize(device)
         drain = time.perf_counter() - start
         rsl_log(**kw)
-        rows["rsl-rl"].append((kw["collect_time"], kw["learn_time"] + drain))
+        returns = moved.pop()
+        rows["rsl-rl"].append((kw["collect_time"] + returns, kw["learn_time"] - returns + drain, returns))
         rows["limit"].append(cfg.ppo.num_epochs * cfg.ppo.num_mini_batches * matmul_limit_seconds(limit_shapes, device))
+        _synchronize(device)     # the logging's kernels, not on syncppo's clock
+        progress("rsl-rl", len(rows["rsl-rl"]), *rows["rsl-rl"][-1][:2], f", matmul limit {rows['limit'][-1]:.4f} s")
         baton.pass_on("rsl-rl")
     runner.logger.log = timed_rsl_log
 
@@ -216,7 +271,8 @@ def two_rank_rate(preset_name: str, num_envs: int, iterations: int, warmup: int,
     subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py", preset_name, "--max-iterations",
                     str(iterations), "--env.num-envs", str(num_envs), "--log.root", root, "--log.print-every",
                     str(10**6), "--log.save-every", str(10**6)],
-                   check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=subprocess.DEVNULL)
+                   check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                   stdout=subprocess.DEVNULL)
     events = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith("events.out")][0]
     acc = EventAccumulator(events)
     acc.Reload()
@@ -239,21 +295,37 @@ def report(name: str, cfg, rows: dict, warmup: int, limit_shapes: list, device: 
     limit = min(rows["limit"])    # the machine's limit: its least-loaded measurement (so % below is a lower bound)
     where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
     step = ", syncppo with --ppo.capture-step" if cfg.ppo.capture_step else ""
+    # On a GPU the update also launches elementwise kernels between its GEMMs: the % is the GEMMs' share of it.
+    how, pct_label = (("each shape's best of 3", "") if device.type == "cpu" else
+                      ("queued back to back, best of 3", " (GPU: GEMMs' share of the update, not a roofline)"))
     print(f"\n{name}: tracking on {where}{step}, {cfg.env.num_envs} envs x {cfg.ppo.num_steps} steps, "
           f"{cfg.ppo.num_epochs} epochs x {cfg.ppo.num_mini_batches} minibatches, MLP {cfg.policy.actor_hidden} "
           f"(actor and critic), {len(sp)} interleaved rounds after {warmup} warm-up, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; update GEMMs {flops / 1e9:.1f} GFLOP, "
-          f"matmul limit {flops / limit / 1e9:.0f} GFLOP/s (torch.mm, same shapes)")
-    print("| learner | env-steps/s | collection s/it | update s/it | update GFLOP/s | % of matmul limit | "
+          f"matmul limit {flops / limit / 1e9:.0f} GFLOP/s (torch.mm, same shapes, {how}); RSL-RL's compute_returns "
+          f"counted as its collection, as syncppo counts its GAE")
+    print(f"| learner | env-steps/s | collection s/it | update s/it | update GFLOP/s | % of matmul limit{pct_label} | "
           "steps/s vs RSL-RL | update vs RSL-RL |")
     print("|---|---|---|---|---|---|---|---|")
     for label, mine in (("syncppo", sp), ("rsl-rl 5.5.1", rl)):
         fps_ratio = median([(r[0] + r[1]) / (m[0] + m[1]) for m, r in zip(mine, rl)])
         upd_ratio = median([m[1] / r[1] for m, r in zip(mine, rl)])
-        pct = limit / median([m[1] for m in mine])
-        print(f"| {label} | {median([per_it / (m[0] + m[1]) for m in mine]):,.0f} | {median([m[0] for m in mine]):.3f} | "
-              f"{median([m[1] for m in mine]):.3f} | {median([flops / m[1] for m in mine]) / 1e9:.1f} | {100 * pct:.0f}% | "
-              f"{fps_ratio:.2f}x | {upd_ratio:.2f}x |")
+        update = median([m[1] for m in mine])
+        print(f"| {label} | {median([per_it / (m[0] + m[1]) for m in mine]):,.0f} | "
+              f"{median([m[0] for m in mine]):.3f} | {update:.3f} | {median([flops / m[1] for m in mine]) / 1e9:.1f} | "
+              f"{100 * limit / update:.0f}% | {fps_ratio:.2f}x | {upd_ratio:.2f}x |")
+
+
+def report_notes(rows: dict, warmup: int) -> None:
+    """Below the table: the update ratio with RSL-RL's own split of its phases, then what still differs."""
+    n = min(len(rows["syncppo"]), len(rows["rsl-rl"]))
+    sp, rl = rows["syncppo"][warmup:n], rows["rsl-rl"][warmup:n]
+    own = median([m[1] / (r[1] + r[2]) for m, r in zip(sp, rl)])
+    print(f"\nWith RSL-RL's own split (compute_returns inside its learning clock, as its learn_time logs it; the "
+          f"update column's definition before 2026-12-02): RSL-RL update {median([r[1] + r[2] for r in rl]):.3f} "
+          f"s/it, syncppo's update {own:.2f}x of it. Still different:")
+    for line in DIFFERENCES:
+        print(f"- {line}")
 
 
 def main():
@@ -268,7 +340,7 @@ def main():
         parser.error("--device cuda: no CUDA device is visible to torch")
     device = torch.device(args.device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    iterations = {"small": (8, 2), "large": (3, 1)} if args.quick else {"small": (20, 3), "large": (6, 2)}
+    iterations = ITERATIONS["quick" if args.quick else args.device]
     configs = {}
     for name in args.settings:          # every flag checked before either learner starts
         num_envs, hidden = SETTINGS[name]
@@ -296,6 +368,7 @@ def main():
             if name == "small" and not args.quick and device.type == "cpu":
                 fps = two_rank_rate("tracking", cfg.env.num_envs, iterations[name][0], iterations[name][1], tmp)
                 print(f"| syncppo, 2 ranks (torchrun, run after the table) | {fps:,.0f} | | | | | | |")
+            report_notes(rows, iterations[name][1])
 
 
 if __name__ == "__main__":

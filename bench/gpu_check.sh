@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA machine, in one go, each step time-boxed so that one hang costs only its box.
 #
-#   bash bench/gpu_check.sh OUT_DIR [PART ...]      # default: learner sync (time boxes total 485 s)
+#   bash bench/gpu_check.sh OUT_DIR [PART ...]      # default: learner sync (time boxes total 505 s)
 #
 # Parts:
 #   learner  the open GPU targets of the learner (docs/benchmarks.md): the CUDA-graph minibatch step's
@@ -42,8 +42,8 @@ for part in $parts; do
     case $part in
     learner)
         SYNCPPO_TEST_DEVICE=cuda step capture_tests 60 $py -m pytest -q -p no:cacheprovider tests/test_minibatch_step.py tests/test_host_reads.py tests/test_rollout_update_formulas.py::test_time_out_bootstrap_by_hand_on_the_test_device
-        step bench_train_host 80 $py bench/bench_train.py --device cuda --settings large
-        step bench_train_capture 80 $py bench/bench_train.py --device cuda --settings large --capture-step
+        step bench_train_host 90 $py bench/bench_train.py --device cuda --settings large
+        step bench_train_capture 90 $py bench/bench_train.py --device cuda --settings large --capture-step
         step train_16384_capture 45 $py train.py tracking --env.num-envs 16384 $big --ppo.capture-step --max-iterations 12 --log.print-every 1 $runs
         step train_16384_host 45 $py train.py tracking --env.num-envs 16384 $big --max-iterations 12 --log.print-every 1 $runs
         step train_16384_preset_capture 40 $py train.py tracking --env.num-envs 16384 --ppo.capture-step --max-iterations 12 --log.print-every 1 $runs ;;

@@ -35,6 +35,34 @@ def launched_args(main, monkeypatch, argv: list):
     return launch.value.args[0]
 
 
+# ---- bench/bench_train.py -----------------------------------------------------------------------------
+
+def test_bench_train_warm_up_holds_the_capture_and_leaves_rounds():
+    # --capture-step records its graph after CAPTURE_WARMUP_STEPS eager steps, all in the first update: the
+    # warm-up iterations left out of the medians must hold it, and at least 2 rounds must remain.
+    from configs import preset
+    from ppo.minibatch_step import CAPTURE_WARMUP_STEPS
+    ppo = preset("tracking").ppo
+    for table in load_bench("bench_train").ITERATIONS.values():
+        for iterations, warmup in table.values():
+            assert warmup * ppo.num_epochs * ppo.num_mini_batches > CAPTURE_WARMUP_STEPS
+            assert iterations - warmup >= 2
+
+
+@pytest.mark.parametrize("flags, iterations", [([], 6), (["--device", "cuda"], 10), (["--quick"], 3),
+                                               (["--device", "cuda", "--quick"], 3)])
+def test_bench_train_iterations_follow_the_device_and_quick(monkeypatch, flags, iterations):
+    bench_train = load_bench("bench_train")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # the flags' checks, not CUDA itself
+
+    def launch(cfg, tmp, shapes, device):
+        raise Launched((cfg.max_iterations, device.type))
+    monkeypatch.setattr(bench_train, "run_interleaved", launch)
+    device = "cuda" if "cuda" in flags else "cpu"
+    assert launched_args(bench_train.main, monkeypatch,
+                         ["bench_train.py", "--settings", "large", *flags]) == (iterations, device)
+
+
 # ---- bench/bench_sync.py ------------------------------------------------------------------------------
 
 @pytest.fixture

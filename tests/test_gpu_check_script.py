@@ -78,3 +78,15 @@ def test_each_test_selection_collects_tests(name, argv):
     assert result.returncode == 0, f"{name}: {result.stdout[-1500:]}{result.stderr[-1500:]}"
     per_file = re.findall(r"^\S+\.py: (\d+)$", result.stdout, re.M)     # -q twice: one line per file
     assert per_file and all(int(n) > 0 for n in per_file), result.stdout[-1500:]
+
+
+def test_the_default_parts_fit_the_device_run_limit_with_room_to_install():
+    """The remote run stops the whole script at 540 s (the header's limit): the default parts' time boxes, plus
+    installing the wheels and reading the GPU's name before them (about 15 s), must fit, and the header must say
+    their total."""
+    text = open(SCRIPT).read()
+    default = re.search(r"^parts=\$\{\*:-([a-z ]+)\}$", text, re.M).group(1).split()
+    blocks = dict(re.findall(r"^    (\w+)\)\n(.*?);;$", text, re.M | re.S))
+    total = sum(int(limit) for part in default for limit in re.findall(r"\bstep \w+ (\d+) ", blocks[part]))
+    assert f"time boxes total {total} s" in text and "with a 540 s limit" in text
+    assert total <= 540 - 30
