@@ -1,0 +1,179 @@
+"""bench/bench_train.py's logic with hand-made inputs: the interleaving with train.main, the clocks against a
+faked device, the matmul limit and its table. RSL-RL itself is never run here (a stand-in runner)."""
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from ppo.logger import RunLogger
+from tests.test_tools import exit_code, load_bench
+
+
+@pytest.fixture(scope="module")
+def bench_train():
+    return load_bench("bench_train")
+
+
+def test_bench_train_median_of_an_even_number_of_rounds(bench_train):
+    # `--quick` large has 2 timed rounds, the full large setting 4: the median of two ratios is their mean,
+    # not the larger one.
+    assert bench_train.median([0.8, 1.0]) == pytest.approx(0.9)
+    assert bench_train.median([4.0, 1.0, 3.0, 2.0]) == pytest.approx(2.5)
+    assert bench_train.median([3.0, 1.0, 2.0]) == 2.0
+    rng = np.random.default_rng(0)
+    for n in range(1, 12):
+        xs = rng.random(n).tolist()
+        assert bench_train.median(xs) == pytest.approx(float(np.median(xs)))
+
+
+def test_bench_train_interleaves_with_train_main(bench_train, monkeypatch, tmp_path):
+    # run_interleaved replaces train.RunLogger with a subclass that times each iteration: it must take every
+    # argument train.main logs with (the episode returns too; it raised TypeError at the first iteration). RSL-RL
+    # is replaced by a runner that finishes at once, so syncppo runs its iterations alone.
+    from configs import preset
+
+    class NoRunner:
+        logger = type("Logger", (), {"log": staticmethod(lambda **kw: None)})()
+        alg = type("PPO", (), {"compute_returns": staticmethod(lambda obs: None)})()
+
+        def learn(self, iterations):
+            pass
+
+    monkeypatch.setattr(bench_train, "rsl_rl_runner", lambda cfg, log_dir, device: NoRunner())
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 16, 8, 2
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
+    cfg.log.episode_returns = True
+    rows = bench_train.run_interleaved(cfg, str(tmp_path), [(1, 1, 1)], torch.device("cpu"))
+    assert len(rows["syncppo"]) == 2 and rows["rsl-rl"] == [] and rows["limit"] == []
+    assert bench_train.train.RunLogger is RunLogger     # put back
+
+
+class FakeDevice:
+    """A device whose work takes time: each sync advances a fake clock by `drain` s and is logged with the learner
+    whose thread called it (syncppo runs in the main thread); `work(s)` advances the clock."""
+
+    def __init__(self, drain: float = 0.25):
+        self.now, self.drain, self.events = 100.0, drain, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def work(self, seconds: float) -> None:
+        self.now += seconds
+
+    def synchronize(self, device) -> None:
+        self.now += self.drain
+        self.events.append(("sync", "syncppo" if threading.current_thread() is threading.main_thread() else "rsl-rl"))
+
+
+def test_bench_train_clocks_wait_for_the_device_and_no_learner_leaves_work_queued(bench_train, monkeypatch, tmp_path,
+                                                                                   capsys):
+    # RSL-RL's clocks are host clocks over queued work: the rollout's last kernels drain inside its learning clock
+    # (at compute_returns), its update's at its logging call. Faked: RSL-RL logs collect 1 s, learn 2 s; each sync
+    # drains 0.25 s; compute_returns (GAE, last value) takes 0.5 s. Collection gets the rollout's drain and
+    # compute_returns (1 s); the update keeps the rest of its clock (1 s) plus the drain at logging.
+    from configs import preset
+    fake = FakeDevice()
+    monkeypatch.setattr(bench_train, "_synchronize", fake.synchronize)
+    monkeypatch.setattr(bench_train, "time", fake)
+
+    class RecordingBaton(bench_train.Baton):
+        def pass_on(self, name, finished=False):
+            if not finished:
+                fake.events.append(("pass", name))
+            super().pass_on(name, finished)
+    monkeypatch.setattr(bench_train, "Baton", RecordingBaton)
+
+    class FakeRunner:
+        def __init__(self):
+            self.logger = type("Logger", (), {"log": staticmethod(lambda **kw: None)})()
+            self.alg = type("PPO", (), {"compute_returns": staticmethod(lambda obs: fake.work(0.5))})()
+
+        def learn(self, iterations):
+            for _ in range(iterations):
+                self.alg.compute_returns(None)
+                self.logger.log(collect_time=1.0, learn_time=2.0)
+
+    monkeypatch.setattr(bench_train, "rsl_rl_runner", lambda cfg, log_dir, device: FakeRunner())
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 16, 8, 2
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
+    rows = bench_train.run_interleaved(cfg, str(tmp_path), [(1, 1, 1)], torch.device("cpu"))
+    assert rows["rsl-rl"] == [pytest.approx((2.0, 1.25, 1.0))] * 2
+    assert len(rows["syncppo"]) == 2 and len(rows["limit"]) == 2
+    passes = [i for i, event in enumerate(fake.events) if event[0] == "pass"]
+    assert [fake.events[i][1] for i in passes] == ["syncppo", "rsl-rl"] * 2
+    for i in passes:      # each learner drains the device just before the other's clock can start
+        assert fake.events[i - 1] == ("sync", fake.events[i][1]), fake.events
+    err = capsys.readouterr().err      # each round on stderr as it ends (what a killed run leaves)
+    assert "[bench_train] rsl-rl iteration 2: collection 2.0000 s, update 1.2500 s, matmul limit" in err
+    assert "[bench_train] syncppo iteration 2: collection" in err
+
+
+def test_bench_train_gpu_matmul_limit_queues_the_gemms_between_two_syncs(bench_train, monkeypatch):
+    # A sync around each shape timed a host round trip per GEMM, about as long as a small GEMM on a GPU.
+    fake = FakeDevice()
+    monkeypatch.setattr(bench_train, "_synchronize", fake.synchronize)
+    monkeypatch.setattr(bench_train, "time", fake)
+    cpu_randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *shape, device=None: cpu_randn(*shape))   # no CUDA here
+
+    def mm(a, b):
+        fake.events.append(("mm", a.shape[0]))
+        fake.work(0.01 * a.shape[0])
+    monkeypatch.setattr(torch, "mm", mm)
+    seconds = bench_train.matmul_limit_seconds([(2, 3, 4), (5, 6, 7)], torch.device("cuda"))
+    assert seconds == pytest.approx(0.07 + 0.25)     # both GEMMs and one drain; no sync between them
+    names = [e[0] if e[0] == "sync" else e[1] for e in fake.events]
+    assert names == [2, 5] + ["sync", 2, 5, "sync"] * 3
+
+
+def test_bench_train_table_labels_the_gpu_limit_and_notes_rsl_rl_s_own_split(bench_train, monkeypatch, capsys):
+    from configs import preset
+    cfg = preset("tracking")
+    rows = {"syncppo": [(9.0, 9.0)] + [(1.0, 1.0)] * 3, "rsl-rl": [(9.0, 9.0, 9.0)] + [(2.0, 1.25, 1.0)] * 3,
+            "limit": [0.5] * 4}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    for device, label in (("cpu", False), ("cuda", True)):
+        bench_train.report("large", cfg, rows, 1, [(1, 1, 1)], torch.device(device))
+        bench_train.report_notes(rows, 1)
+        out = capsys.readouterr().out
+        assert ("GEMMs' share of the update, not a roofline" in out) is label
+        assert "3 interleaved rounds after 1 warm-up" in out
+        assert "| syncppo | 6,144 | 1.000 | 1.000 |" in out and "| 1.62x | 0.80x |" in out   # warm-up left out
+        assert "syncppo's update 0.44x of it" in out          # 1 / (1.25 + 1)
+        assert all(line in out for line in bench_train.DIFFERENCES)
+
+
+def test_bench_train_without_rsl_rl_is_one_line(bench_train, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "rsl_rl", None)      # import rsl_rl raises ImportError
+    assert exit_code(bench_train.main, monkeypatch, ["bench_train.py", "--quick"]) == 2
+    assert "RSL-RL is not installed: make bench installs it" in capsys.readouterr().err
+
+
+def test_bench_train_gemm_shapes_by_hand(bench_train):
+    # actor 3 -> 4 -> 2, critic 5 -> 4 -> 1, minibatch 7: forward (B, in, out), weight grad (out, B, in),
+    # input grad (B, out, in) except for the first layer.
+    shapes = bench_train.gemm_shapes({"policy": 3, "critic": 5}, (4,), 2, 7)
+    assert shapes == [(7, 3, 4), (4, 7, 3),
+                      (7, 4, 2), (2, 7, 4), (7, 2, 4),
+                      (7, 5, 4), (4, 7, 5),
+                      (7, 4, 1), (1, 7, 4), (7, 1, 4)]
+
+
+def test_bench_train_zero_num_envs_is_a_usage_error(bench_train, monkeypatch, capsys):
+    """`--num-envs 0` used to fall back to the setting's 512 envs silently (0 is falsy) and run the bench."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the bench ran with a bad --num-envs")
+
+    monkeypatch.setattr(bench_train, "run_interleaved", must_not_run)
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--quick", "--settings", "small", "--num-envs", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_train.main()
+    assert exit_info.value.code == 2
+    # argparse's usage line lists every flag: only the error line says which one is wrong
+    assert capsys.readouterr().err.splitlines()[-1] == "bench_train.py: error: --num-envs must be positive, got 0"
