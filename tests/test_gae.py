@@ -107,3 +107,16 @@ def test_time_out_bootstrap_on_an_accelerator_leaves_envs_that_did_not_time_out_
     on_accelerator = bootstrap_time_outs(reward.as_subclass(_OnAnAccelerator), truncated, final_obs, value, 0.5)
     on_cpu = bootstrap_time_outs(reward, truncated, final_obs, value, 0.5)
     assert on_accelerator.as_subclass(torch.Tensor).tolist() == [1.0, -2.0 + 0.5 * 6.0, 0.5, 4.0] == on_cpu.tolist()
+
+
+def test_time_out_bootstrap_on_an_accelerator_multiplies_a_bfloat16_value_by_gamma_in_the_rewards_dtype():
+    # A bfloat16 policy copy (--rollout.dtype) gives bfloat16 values. Both branches take them into the rewards'
+    # float32 before gamma multiplies: in bfloat16, 0.99 x 4 rounds to 3.953125 and the two paths differ.
+    from ppo.gae import bootstrap_time_outs
+    reward = torch.tensor([1.0, 2.0, 3.0])
+    truncated = torch.tensor([False, True, False])
+    value = lambda obs: obs.sum(-1).to(torch.bfloat16)  # noqa: E731
+    final_obs = torch.tensor([[9.0], [4.0], [9.0]])
+    out = bootstrap_time_outs(reward.as_subclass(_OnAnAccelerator), truncated, final_obs, value, 0.99)
+    expected = np.float32(2.0) + np.float32(0.99) * np.float32(4.0)    # gamma x V in float32, by hand
+    assert out.dtype == torch.float32 and out.as_subclass(torch.Tensor).tolist() == [1.0, float(expected), 3.0]
