@@ -270,3 +270,20 @@ def test_grad_sync_can_be_copied_into_another_package(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str([[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]])   # d(sum(W x + b))/dW = sum of x: 4
+
+
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+def test_the_extras_synchronize_returns_are_the_caller_s_a_later_step_leaves_them_alone(mode):
+    """synchronize() returns the extras as a tensor of the caller's own: the bucket's extras slot is staged again
+    by the next arm(), and a caller keeping a step's KL sum and count past it must not see them turn into the next
+    step's (ppo/minibatch_step.py reads them within the step; the contract is GradSync's own)."""
+    net = Net()
+    sync = GradSync(net.parameters(), mode, bucket_mb=0.001, num_extras=2, unused="zero")
+    x, y = data(0)
+    returned = []
+    for staged in ([3.0, 7.0], [-1.0, 5.0]):
+        sync.zero_grad()
+        sync.arm(torch.tensor(staged))
+        loss_fn(net, x, y).backward()
+        returned.append(sync.synchronize())
+    assert [r.tolist() for r in returned] == [[3.0, 7.0], [-1.0, 5.0]]
