@@ -156,3 +156,29 @@ def test_a_staging_buffer_one_byte_too_small_is_grown():
     payload, (first, positions) = run_ranks(_staging_one_byte_short, 2)
     assert (first, payload) == (2, 3)
     assert positions == [10, 310]
+
+
+def _staging_reused(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    state = {"m": torch.zeros(1000, dtype=torch.bool)}
+    if rank == 0:
+        syncer.init_sender(state)
+        sent = []
+        for position in (310, 10, 20):   # 3 payload bytes (gap 310: an escape, 55, a value byte), then 2 and 2
+            state["m"][position] = True
+            sent.append(syncer.sync(state, len(sent) + 1).payload_bytes)
+        return sent
+    syncer.init_receiver(state)
+    assert syncer.apply(state) == 1
+    first = syncer.staging[0]
+    assert syncer.apply(state) == 2 and syncer.apply(state) == 3
+    return first.numel(), len(syncer.staging), syncer.staging[0] is first, state["m"].nonzero().view(-1).tolist()
+
+
+@pytest.mark.slow
+def test_a_staging_buffer_large_enough_for_the_next_patch_is_reused_not_made_again():
+    """The receive buffer made by the first patch (3 bytes) takes the next two (2 bytes each) in place: one
+    allocation for the link, not one per frame."""
+    sent, (size, buffers, same, positions) = run_ranks(_staging_reused, 2)
+    assert sent == [3, 2, 2] and (size, buffers, same) == (3, 1, True)
+    assert positions == [10, 20, 310]

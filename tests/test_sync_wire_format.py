@@ -241,3 +241,41 @@ def test_config_defaults_and_accepted_edge_values_are_the_documented_ones():
         (512 * 2**20, None, "cpu", True)
     assert PatchConfig(verify_every=0).verify_every == 0
     assert InitSyncConfig(prefixes=["actor", "critic.net"]).prefixes == ("actor", "critic.net")
+
+
+def _round_trip_at_pack_bytes(rank, world_size, extra):
+    """A bucket syncer's init and one sync of a float32 tensor and a bool tensor whose bytes total PACK_BYTES +
+    `extra`; the sender counts its point-to-point messages."""
+    import sync.wire
+    messages = []
+    for name in ("send", "isend"):
+        real = getattr(dist, name)
+        setattr(dist, name, lambda t, *a, _real=real, **k: (messages.append(t.nbytes), _real(t, *a, **k))[1])
+    floats = (sync.wire.PACK_BYTES - 16) // 4
+    state = {"a": torch.zeros(floats), "m": torch.zeros(16 + extra, dtype=torch.bool)}
+    syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
+    if rank == 0:
+        syncer.init_sender(state)
+        messages.clear()
+        state["a"][:] = torch.arange(floats, dtype=torch.float32) * 0.5 - 7.0
+        state["m"][::3] = True
+        syncer.sync(state, 1)
+        return messages
+    syncer.init_receiver(state)
+    assert syncer.apply(state) == 1
+    return state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [0, 1])
+def test_segments_of_exactly_pack_bytes_cross_as_one_message_and_one_byte_more_as_two_end_to_end(extra):
+    """Sender and receiver each decide whether a frame's payload segments are packed into one message, from the
+    segments' bytes: they must agree at the bound, or the receiver waits for one message the sender sent as two.
+    At exactly PACK_BYTES (1 MiB) the payload is one message; one byte more, one per segment."""
+    mib = 1 << 20
+    floats = (mib - 16) // 4
+    sent, received = run_ranks(_round_trip_at_pack_bytes, 2, (extra,))
+    rows = 2 * 32                                     # header 64, table 32 per row, trailer 8 per row + 8
+    assert sent == ([64, rows, mib, 8 * 3] if not extra else [64, rows, mib - 16, 17, 8 * 3])
+    assert torch.equal(received["a"], torch.arange(floats, dtype=torch.float32) * 0.5 - 7.0)
+    assert received["m"].tolist() == [i % 3 == 0 for i in range(16 + extra)]
