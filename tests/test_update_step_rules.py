@@ -11,7 +11,7 @@ Mutants of these files found equivalent (no test can tell them apart):
 - update: setting the adaptive LR on param_groups[0] only (build_optimizer makes one group, and SyncFreeStep
   refuses more).
 The CUDA-graph replay path (shape check, ledger per replay, warm-up count) runs on CPU only through
-tests/fake_cuda_graph.py (tests/test_minibatch_step.py) and was not mutated.
+tests/fake_cuda_graph.py (tests/test_minibatch_step.py, and below: the recorded step's own input and field widths).
 """
 
 from types import SimpleNamespace
@@ -23,9 +23,11 @@ from dist import comm
 from dist.checkpoint import rng_states
 from dist.errors import UsageError
 from dist.grad_sync import GradSync
+from ppo.minibatch_step import CAPTURE_WARMUP_STEPS, build_optimizer, sync_free_step
 from ppo.restore import restore
 from ppo.storage import RolloutStorage
 from ppo.update import normalize_advantages, ppo_update
+from tests import fake_cuda_graph
 from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
 from tests.test_step_restore_rules import CPU, _built, _checkpoint, _run
 
@@ -82,6 +84,52 @@ def test_every_epoch_normalizes_each_minibatch_s_advantages(monkeypatch):
     assert len(seen) == 4
     for adv in seen:
         assert abs(adv.mean()) < 1e-6 and abs(adv.std(ddof=1) - 1.0) < 1e-6
+
+
+# ---- ppo/minibatch_step.py ------------------------------------------------------------------------------------
+
+def _recorded_on_storage_rows(monkeypatch, widths: dict):
+    """A sync-free step warmed up on copies of a filled storage's rows, then recorded (on CPU through
+    tests/fake_cuda_graph.py) with its first minibatch's rows, a view of the storage, laid out by `widths`."""
+    fake_cuda_graph.install(monkeypatch)
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, CPU)
+    fill(storage, 0, model)
+    cfg = ppo_cfg(capture_step=True)
+    optimizer = build_optimizer(model.parameters(), cfg, CPU)
+    step = sync_free_step(model, optimizer, GradSync(model.parameters(), num_extras=2), cfg)
+    step.capture = True
+    rows, batch = storage.data.flatten(0, 1), T * N // cfg.num_mini_batches      # [T * N, F], a view of the storage
+    step.begin()
+    for i in range(CAPTURE_WARMUP_STEPS):
+        step(rows[i % 2 * batch:(i % 2 + 1) * batch].clone(), widths)
+    assert step.graph is None
+    kept = storage.data.clone()
+    step(rows[:batch], widths)                               # recorded with the storage's first rows, then replayed
+    assert step.graph is not None and step.graph.replays == 1
+    return step, storage, kept, rows[batch:2 * batch].clone()
+
+
+def test_a_recorded_step_s_input_is_its_own_so_a_replay_leaves_the_minibatch_it_was_recorded_with_alone(monkeypatch):
+    """The graph's input is a buffer of its own, laid out as the minibatch it was recorded with: a replay copies
+    the next minibatch into it. Were it the caller's tensor (here a view of the rollout storage's rows), every replay
+    would write the next minibatch over the caller's data."""
+    widths = RolloutStorage(T, N, OBS, A, CPU).widths
+    step, storage, kept, other = _recorded_on_storage_rows(monkeypatch, widths)
+    step(other, widths)                                      # a replay with other rows
+    assert step.graph.replays == 2 and torch.equal(storage.data, kept)
+    step.finish()
+
+
+def test_a_replay_refuses_field_widths_changed_in_the_dict_the_step_was_recorded_with(monkeypatch):
+    """The step keeps the field widths it was recorded with, not the caller's dict: changed in place afterwards
+    (the same F, other offsets), the dict would put other numbers where the graph reads a field, and is refused."""
+    widths = dict(RolloutStorage(T, N, OBS, A, CPU).widths)
+    step, _, _, other = _recorded_on_storage_rows(monkeypatch, widths)
+    widths["actor_obs"], widths["critic_obs"] = widths["actor_obs"] + 1, widths["critic_obs"] - 1
+    with pytest.raises(ValueError, match=r"^--ppo\.capture-step: the minibatch has \(shape, strides, field widths\)"):
+        step(other, widths)
+    assert step.graph.replays == 1
 
 
 # ---- ppo/restore.py --------------------------------------------------------------------------------------------
