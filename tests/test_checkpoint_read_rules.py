@@ -3,6 +3,7 @@ an all-zero exp_avg_sq, an empty float tensor), the first value past each bound 
 a tuple (Adam's betas) is found, and a truncated file, a directory and a non-archive each get their own words."""
 
 import math
+import struct
 
 import pytest
 import torch
@@ -82,6 +83,27 @@ def test_the_first_value_past_each_bound_is_refused_naming_it(tmp_path, state, w
     with pytest.raises(UsageError) as exc:
         load_checkpoint(path)
     assert str(exc.value) == f"--resume {path!r} {what}"
+
+
+def _philox(seed: int, offset: int) -> torch.Tensor:
+    """A CUDA generator's 16-byte state: its Philox seed, then its offset, each a little-endian uint64."""
+    return torch.tensor(list(struct.pack("<QQ", seed, offset)), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("offset", [0, 4, 12, 2**40 + 8, 2**64 - 4])
+def test_a_gpu_generator_s_state_at_any_philox_offset_a_multiple_of_4_loads(tmp_path, offset):
+    """A GPU run's generator advances its offset by multiples of 4, not of 8: 4 and 12 are states it saves."""
+    state = _state(rng=[{"torch": torch.get_rng_state(), "cuda": _philox(2**63 + 5, offset)}])
+    assert load_checkpoint(_saved(tmp_path, state))["rng"][0]["cuda"].tolist() == _philox(2**63 + 5, offset).tolist()
+
+
+@pytest.mark.parametrize("offset", [2, 13, 2**40 + 6, 2**64 - 1])
+def test_a_gpu_generator_s_state_at_a_philox_offset_torch_refuses_is_refused_naming_it(tmp_path, offset):
+    path = _saved(tmp_path, _state(rng=[{"torch": torch.get_rng_state(), "cuda": _philox(4, offset)}]))
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value).startswith(f"--resume {path!r} is damaged (its rng[0]['cuda'] (16 bytes) is not the state "
+                                     f"of a torch generator)")
 
 
 def test_a_truncated_checkpoint_a_directory_and_a_non_archive_each_say_what_they_are(tmp_path):
