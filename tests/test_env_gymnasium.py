@@ -205,66 +205,6 @@ def test_a_task_of_another_package_is_written_module_colon_task_id(monkeypatch, 
         GymnasiumEnv("Xyzzy-v0", 1, torch.device("cpu"), seed=0)             # no close match: the way out
 
 
-def old_gym_env(dim: int) -> type:
-    """An env written for gym < 0.26: reset returns the observation alone, step (obs, reward, done, info)."""
-    class OldGym(gymnasium.Env):
-        observation_space = gymnasium.spaces.Box(-1.0, 1.0, (dim,))
-        action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,))
-
-        def reset(self, seed=None, options=None):
-            return np.zeros(dim, dtype=np.float32)
-
-        def step(self, action):
-            return np.zeros(dim, dtype=np.float32), 1.0, False, {}
-
-    return OldGym
-
-
-@pytest.mark.parametrize("dim", [1, 2, 3])
-@pytest.mark.filterwarnings("ignore:.*env.reset\\(\\)` was not a tuple:UserWarning")   # gymnasium's env checker
-def test_an_env_of_the_old_gym_api_is_one_line_from_the_cli(monkeypatch, tmp_path, capsys, dim):
-    """Its first reset failed inside gymnasium's vector env, after the model was built: a traceback ending in
-    "not enough values to unpack" (1 observation), "'numpy.float32' object has no attribute 'items'" (2) or
-    "too many values to unpack" (3)."""
-    monkeypatch.setitem(gymnasium.registry, "OldGym-v0", gymnasium.envs.registration.EnvSpec(
-        "OldGym-v0", entry_point=old_gym_env(dim), max_episode_steps=10))
-    cfg = preset("mujoco")
-    cfg.env.task, cfg.dry_run, cfg.log.root = "OldGym-v0", True, str(tmp_path)
-    assert train.cli(cfg) == 2
-    assert capsys.readouterr().err == ("error: --env.task OldGym-v0: reset() returned ndarray, not gymnasium's (obs, "
-                                       "info dict): the env is written for the old gym API; port it to gymnasium's "
-                                       "(reset -> (obs, info), step -> (obs, reward, terminated, truncated, info))\n")
-
-
-class HalfPorted(gymnasium.Env):
-    """reset ported to gymnasium's (obs, info); step still gym's (obs, reward, done, info)."""
-    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,))
-    action_space = gymnasium.spaces.Box(-np.inf, np.inf, (1,))            # unbounded: the probe action must be finite
-    stepped_with: list = []
-
-    def reset(self, seed=None, options=None):
-        return np.zeros(2, dtype=np.float32), {}
-
-    def step(self, action):
-        self.stepped_with.append(action)
-        return np.zeros(2, dtype=np.float32), 1.0, False, {}
-
-
-def test_an_env_half_ported_from_the_old_gym_api_is_one_line_while_built(monkeypatch, tmp_path, capsys):
-    """Its reset passed, and its first step failed inside gymnasium's TimeLimit wrapper, after the model was built:
-    "not enough values to unpack (expected 5, got 4)". A probe step of the sub-env at build says what to port."""
-    monkeypatch.setitem(gymnasium.registry, "HalfPorted-v0", gymnasium.envs.registration.EnvSpec(
-        "HalfPorted-v0", entry_point=HalfPorted, max_episode_steps=10))
-    cfg = preset("mujoco")
-    cfg.env.task, cfg.dry_run, cfg.log.root = "HalfPorted-v0", True, str(tmp_path)
-    assert train.cli(cfg) == 2
-    assert capsys.readouterr().err == ("error: --env.task HalfPorted-v0: step() returned a tuple of 4, not gymnasium's "
-                                       "(obs, reward, terminated, truncated, info): the env is written for the old gym "
-                                       "API; port it to gymnasium's (reset -> (obs, info), step -> (obs, reward, "
-                                       "terminated, truncated, info))\n")
-    assert [a.tolist() for a in HalfPorted.stepped_with] == [[0.0]]    # in bounds, finite
-
-
 def test_missing_gymnasium_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "gymnasium", None)       # what an absent package looks like to import
     with pytest.raises(ImportError, match="make setup-mujoco"):
