@@ -62,6 +62,8 @@ def test_clipped_actions_stay_inside_a_float64_or_float16_action_space(monkeypat
     monkeypatch.setattr(_Recorder, "received", [])
     monkeypatch.setattr(_Recorder, "action_space", gymnasium.spaces.Box(-0.1, 0.3, (2,), dtype=dtype))
     env = GymnasiumEnv("Recorder-v0", 2, torch.device("cpu"), seed=0)
+    assert [a.tolist() for a in _Recorder.received] == [[0.0, 0.0]]     # the build's probe step (one sub-env)
+    _Recorder.received.clear()
     env.reset()
     env.step(torch.tensor([[-5.0, 5.0], [0.25, -0.05]]))
     first, second = _Recorder.received
