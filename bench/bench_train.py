@@ -69,6 +69,7 @@ DIFFERENCES = (
     "syncppo the rollout's for non-finite values once (collection)",
 )
 
+
 class Baton:
     """Strict alternation between named runners; a runner that finishes drops out of the rotation."""
 
@@ -133,6 +134,7 @@ def matmul_limit_seconds(shapes: list, device: torch.device) -> float:
             best = min(best, time.perf_counter() - t)
         total += best
     return total
+
 
 def progress(learner: str, iteration: int, collect: float, update: float, extra: str = "") -> None:
     """One iteration's phase times on stderr (both learners' stdout is silenced), written as it ends."""
