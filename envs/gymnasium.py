@@ -62,6 +62,11 @@ OLD_API = ("the env is written for the old gym API; port it to gymnasium's (rese
            "reward, terminated, truncated, info))")
 
 
+def returned(result) -> str:
+    """What a reset or step returned, as the old-API message names it: 'a tuple of 4', 'ndarray'."""
+    return f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+
+
 def check_reset_and_step(env, task: str) -> None:
     """What broke the vector env's first reset or step with an error from inside gymnasium or numpy, after the
     model was built: an env written for gym < 0.26 (reset -> obs, step -> (obs, reward, done, info)), or half ported
@@ -70,17 +75,16 @@ def check_reset_and_step(env, task: str) -> None:
     env, while the env is built, name them; the run's own reset reseeds every sub-env."""
     result = env.reset()
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
-        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
-        raise ValueError(f"--env.task {task}: reset() returned {got}, not gymnasium's (obs, info dict): {OLD_API}")
+        raise ValueError(f"--env.task {task}: reset() returned {returned(result)}, not gymnasium's (obs, info dict): "
+                         f"{OLD_API}")
     if np.shape(result[0]) != env.observation_space.shape:
         raise ValueError(f"--env.task {task}: reset()'s observation has shape {np.shape(result[0])}, but the env "
                          f"declares observation_space {env.observation_space}; make the two agree")
     space = env.action_space
     result = env.unwrapped.step(np.clip(np.zeros(space.shape), space.low, space.high).astype(space.dtype))
     if not (isinstance(result, tuple) and len(result) == 5):   # gymnasium's wrappers would unpack it, and fail
-        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
-        raise ValueError(f"--env.task {task}: step() returned {got}, not gymnasium's (obs, reward, terminated, "
-                         f"truncated, info): {OLD_API}")
+        raise ValueError(f"--env.task {task}: step() returned {returned(result)}, not gymnasium's (obs, reward, "
+                         f"terminated, truncated, info): {OLD_API}")
 
 
 class GymnasiumEnv:

@@ -391,7 +391,7 @@ def _in_background(recv) -> Future:
     def run():
         try:
             update = recv()
-            future.set_result(update.wait() or update if isinstance(update, Frame) else update)
+            future.set_result(update.wait() if isinstance(update, Frame) else update)
         except BaseException as error:  # noqa: BLE001 - delivered to the caller of apply
             future.set_exception(error)
 

@@ -159,9 +159,10 @@ class Frame:
                 work.wait()
         return self.segments[r]
 
-    def wait(self) -> None:
+    def wait(self) -> "Frame":
         for key in list(self.works):
             self.works.pop(key).wait()
+        return self
 
     def sums(self) -> list[int]:
         self.wait()
