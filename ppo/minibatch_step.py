@@ -192,7 +192,9 @@ class SyncFreeStep:
         fields = split_fields(self.static, widths)
         before = comm.ledger_snapshot()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: CUDA calls that capture forbids fail it only from this thread, so another thread's work (NCCL's
+        # watchdog querying its events, a weight-serving thread) neither spoils the capture nor is refused by it
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self._step(fields)
         self.captured_state = self._adam_state()
         self.ledger_per_replay = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])

@@ -31,7 +31,7 @@ class CUDAGraph:
     """torch.cuda.CUDAGraph's stand-in: what `graph` recorded into it runs again at each `replay()`."""
 
     def __init__(self):
-        self.ops, self.replays = [], 0
+        self.ops, self.replays, self.capture_error_mode = [], 0, None
 
     def replay(self) -> None:
         with torch.no_grad():
@@ -70,6 +70,9 @@ class _Recorder(TorchDispatchMode):
 @contextlib.contextmanager
 def graph(cuda_graph: CUDAGraph, pool=None, stream=None, capture_error_mode: str = "global"):
     """torch.cuda.graph's stand-in (same signature): records the block into `cuda_graph`, leaves memory as it was."""
+    if capture_error_mode not in ("global", "thread_local", "relaxed"):
+        raise ValueError(f"unknown capture_error_mode {capture_error_mode!r}")   # as torch's cudaStreamCaptureMode
+    cuda_graph.capture_error_mode = capture_error_mode    # kept for the tests: the stand-in models no other threads
     recorder = _Recorder(cuda_graph)
     with recorder:
         yield

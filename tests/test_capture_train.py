@@ -32,4 +32,7 @@ def test_training_with_the_step_captured_and_replayed_equals_the_host_path(tmp_p
         assert torch.equal(host_state[key], dev_state[key]), key
     assert dev_scalars == host_scalars
     (step,) = steps
+    # Captured in thread-local mode: in the default global mode another thread's CUDA call that capture forbids (NCCL's
+    # watchdog querying an event, a weight-serving thread allocating) would fail this capture (torch PR #104555).
+    assert step.graph.capture_error_mode == "thread_local"
     assert step.graph.replays == 4 * cfg.ppo.num_epochs * cfg.ppo.num_mini_batches - minibatch_step.CAPTURE_WARMUP_STEPS
