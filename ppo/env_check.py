@@ -51,6 +51,11 @@ def check_built(env, name: str, num_envs: int) -> None:
     # the model and its normalizers of width 0: a broadcast error inside the rollout, after the start-up lines.
     sizes = {"env.num_actions": env.num_actions, **{f"env.obs_dims[{g!r}]": env.obs_dims[g] for g in GROUPS}}
     for what, size in sizes.items():
+        # A gym space's shape, (3,), is the usual slip (Isaac Lab's spaces are shaped): it failed as a TypeError
+        # in the comparison below, or later inside nn.Linear for a float.
+        if not isinstance(size, numbers.Integral) or isinstance(size, bool):
+            fail(name, f"{what} is {a_type(size)} ({size!r}), not an int: the width of a [num_envs, width] tensor "
+                       f"(e.g. space.shape[-1], not space.shape)")
         if not size > 0:
             fail(name, f"{what} is {size}; the policy needs at least one action and one observation feature in each "
                        f"group: check the env's action space and observation groups")
