@@ -23,8 +23,9 @@ import torch.distributed as torch_dist
 LEDGER: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 _COUNTING = threading.Lock()
 # Where collective tensors must live: cuda:LOCAL_RANK under NCCL, cpu under gloo; one process keeps them on its own
-# device (no collective runs, so nothing need cross to the host). Set by dist.setup.
-_DEVICE = torch.device("cpu")
+# device (no collective runs, so nothing need cross to the host). Set by dist.setup; None until set (a copy of this
+# file in another project, where dist.setup is not): `device()` then follows the process group's backend.
+_DEVICE: torch.device | None = None
 # The group every collective below runs in: the whole world, or the learners only when rollout ranks
 # exist (they never join the learners' collectives). Set by `use_group`.
 _GROUP = None
@@ -40,7 +41,14 @@ def set_device(device: torch.device) -> None:
 
 
 def device() -> torch.device:
-    return _DEVICE
+    """Where a tensor staged for a collective goes (dist.stats moves its float64 sums there): what `set_device` set;
+    unset, the current CUDA device under an NCCL group (NCCL refuses host tensors: a copy of dist/stats.py failed its
+    first all-reduce there, named as a dead peer), else the host."""
+    if _DEVICE is not None:
+        return _DEVICE
+    if torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_backend(_GROUP) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def use_group(group) -> None:
