@@ -6,7 +6,8 @@ O(dim), independent of batch size and world size, and the result equals the stat
 of all ranks' samples (up to float64 summation order).
 
 To copy this file into another project, take dist/comm.py and dist/plan.py with it (the imports are
-relative, so the package may have any name), as for dist/grad_sync.py.
+relative, so the package may have any name), as for dist/grad_sync.py. The sums are staged on `comm.device()`:
+the current CUDA device under NCCL, else the host, unless `comm.set_device` chose (train.py's dist.setup does).
 """
 
 import torch
@@ -73,8 +74,10 @@ def merge_plan_row(dim: int, of: str) -> PlanRow:
 def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor]) -> dict[str, float]:
     """Count-weighted means over all ranks: key -> sum over ranks of sums[key] / sum of counts[key].
 
-    Crosses ranks: one all-reduce of 2K float64 numbers (K = number of keys), packed into one vector,
-    once per log step. Keys must be the same on every rank in the same order (missing ones count 0).
+    Crosses ranks: one all-reduce of 2K float64 numbers (K = number of keys), packed into one vector in sorted key
+    order, once per log step. Every rank must pass the same keys (the order they were inserted in does not matter):
+    a key a rank has nothing for must still be there, with count 0. A key missing on one rank is not counted as 0:
+    the ranks' vectors then differ in length, and the all-reduce fails or sums one key's values into another's.
     Keys with a zero total count are dropped (e.g. no episode finished anywhere).
     """
     keys = sorted(sums)
