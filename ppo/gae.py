@@ -11,7 +11,13 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor
     `dones` marks both terminations and time-outs: the next observation belongs to a new episode, so
     neither bootstraps from it. A time-out's bootstrap, gamma * V(final obs), must already be folded
     into its reward by the caller (computed at collection time, added by fill_storage); a termination has none.
+    Shapes that do not match raise: a critic's [T, N, 1] values (or [N, 1] last values) would broadcast against the
+    [N] rewards of a step to [N, N].
     """
+    if values.shape != rewards.shape or dones.shape != rewards.shape or last_values.shape != rewards.shape[1:]:
+        raise ValueError(f"compute_gae expects rewards, values and dones of shape [T, N] and last_values [N] (squeeze "
+                         f"the critic's last dim), got {list(rewards.shape)}, {list(values.shape)}, "
+                         f"{list(dones.shape)} and {list(last_values.shape)}")
     num_steps = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(last_values)
