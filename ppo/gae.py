@@ -38,14 +38,26 @@ def bootstrap_time_outs(reward: torch.Tensor, truncated: torch.Tensor, final_cri
     On CPU the critic runs only on the timed-out rows (usually a few percent of N, so most of the
     forward is saved). On an accelerator it runs on all N rows and keeps the timed-out ones: picking the
     rows needs their count on the host, a device sync per env step that costs more than the whole small forward.
+    `value_fn` maps [rows, critic obs dim] to [rows] values (a critic's [rows, 1] is refused: on an accelerator it
+    broadcast against [N] to an [N, N] reward).
     """
     if reward.device.type != "cpu":
         # Selected, not multiplied by the mask: 0 * V is nan where V is not finite (the final observation of an env
         # that terminated, e.g. a simulator that blew up there), which the CPU path never evaluates.
-        return torch.where(truncated, reward + gamma * value_fn(final_critic_obs).to(reward.dtype), reward)
+        values = _one_per_row(value_fn(final_critic_obs), final_critic_obs.shape[0])
+        return torch.where(truncated, reward + gamma * values.to(reward.dtype), reward)
     ids = truncated.nonzero().squeeze(-1)
     if ids.numel() == 0:
         return reward
     # A bfloat16 policy copy (--rollout.dtype) gives bfloat16 values: index_add does not promote them as + does,
     # and gamma multiplies them in the rewards' dtype, as on an accelerator above.
-    return reward.index_add(0, ids, gamma * value_fn(final_critic_obs.index_select(0, ids)).to(reward.dtype))
+    values = _one_per_row(value_fn(final_critic_obs.index_select(0, ids)), ids.shape[0])
+    return reward.index_add(0, ids, gamma * values.to(reward.dtype))
+
+
+def _one_per_row(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """`values` if it is [rows] (a shape check: no host sync), else a ValueError naming the fix."""
+    if values.shape != (rows,):
+        raise ValueError(f"bootstrap_time_outs: value_fn must return one value per row, [{rows}] (squeeze the "
+                         f"critic's last dim), got {list(values.shape)}")
+    return values

@@ -6,7 +6,7 @@ returned [T, T, 1] returns."""
 import pytest
 import torch
 
-from ppo.gae import compute_gae
+from ppo.gae import bootstrap_time_outs, compute_gae
 
 T, N = 5, 4
 
@@ -36,3 +36,23 @@ def test_one_step_of_one_env_by_hand():
     adv, ret = compute_gae(torch.tensor([[1.0]]), torch.tensor([[1.0]]), torch.tensor([[False]]), torch.tensor([2.0]),
                            0.5, 0.9)
     assert adv.tolist() == [[1.0]] and ret.tolist() == [[2.0]]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])     # meta: the accelerator path (any non-CPU device), shapes only
+def test_bootstrap_time_outs_refuses_a_critic_output_that_is_not_squeezed(device):
+    """An accelerator's path had broadcast [N] + [N, 1] into an [N, N] reward with no error; the CPU path failed inside
+    index_add with torch's words."""
+    reward, truncated = torch.zeros(N, device=device), torch.tensor([True, False, True, False], device=device)
+    final_obs = torch.zeros(N, 3, device=device)
+    rows = N if device == "meta" else 2          # the CPU path evaluates the timed-out rows only
+    with pytest.raises(ValueError, match=rf"^bootstrap_time_outs: value_fn must return one value per row, \[{rows}\] "
+                                         rf"\(squeeze the critic's last dim\), got \[{rows}, 1\]$"):
+        bootstrap_time_outs(reward, truncated, final_obs, lambda obs: obs[:, :1], 0.5)
+
+
+def test_bootstrap_time_outs_by_hand():
+    """Envs 0 and 2 timed out: reward + 0.5 * V, V = the first feature (2 and 4); the others keep their reward."""
+    final_obs = torch.tensor([[2.0, 0.0], [3.0, 0.0], [4.0, 0.0], [5.0, 0.0]])
+    out = bootstrap_time_outs(torch.ones(N), torch.tensor([True, False, True, False]), final_obs,
+                              lambda obs: obs[:, 0], 0.5)
+    assert out.tolist() == [2.0, 1.0, 3.0, 1.0]
