@@ -118,13 +118,20 @@ def blame_checkpoint(error: UsageError, kept: list[str], path: str) -> UsageErro
     that setting (`--ppo.desired-kl applies only with --ppo.schedule adaptive (the run uses linear)`)."""
     words = [word.strip("(),:;") for word in str(error).split(" ")]
     flags = [word for word in words if word.startswith("--")]    # "a minibatch of ... --ppo.num-micro-batches (6)"
-    flag = words[4] if words[1:4] == ["applies", "only", "with"] else flags[0] if flags else ""
-    if not any(setting.split(" ", 1)[0] == flag for setting in kept):
+    named = [words[4]] if words[1:4] == ["applies", "only", "with"] else flags
+    # The first named flag the checkpoint set, not just the first flag: `--env.num-envs (512) must be divisible by
+    # --ppo.num-mini-batches (3)` with the preset's env count and the checkpoint's minibatch count read as if typed.
+    kept_as = {setting.split(" ", 1)[0]: setting for setting in kept}
+    flag = next((word for word in named if word in kept_as), "")
+    if not flag:
         return error
     if flag in MUST_MATCH:      # a resume keeps it (check_resume_fits): passing it would be refused, change the others
         others = [f for f in dict.fromkeys(flags) if f not in MUST_MATCH and f != "--env.global-num-envs"]
         way_out = f"change {' or '.join(others)}" if others else "start a new run to change it"
         return UsageError(f"{error} ({flag} is the checkpoint's run's, {path!r}, which a resume keeps: {way_out})")
+    if flag != named[0]:      # the error leads with another flag: say which of its flags came from the checkpoint
+        return UsageError(f"{error} ({kept_as[flag]} is the value of the checkpoint's run, {path!r}: pass {flag} to "
+                          f"change it)")
     return UsageError(f"{error} (the value of the checkpoint's run, {path!r}: pass {flag} to change it)")
 
 

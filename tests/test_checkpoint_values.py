@@ -299,6 +299,24 @@ def test_a_refused_env_count_taken_from_the_checkpoint_names_the_flag_a_resume_c
                               f"{path!r}, which a resume keeps: change --ppo.num-mini-batches)")
 
 
+def test_a_refused_minibatch_count_taken_from_the_checkpoint_is_named_when_the_error_leads_with_another_flag(
+        trained, tmp_path):
+    """A 1 + 3 run of the preset's 512 envs per rollout rank (its learner minibatches 1,536 envs in 3) resumed
+    colocated: 512 envs do not split into 3. The error leads with --env.num-envs, the preset's value; the 3 came
+    from the checkpoint, which the error did not say (only a first flag taken from the checkpoint was blamed)."""
+    def team_run(state):
+        state["config"]["env"].update(num_envs=preset("tracking").env.num_envs)
+        state["config"]["ppo"].update(num_mini_batches=3)
+    path = damaged(trained, tmp_path, team_run)
+    root = str(tmp_path / "runs")
+    argv = ["tracking", "--resume", path, "--dry-run", "--log.root", root]
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg_with(resume=path, dry_run=True, log__root=root), typed_flags(argv))
+    assert str(exc.value) == ("--env.num-envs (512) must be divisible by --ppo.num-mini-batches (3): minibatches are "
+                              "whole trajectories, never a silent remainder (--ppo.num-mini-batches 3 is the value of "
+                              f"the checkpoint's run, {path!r}: pass --ppo.num-mini-batches to change it)")
+
+
 def test_a_refused_micro_batch_count_taken_from_the_checkpoint_says_it_came_from_there(trained, tmp_path):
     """The micro-batch error (which once started with words, not its flag) is blamed, not read as if typed."""
     path = damaged(trained, tmp_path, lambda state: state["config"]["ppo"].update(num_micro_batches=3))
