@@ -1,10 +1,11 @@
-"""Two of the project's written rules, checked statically (`ast`, no imports, well under a second) over its own
+"""Three of the project's written rules, checked statically (`ast`, no imports, well under a second) over its own
 source (train.py, rollout_ranks.py, rollout_weights.py, configs/, dist/, ppo/, sync/, envs/; not tests/ or bench/):
 
 - every function that communicates says in its docstring what crosses ranks, how often and why ("Crosses ranks:
   ..."), so a reader can account for every message and collective without running the job;
 - every hyperparameter is a dataclass field with a one-line help string (the string literal under the field, which
-  tyro prints for --help), so no flag reaches the command line unexplained.
+  tyro prints for --help), so no flag reaches the command line unexplained;
+- (over tests/ instead) every test that starts gloo ranks is marked `slow`, so `make test-fast` runs none.
 
 What counts as communicating: a call of a torch.distributed collective or point-to-point function (`COLLECTIVES`),
 or of a project function that makes one, resolved through the module's imports (`from dist import comm`,
@@ -170,3 +171,29 @@ def test_every_config_field_has_a_one_line_help_string():
                 missing.append(f"{path.relative_to(ROOT)}:{field.lineno}: {node.name}.{field.target.id} ({why})")
     assert fields > 50, f"only {fields} fields found in {len(classes)} dataclasses: the search no longer sees them"
     assert not missing, "these config fields have no one-line help for --help:\n" + "\n".join(missing)
+
+
+def _starts_ranks(functions: dict[str, ast.FunctionDef], name: str, seen: frozenset = frozenset()) -> bool:
+    """Whether `name` calls tests.multirank.run_ranks, itself or through another function of its file."""
+    calls = {node.func.id for node in ast.walk(functions[name])
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    return "run_ranks" in calls or any(_starts_ranks(functions, other, seen | {name})
+                                       for other in calls & functions.keys() - seen - {name})
+
+
+def test_every_test_that_starts_ranks_is_marked_slow():
+    """README and the Makefile: `make test-fast` skips the tests marked `slow`, the multi-rank ones among them. A
+    test that forks gloo ranks (run_ranks, directly or through a helper of its file) without the mark ran there."""
+    unmarked, multirank = [], 0
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+        for name, node in functions.items():
+            if not name.startswith("test") or not _starts_ranks(functions, name):
+                continue
+            multirank += 1
+            marks = [ast.unparse(decorator) for decorator in node.decorator_list]
+            if "pytest.mark.slow" not in marks:
+                unmarked.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+    assert multirank > 20, f"only {multirank} multi-rank tests found: the search no longer sees run_ranks"
+    assert not unmarked, "these tests start gloo ranks but are not marked slow:\n" + "\n".join(unmarked)

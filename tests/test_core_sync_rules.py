@@ -233,6 +233,7 @@ def _no_all_gather(*args, **kwargs):
     raise AssertionError("an all-gather: every rank would receive W x T x N returns that rank 0 alone writes")
 
 
+@pytest.mark.slow
 def test_ended_returns_are_every_ranks_in_end_order():
     """By step, then rank, then env, worked out by hand from the per-rank endings above, on rank 0, which logs them;
     the other sends its own by a gather (no all-gather) and keeps nothing."""

@@ -131,6 +131,7 @@ def test_the_linear_schedule_runs_iteration_k_of_n_at_lr_times_1_minus_k_over_n(
     assert len(lines) == 1 and lines[0].startswith("it     2/2 ") and " lr 5.0e-04 " in lines[0], lines
 
 
+@pytest.mark.slow
 def test_two_ranks_draw_their_own_streams_and_save_their_layout(tmp_path):
     """Data-parallel ranks must not sample the same action noise, env randomness or minibatch order: rank r seeds
     with --seed + r. The checkpoint records 2 learners, so resuming on 2 ranks restores each rank's streams."""

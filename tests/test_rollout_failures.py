@@ -238,6 +238,7 @@ def decisions_kept(rank, world_size, depth, iterations):
     return comm.LEDGER["control"][0]
 
 
+@pytest.mark.slow
 def test_the_learner_keeps_only_the_decisions_not_yet_read():
     for depth in (1, 3):
         (kept, seen), reads = run_ranks(decisions_kept, 2, args=(depth, 12))

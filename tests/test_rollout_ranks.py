@@ -215,6 +215,7 @@ def serve_after_three_versions(rank, world_size, kind):
         {k: list(v) for k, v in comm.LEDGER.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["patch", "bucket"])
 def test_a_rollout_rank_that_fell_behind_gets_the_newest_weights_in_one_update(kind):
     (learner_state, rows), (have, first, second, state, after_first, ledger) = \
