@@ -121,8 +121,10 @@ def blame_checkpoint(error: UsageError, kept: list[str], path: str) -> UsageErro
     named = [words[4]] if words[1:4] == ["applies", "only", "with"] else flags
     # The first named flag the checkpoint set, not just the first flag: `--env.num-envs (512) must be divisible by
     # --ppo.num-mini-batches (3)` with the preset's env count and the checkpoint's minibatch count read as if typed.
+    # Past the first, not --env.global-num-envs: a split names it as where the per-rank count came from.
     kept_as = {setting.split(" ", 1)[0]: setting for setting in kept}
-    flag = next((word for word in named if word in kept_as), "")
+    flag = next((word for i, word in enumerate(named) if word in kept_as
+                 and (i == 0 or word != "--env.global-num-envs")), "")
     if not flag:
         return error
     if flag in MUST_MATCH:      # a resume keeps it (check_resume_fits): passing it would be refused, change the others

@@ -315,6 +315,9 @@ def test_a_refused_minibatch_count_taken_from_the_checkpoint_is_named_when_the_e
     assert str(exc.value) == ("--env.num-envs (512) must be divisible by --ppo.num-mini-batches (3): minibatches are "
                               "whole trajectories, never a silent remainder (--ppo.num-mini-batches 3 is the value of "
                               f"the checkpoint's run, {path!r}: pass --ppo.num-mini-batches to change it)")
+    from configs.resume import blame_checkpoint     # a split names --env.global-num-envs as a source, not a cause
+    split = "--env.num-envs (2 = --env.global-num-envs 16 / 8 rank(s)) must be divisible by --ppo.num-mini-batches (4)"
+    assert blame_checkpoint(error := UsageError(split), ["--env.global-num-envs 16"], "c.pt") is error
 
 
 def test_a_refused_micro_batch_count_taken_from_the_checkpoint_says_it_came_from_there(trained, tmp_path):
