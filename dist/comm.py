@@ -89,8 +89,12 @@ def _named(kind: str, purpose: str):
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         # gloo's words for a peer whose process is gone: no timeout was waited out, so the timeout is not the lead
         closed = any(words in first_line for words in ("Connection closed by peer", "Connection reset by peer"))
+        # Other failures are not blamed on a peer: a tensor the backend cannot take (NCCL given a host tensor says
+        # "No backend type associated with device type cpu") is this rank's, and the first line says which.
+        timed_out = "timed out" in first_line.lower() or "timeout" in first_line.lower()
         why = ("a peer rank died (its connection closed)" if closed else
-               "a peer rank died or stalled past the process group's timeout (train.py: --dist.timeout-s)")
+               "a peer rank died or stalled past the process group's timeout (train.py: --dist.timeout-s)"
+               if timed_out else "the backend refused or failed it")
         raise CollectiveError(f"{kind} for {purpose!r} failed on rank {torch_dist.get_rank()}: {why} ({first_line})"
                               ) from exc
 

@@ -248,8 +248,13 @@ class _Failing:
     ("Connection reset by peer", "Connection reset by peer", "a peer rank died (its connection closed)"),
     ("Timed out waiting 10000ms for recv operation to complete", "Timed out waiting 10000ms for recv operation to "
      "complete", "a peer rank died or stalled past the process group's timeout (train.py: --dist.timeout-s)"),
-    ("  \n", "RuntimeError", "a peer rank died or stalled past the process group's timeout (train.py: "
-     "--dist.timeout-s)")])
+    ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600000 ms",
+     "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600000 ms",
+     "a peer rank died or stalled past the process group's timeout (train.py: --dist.timeout-s)"),
+    # Not a peer's failure: NCCL handed a host tensor (torch's words), or a message that says nothing
+    ("No backend type associated with device type cpu", "No backend type associated with device type cpu",
+     "the backend refused or failed it"),
+    ("  \n", "RuntimeError", "the backend refused or failed it")])
 def test_a_failed_call_or_wait_is_a_collective_error_naming_the_call_purpose_rank_and_cause(
         monkeypatch, call, kind, message, said, why):
     """Whatever the backend raised becomes one CollectiveError: the call, its purpose, this rank, the flag that sets
