@@ -265,3 +265,19 @@ def test_the_batch_keeps_every_step_of_an_env_that_reuses_its_observation_and_re
     assert not torch.equal(reference["actor_obs"][0], reference["actor_obs"][1])     # the steps differ
     for field in ("actor_obs", "critic_obs", "rewards", "last_critic_obs", "actions", "log_probs"):
         assert torch.equal(batch[field], reference[field]), field
+
+
+def test_a_batch_stays_as_collected_while_an_env_that_reuses_its_buffers_keeps_stepping():
+    """The batch is the rollout's own copy, `last_critic_obs` (the observation GAE bootstraps from) included: the
+    next collection steps an env that writes into the tensors it returned, and must leave an earlier batch (kept,
+    sent or not yet filled into storage) as it was."""
+    torch.manual_seed(0)
+    env = ReusesBuffers(8, "cpu", 0, True)
+    model = build_actor_critic(preset("cartpole").policy, env.obs_dims, env.num_actions)
+    stats = EpisodeStats(8, TRAIN_KEYS, "cpu")
+    batch, obs = collect_rollout(model, env, env.reset()[0], 3, 0.99, True, stats)
+    kept = {name: value.clone() for name, value in batch.items()}
+    later, _ = collect_rollout(model, env, obs, 3, 0.99, True, stats)
+    assert not torch.equal(later["last_critic_obs"], kept["last_critic_obs"])      # the env's buffer moved on
+    for name, value in kept.items():
+        assert torch.equal(batch[name], value), name

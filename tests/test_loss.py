@@ -1,6 +1,7 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from ppo.kl_schedule import adaptive_lr
@@ -57,3 +58,13 @@ def test_ppo_loss_refuses_values_of_shape_b_1():
         assert "[B]" in str(exc) and "(4, 1)" in str(exc)
     else:
         raise AssertionError("values of shape [B, 1] were accepted")
+
+
+@pytest.mark.parametrize("position", range(7))
+def test_ppo_loss_refuses_a_b_1_tensor_in_any_one_of_its_seven_inputs(position):
+    """Each input alone is checked: returns or advantages of shape [B, 1] would broadcast against [B] values or ratios
+    to [B, B] (a wrong loss, silently), and the docstring promises every input is [B]."""
+    inputs = [torch.zeros(4) for _ in range(7)]
+    inputs[position] = torch.zeros(4, 1)
+    with pytest.raises(ValueError, match=r"shape \[B\].*\(4, 1\)"):
+        ppo_loss(*inputs, 0.2, True, 0.5, 0.01)

@@ -101,6 +101,21 @@ def test_set_first_shift_leaves_the_forward_pass_unchanged_until_the_first_merge
     torch.testing.assert_close(norm(torch.tensor([[106.0, -37.0]])), expected)   # (2, 2)
 
 
+def test_set_first_shift_shifts_each_feature_by_its_own_mean():
+    """The shift is per feature: features far apart (+1e6 and -1e6, unit spread) each need their own mean, or a
+    shift by the mean over all features (~0 here) leaves the first merge plain sums of squares, which lose digits
+    (tests/test_stats_merge.py shows by how much). Population std of each feature by numpy in float64."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.tensor([1e6, -1e6], dtype=torch.float64)
+         + torch.randn(4096, 2, generator=g, dtype=torch.float64)).float()
+    reference = x.double().numpy().std(0)
+    norm = ObsNormalizer(2)
+    norm.set_first_shift(x[:64])
+    norm.update(x)
+    np.testing.assert_allclose((norm.m2 / norm.count).sqrt().numpy(), reference, rtol=1e-9, atol=0)
+    np.testing.assert_allclose(norm.mean64.numpy(), x.double().numpy().mean(0), rtol=1e-12, atol=0)
+
+
 def test_reward_normalizer_tracks_discounted_returns_that_restart_each_episode():
     """The statistics are those of the running discounted return, recorded after each step's reward is added
     and reset to 0 after an episode ends (CleanRL's NormalizeReward); each update merges only the returns
@@ -131,6 +146,17 @@ def test_reward_normalizer_with_zero_return_spread_stays_finite():
     assert rn.std.item() == 0.0
     out = rn(torch.tensor([0.0, 1.0]), torch.zeros(2, dtype=torch.bool))
     assert out.tolist() == [0.0, 10.0]            # 0 / 1e-8 = 0; 1 / 1e-8 clipped to 10
+
+
+def test_reward_normalizer_clips_scaled_rewards_on_both_sides_at_its_clip():
+    """The scaled reward is clipped to [-clip, clip] with the configured clip (--ppo.reward-clip, not a fixed 10):
+    a large penalty is bounded like a large bonus. By hand with std 2, clip 3."""
+    rn = RewardNormalizer(num_envs=5, gamma=0.99, clip=3.0)
+    rn.std.fill_(2.0)                                         # as if earlier iterations had measured it
+    out = rn(torch.tensor([-10.0, -4.0, 5.0, 7.0, 1.0]), torch.zeros(5, dtype=torch.bool))
+    expected = [max(-3.0, min(3.0, r / (2.0 + 1e-8))) for r in (-10.0, -4.0, 5.0, 7.0, 1.0)]
+    assert expected[0] == -3.0 and expected[3] == 3.0 and -3.0 < min(expected[1:3]) and max(expected[1:3]) < 3.0
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6)
 
 
 # ---- ppo/actor_critic.py ---------------------------------------------------------------------------
@@ -179,3 +205,16 @@ def test_build_actor_critic_normalizes_the_observation_groups_it_is_told_to():
     assert isinstance(model.actor_normalizer, ObsNormalizer) and model.actor_normalizer.mean.numel() == 3
     assert not isinstance(model.critic_normalizer, ObsNormalizer)
     assert list(model.normalizers()) == ["actor_obs"]
+
+
+def test_every_normalizer_buffer_of_the_actor_critic_is_merged_never_broadcast_or_averaged():
+    """The design's rule for the observation normalizers is `merge` (ObsNormalizer.update merges every rank's
+    observations): a `broadcast` or `mean` rule would add a per-iteration collective on statistics that the merge
+    already made identical, and `local` would declare them per-rank. So no buffer traffic is planned for them."""
+    from dist.buffers import buffer_plan_rows, resolve_buffer_policy
+    model = ActorCritic(3, 4, 2, (8,), (8,), normalize_actor_obs=True, normalize_critic_obs=True)
+    rules = resolve_buffer_policy(model, model.BUFFER_POLICY)
+    assert sorted(rules) == sorted(f"{side}_normalizer.{name}" for side in ("actor", "critic")
+                                   for name in ("count", "mean64", "m2", "mean", "std"))
+    assert set(rules.values()) == {"merge"}
+    assert buffer_plan_rows(model, rules) == []

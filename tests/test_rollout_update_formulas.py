@@ -142,7 +142,7 @@ def test_collect_rollout_records_pre_step_observations_dones_and_time_out_bootst
     bootstrap is gamma * V(the observation BEFORE the env reset it), 0 elsewhere; GAE continues from the
     observation after the last step (the reset one when the last step ended an episode)."""
     torch.manual_seed(0)
-    model = ActorCritic(2, 3, 1, (8,), (8,), normalize_critic_obs=False)
+    model = ActorCritic(2, 3, 1, (8,), (8,), init_noise_std=0.6, normalize_critic_obs=False)
     env = CountingEnv()
     obs, _ = env.reset()
     stats = EpisodeStats(2, TRAIN_KEYS + ("Episode/x",), torch.device("cpu"))
@@ -164,6 +164,14 @@ def test_collect_rollout_records_pre_step_observations_dones_and_time_out_bootst
         ref = torch.distributions.Normal(mean, model.log_std.exp().expand_as(mean))
         torch.testing.assert_close(batch["log_probs"], ref.log_prob(batch["actions"]).sum(-1))
         torch.testing.assert_close(batch["values"], model.critic(batch["critic_obs"]).squeeze(-1))
+        # the old policy the KL is measured from: its mean and std (0.6, not 1) in every state
+        torch.testing.assert_close(batch["action_mean"], mean)
+        torch.testing.assert_close(batch["action_std"], torch.full((4, 2, 1), 0.6))
+    # Episodes end at terminations and time-outs alike, with their raw rewards (no bootstrap): env 0 ends 1 + 2 twice
+    # (length 2), env 1 times out after 11 + 12 + 13 (length 3).
+    i = stats.index
+    assert stats.sums[i["Train/mean_reward"]].item() == 3 + 3 + 36 and stats.counts[i["Train/mean_reward"]].item() == 3
+    assert stats.sums[i["Train/mean_episode_length"]].item() == 2 + 2 + 3
 
 
 def test_episode_stats_sum_each_finished_episode_once_and_count_log_entries():
@@ -185,6 +193,18 @@ def test_episode_stats_sum_each_finished_episode_once_and_count_log_entries():
     assert ended[1, 0].item() == 3 and ended[3, 0].item() == 3 and ended[2, 1].item() == 36
     assert torch.isnan(ended).sum().item() == 8 - 3
     assert stats.episode_return.tolist() == [0.0, 11.0] and stats.episode_length.tolist() == [0.0, 1.0]
+
+
+def test_episode_stats_count_every_episode_that_ends_in_the_same_step():
+    """Three of four envs end in one step: three episodes, their returns and lengths summed, not one of them."""
+    stats = EpisodeStats(4, TRAIN_KEYS, torch.device("cpu"))
+    stats.step(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([False, True, False, False]), {}, False)
+    stats.step(torch.tensor([5.0, 6.0, 7.0, 8.0]), torch.tensor([True, True, False, True]), {}, False)
+    i = stats.index
+    assert stats.counts[i["Train/mean_reward"]].item() == 1 + 3
+    assert stats.sums[i["Train/mean_reward"]].item() == 2 + (1 + 5) + 6 + (4 + 8)
+    assert stats.sums[i["Train/mean_episode_length"]].item() == 1 + 2 + 1 + 2
+    assert stats.episode_return.tolist() == [0.0, 0.0, 10.0, 0.0] and stats.episode_length.tolist() == [0, 0, 2, 0]
 
 
 def test_episode_stats_accumulate_sums_and_counts_in_float64():

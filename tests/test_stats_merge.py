@@ -148,3 +148,46 @@ def test_both_normalizers_merge_into_their_own_buffers_so_an_earlier_state_dict_
     assert held["count"].item() == 4
     np.testing.assert_allclose(held["m2"].numpy(), [((returns - returns.mean()) ** 2).sum()], rtol=1e-12)
     np.testing.assert_allclose(held["std"].numpy(), returns.std(), rtol=1e-6)
+
+
+def reward_normalizer_body(rank, world_size):
+    """Rank r has 2 + r envs and 3 steps of rewards; every rank's returns merge into the statistics."""
+    from dist import comm
+    from ppo.normalizer import RewardNormalizer
+    rewards, dones = reward_stream(rank)
+    rn = RewardNormalizer(num_envs=rewards.shape[1], gamma=0.9, clip=10.0)
+    for r, d in zip(rewards, dones):
+        rn(r, d)
+    comm.reset_ledger()
+    rn.update()
+    ledger = comm.ledger_snapshot()
+    planned = {row.purpose: (row.calls, sum(row.call_bytes)) for row in rn.plan_rows()}
+    return rn.count.item(), rn.std.item(), ledger, planned
+
+
+def reward_stream(rank):
+    g = torch.Generator().manual_seed(40 + rank)
+    rewards = torch.rand(3, 2 + rank, generator=g) * (rank + 1) + 2.0 * rank
+    dones = torch.zeros(3, 2 + rank, dtype=torch.bool)
+    dones[1, 0] = True
+    return rewards, dones
+
+
+@pytest.mark.slow
+def test_reward_normalizer_merges_every_ranks_returns_in_the_one_all_reduce_its_plan_row_declares():
+    """Equivalence principle for the reward scale: after update() every rank's std is numpy's population std over the
+    discounted returns of all ranks' envs (written out per env below, restarting after a done), and the merge's
+    traffic is what its plan row says: one all-reduce of (count, sum, sum of squares), 3 float64."""
+    returns = []
+    for rank in range(2):
+        rewards, dones = (t.double().numpy() for t in reward_stream(rank))
+        carried = np.zeros(rewards.shape[1])
+        for t in range(rewards.shape[0]):
+            carried = 0.9 * carried + rewards[t]
+            returns += list(carried)
+            carried = np.where(dones[t], 0.0, carried)
+    for count, std, ledger, planned in run_ranks(reward_normalizer_body, world_size=2):
+        assert count == len(returns) == 3 * (2 + 3)
+        assert std == pytest.approx(np.std(returns), rel=1e-6)
+        assert planned == {"normalizer": (1, 3 * 8)}
+        assert ledger == {"normalizer": planned["normalizer"]}

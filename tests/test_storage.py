@@ -84,9 +84,10 @@ def test_fill_storage_recomputes_old_policy_outputs_with_the_learners_model():
     T, N, A = 3, 4, 2
     model = ActorCritic(5, 6, A)
     batch = {"actor_obs": torch.randn(T, N, 5), "critic_obs": torch.randn(T, N, 6), "actions": torch.randn(T, N, A),
-             "action_mean": torch.zeros(T, N, A), "action_std": torch.ones(T, N, A), "log_probs": torch.zeros(T, N),
-             "values": torch.zeros(T, N), "rewards": torch.randn(T, N), "bootstrap": torch.zeros(T, N),
-             "dones": torch.zeros(T, N, dtype=torch.bool), "last_critic_obs": torch.randn(N, 6)}
+             "action_mean": torch.randn(T, N, A), "action_std": torch.rand(T, N, A) + 0.5,
+             "log_probs": torch.randn(T, N), "values": torch.randn(T, N), "rewards": torch.randn(T, N),
+             "bootstrap": torch.zeros(T, N), "dones": torch.zeros(T, N, dtype=torch.bool),
+             "last_critic_obs": torch.randn(N, 6)}
     storage = RolloutStorage(T, N, {"policy": 5, "critic": 6}, A, torch.device("cpu"))
     fill_storage(storage, batch, model, None, 0.99, 0.95, recompute=True)
     with torch.no_grad():
@@ -94,7 +95,8 @@ def test_fill_storage_recomputes_old_policy_outputs_with_the_learners_model():
         assert torch.equal(storage.log_probs, pi.log_prob(batch["actions"]).sum(-1))
         assert torch.equal(storage.action_mean, pi.mean) and torch.equal(storage.values, model.value(batch["critic_obs"]))
     fill_storage(storage, batch, model, None, 0.99, 0.95, recompute=False)
-    assert torch.equal(storage.log_probs, batch["log_probs"])       # the copy's numbers, as sent
+    for name in ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values"):
+        assert torch.equal(getattr(storage, name), batch[name]), name      # the copy's numbers, as sent
 
 
 def test_a_gpu_storage_queues_each_epochs_permutation_from_pinned_memory(monkeypatch):
