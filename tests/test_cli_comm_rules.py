@@ -2,6 +2,7 @@
 failure, first_on_node, team_checkpoint's layout; the ledger's counts, the group the wrappers run in and the words of
 a failed collective."""
 
+import collections
 import json
 import sys
 import time
@@ -216,6 +217,27 @@ def test_a_ledger_snapshot_is_a_copy_and_reset_empties_the_ledger():
     assert comm.ledger_snapshot() == {}
 
 
+def test_the_ledger_is_changed_and_read_only_with_its_lock_held(monkeypatch):
+    """Weight-serving threads count into the ledger while the main thread reads it (comm.LEDGER's comment): a read
+    racing a new purpose's insertion fails with "dictionary changed size during iteration". No test can time that
+    race, so the rule is checked where it is kept: the lock is held at every access of the ledger."""
+    held = []
+
+    class Watched(collections.defaultdict):
+        def __getitem__(self, key):
+            held.append(("count", comm._COUNTING.locked()))
+            return super().__getitem__(key)
+
+        def items(self):
+            held.append(("read", comm._COUNTING.locked()))
+            return super().items()
+
+    monkeypatch.setattr(comm, "LEDGER", Watched(lambda: [0, 0]))
+    comm.ledger_add("metrics", 1, 8)
+    assert comm.ledger_snapshot() == {"metrics": (1, 8)}
+    assert held == [("count", True), ("read", True)]
+
+
 class _Failing:
     """A backend call that fails (or a work handle whose wait does) with `message`."""
 
@@ -269,6 +291,8 @@ def test_a_failed_call_or_wait_is_a_collective_error_naming_the_call_purpose_ran
     with pytest.raises(comm.CollectiveError) as caught:
         call()
     assert str(caught.value) == f"{kind} for 'metrics' failed on rank 1: {why} ({said})"
+    # the message keeps the backend's first line; its whole message (gloo's source line) stays the cause
+    assert type(caught.value.__cause__) is RuntimeError and str(caught.value.__cause__) == message
 
 
 def test_team_checkpoint_records_learners_then_rollout_ranks(monkeypatch):

@@ -37,3 +37,16 @@ def test_set_device_wins_over_the_backend(monkeypatch):
     monkeypatch.setattr(torch_dist, "get_backend", lambda group=None: "nccl")
     copied.set_device("cpu")                                   # dist.setup's choice is kept as it was
     assert copied.device() == torch.device("cpu")
+
+
+def test_an_unset_device_follows_the_backend_of_the_group_in_use_not_the_world_s(monkeypatch):
+    """A copy that runs its collectives in a gloo group (use_group) inside an NCCL world stages them on the host:
+    the backend asked is the current group's."""
+    copied = fresh_copy()
+    gloo_group = object()
+    monkeypatch.setattr(torch_dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch_dist, "get_backend", lambda group=None: "gloo" if group is gloo_group else "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert copied.device() == torch.device("cuda", 1)              # the whole NCCL world
+    copied.use_group(gloo_group)
+    assert copied.device() == torch.device("cpu")

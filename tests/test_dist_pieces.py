@@ -52,6 +52,34 @@ def test_sync_buffers_puts_each_buffer_of_a_coalesced_collective_back_in_place()
         assert bufs["keep"].item() == rank
 
 
+def buffers_in_a_group_body(rank, world_size):
+    """Ranks 0 and 1 sync their buffers in their own group (as learners do beside a rollout rank, here rank 2)."""
+    from dist import comm
+    group = torch.distributed.new_group([0, 1])          # collective: every rank makes it
+    if rank == 2:
+        return None
+    comm.use_group(group)
+    try:
+        m = ManyBuffers(rank)
+        sync_buffers(m, resolve_buffer_policy(m, m.BUFFER_POLICY))
+        return {k: v.clone() for k, v in m.named_buffers()}
+    finally:
+        comm.use_group(None)
+
+
+@pytest.mark.slow
+def test_a_mean_buffer_is_averaged_over_the_group_in_use_not_the_world():
+    """Two learners of a 3-rank world: the mean of 1x and 2x the base is 1.5x (divided by the group's 2 ranks, not
+    the world's 3); a broadcast buffer is rank 0's."""
+    results = run_ranks(buffers_in_a_group_body, 3)
+    rank0 = ManyBuffers(0)
+    assert results[2] is None
+    for bufs in results[:2]:
+        for name in ("m_first", "m_second", "m_double"):
+            torch.testing.assert_close(bufs[name], getattr(rank0, name) * 1.5, msg=name)
+        assert torch.equal(bufs["b_first"], rank0.b_first)
+
+
 def test_buffer_plan_rows_give_the_bytes_of_each_coalesced_collective_by_hand():
     """One call per rule and dtype, in the order dtypes first appear: broadcast fp32 (2 + 4 elements x 4 bytes),
     fp64 (1 x 8), int64 (1 x 8); mean fp32 ((3 + 1) x 4), fp64 (2 x 8); `local` crosses nothing."""
@@ -155,6 +183,21 @@ def test_bucketed_all_reduces_start_while_backward_is_still_running():
     sync.synchronize()
     assert len(sync.arrived_at_launch) == 3
     assert sync.arrived_at_launch[0] < 6 and sync.arrived_at_launch[1] < 6    # launched during backward
+
+
+def test_flat_issues_its_one_all_reduce_at_synchronize_not_from_a_gradient_hook():
+    """flat is the no-overlap path (one all-reduce per step, issued at synchronize(), after backward): the armed
+    backward launches nothing, even once every gradient of its one bucket has arrived."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    sync = ArrivalRecordingGradSync(net.parameters(), "flat")
+    sync.arrived_at_launch = []
+    sync.zero_grad()
+    sync.arm()
+    net(torch.randn(5, 6, generator=torch.Generator().manual_seed(1))).square().mean().backward()
+    assert sync.arrived_at_launch == []
+    sync.synchronize()
+    assert sync.arrived_at_launch == [4]       # once, at synchronize, with all 4 gradients in
 
 
 def test_a_bucket_is_filled_up_to_and_including_the_cap():

@@ -45,10 +45,12 @@ def sync_grads(rank, world_size, mode, num_micro_batches, bucket_mb, count=1.0):
             sync.arm(torch.tensor([float(rank), count]))
         (loss_fn(net, xm, ym) / num_micro_batches).backward()
     extras = sync.synchronize()
+    works_left = sum(b.work is not None for b in sync.buckets)   # a work kept past its wait can abort the exit
     grads = [p.grad.clone() for p in net.parameters()]
     norm = sync.clip_(0.05)
     clipped = [p.grad.clone() for p in net.parameters()]
-    return {"grads": grads, "clipped": clipped, "norm": norm, "extras": extras, "buckets": len(sync.buckets)}
+    return {"grads": grads, "clipped": clipped, "norm": norm, "extras": extras, "buckets": len(sync.buckets),
+            "works_left": works_left}
 
 
 def ddp_grads(rank, world_size):
@@ -82,6 +84,7 @@ def test_grads_equal_single_process_and_ddp(mode, world_size):
             torch.testing.assert_close(g, oracle, rtol=1e-5, atol=1e-7)
         # extras are summed, not averaged: sum of ranks, and one count per rank
         assert res["extras"].tolist() == [float(sum(range(world_size))), float(world_size)]
+        assert res["works_left"] == 0     # synchronize() drops every finished all-reduce's work
         for g, other in zip(res["grads"], results[0]["grads"]):
             assert torch.equal(g, other), "every rank must hold bit-identical gradients"
     assert results[0]["grads"][-1].abs().sum() == 0 and results[0]["grads"][-2].abs().sum() == 0   # unused = zero
@@ -189,6 +192,9 @@ def test_bad_arguments_are_rejected():
         sync.arm(torch.zeros(3))
     with pytest.raises(RuntimeError, match="arm"):
         GradSync(net.parameters()).synchronize()
+    net.requires_grad_(False)                      # every parameter frozen: nothing to synchronize, said so
+    with pytest.raises(ValueError, match="at least one parameter that requires grad"):
+        GradSync(net.parameters())
 
 
 def test_grads_detached_from_the_buckets_are_an_error_not_a_silent_local_step():
@@ -253,6 +259,24 @@ def test_a_new_grad_sync_takes_the_parameters_over_and_the_old_one_is_freed():
     assert gone() is None
 
 
+def test_a_stale_remove_hooks_leaves_the_successor_s_parameters_to_it():
+    """remove_hooks() on a GradSync already taken over (a second call, from cleanup code) must not forget who serves
+    the parameters now: the next GradSync still takes them over from the successor, whose hooks then go and which
+    is freed (else its hooks would keep it and its buckets alive, and it would see every later backward)."""
+    import gc
+    import weakref
+    net = Net()
+    first = GradSync(net.parameters(), "flat", unused="zero")
+    second = GradSync(net.parameters(), "flat", unused="zero")
+    first.remove_hooks()
+    third = GradSync(net.parameters(), "bucketed", bucket_mb=0.001, unused="zero")
+    assert not second._hooks and len(third._hooks) == len(third.params)
+    gone = weakref.ref(second)
+    del second
+    gc.collect()
+    assert gone() is None
+
+
 def test_grad_sync_can_be_copied_into_another_package(tmp_path):
     """README's promise: dist/grad_sync.py with dist/comm.py and dist/plan.py work under any package name."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,3 +311,20 @@ def test_the_extras_synchronize_returns_are_the_caller_s_a_later_step_leaves_the
         loss_fn(net, x, y).backward()
         returned.append(sync.synchronize())
     assert [r.tolist() for r in returned] == [[3.0, 7.0], [-1.0, 5.0]]
+
+
+def test_arm_again_before_the_armed_backward_restages_the_extras():
+    """arm() raises only once the armed backward ran (its all-reduces may be in flight); before that it may be
+    called again and the last extras staged win. One process: the synchronized gradient is the plain backward's
+    (the unused layer's a zero) and the extras come back as staged."""
+    net, reference = Net(), Net()
+    sync = GradSync(net.parameters(), "bucketed", bucket_mb=0.01, num_extras=2, unused="zero")
+    x, y = data(0)
+    sync.zero_grad()
+    sync.arm(torch.tensor([1.0, 2.0]))
+    sync.arm(torch.tensor([3.0, 4.0]))
+    loss_fn(net, x, y).backward()
+    assert sync.synchronize().tolist() == [3.0, 4.0]
+    loss_fn(reference, x, y).backward()
+    for p, ref in zip(net.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, ref.grad if ref.grad is not None else torch.zeros_like(p))

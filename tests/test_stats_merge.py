@@ -80,6 +80,48 @@ def test_reduce_metrics_weights_each_rank_by_its_count():
         assert out["y"] == pytest.approx(7.0 / 2, rel=1e-12)   # a key only rank 1 counted: rank 0 adds (0, 0)
 
 
+def reordered_metrics_body(rank, world_size):
+    """The same two keys inserted in opposite orders on the two ranks; "big" has a rank-0 sum of 2**24 + 1, which
+    float64 holds and float32 does not (it rounds to 2**24)."""
+    sums = {"big": torch.tensor(2.0**24 + 1, dtype=torch.float64), "small": torch.tensor(3.0)} if rank == 0 else \
+        {"small": torch.tensor(5.0), "big": torch.tensor(2.0, dtype=torch.float64)}
+    counts = {"big": torch.tensor(1.0), "small": torch.tensor(1.0)} if rank == 0 else \
+        {"small": torch.tensor(3.0), "big": torch.tensor(1.0)}
+    return reduce_metrics(sums, counts)
+
+
+@pytest.mark.slow
+def test_reduce_metrics_pairs_keys_by_name_not_insertion_order_and_sums_in_float64():
+    """Each rank packs its keys in sorted order (the docstring: the insertion order does not matter), so rank 0's
+    "big" adds to rank 1's "big" though rank 1 inserted "small" first; and the packed vector is float64, so a sum
+    that float32 cannot hold stays exact: (2**24 + 1 + 2) / 2, not (2**24 + 2) / 2."""
+    for out in run_ranks(reordered_metrics_body, world_size=2):
+        assert out == {"big": (2.0**24 + 1 + 2.0) / (1 + 1), "small": (3.0 + 5.0) / (1 + 3)}
+
+
+class ZeroLocalFirstSampler:
+    """A sampler (envs/base.py's protocol: local_counts, commit_global(summed)) whose commit restarts its local counts
+    before it folds the summed ones in, as a curriculum may: the summed counts must be a tensor of their own."""
+
+    def __init__(self, local):
+        self.local_counts = local.clone()
+        self.global_counts = torch.zeros_like(local)
+
+    def commit_global(self, summed):
+        self.local_counts.zero_()
+        self.global_counts += summed
+
+
+def test_sum_counts_hands_the_sampler_summed_counts_that_do_not_alias_its_local_ones():
+    """One process: the sum over ranks is this rank's own counts. A sampler zeroing its local counts first must
+    still commit them, not the zeros an all-reduce done in place in local_counts would leave."""
+    local = torch.tensor([[1.0, 0.0, 4.0], [0.0, 0.0, 2.0]], dtype=torch.float64)
+    sampler = ZeroLocalFirstSampler(local)
+    sum_counts(sampler)
+    assert sampler.global_counts.tolist() == local.tolist()
+    assert sampler.local_counts.tolist() == [[0.0] * 3] * 2
+
+
 def overlapping_sampler_body(rank, world_size):
     s = AdaptiveMotionSampler(3, 0.2, "cpu")
     # Both ranks visit motion 0 (1 and 2 episodes, rank 1's both failed); only rank 0 visits motion 2.
@@ -191,3 +233,23 @@ def test_reward_normalizer_merges_every_ranks_returns_in_the_one_all_reduce_its_
         assert std == pytest.approx(np.std(returns), rel=1e-6)
         assert planned == {"normalizer": (1, 3 * 8)}
         assert ledger == {"normalizer": planned["normalizer"]}
+
+
+def test_the_sums_are_staged_on_the_device_collectives_need(monkeypatch):
+    """Under NCCL the all-reduced sums must be on the GPU (NCCL refuses host tensors) though sampler counts and
+    metric sums may live on the host. On a CPU machine the meta device stands for it: every all-reduce of
+    global_mean_std, reduce_metrics and sum_counts is handed a tensor on comm.device(), whatever the inputs' device
+    (the stand-in all-reduce answers ones on the host, as the real one would after the copy back)."""
+    from dist import comm
+    seen = []
+
+    def all_reduce(tensor, purpose, op="sum", async_op=False):
+        seen.append((purpose, tensor.device.type))
+        return torch.ones(tensor.shape, dtype=tensor.dtype)
+
+    monkeypatch.setattr(comm, "_DEVICE", torch.device("meta"))
+    monkeypatch.setattr(comm, "all_reduce", all_reduce)
+    global_mean_std(torch.tensor([1.0, 2.0, 4.0]))
+    reduce_metrics({"a": torch.tensor(3.0)}, {"a": torch.tensor(1.0)})
+    sum_counts(ZeroLocalFirstSampler(torch.ones(2, 3, dtype=torch.float64)))
+    assert seen == [("advantages", "meta"), ("advantages", "meta"), ("metrics", "meta"), ("sampler", "meta")]

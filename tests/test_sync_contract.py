@@ -128,6 +128,26 @@ def test_divergent_parameters_are_detected_naming_the_rank():
         assert "rank(s) [2] differ from rank 0" in message
 
 
+def local_buffer_body(rank, world_size):
+    """Equal parameters (one seed), buffers synchronized by their rules: `per_env` (local) and `stats.count`
+    (merged by its owner) still differ across ranks, by design."""
+    torch.manual_seed(0)
+    m = WithBuffers(rank)
+    sync_buffers(m, resolve_buffer_policy(m, m.BUFFER_POLICY))
+    try:
+        verify_replicas(m)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_buffers_a_rule_leaves_different_on_each_rank_are_not_a_divergence():
+    """verify_replicas checks the parameters, which every rank must hold bit for bit; a `local` buffer (a per-env
+    running return) differs across ranks by design and must not stop the run as a diverged replica."""
+    assert run_ranks(local_buffer_body, 2) == ["no error", "no error"]
+
+
 def last_parameter_body(rank, world_size):
     """Rank 1 moves the last parameter of a small model by one ulp; returns verify_replicas' message and this
     rank's checksum by the independent reference."""
