@@ -205,6 +205,10 @@ def test_a_bucket_is_filled_up_to_and_including_the_cap():
     params = [nn.Parameter(torch.zeros(256)), nn.Parameter(torch.zeros(256))]
     assert GradSync(params, "bucketed", bucket_mb=2048 / 2**20).bucket_bytes() == [2048]      # exactly the cap
     assert GradSync(params, "bucketed", bucket_mb=2047 / 2**20).bucket_bytes() == [1024, 1024]
+    # Bytes of the parameters' own dtype: two float64 gradients of 128 elements are 1 KB each as well.
+    params = [nn.Parameter(torch.zeros(128, dtype=torch.float64)), nn.Parameter(torch.zeros(128, dtype=torch.float64))]
+    assert GradSync(params, "bucketed", bucket_mb=2048 / 2**20).bucket_bytes() == [2048]
+    assert GradSync(params, "bucketed", bucket_mb=2047 / 2**20).bucket_bytes() == [1024, 1024]
 
 
 def test_a_gradient_from_an_earlier_micro_batch_counts_as_received():

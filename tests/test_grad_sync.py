@@ -328,3 +328,19 @@ def test_arm_again_before_the_armed_backward_restages_the_extras():
     loss_fn(reference, x, y).backward()
     for p, ref in zip(net.parameters(), reference.parameters()):
         assert torch.equal(p.grad, ref.grad if ref.grad is not None else torch.zeros_like(p))
+
+
+def test_extras_that_still_require_grad_leave_no_autograd_history_in_the_buckets():
+    """A KL sum computed outside no_grad, staged by arm(), must be copied as a value: copied with its history the
+    bucket (so every .grad view) would join the graph, keep each step's forward alive and hand back extras that
+    require grad."""
+    net = Net()
+    sync = GradSync(net.parameters(), "flat", num_extras=2, unused="zero")
+    x, y = data(0)
+    sync.zero_grad()
+    kl = net(x).sum()                          # requires grad
+    sync.arm(torch.stack([kl, kl.new_tensor(12.0)]))
+    loss_fn(net, x, y).backward()
+    extras = sync.synchronize()
+    assert extras.tolist() == [kl.item(), 12.0] and not extras.requires_grad
+    assert all(not p.grad.requires_grad and p.grad.grad_fn is None for p in net.parameters())

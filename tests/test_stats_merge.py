@@ -253,3 +253,17 @@ def test_the_sums_are_staged_on_the_device_collectives_need(monkeypatch):
     reduce_metrics({"a": torch.tensor(3.0)}, {"a": torch.tensor(1.0)})
     sum_counts(ZeroLocalFirstSampler(torch.ones(2, 3, dtype=torch.float64)))
     assert seen == [("advantages", "meta"), ("advantages", "meta"), ("metrics", "meta"), ("sampler", "meta")]
+
+
+def test_statistics_of_a_tensor_that_requires_grad_are_values_without_autograd_history():
+    """Advantages or observations still attached to a graph give plain statistics: a normalizer's running moments
+    (or an advantage mean) that required grad would keep every iteration's graph alive and let the loss backpropagate
+    into the statistics. Values as numpy's over the same numbers."""
+    x = torch.randn(6, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    values = x.detach().numpy()
+    mean, std = global_mean_std(x)
+    count, running_mean, m2 = merge_moments(torch.zeros((), dtype=torch.float64), torch.zeros(2, dtype=torch.float64),
+                                            torch.zeros(2, dtype=torch.float64), x)
+    assert not any(t.requires_grad for t in (mean, std, count, running_mean, m2))
+    np.testing.assert_allclose([mean.item(), std.item()], [values.mean(), values.std()], rtol=1e-12)
+    np.testing.assert_allclose(m2.numpy(), ((values - values.mean(0)) ** 2).sum(0), rtol=1e-12)
