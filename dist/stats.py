@@ -6,8 +6,9 @@ O(dim), independent of batch size and world size, and the result equals the stat
 of all ranks' samples (up to float64 summation order).
 
 To copy this file into another project, take dist/comm.py and dist/plan.py with it (the imports are
-relative, so the package may have any name), as for dist/grad_sync.py. The sums are staged on `comm.device()`:
-the current CUDA device under NCCL, else the host, unless `comm.set_device` chose (train.py's dist.setup does).
+relative, so the package may have any name), as for dist/grad_sync.py. The sums of global_mean_std,
+reduce_metrics and sum_counts are staged on `comm.device()`: the current CUDA device under NCCL, else the host,
+unless `comm.set_device` chose (train.py's dist.setup does); merge_moments reduces on its batch's own device.
 """
 
 import torch
