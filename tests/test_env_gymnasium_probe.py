@@ -101,3 +101,23 @@ def test_an_env_half_ported_from_the_old_gym_api_is_one_line_while_built(monkeyp
                                        "API; port it to gymnasium's (reset -> (obs, info), step -> (obs, reward, "
                                        "terminated, truncated, info))\n")
     assert [a.tolist() for a in HalfPorted.stepped_with] == [[0.0]]    # in bounds, finite
+
+
+class ResetInfoNone(gymnasium.Env):
+    """Half ported the other way: reset returns (obs, None), an info that is no dict."""
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,))
+    action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,))
+
+    def reset(self, seed=None, options=None):
+        return np.zeros(2, dtype=np.float32), None
+
+    def step(self, action):
+        return np.zeros(2, dtype=np.float32), 0.0, False, False, {}
+
+
+def test_a_reset_whose_info_is_no_dict_is_named_while_built(monkeypatch):
+    monkeypatch.setitem(gymnasium.registry, "ResetInfoNone-v0", gymnasium.envs.registration.EnvSpec(
+        "ResetInfoNone-v0", entry_point=ResetInfoNone, max_episode_steps=10))
+    with pytest.raises(ValueError, match=r"^--env.task ResetInfoNone-v0: reset\(\) returned a tuple of 2, not "
+                                         r"gymnasium's \(obs, info dict\)"):
+        GymnasiumEnv("ResetInfoNone-v0", 2, torch.device("cpu"), seed=0)
