@@ -281,3 +281,76 @@ def test_a_batch_stays_as_collected_while_an_env_that_reuses_its_buffers_keeps_s
     assert not torch.equal(later["last_critic_obs"], kept["last_critic_obs"])      # the env's buffer moved on
     for name, value in kept.items():
         assert torch.equal(batch[name], value), name
+
+
+class StepOnlyMistake(CartPole):
+    """Cart-pole whose reset is correct and whose every step returns one wrong thing: the check of the run's first
+    step must see it there, since the reset's checks cannot."""
+
+    def __init__(self, num_envs, device, seed, mistake):
+        super().__init__(num_envs, device, seed)
+        self.mistake = mistake
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, extras = super().step(actions)
+        if self.mistake == "obs_shape":
+            obs = {**obs, "policy": obs["policy"][:, :3]}
+        if self.mistake == "obs_float64":
+            obs = {**obs, "critic": obs["critic"].double()}
+        if self.mistake == "truncated_int":
+            truncated = truncated.long()
+        if self.mistake == "reward_float64":
+            reward = reward.double()
+        if self.mistake == "reward_device":
+            reward = reward.to("meta")
+        if self.mistake == "obs_numpy":
+            obs = {**obs, "policy": obs["policy"].numpy()}
+        if self.mistake == "four_values":                # gym's old API: (obs, reward, done, info)
+            return obs, reward, terminated | truncated, extras
+        return obs, reward, terminated, truncated, extras
+
+
+STEP_ONLY_MISTAKES = {
+    "obs_shape": r"step\(\)'s obs\['policy'\] has shape \[8, 3\], expected \[num_envs, "
+                 r"obs_dims\['policy'\]\] = \[8, 4\]",
+    "obs_float64": r"step\(\)'s obs\['critic'\] has dtype torch.float64, expected torch.float32",
+    "truncated_int": r"step\(\)'s truncated has dtype torch.int64, expected torch.bool",
+    "reward_float64": r"step\(\)'s reward has dtype torch.float64, expected torch.float32",
+    "reward_device": r"step\(\)'s reward is on meta, expected the run's device cpu",
+    "obs_numpy": r"step\(\)'s obs\['policy'\] must be a torch.Tensor, got ndarray",
+    "four_values": r"step\(\) must return \(obs, reward, terminated, truncated, extras\)",
+}
+
+
+@pytest.mark.parametrize("mistake", STEP_ONLY_MISTAKES)
+def test_a_mistake_only_the_step_makes_is_named_by_the_first_step_check(mistake):
+    """The reset passes its checks; the first step's own observation, reward and flags are checked as well."""
+    from ppo.env_check import check_reset, step_checker
+    env = StepOnlyMistake(8, "cpu", 0, mistake)
+    check_reset(env, env.reset(), "mine", torch.device("cpu"))
+    check = step_checker(env, "mine", torch.device("cpu"), True)
+    with pytest.raises(RunError, match=r"^env 'mine': " + STEP_ONLY_MISTAKES[mistake]):
+        check(env.step(torch.zeros(8, 1)))
+    correct = StepOnlyMistake(8, "cpu", 0, "")
+    correct.reset()
+    step_checker(correct, "mine", torch.device("cpu"), True)(correct.step(torch.zeros(8, 1)))
+
+
+def test_a_state_key_that_is_not_a_str_is_named():
+    """Rollout ranks send the env's state as 'a/b' names and rebuild str keys: an int key would not come back as
+    itself, so it is refused like a key with '/' in it."""
+    from ppo.env_check import check_state
+    error = r"^env 'mine': env.state_dict\(\)\['sampler'\] has the key 3; a key must be a str without '/'"
+    with pytest.raises(RunError, match=error):
+        check_state({"sampler": {3: torch.zeros(2)}}, "mine")
+    check_state({"sampler": {"counts": torch.zeros(2)}}, "mine")
+
+
+def test_a_non_finite_reset_observation_is_named_at_its_first_env_and_feature():
+    """Of several NaN/inf in the reset's observations, the one named is the first in (env, feature) order."""
+    from ppo.env_check import check_reset
+    env = CartPole(8, "cpu", 0)
+    obs, extras = env.reset()
+    obs["policy"][5, 0], obs["policy"][2, 3], obs["policy"][2, 1] = torch.nan, torch.inf, -torch.inf
+    with pytest.raises(RunError, match=r"^env 'mine': reset\(\)'s obs\['policy'\] holds -inf at env 2 feature 1;"):
+        check_reset(env, (obs, extras), "mine", torch.device("cpu"))

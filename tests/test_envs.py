@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -165,3 +166,54 @@ def test_sum_sines_adds_in_the_order_of_torch_sum():
     for shape in [(512, 6, 3), (37, 4, 6, 3), (1, 6, 3), (4096, 4, 6, 3)]:
         x = torch.randn(shape, generator=g) * torch.rand(shape, generator=g).pow(8) * 1e3   # magnitudes far apart
         assert torch.equal(sum_sines(x).view(torch.int32), x.sum(-1).view(torch.int32))
+
+
+def test_resets_draw_start_states_and_episode_lengths_over_their_whole_ranges():
+    """Cart-pole restarts uniformly in [-0.05, 0.05]^4 (both signs of every coordinate, centred on 0) and spreads
+    episode_length over [0, limit); tracking spreads it over [0, limit // 2). 4096 envs hit both ends of each range."""
+    n = 4096
+    cart = CartPole(n, "cpu", 0, episode_length_s=1.0)              # 50 steps
+    obs, _ = cart.reset()
+    start = obs["policy"]
+    assert (start.min(0).values < -0.049).all() and (start.max(0).values > 0.049).all()
+    assert start.abs().max() <= 0.05 and (start.mean(0).abs() < 0.003).all()     # std of the mean: 0.1 / sqrt(12 n)
+    assert cart.episode_length.min() == 0 and cart.episode_length.max() == 49
+    track = Tracking(n, "cpu", 0, base_seed=0, num_motions=4, episode_length_s=1.0)
+    track.reset()
+    assert track.episode_length.min() == 0 and track.episode_length.max() == 24
+
+
+def test_tracking_truncates_on_the_step_that_reaches_the_clip_end_exactly():
+    """A motion clip ends when the motion time reaches its duration: the step that lands on it exactly times out."""
+    env = Tracking(2, "cpu", 0, base_seed=0, num_motions=2, episode_length_s=100.0)
+    env.reset()
+    env.episode_length.zero_()
+    env.motion_ids = torch.tensor([0, 1])
+    env.motion_time = torch.tensor([3.0, 3.0])
+    landing = (env.motion_time + env.dt)[0]                        # the float32 time after one step
+    env.motions.duration = torch.stack([landing, torch.nextafter(landing, torch.tensor(100.0))])
+    env.q, env.qd = env.motions.frame(env.motion_ids, env.motion_time)
+    target, _ = env.motions.frame(env.motion_ids, env.motion_time + env.dt)
+    _, _, terminated, truncated, _ = env.step(target)
+    assert terminated.tolist() == [False, False] and truncated.tolist() == [True, False]
+
+
+def test_motion_library_ranges_follow_each_motion_s_difficulty():
+    """Per motion (difficulty d in [0, 1)): per joint and sine, frequency in [0.1, 0.1 + 0.9 (0.2 + 0.8 d)) Hz,
+    amplitude in [0, (0.2 + 0.5 d) / 3) rad, phase in [0, 2 pi); bias in [-0.2, 0.2) rad; duration in [4, 12) s,
+    drawn apart from d. Harder motions are faster and larger; every range is filled to both ends."""
+    import math
+    from envs.motions import MotionLibrary
+    m = MotionLibrary(512, 6, seed=7, device="cpu")
+    d = m.difficulty[:, None, None].double()
+    freq_top, amp_top = 0.9 * (0.2 + 0.8 * d), (0.2 + 0.5 * d) / 3
+    freq_share, amp_share = (m.freq.double() - 0.1) / freq_top, m.amp.double() / amp_top
+    for share in (freq_share, amp_share, m.phase.double() / (2 * math.pi), (m.bias.double() + 0.2) / 0.4,
+                  (m.duration.double() - 4.0) / 8.0, m.difficulty.double()):
+        assert share.min() >= -1e-6 and share.max() < 1 + 1e-6
+        assert share.min() < 0.03 and share.max() > 0.97
+    # The shares are uniform draws of their own: not tied to the difficulty (which only sets the ranges' tops).
+    for per_motion in (freq_share.mean((1, 2)), amp_share.mean((1, 2)), m.duration.double()):
+        assert abs(np.corrcoef(per_motion.numpy(), m.difficulty.double().numpy())[0, 1]) < 0.2
+    assert np.corrcoef(m.freq.double().amax((1, 2)).numpy(), m.difficulty.double().numpy())[0, 1] > 0.5
+    assert np.corrcoef(m.amp.double().amax((1, 2)).numpy(), m.difficulty.double().numpy())[0, 1] > 0.5

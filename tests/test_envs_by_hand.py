@@ -76,6 +76,9 @@ def test_tracking_reward_and_failure_flag_match_a_numpy_recomputation():
         # The log holds this step's means (failure_rate: the terminated share, not the done share).
         assert extras["log"]["Episode/failure_rate"].item() == pytest.approx(float(terminated.float().mean()))
         assert extras["log"]["Episode/body_error"].item() == pytest.approx(body_err.mean(), abs=1e-5)
+        kernels = np.exp(-((q - ref) ** 2).mean(-1) / 0.05).mean(), np.exp(-body_err ** 2 / 0.005).mean()
+        logged = extras["log"]["Episode/reward_joint"].item(), extras["log"]["Episode/reward_body"].item()
+        assert logged == pytest.approx(kernels, abs=1e-5) and abs(kernels[0] - kernels[1]) > 1e-3
         body_errs.append(body_err)
         rewards_seen.append(want)
     body_errs = np.concatenate(body_errs)

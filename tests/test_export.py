@@ -155,3 +155,17 @@ def test_a_checkpoint_written_on_a_gpu_resumes_and_exports_on_a_cpu_only_machine
     cfg.log.root, cfg.log.print_every, cfg.resume, cfg.max_iterations = str(tmp_path / "resumed"), 100, path, 2
     model, scalars, _ = train.main(cfg)
     assert "Policy/kl" in scalars and next(model.parameters()).device == torch.device("cpu")
+
+
+def test_a_checkpoint_whose_weights_do_not_fit_its_policy_config_is_one_line(tmp_path):
+    """Sizes come from the weights, the hidden layers from the config: a checkpoint whose config names other hidden
+    sizes than its weights have (edited, or from another version) fails load_state_dict, said as one ValueError."""
+    from test_export_logger_env_rules import small_checkpoint
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    state = torch.load(path, weights_only=True)
+    state["config"]["policy"]["actor_hidden"] = [16, 16]           # the weights are 8 -> 8
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=r"its model or policy config does not fit this version's actor-critic .*"
+                                         r"RuntimeError: .*size mismatch"):
+        export.export(path, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
