@@ -360,3 +360,15 @@ def test_isaaclab_reset_spreads_over_the_whole_limit_and_refuses_env_state(make)
     with pytest.raises(ValueError, match="Isaac Lab adapter has no checkpointed state"):
         env.load_state_dict({"curriculum": 1})
     env.load_state_dict({})
+
+
+def test_a_metric_a_later_reset_does_not_log_is_left_out_of_that_step(make):
+    """A task may log a name at its first reset and not at a later one (a term that logs only when it applies):
+    the step hands back the names it has, the others are simply missing (no KeyError)."""
+    env = make()
+    env.reset()
+    env.unwrapped.episode_length_buf[:] = 0                             # no env resets this step
+    env.unwrapped.extras["log"] = {"Metrics/constant": 0.25}            # the last reset logged one name only
+    _, _, terminated, truncated, extras = env.step(torch.zeros(4, 2))
+    assert not (terminated | truncated).any()
+    assert extras["log"] == {"Metrics/constant": torch.tensor(0.25)}
