@@ -77,9 +77,10 @@ def check_reset_and_step(env, task: str) -> None:
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
         raise ValueError(f"--env.task {task}: reset() returned {returned(result)}, not gymnasium's (obs, info dict): "
                          f"{OLD_API}")
-    if np.shape(result[0]) != env.observation_space.shape:
+    declared = env.unwrapped.observation_space    # the env's own: a wrapper may reshape what it returns, and say so
+    if np.shape(result[0]) != declared.shape:
         raise ValueError(f"--env.task {task}: reset()'s observation has shape {np.shape(result[0])}, but the env "
-                         f"declares observation_space {env.observation_space}; make the two agree")
+                         f"declares observation_space {declared}; make the two agree")
     space = env.action_space
     result = env.unwrapped.step(np.clip(np.zeros(space.shape), space.low, space.high).astype(space.dtype))
     if not (isinstance(result, tuple) and len(result) == 5):   # gymnasium's wrappers would unpack it, and fail

@@ -121,3 +121,25 @@ def test_a_reset_whose_info_is_no_dict_is_named_while_built(monkeypatch):
     with pytest.raises(ValueError, match=r"^--env.task ResetInfoNone-v0: reset\(\) returned a tuple of 2, not "
                                          r"gymnasium's \(obs, info dict\)"):
         GymnasiumEnv("ResetInfoNone-v0", 2, torch.device("cpu"), seed=0)
+
+
+def reshaped_by_a_wrapper():
+    """An env of 4 features that a wrapper in its entry point cuts to 2, declaring the 2 (as gymnasium's observation
+    wrappers do): the vector env sees 2, its own reset 4."""
+    base = StrictBounds()
+    base.observation_space = gymnasium.spaces.Box(-1.0, 1.0, (4,))
+    base.reset = lambda seed=None, options=None: (np.arange(4, dtype=np.float32) / 4, {})
+    base.step = lambda action: (np.arange(4, dtype=np.float32) / 4, 1.0, False, False, {})
+    return gymnasium.wrappers.TransformObservation(base, lambda obs: obs[:2],
+                                                   gymnasium.spaces.Box(-1.0, 1.0, (2,)))
+
+
+def test_an_observation_a_wrapper_reshapes_is_probed_against_the_env_s_own_space(monkeypatch):
+    """The probe resets the env beneath its wrappers, so it compares that observation with the env's own space: with
+    the wrapped space (2) it refused a 4-feature env whose wrapper declares and returns 2, which the run steps fine."""
+    monkeypatch.setitem(gymnasium.registry, "Reshaped-v0", gymnasium.envs.registration.EnvSpec(
+        "Reshaped-v0", entry_point=reshaped_by_a_wrapper, max_episode_steps=10))
+    env = GymnasiumEnv("Reshaped-v0", 2, torch.device("cpu"), seed=0)
+    obs, _ = env.reset()
+    assert env.obs_dims == {"policy": 2, "critic": 2}
+    assert torch.equal(obs["policy"], torch.tensor([[0.0, 0.25]] * 2))
