@@ -12,6 +12,7 @@ of config.py, presets.py or train.py was found equivalent (those of other files:
 
 import glob
 import os
+import re
 
 import pytest
 import torch
@@ -116,6 +117,50 @@ def test_validate_alone_refuses_a_global_env_budget_with_rollout_ranks():
         validate(cfg, world_size=3)
 
 
+
+def test_micro_batches_must_divide_one_minibatch_not_only_the_whole_rollout():
+    """4 envs x 3 steps in 2 minibatches: 6 transitions each. 4 micro-batches divide the rollout's 12 transitions but
+    not a minibatch's 6 (unequal micro-batches would weight the accumulated gradient wrongly); 3 divide both."""
+    envs, steps, minibatches = 4, 3, 2
+    per_minibatch = envs * steps // minibatches
+    assert (envs * steps) % 4 == 0 and per_minibatch % 4 and per_minibatch % 3 == 0
+    changes = {"env__num_envs": envs, "ppo__num_steps": steps, "ppo__num_mini_batches": minibatches}
+    with pytest.raises(UsageError, match=f"^--ppo.num-micro-batches \\(4\\) does not divide a minibatch of "
+                                         f"{per_minibatch} transitions per rank"):
+        validate(cfg_with(ppo__num_micro_batches=4, **changes))
+    validate(cfg_with(ppo__num_micro_batches=3, **changes))
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_an_experiment_name_that_is_a_directory_reference_is_refused(name):
+    """'.' would put the runs in --log.root itself and '..' above it: neither is a plain name."""
+    with pytest.raises(UsageError, match=f"^--log.experiment '{re.escape(name)}' must be a plain name without path "):
+        validate(cfg_with(log__experiment=name))
+    validate(cfg_with(log__experiment=name + "x"))
+
+
+@pytest.mark.parametrize("floor", [-0.1, 1.5])
+def test_a_uniform_sampling_floor_outside_0_to_1_is_refused(floor):
+    """The floor is a share of the motion sampling: [0, 1], both ends accepted."""
+    with pytest.raises(UsageError, match=f"^--env.sampling-uniform-floor must be in \\[0, 1\\], got {floor}$"):
+        validate(cfg_with(env__sampling_uniform_floor=floor))
+    for share in (0.0, 1.0):
+        validate(cfg_with(env__sampling_uniform_floor=share))
+
+def test_seconds_beyond_float32_get_their_own_range_not_the_float32_refusal():
+    """--env.episode-length-s and --dist.timeout-s never meet a float32 tensor: a value past float32's range is
+    refused by their own bound (the int64 step counter, torch.distributed's milliseconds), and an episode length
+    the env does not read (gymnasium takes the task's time limit) is not refused at all."""
+    with pytest.raises(UsageError, match=r"^--env.episode-length-s 1e\+39 is too long: the episode step counter"):
+        validate(cfg_with(env__episode_length_s=1e39))
+    with pytest.raises(UsageError, match=r"^--env.episode-length-s 1e-39 is shorter than one control step"):
+        validate(cfg_with(env__episode_length_s=1e-39))
+    with pytest.raises(UsageError, match=r"^--dist.timeout-s must be in \[0.001, 1e9\] seconds .* got 1e\+39$"):
+        validate(cfg_with(dist__timeout_s=1e39))
+    cfg = preset("mujoco")
+    cfg.env.episode_length_s = 1e39
+    validate(cfg)
+
 # ---- train.py: the loop ----------------------------------------------------------------------------------------
 
 def test_the_linear_schedule_runs_iteration_k_of_n_at_lr_times_1_minus_k_over_n(tmp_path, capsys):
@@ -159,6 +204,37 @@ def test_the_isaaclab_preset_is_the_one_docs_simulators_md_describes():
     assert (p.clip_param, p.clip_value_loss, p.value_loss_coef, p.entropy_coef, p.max_grad_norm) == \
         (0.2, True, 1.0, 0.008, 1.0)
     assert (p.advantage_norm, cfg.seed) == ("global", 1)
+
+
+def test_the_mujoco_preset_is_cleanrl_s_setting_as_docs_simulators_md_describes():
+    """1 env x 2048 steps for as many whole iterations as fit in 1M steps (999,424 steps); the rest as the docs list
+    it: value coefficient 0.25 = CleanRL's vf_coef 0.5 x the 0.5 inside its loss, time-outs as terminations."""
+    cfg = preset("mujoco")
+    p, pol = cfg.ppo, cfg.policy
+    steps = cfg.env.num_envs * p.num_steps
+    assert (cfg.env.name, cfg.env.task, cfg.env.num_envs, p.num_steps) == ("gymnasium", "Hopper-v4", 1, 2048)
+    assert cfg.max_iterations * steps == 999_424 <= 1_000_000 < (cfg.max_iterations + 1) * steps
+    assert (p.num_epochs, p.num_mini_batches, p.minibatch_unit) == (10, 32, "transition")
+    assert (p.learning_rate, p.schedule, p.adam_eps, p.gamma, p.lam) == (3e-4, "linear", 1e-5, 0.99, 0.95)
+    assert (p.clip_param, p.clip_value_loss, p.value_loss_coef, p.entropy_coef, p.max_grad_norm) == \
+        (0.2, True, 0.5 * 0.5, 0.0, 0.5)
+    assert pol.actor_hidden == pol.critic_hidden == (64, 64) and pol.activation == "tanh" and pol.orthogonal_init
+    assert pol.init_noise_std == 1.0 and pol.normalize_actor_obs and pol.normalize_critic_obs
+    assert (p.normalize_rewards, p.reward_clip, p.advantage_norm) == (True, 10.0, "minibatch")
+    assert not p.bootstrap_time_outs and cfg.log.episode_returns
+
+
+def test_the_cartpole_and_tracking_presets_are_the_runs_the_readme_lists():
+    """README's presets table: cartpole 64 envs, T=32, 60 iterations, episodes capped at 500 steps of 0.02 s;
+    tracking 512 envs per rank, T=24, 5 epochs x 4 minibatches, 400 iterations, and the motion library whose
+    sampler counts docs/design.md's sync table sizes."""
+    cart = preset("cartpole")
+    assert (cart.env.name, cart.env.num_envs, cart.ppo.num_steps, cart.max_iterations) == ("cartpole", 64, 32, 60)
+    assert round(cart.env.episode_length_s / 0.02) == 500
+    track = preset("tracking")
+    assert (track.env.name, track.env.num_envs, track.ppo.num_steps, track.max_iterations) == ("tracking", 512, 24, 400)
+    assert (track.ppo.num_epochs, track.ppo.num_mini_batches, track.ppo.minibatch_unit) == (5, 4, "trajectory")
+    assert 2 * track.env.num_motions * 8 == 1024      # docs/design.md: sampler counts "2 x motions x 8 B = 1.0 KB"
 
 
 def test_an_unknown_preset_is_a_value_error_listing_the_known_ones():

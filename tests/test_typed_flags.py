@@ -8,7 +8,7 @@ import pytest
 
 from configs import Config, preset, validate
 from configs.resume import check_resume_fits
-from configs.typed_flags import check_typed_flags, env_label, typed_flags
+from configs.typed_flags import check_typed_flags, env_label, experiment_dir, typed_flags
 from dist.errors import UsageError
 from test_config_errors import cfg_with, run_cli
 
@@ -163,3 +163,13 @@ def test_log_flags_that_do_not_hold_the_resumed_run_directory_are_refused(tmp_pa
     (tmp_path / "auto").mkdir()            # --resume auto searches --log.root, whatever the working directory holds
     monkeypatch.chdir(tmp_path)
     check_typed_flags(cfg_with(resume="auto", log__root=str(tmp_path / "elsewhere")), frozenset({"--log.root"}))
+
+
+@pytest.mark.parametrize("name", ["cartpole", "mujoco"])
+def test_an_empty_experiment_name_puts_runs_under_the_env_name_even_where_a_task_is_set(name):
+    """--log.experiment '' means the env's name (--env.name, as its help says), never its task: the mujoco preset's
+    runs of every task share ROOT/gymnasium, where --resume auto looks for them."""
+    cfg = preset(name)
+    cfg.log.experiment, cfg.log.root = "", "some/root"
+    assert experiment_dir(cfg) == os.path.join("some/root", cfg.env.name)
+    assert cfg.env.name == {"cartpole": "cartpole", "mujoco": "gymnasium"}[name]
