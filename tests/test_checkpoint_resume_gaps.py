@@ -140,3 +140,100 @@ def test_a_resume_path_that_is_a_dangling_link_is_called_one_not_missing(tmp_pat
         load_checkpoint(str(link))
     with pytest.raises(UsageError, match=f"^--resume '{tmp_path / 'gone.pt'}' does not exist; pass an existing "):
         load_checkpoint(str(tmp_path / "gone.pt"))
+
+
+def test_a_restart_whose_first_attempt_made_no_run_directory_starts_as_a_first_attempt_would(tmp_path, monkeypatch):
+    """A torchrun restart (count 1) of a job whose first attempt died before creating its run directory: no
+    directory holds its run id, so --resume is resolved as on a first attempt (a fresh run, a checkpoint file in a
+    new directory, or auto's newest run), never a directory of None."""
+    from types import SimpleNamespace
+    from configs.resume import resolve_resume
+    other = tmp_path / "2024-01-01_00-00-00"
+    other.mkdir()
+    (other / "run_id").write_text("job-6")
+    (other / "model_4.pt").write_bytes(b"x")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resolve_resume(SimpleNamespace(resume=""), str(tmp_path)) == ("", None)
+    assert resolve_resume(SimpleNamespace(resume="/x/model_3.pt"), str(tmp_path)) == ("/x/model_3.pt", None)
+    assert resolve_resume(SimpleNamespace(resume="auto"), str(tmp_path)) == (str(other / "model_4.pt"), str(other))
+
+
+def test_a_file_that_fails_its_crc_is_called_damaged_before_any_entry_is_judged(tmp_path):
+    """The CRC-32s come first: a flipped bit can turn any entry into nonsense, so a file that fails them is called
+    damaged (and the member named), not judged by the entry it happens to garble (a bool iteration here)."""
+    from dist.checkpoint_read import load_checkpoint
+    from tests.test_bad_input import flip_a_byte_of_tensor_data
+    from tests.test_checkpoint_rules import _minimal_checkpoint
+    path = tmp_path / "model_2.pt"
+    save_checkpoint(str(path), _minimal_checkpoint(iteration=True, model={"w": torch.ones(64)}))
+    flip_a_byte_of_tensor_data(path)
+    with pytest.raises(UsageError, match=r"^--resume .* is damaged \(archive/data/\d+ does not match its CRC-32\); "
+                                         r"resume from another checkpoint$"):
+        load_checkpoint(str(path))
+
+
+def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """flock failing for want of locks (ENOLCK on some network mounts), not because another run holds the lock:
+    one line says what is at risk, and the directory is used (and still recorded as this run's)."""
+    import errno
+    from dist import checkpoint
+
+    def no_locks(f, flags):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(checkpoint.fcntl, "flock", no_locks)
+    try:
+        checkpoint.lock_run_dir(str(tmp_path))
+        assert capsys.readouterr().out == (f"[syncppo] cannot lock {tmp_path} ({os.strerror(errno.ENOLCK)}): two runs "
+                                           f"continuing it at once would overwrite each other's checkpoints\n")
+        assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
+    finally:
+        checkpoint.release_run_dirs()
+
+
+def test_resume_auto_reads_the_env_of_the_run_s_newest_start_by_number_not_by_name(tmp_path):
+    """config_9.json and config_10.json: the start at iteration 10 is the newest, though '9' sorts after '10'."""
+    import json
+    from configs.resume import saved_env
+    for start, task in ((9, "Hopper-v4"), (10, "Walker2d-v4")):
+        (tmp_path / f"config_{start}.json").write_text(json.dumps({"config": {"env": {"name": "gymnasium",
+                                                                                         "task": task}}}))
+    assert saved_env(str(tmp_path)) == {"name": "gymnasium", "task": "Walker2d-v4"}
+
+
+def test_an_env_state_without_a_key_the_env_reads_is_one_usage_error_naming_the_env():
+    """An env's load_state_dict reads its entries by key: one missing (another env's state, an older version's) is
+    the KeyError restore turns into its one-line refusal, like a model or optimizer that does not fit; the state
+    that fits is loaded into the env."""
+    class KeyedEnv:
+        generator = torch.Generator()
+
+        def state_dict(self):
+            return {"counts": torch.zeros(3)}
+
+        def load_state_dict(self, state):
+            self.counts = state["counts"]
+    built = {**_built(), "env": KeyedEnv()}
+    saved = _checkpoint(built, [rng_states(built["env"])], env={"visits": torch.zeros(3)})
+    with pytest.raises(UsageError, match=r"^--resume 'c\.pt': its env does not fit this run \(other env or "
+                                         r"--policy\.\* sizes\?\): .*counts"):
+        restore(saved, "c.pt", {**_built(), "env": KeyedEnv()}, None, _roles(), CPU, _run())
+    env = KeyedEnv()
+    restore({**saved, "env": {"counts": torch.tensor([1.0, 2.0, 3.0])}}, "c.pt", {**_built(), "env": env}, None,
+            _roles(), CPU, _run())
+    assert env.counts.tolist() == [1.0, 2.0, 3.0]          # the sampler counts the checkpoint holds
+
+
+@pytest.mark.parametrize("key", ["model", "optimizer", "iteration", "learning_rate", "env", "config", "rng"])
+def test_a_checkpoint_without_any_entry_a_save_always_writes_is_refused_naming_it(tmp_path, key):
+    """dist/checkpoint.py writes the model and optimizer states, the iteration, the LR, the env's state, the config
+    and the RNG states every time: a file without one is truncated or another tool's, even where resume would not
+    read it (the LR: the optimizer's param groups hold it)."""
+    from dist.checkpoint_read import load_checkpoint
+    from tests.test_checkpoint_rules import _minimal_checkpoint
+    path = str(tmp_path / "model_2.pt")
+    state = _minimal_checkpoint()
+    del state[key]
+    save_checkpoint(path, state)
+    with pytest.raises(UsageError, match=f"^--resume '{path}' is missing \\['{key}'\\]; the file is truncated"):
+        load_checkpoint(path)

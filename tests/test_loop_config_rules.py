@@ -104,6 +104,7 @@ def test_isaaclab_on_cpu_names_the_devices_to_use(monkeypatch):
 
 @pytest.mark.parametrize("total, world, message", [
     (-4, 2, r"^--env.global-num-envs must be >= 0, got -4$"),    # -4 % 2 == 0: would split into -2 per rank
+    (-1, 1, r"^--env.global-num-envs must be >= 0, got -1$"),    # the first value below the bound
     (2**63, 1, r"^--env.global-num-envs must fit in 64 bits \(\[0, 2\*\*63 - 1\]\), got 9223372036854775808$"),
 ])
 def test_a_global_env_budget_out_of_range_names_that_flag_not_the_per_rank_one(total, world, message):
@@ -138,6 +139,30 @@ def test_an_experiment_name_that_is_a_directory_reference_is_refused(name):
         validate(cfg_with(log__experiment=name))
     validate(cfg_with(log__experiment=name + "x"))
 
+
+def test_integers_of_the_rollout_section_must_fit_64_bits_too():
+    """check_finite covers every section: a --rollout.max-staleness past int64 (read only in async mode, so nothing
+    later would refuse it) is named with the 64-bit bound; 2**63 - 1 passes that check."""
+    with pytest.raises(UsageError, match=r"^--rollout.max-staleness must fit in 64 bits \(\[-2\*\*63, 2\*\*63 - 1\]\), "
+                                         r"got 9223372036854775808$"):
+        validate(cfg_with(rollout__max_staleness=2**63))
+    validate(cfg_with(rollout__max_staleness=2**63 - 1))
+
+
+def test_a_simulator_env_without_a_task_is_refused_naming_the_flag():
+    """gymnasium (installed with the dev requirements) needs --env.task before anything is built."""
+    cfg = preset("mujoco")
+    cfg.env.task = ""
+    with pytest.raises(UsageError, match=r"^--env.name gymnasium needs --env.task, a registered task id "):
+        validate(cfg)
+
+def test_an_episode_longer_than_2_to_the_62_steps_is_refused():
+    """The bound the message states: 2**62 steps of 0.02 s. 1.5 x 2**62 steps still fit int64 (2**63) but not the
+    stated bound; 2**61 steps are accepted."""
+    with pytest.raises(UsageError, match=r"^--env.episode-length-s .* is too long: the episode step counter is int64, "
+                                         r"so at most 9.2e\+16 s of 0.02 s steps$"):
+        validate(cfg_with(env__episode_length_s=1.5 * 2**62 * 0.02))
+    validate(cfg_with(env__episode_length_s=2**61 * 0.02))
 
 @pytest.mark.parametrize("floor", [-0.1, 1.5])
 def test_a_uniform_sampling_floor_outside_0_to_1_is_refused(floor):
