@@ -282,6 +282,16 @@ def test_a_typed_flag_refused_for_a_setting_taken_from_the_checkpoint_blames_tha
                               f"value of the checkpoint's run, {path!r}: pass --ppo.schedule to change it)")
 
 
+def refused_resume(trained, tmp_path, team_run) -> tuple[str, str]:
+    """(the checkpoint `team_run` edited, the UsageError a --dry-run resume of it gives)."""
+    path = damaged(trained, tmp_path, team_run)
+    root = str(tmp_path / "runs")
+    argv = ["tracking", "--resume", path, "--dry-run", "--log.root", root]
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg_with(resume=path, dry_run=True, log__root=root), typed_flags(argv))
+    return path, str(exc.value)
+
+
 def test_a_refused_env_count_taken_from_the_checkpoint_names_the_flag_a_resume_can_change(trained, tmp_path):
     """A run of 1 learner + 2 rollout ranks of 2 envs (the learner minibatches 4) resumed colocated: 2 envs per rank
     do not split into 4 minibatches. --env.num-envs is one a resume must keep, so the way out is the minibatch count
@@ -289,12 +299,8 @@ def test_a_refused_env_count_taken_from_the_checkpoint_names_the_flag_a_resume_c
     def team_run(state):
         state["config"]["env"].update(num_envs=2)
         state["config"]["ppo"].update(num_mini_batches=4)    # what a 1 + 2 run saves (its layout aside)
-    path = damaged(trained, tmp_path, team_run)
-    root = str(tmp_path / "runs")
-    argv = ["tracking", "--resume", path, "--dry-run", "--log.root", root]
-    with pytest.raises(UsageError) as exc:
-        train.main(cfg_with(resume=path, dry_run=True, log__root=root), typed_flags(argv))
-    assert str(exc.value) == ("--env.num-envs (2) must be divisible by --ppo.num-mini-batches (4): minibatches are "
+    path, refusal = refused_resume(trained, tmp_path, team_run)
+    assert refusal == ("--env.num-envs (2) must be divisible by --ppo.num-mini-batches (4): minibatches are "
                               "whole trajectories, never a silent remainder (--env.num-envs is the checkpoint's run's, "
                               f"{path!r}, which a resume keeps: change --ppo.num-mini-batches)")
 
@@ -307,12 +313,8 @@ def test_a_refused_minibatch_count_taken_from_the_checkpoint_is_named_when_the_e
     def team_run(state):
         state["config"]["env"].update(num_envs=preset("tracking").env.num_envs)
         state["config"]["ppo"].update(num_mini_batches=3)
-    path = damaged(trained, tmp_path, team_run)
-    root = str(tmp_path / "runs")
-    argv = ["tracking", "--resume", path, "--dry-run", "--log.root", root]
-    with pytest.raises(UsageError) as exc:
-        train.main(cfg_with(resume=path, dry_run=True, log__root=root), typed_flags(argv))
-    assert str(exc.value) == ("--env.num-envs (512) must be divisible by --ppo.num-mini-batches (3): minibatches are "
+    path, refusal = refused_resume(trained, tmp_path, team_run)
+    assert refusal == ("--env.num-envs (512) must be divisible by --ppo.num-mini-batches (3): minibatches are "
                               "whole trajectories, never a silent remainder (--ppo.num-mini-batches 3 is the value of "
                               f"the checkpoint's run, {path!r}: pass --ppo.num-mini-batches to change it)")
     from configs.resume import blame_checkpoint     # a split names --env.global-num-envs as a source, not a cause
