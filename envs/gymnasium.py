@@ -81,7 +81,7 @@ def check_reset_and_step(env, task: str) -> None:
     if np.shape(result[0]) != declared.shape:
         raise ValueError(f"--env.task {task}: reset()'s observation has shape {np.shape(result[0])}, but the env "
                          f"declares observation_space {declared}; make the two agree")
-    space = env.action_space
+    space = env.unwrapped.action_space       # the action goes to the env beneath the wrappers: in its own bounds
     result = env.unwrapped.step(np.clip(np.zeros(space.shape), space.low, space.high).astype(space.dtype))
     if not (isinstance(result, tuple) and len(result) == 5):   # gymnasium's wrappers would unpack it, and fail
         raise ValueError(f"--env.task {task}: step() returned {returned(result)}, not gymnasium's (obs, reward, "

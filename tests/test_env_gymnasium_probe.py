@@ -43,6 +43,19 @@ def test_the_probe_step_takes_the_action_nearest_zero_inside_bounds_that_exclude
     assert probe.dtype == np.float32 and probe.tolist() == [0.5, -0.25, 0.0]
 
 
+def test_the_probe_step_keeps_to_the_bounds_of_the_env_beneath_an_action_wrapper(monkeypatch):
+    """The probe steps the env beneath its wrappers, so its action must lie in that env's bounds: with a wrapper that
+    rescales actions to [-1, 1], 0 is inside the wrapped space and outside StrictBounds' own, which refused it."""
+    def rescaled():
+        return gymnasium.wrappers.RescaleAction(StrictBounds(), np.float32(-1.0), np.float32(1.0))
+    monkeypatch.setitem(gymnasium.registry, "Rescaled-v0", gymnasium.envs.registration.EnvSpec(
+        "Rescaled-v0", entry_point=rescaled, max_episode_steps=5))
+    monkeypatch.setattr(StrictBounds, "received", [])
+    GymnasiumEnv("Rescaled-v0", 2, torch.device("cpu"), seed=0)
+    (probe,) = StrictBounds.received
+    assert probe.tolist() == [0.5, -0.25, 0.0]     # the in-bounds action nearest 0 of StrictBounds itself
+
+
 def old_gym_env(dim: int) -> type:
     """An env written for gym < 0.26: reset returns the observation alone, step (obs, reward, done, info)."""
     class OldGym(gymnasium.Env):
