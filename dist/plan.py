@@ -97,7 +97,7 @@ def format_plan(rows: list[PlanRow], world_size: int, collective_size: int | Non
             else r.collective
         table.append((r.purpose, r.rule, collective, cadence, str(r.calls), sizes))
     widths = [max(len(row[i]) for row in table) for i in range(5)]
-    lines = [f"sync plan ({world_size} ranks{note})"]
+    lines = [f"sync plan ({world_size} rank{'s' if world_size > 1 else ''}{note})"]
     for row in table:
         lines.append("  " + " ".join(f"{c:<{w}}" if i < 4 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(row, widths)))
                      + "  " + row[5])

@@ -89,12 +89,14 @@ class AdaptiveMotionSampler:
         self.local_counts.zero_()
 
     def state_dict(self) -> dict:
-        return {"global_counts": self.global_counts.cpu(), "local_counts": self.local_counts.cpu()}
+        # Copies: the counts grow in place, and .cpu() of a host tensor would hand out the live one
+        return {"global_counts": self.global_counts.to("cpu", copy=True),
+                "local_counts": self.local_counts.to("cpu", copy=True)}
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("global_counts", "local_counts"):
             if state[key].shape != self.global_counts.shape:
                 raise ValueError(f"sampler {key} has shape {tuple(state[key].shape)}, expected "
                                  f"{tuple(self.global_counts.shape)}: was the checkpoint made with another --env.num-motions?")
-        self.global_counts = state["global_counts"].to(self.global_counts)
-        self.local_counts = state["local_counts"].to(self.local_counts)
+        self.global_counts = state["global_counts"].to(self.global_counts, copy=True)
+        self.local_counts = state["local_counts"].to(self.local_counts, copy=True)

@@ -121,6 +121,21 @@ def test_tracking_state_dict_round_trip_and_shape_check():
         Tracking(16, "cpu", 0, base_seed=0, num_motions=9).load_state_dict(a.state_dict())
 
 
+def test_tracking_sampler_state_is_a_copy_both_ways():
+    """The counts grow in place: a saved state must not keep growing with the env, and an env loaded from a
+    state must not write into it (nor into the env it came from)."""
+    a = Tracking(16, "cpu", 0, base_seed=0, num_motions=8)
+    b = Tracking(16, "cpu", 1, base_seed=0, num_motions=8)
+    saved = a.state_dict()
+    b.load_state_dict(saved)
+    ones = torch.ones(8, dtype=torch.bool)
+    for env in (a, b):
+        env.sampler.record(torch.arange(8), ones, ones)
+        env.sampler.commit_global(torch.ones(2, 8, dtype=torch.float64))
+    assert saved["sampler"]["global_counts"].sum().item() == 0 and saved["sampler"]["local_counts"].sum().item() == 0
+    assert a.sampler.global_counts.sum().item() == b.sampler.global_counts.sum().item() == 16    # 2 x 8 ones, once
+
+
 
 def test_tracking_observations_hold_the_reference_frames_they_name():
     """Policy obs = [q, 0.1 qd, last action, reference q at the future frames, 0.1 reference qd at the next frame],
