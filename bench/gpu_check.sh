@@ -4,7 +4,7 @@
 #   bash bench/gpu_check.sh OUT_DIR [PART ...]      # default: learner sync (time boxes total 505 s)
 #
 # Parts:
-#   learner  the open GPU targets of the learner (docs/benchmarks.md): the CUDA-graph minibatch step's
+#   learner  the open GPU targets of the learner (docs/gpu.md): the CUDA-graph minibatch step's
 #            exactness tests on CUDA, then syncppo vs RSL-RL interleaved on the GPU at 4096 envs with
 #            (512, 256, 128) networks (host path, then --ppo.capture-step), and env-steps/s at 16,384 envs
 #            (those networks with and without capture, then the preset's (128, 128) with capture)
