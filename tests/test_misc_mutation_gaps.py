@@ -9,8 +9,8 @@ Mutants of these files found equivalent (no test can tell them apart):
 - setup: `device != "cpu"` for `device == "cuda"` (--dist.device is a Literal of auto, cpu, cuda);
 - roles: is_learner without `colocated or` and per_learner without `if num_rollouts` (colocated, num_learners is
   the world size and num_rollouts 0).
-Left unpinned: init_distributed checking MASTER_ADDR/MASTER_PORT under torchrun's agent store too (it differs only
-when TORCHELASTIC_USE_AGENT_STORE is set by hand without them, which torchrun never does).
+The audit's one survivor, init_distributed not checking MASTER_ADDR/MASTER_PORT under torchrun's agent store (a
+KeyError traceback), was fixed: tests/test_startup_errors.py.
 """
 
 import copy
