@@ -184,7 +184,8 @@ def time_model(rank: int, world: int, port: int, args, model_name: str, variants
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local)
     worst = torch.stack(gathered).amax(0).cpu()                         # slowest rank, per step
-    medians = worst.median(dim=1).values * 1e3                          # ms, [variant, 3]
+    # ms, [variant, 3]; of an even count of rounds the mean of the two middle ones (torch.median: the lower one)
+    medians = worst.quantile(0.5, dim=1) * 1e3
     if rank == 0:
         rows = [dict(model=model_name, variant=run.name, step=m[0].item(), bwd=m[2].item())
                 for run, m in zip(runs, medians)]
