@@ -10,40 +10,15 @@ from multirank import run_ranks
 from sync import PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer, trainable_keys
 from sync.patch import _decode
 from sync.wire import BITMAP, DENSE, GAPS8
-from test_sync_common import bits_equal, make_state, random_update, snapshot
-
-
-def _undecodable_queued_patch_then_resync(rank, world_size):
-    import sync.patch
-
-    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(compression="zstd"))
-    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
-    if rank == 0:
-        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
-        syncer.init_sender(state)
-        random_update(state, g, 0.1)
-        real = sync.patch.zstd_compress
-        # The queued patch's blob is not zstd at all: 64 bytes of 0xAB (no zstd frame starts with them).
-        sync.patch.zstd_compress = lambda payload: torch.full((64,), 0xAB, dtype=torch.uint8)
-        syncer.sync(state, 1)
-        syncer.resync(state, 2)
-        random_update(state, g, 0.1)
-        sync.patch.zstd_compress = real
-        syncer.sync(state, 3)
-        return snapshot(state)
-    model = make_state(seed=7)
-    syncer.init_receiver(model)
-    # docs: queued patches are drained without decoding them, so a damaged one cannot stop the drain.
-    assert syncer.resync(model) == 2
-    assert syncer.apply(model) == 3
-    return snapshot(model)
+from test_sync_common import bits_equal, snapshot
+from test_sync_resync import _zstd_queued_then_resync
 
 
 @pytest.mark.slow
 def test_resync_drains_a_queued_compressed_patch_that_would_not_decompress():
     """Mutant: the drain decompresses queued blobs (zstd_discard -> zstd_decompress); a damaged one then made
     resync() raise instead of recovering the link."""
-    sender, receiver = run_ranks(_undecodable_queued_patch_then_resync, 2, timeout=60)
+    sender, receiver = run_ranks(_zstd_queued_then_resync, 2, args=(True,), timeout=60)
     assert bits_equal(receiver, sender)
 
 

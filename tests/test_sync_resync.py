@@ -11,15 +11,23 @@ from sync import BucketConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig
 from test_sync_common import bits_equal, make_state, random_update, snapshot
 
 
-def _zstd_queued_then_resync(rank, world_size):
+def _zstd_queued_then_resync(rank, world_size, undecodable=False):
+    """Two compressed patches queued, then a resync; `undecodable`: their blobs are not zstd at all (64 bytes of
+    0xAB, which no zstd frame starts with), which the drain must not try to decode."""
+    import sync.patch
+
     cfg = WeightSyncConfig(type="patch", patch=PatchConfig(compression="zstd"))
     syncer = make_weight_syncer(cfg, src=0, dsts=[1])
     if rank == 0:
         state, g = make_state(seed=0), torch.Generator().manual_seed(1)
         syncer.init_sender(state)
+        real = sync.patch.zstd_compress
+        if undecodable:
+            sync.patch.zstd_compress = lambda payload: torch.full((64,), 0xAB, dtype=torch.uint8)
         for version in (1, 2):  # both still queued when the receiver decides to resync
             random_update(state, g, 0.1)
             syncer.sync(state, version)
+        sync.patch.zstd_compress = real
         syncer.resync(state, 3)
         random_update(state, g, 0.1)
         syncer.sync(state, 4)
