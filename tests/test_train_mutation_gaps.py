@@ -8,7 +8,7 @@ gone; --rollout.recompute off reaching fill_storage; a learner's metrics equal t
 rank's sums and counts); the final weight request's version; WeightServer.close taking back its exit handler; the
 run directory's lock released at the run's end; a dry run writing no probe and closing its team; the start-up's
 transitions per iteration with rollout ranks; the sampler rows' cadences; Loss/entropy counted once per iteration;
-a resumed learner's receives counted from its start iteration.
+a resumed learner's receives counted from its start iteration; a signal to one rank of two stopping both.
 
 Found equivalent: a rollout rank's `need` floored at 0 instead of its start iteration (the learner publishes the start
 version before any serving thread answers, and serves the newest version at least `need`: S - 1 and S get the same
@@ -277,3 +277,20 @@ def test_a_resumed_learner_posts_its_receives_from_the_iteration_it_resumes_at(m
     rollout_ranks.LearnerTeam(cartpole(5, "async", 2), roles, torch.device("cpu"), 3)
     ((rollouts, _, _, _, depth, start, end, _),) = posted
     assert (rollouts, depth, start, end) == ([1], 3, 3, 5)
+
+
+def stop_on_one_rank_body(rank, world_size, cfg):
+    """train.main where only rank 1 gets a signal, during iteration 1."""
+    if rank == 1:
+        train.StopRequests = FlagAt(1)           # this rank's process only
+    cfg.dist.device = "cpu"
+    train.main(cfg)
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_of_two_stops_both_after_that_iteration(tmp_path):
+    """A signal reaches one rank of two (a SIGTERM to one process): the flag's mean over the ranks is 1/2, and any
+    rank's flag must stop the whole job after that iteration with its save. Read as a majority (> 0.5) the job ran
+    on to --max-iterations; the torchrun signal test caught that only by waiting out its time limit."""
+    run_ranks(stop_on_one_rank_body, 2, args=(small_tracking(tmp_path, iterations=4),))
+    assert checkpoints(tmp_path) == ["model_1.pt"]
