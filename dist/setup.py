@@ -73,7 +73,7 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     launcher's store (addresses, no tensors, so nothing in the ledger).
     """
     rank, world_size = launch_rank_and_world()
-    if world_size > 1 and not torch_dist.is_initialized():     # the agent's store is found at the same address
+    if world_size > 1 and not torch_dist.is_initialized():     # torchrun's agent store is reached there too
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
         if missing:
             raise UsageError(f"WORLD_SIZE={world_size} without {' and '.join(missing)}: the ranks cannot find "
