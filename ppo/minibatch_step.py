@@ -208,10 +208,11 @@ class SyncFreeStep:
         cfg = self.cfg
         kl_stats, norm, terms = backward_minibatch(self.model, batch, self.grad_sync, cfg)
         kl = kl_stats[0] / kl_stats[1]
-        if cfg.schedule == "adaptive":
-            self.lr.copy_(device_adaptive_lr(self.lr, kl, cfg.desired_kl, cfg.lr_min, cfg.lr_max))
-            self.opt_lr.copy_(self.lr)
         finite = torch.isfinite(norm)
+        if cfg.schedule == "adaptive":     # a skipped step keeps the LR, as in the host path
+            new_lr = device_adaptive_lr(self.lr, kl, cfg.desired_kl, cfg.lr_min, cfg.lr_max)
+            self.lr.copy_(torch.where(finite, new_lr, self.lr))
+            self.opt_lr.copy_(self.lr)
         self.optimizer.found_inf = (~finite).float()   # fused Adam skips the whole update when it is 1
         self.optimizer.step()
         taken = torch.cat([terms.double(), kl.double().reshape(1), self.sums.new_ones(1)])

@@ -67,13 +67,15 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
             # One host read per step, the loss terms in it: read after optimizer.step(), they drained the GPU again.
             kl, norm, *terms = torch.cat([(kl_stats[0] / kl_stats[1]).reshape(1), grad_norm.reshape(1),
                                           terms_mean]).tolist()
+            if not math.isfinite(norm):
+                # Identical on every rank: the norm is of the synchronized gradient. The LR stays too: the policy
+                # does not move, so the next KL would read as "too small" and skip after skip would climb to lr-max.
+                skipped += 1
+                continue
             if cfg.schedule == "adaptive" and math.isfinite(kl):
                 lr = adaptive_lr(lr, kl, cfg.desired_kl, cfg.lr_min, cfg.lr_max)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-            if not math.isfinite(norm):
-                skipped += 1     # identical on every rank: the norm is of the synchronized gradient
-                continue
             optimizer.step()
             num_steps += 1
             for key, value in zip(("surrogate", "value_function", "entropy"), terms):

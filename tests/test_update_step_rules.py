@@ -62,6 +62,52 @@ def test_a_minibatch_of_equal_advantages_normalizes_to_0_and_its_step_is_taken()
     assert stats["surrogate"] == 0.0            # -mean(ratio * 0) in both steps
 
 
+@pytest.mark.parametrize("capture", [False, True])
+def test_a_skipped_step_leaves_the_adaptive_lr_where_it_was(capture):
+    """NaN returns make every step non-finite, so every one is skipped and the policy never moves: each minibatch's
+    KL is then 0, which the rule reads as "too small". Acting on it at skipped steps multiplied the LR by 1.5 six
+    times (1e-3 -> 1.1e-2), so a run in trouble came out of it at lr-max. Both paths keep the LR."""
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, CPU)
+    fill(storage, 0, model)
+    storage.returns.fill_(float("nan"))
+    cfg = ppo_cfg(capture_step=capture, lr_max=1.0)
+    optimizer = build_optimizer(model.parameters(), cfg, CPU)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = ppo_update(model, optimizer, storage, GradSync(model.parameters(), num_extras=2), cfg,
+                       generator=torch.Generator().manual_seed(0))
+    assert stats["skipped_steps"] == cfg.num_epochs * cfg.num_mini_batches == 6
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))   # so the policy did not move
+    assert stats["learning_rate"] == optimizer.param_groups[0]["lr"] == cfg.learning_rate
+
+
+def test_the_adaptive_lr_acts_only_at_taken_steps(monkeypatch):
+    """One poisoned minibatch of six: the host path applies the rule five times, once before each step it takes."""
+    import ppo.update
+    kls = []
+    original = ppo.update.adaptive_lr
+    monkeypatch.setattr(ppo.update, "adaptive_lr", lambda lr, kl, *a: kls.append(kl) or original(lr, kl, *a))
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, CPU)
+    fill(storage, 0, model)
+    calls = {"n": 0}
+    value = model.value
+
+    def poisoned(obs):                       # the second minibatch's value is NaN: that step alone is skipped
+        calls["n"] += 1
+        return value(obs) * float("nan") if calls["n"] == 2 else value(obs)
+    model.value = poisoned
+    cfg = ppo_cfg()
+    optimizer = build_optimizer(model.parameters(), cfg, CPU)
+    stats = ppo_update(model, optimizer, storage, GradSync(model.parameters(), num_extras=2), cfg,
+                       generator=torch.Generator().manual_seed(0))
+    assert stats["skipped_steps"] == 1.0 and len(kls) == 5
+    lr = cfg.learning_rate
+    for kl in kls:
+        lr = original(lr, kl, cfg.desired_kl, cfg.lr_min, cfg.lr_max)
+    assert stats["learning_rate"] == lr
+
+
 def test_every_epoch_normalizes_each_minibatch_s_advantages(monkeypatch):
     """advantage_norm "minibatch": every step of every epoch sees its minibatch's advantages at mean 0 and unbiased
     std 1 (the storage keeps the raw ones, so epoch 2 must normalize again), checked in numpy per step."""
