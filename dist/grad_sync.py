@@ -34,7 +34,8 @@ communicates, so the accumulation window is exactly one minibatch):
     optimizer.step()
 
 A new GradSync over parameters that another one serves takes them over: the old one's hooks are removed
-(its gradient views are replaced, so it could not synchronize anyway) and its buckets can be freed.
+(its gradient views are replaced, so it could not synchronize anyway) and its buckets can be freed. A GradSync
+nothing refers to any more is freed, its hooks removed, whether or not its model lives on.
 
 Parameters that got no gradient in a step: `unused="error"` (default) raises naming them, because a
 silently missing gradient usually means a bug in the loss; `unused="zero"` treats it as a zero
@@ -46,6 +47,9 @@ The all-reduces run in dist.comm's current group (the whole world unless `comm.u
 and are counted in `dist.comm.LEDGER`. To copy this file into another project, take dist/comm.py and
 dist/plan.py with it (the imports are relative, so the package may have any name); torch >= 2.1.
 """
+
+import functools
+import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -85,7 +89,31 @@ def _bucket_params(params, bucket_bytes: float) -> list[list[torch.nn.Parameter]
     return buckets
 
 
-_SERVED_BY = WeakIdKeyDictionary()   # parameter -> the GradSync whose hooks it carries
+# parameter -> a weak reference to the GradSync whose hooks it carries. Weak on both sides: a GradSync holds its
+# parameters, so a strong value would keep its key alive, and every GradSync dropped with its model (train.main's,
+# when it returns) would keep the weights and its gradient buckets for the life of the process.
+_SERVED_BY = WeakIdKeyDictionary()
+
+
+def _served_by(p: torch.nn.Parameter):
+    """The GradSync whose hooks `p` carries, or None."""
+    ref = _SERVED_BY.get(p)
+    return ref() if ref is not None else None
+
+
+def _grad_ready(ref: weakref.ref, p: torch.Tensor) -> None:
+    """Every parameter's post-accumulate-grad hook: GradSync._on_grad_ready of the GradSync `ref` names, if alive.
+    Weak because torch's garbage collector does not look inside a parameter's post-accumulate-grad hooks: a bound
+    method there made parameter -> hook -> GradSync -> parameter a cycle never freed, so every GradSync dropped with
+    its model (train.main's, when it returns) kept the weights and its gradient buckets for the life of the process."""
+    sync = ref()
+    if sync is not None:
+        sync._on_grad_ready(p)
+
+
+def _remove(hooks: list) -> None:
+    for hook in hooks:
+        hook.remove()
 
 
 class GradSync:
@@ -105,7 +133,7 @@ class GradSync:
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise ValueError(f"gradient buckets need one parameter dtype, got {sorted(map(str, dtypes))}")
-        for previous in {id(o): o for p in self.params if (o := _SERVED_BY.get(p)) is not None}.values():
+        for previous in {id(o): o for p in self.params if (o := _served_by(p)) is not None}.values():
             previous.remove_hooks()
         self.mode, self.unused, self.num_extras = mode, unused, num_extras
         groups = [self.params[::-1]] if mode == "flat" else _bucket_params(self.params, bucket_mb * 2**20)
@@ -116,17 +144,21 @@ class GradSync:
         self._armed = False
         self._armed_received: set[int] = set()
         self._next_launch = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        # The hooks hold this object weakly (see _grad_ready) and go when it is freed, so a model that outlives it
+        # (a successor took the parameters over, or none did) carries no dead hooks.
+        hook = functools.partial(_grad_ready, weakref.ref(self))
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+        self._unhook = weakref.finalize(self, _remove, self._hooks)
+        self._unhook.atexit = False   # the process's end needs no hooks removed
         for p in self.params:
-            _SERVED_BY[p] = self
+            _SERVED_BY[p] = weakref.ref(self)
 
     def remove_hooks(self) -> None:
         """Stop serving the parameters: their backward no longer calls this object (which then can be freed)."""
-        for hook in self._hooks:
-            hook.remove()
+        self._unhook()                # removes them, once
         self._hooks = []
         for p in self.params:
-            if _SERVED_BY.get(p) is self:
+            if _served_by(p) is self:
                 del _SERVED_BY[p]
 
     # ---- per step ------------------------------------------------------------------------------
