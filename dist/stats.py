@@ -60,7 +60,9 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor,
     dim = mean.numel()
     n_b, s1, s2 = summed[0], summed[1:1 + dim], summed[1 + dim:]
     mean_b_shift = s1 / n_b                      # batch mean minus running mean
-    m2_b = s2 - s1 * mean_b_shift                # batch sum of squared deviations from its own mean
+    # Never negative in exact arithmetic, but a (nearly) constant feature away from the shift cancels to a rounding
+    # residue of either sign: a negative M2 made the std sqrt(M2 / n) nan until a later batch's spread outweighed it.
+    m2_b = (s2 - s1 * mean_b_shift).clamp_(min=0.0)     # batch sum of squared deviations from its own mean
     n = count + n_b
     new_mean = mean + mean_b_shift * (n_b / n)
     new_m2 = m2 + m2_b + mean_b_shift.square() * count * n_b / n
