@@ -90,8 +90,7 @@ def _bucket_params(params, bucket_bytes: float) -> list[list[torch.nn.Parameter]
 
 
 # parameter -> a weak reference to the GradSync whose hooks it carries. Weak on both sides: a GradSync holds its
-# parameters, so a strong value would keep its key alive, and every GradSync dropped with its model (train.main's,
-# when it returns) would keep the weights and its gradient buckets for the life of the process.
+# parameters, so a strong value would keep its key alive (and the GradSync with it: see _grad_ready).
 _SERVED_BY = WeakIdKeyDictionary()
 
 
