@@ -329,9 +329,10 @@ def first_on_node() -> bool:
 
 def out_of_memory(exc: BaseException) -> bool:
     """An allocation the device could not serve: CUDA's OutOfMemoryError, Python's MemoryError, or the RuntimeError
-    of torch's CPU allocator (which has no type of its own, only its words)."""
+    of torch's CPU allocator or of a size past 2**63 bytes (--env.num-envs 2**62): no type of their own, only words."""
     oom = (torch.cuda.OutOfMemoryError, MemoryError)    # torch.OutOfMemoryError is its newer name: not in every torch
-    return isinstance(exc, oom) or "DefaultCPUAllocator: can't allocate" in str(exc)
+    words = ("DefaultCPUAllocator: can't allocate", "Storage size calculation overflowed")
+    return isinstance(exc, oom) or any(w in str(exc) for w in words)
 
 
 def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:

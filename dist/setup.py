@@ -13,7 +13,7 @@ import torch
 import torch.distributed as torch_dist
 
 from dist import comm
-from dist.errors import UsageError
+from dist.errors import RunError, UsageError, one_line
 
 
 @dataclass
@@ -70,7 +70,8 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     restarted gloo group never connects to a dead worker's old address.
 
     Crosses ranks once at start-up, with more than one rank: init_process_group's rendezvous through the
-    launcher's store (addresses, no tensors, so nothing in the ledger).
+    launcher's store (addresses, no tensors, so nothing in the ledger). A rendezvous that fails (a rank that
+    never came, a host that cannot be reached) is a RunError naming --dist.timeout-s, not a traceback.
     """
     rank, world_size = launch_rank_and_world()
     if world_size > 1 and not torch_dist.is_initialized():     # torchrun's agent store is reached there too
@@ -93,13 +94,19 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
             timeout = timedelta(seconds=timeout_s)
             # device_id binds the group to this GPU (NCCL's eager init); a gloo group stays unbound
             kwargs = {"backend": backend, "timeout": timeout, "device_id": dev if backend == "nccl" else None}
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-                store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], launch_int("MASTER_PORT", 0), world_size,
-                                            is_master=False, timeout=timeout)
-                restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                kwargs.update(store=torch_dist.PrefixStore(f"syncppo/restart{restart}", store), rank=rank,
-                              world_size=world_size)
-            torch_dist.init_process_group(**kwargs)
+            try:
+                if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                    store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], launch_int("MASTER_PORT", 0), world_size,
+                                                is_master=False, timeout=timeout)
+                    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                    kwargs.update(store=torch_dist.PrefixStore(f"syncppo/restart{restart}", store), rank=rank,
+                                  world_size=world_size)
+                torch_dist.init_process_group(**kwargs)
+            except torch_dist.DistError as error:      # a store that timed out or could not be reached: no bug
+                where, why = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", one_line(error).rstrip(".")
+                raise RunError(f"the {world_size} ranks did not all meet at {where} within --dist.timeout-s "
+                               f"{timeout_s:g} ({why}); start every rank (torchrun --nnodes/--nproc-per-node), "
+                               "check that rank 0's host and port are reachable, or raise --dist.timeout-s") from error
     else:
         backend = "none"
     # Where collectives stage their tensors: the rank's GPU under NCCL, the host under gloo; with one process (no

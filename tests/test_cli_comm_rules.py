@@ -94,6 +94,16 @@ def test_cli_says_an_allocation_the_device_cannot_serve_as_out_of_memory_naming_
     assert train.out_of_memory(MemoryError()) and not train.out_of_memory(RuntimeError("can't allocate a name"))
 
 
+def test_a_size_past_what_a_storage_can_count_is_out_of_memory_too(monkeypatch, capsys):
+    """--env.num-envs 2**62 passes validation; the first buffer's size then overflows before any allocator sees it
+    (a plain RuntimeError with other words): that is sizes too large as well, not a bug."""
+    with pytest.raises(RuntimeError) as overflow:
+        torch.empty(2**62, 4)
+    status, err, _ = _failing_cli(monkeypatch, capsys, overflow.value)
+    assert status == 1 and "error: out of memory (traceback above: where): Storage size calculation overflowed" in err
+    assert "lower --env.num-envs" in err.splitlines()[-1]
+
+
 def test_a_cuda_allocation_failure_is_out_of_memory_without_torch_s_device_generic_class(monkeypatch):
     """torch.OutOfMemoryError (device-generic, torch.cuda's class under a second name) came after torch 2.4, which
     requirements allow (2.4 or 2.5: accounts differ): where it is missing, checking for it raised AttributeError while

@@ -77,6 +77,27 @@ def test_torchrun_variables_set_by_hand_are_one_line_naming_the_variable(tmp_pat
     assert not os.path.exists(tmp_path / "cartpole")
 
 
+def test_a_rank_that_never_comes_is_one_line_naming_the_timeout_flag(tmp_path, capsys, monkeypatch):
+    """Rank 0 of two, alone: the rendezvous times out after --dist.timeout-s. It was torch's DistStoreError
+    traceback reported as a bug; it is a run-time failure (status 1) whose line says what to check."""
+    import socket
+    with socket.socket() as s:          # a port nobody listens on once closed: rank 0's store binds it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name in ("LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    cfg = small(tmp_path)
+    cfg.dist.timeout_s = 0.5
+    assert train.cli(cfg) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the 2 ranks did not all meet at 127.0.0.1:{port} within --dist.timeout-s 0.5 (")
+    assert err.endswith("start every rank (torchrun --nnodes/--nproc-per-node), check that rank 0's host and port "
+                        "are reachable, or raise --dist.timeout-s\n") and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "cartpole")
+
+
 def test_a_process_group_the_program_made_itself_needs_no_master_address(monkeypatch):
     """A program that called init_process_group (file:// or tcp:// init) before train.main: torchrun's
     MASTER_ADDR/MASTER_PORT are not needed, and the group is used as it is."""
