@@ -8,7 +8,8 @@
     syncer.resync(model, version=it)                    syncer.resync(model)      # after a SyncIntegrityError
 
 patch.py and bucket.py each read top to bottom as their algorithm; link.py is what both share (roles,
-handshake, checks, whole tensors, resync, non-blocking apply) and wire.py what travels (frames, JSON).
+handshake, checks, whole tensors, resync, non-blocking apply), handshake.py the init document both sides
+compare, and wire.py what travels (frames, JSON).
 """
 
 from .bucket import BucketSyncer

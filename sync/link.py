@@ -16,9 +16,10 @@ import torch.distributed as dist
 from dist import comm
 from dist.checksum import tensor_checksum
 from dist.plan import PlanRow
-from .config import WeightSyncConfig, config_fields
-from .wire import (DENSE, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats, check_kind,
-                   plan_buckets, recv_frame, recv_json, send_frame, send_json)
+from .config import WeightSyncConfig
+from .handshake import compare, describe, named_dtype
+from .wire import (DENSE, KIND_RESYNC, LINK_LOST, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats,
+                   UnexpectedKind, check_kind, plan_buckets, recv_frame, recv_json, send_frame, send_json)
 
 
 class Link:
@@ -59,7 +60,7 @@ class Link:
         Crosses ranks once at init: one JSON document from each receiver, one reply to each. Sender: `keys`
         are those every update carries (None = all), `problems` the strategy's own config errors.
         """
-        mine = _describe(tensors, self.cfg)
+        mine = describe(tensors, self.cfg)
         if not self.is_sender:
             sent = send_json(mine, self.src, self.group, self.device)
             reply, received = recv_json(self.src, self.group, self.device)
@@ -74,7 +75,7 @@ class Link:
             problems.append("the list of keys to sync is empty")
         metas = [recv_json(dst, self.group, self.device) for dst in self.dsts]
         for dst, (meta, _) in zip(self.dsts, metas):
-            problems += [f"receiver rank {dst}: {p}" for p in _compare(mine, meta)]
+            problems += [f"receiver rank {dst}: {p}" for p in compare(mine, meta)]
             if any(meta[field] != metas[0][0][field] for field in ("keys", "shapes", "dtypes", "ties")):
                 problems.append(f"receiver rank {dst} differs from receiver rank {self.dsts[0]} in key order, shapes, "
                                 "dtypes or tied keys; one syncer serves identical receivers (use one per kind)")
@@ -91,7 +92,7 @@ class Link:
         and dtypes; the synced keys in that order, tied keys once."""
         self.keys = meta["keys"]
         self.shapes = {k: tuple(s) for k, s in zip(self.keys, meta["shapes"])}
-        self.dtypes = {k: _dtype(d) for k, d in zip(self.keys, meta["dtypes"])}
+        self.dtypes = {k: named_dtype(d) for k, d in zip(self.keys, meta["dtypes"])}
         self.ordinal = {k: i for i, k in enumerate(self.keys)}
         self.numels = [int(torch.Size(self.shapes[k]).numel()) for k in self.keys]
         self._tie_of = {k: tuple(group) for group in meta["ties"] for k in group}
@@ -194,14 +195,15 @@ class Link:
 
     def recv_whole(self, tensors: dict, keys: Sequence[str], dtypes: Sequence[torch.dtype], bucket_size: int,
                    kind: int, purpose: str, staged: Optional[list] = None, drop: Optional[Sequence] = None,
-                   drop_decompress: Optional[Callable] = None) -> int:
+                   drop_decompress: Optional[Callable] = None, first: Optional[Frame] = None) -> int:
         """Receive what send_whole sent and write it into `tensors`, or, given a list `staged`, append its
         (ordinal, values) there (a fresh buffer per bucket); returns the version.
 
         Crosses ranks: one frame per bucket from the sender; with `drop` (a resync: the value dtype per
         ordinal of updates) first any number of queued update frames, received whole and dropped, counted
         under the purpose they were sent with (`drop_decompress`: how to take in their payload when compressed);
-        without, a frame of another kind (a resync's) is received whole, unwritten, and refused. Every tensor is
+        without, a frame of another kind (a resync's) is received whole, unwritten, and refused. `first`: the first
+        bucket's frame, already received (a resync's that a non-blocking apply met). Every tensor is
         checked against the trailer's checksums as soon as it arrived. When writing, values already in the
         receiver's dtype and on the transport device arrive straight in the model, so a failed check leaves it
         written (`model_written`: the receiver then refuses updates until resync()); a GPU model fed over gloo is
@@ -215,7 +217,7 @@ class Link:
         other = (UPDATE, drop, None, drop_decompress) if drop else (SETUP, [self.dtypes[k] for k in self.keys], None)
         version = None
         for index, members in enumerate(plan):
-            frame = None
+            frame = first if index == 0 else None
             while frame is None or index == 0 and drop and frame.kind != kind:
                 if frame is not None:
                     frame.wait()
@@ -277,32 +279,39 @@ class Link:
             return self.version
         return self.write_update(lambda: write(update), update)
 
-    def write_update(self, write: Callable[[], int], update=None) -> int:
+    def write_update(self, write: Callable[[], int], update=None, resync: bool = False) -> int:
         """Run `write()` (it writes one update into the model and returns its version) under the lock; once an
-        update failed after writing, refuse every later one until resync(). Crosses ranks once per update: what
-        `write()` receives, then the rest of a received `update` frame (taken in whole even when refused)."""
+        update failed after writing, refuse every later one until a `resync` write succeeds. The refusal is read
+        and cleared under the lock, so that a verify() on another thread never sees weights and refusal (or
+        checksums) of two different moments. Crosses ranks once per update: what `write()` receives, then the
+        rest of a received `update` frame (taken in whole even when refused)."""
         try:
-            if self._broken:
-                raise SyncIntegrityError(f"weight sync: receiver needs resync() after: {self._broken}")
             with self.lock:
+                if self._broken and not resync:
+                    raise SyncIntegrityError(f"weight sync: receiver needs resync() after: {self._broken}")
                 try:
                     self.version = write()
                 except SyncIntegrityError as error:
                     if error.model_written:
                         self._broken = str(error)
                     raise
+                if resync:
+                    self._broken = None
         finally:
             if isinstance(update, Frame):  # a refused frame is still received whole: the stream stays in step
                 update.wait()
         return self.version
 
     def resync_whole(self, state_dict_or_model, version: Optional[int], keys: Sequence[str], bucket_size: int,
-                     update_dtypes: Sequence[torch.dtype], update_decompress: Optional[Callable] = None) -> dict:
+                     update_dtypes: Sequence[torch.dtype], update_decompress: Optional[Callable] = None,
+                     written: Optional[Callable[[dict], None]] = None) -> None:
         """Both strategies' resync: the sender sends `keys` whole in the receivers' dtypes and both continue
-        from `version`; a receiver first drops the updates still queued for it (any number, counted under
-        the purpose they were sent with; `update_dtypes`: their value dtype per ordinal; `update_decompress`:
-        how to take in their payload when compressed). Returns the tensors. Crosses ranks once per resync: the
-        queued update frames, then one frame per bucket of `bucket_size`, under the setup purpose."""
+        from `version`; a receiver first takes in the receive of a non-blocking apply still under way (an update
+        is dropped; a resync's first frame starts this resync), then drops the updates still queued for it (any
+        number, counted under the purpose they were sent with; `update_dtypes`: their value dtype per ordinal;
+        `update_decompress`: how to take in their payload when compressed). Then `written(tensors)` runs, on a
+        receiver under the lock once everything landed. Crosses ranks once per resync: the queued update
+        frames, then one frame per bucket of `bucket_size`, under the setup purpose."""
         self.require(sender=self.is_sender)
         receiver = [self.dtypes[k] for k in self.keys]
         tensors = self.tensors(state_dict_or_model)
@@ -311,14 +320,29 @@ class Link:
                 raise ValueError("weight sync: the sender's resync needs the version to restart from")
             self.stats = self.send_whole(tensors, keys, receiver, bucket_size, version, KIND_RESYNC, SETUP)
             self.version = version
-            return tensors
+            if written is not None:
+                written(tensors)
+            return
+        first = None
         if self._inflight is not None:
-            raise RuntimeError("weight sync: a non-blocking apply is still receiving; finish it with apply(model) "
-                               "before resync()")
-        self._broken = None
-        self.write_update(lambda: self.recv_whole(tensors, keys, receiver, bucket_size, KIND_RESYNC, SETUP,
-                                                  drop=update_dtypes, drop_decompress=update_decompress))
-        return tensors
+            future, self._inflight = self._inflight, None
+            try:
+                future.result()  # an update received whole: dropped, as the queued ones after it will be
+            except UnexpectedKind as error:
+                if error.frame.kind != KIND_RESYNC:
+                    raise
+                first = error.frame
+            except SyncIntegrityError as error:  # refused but taken in whole: the link is in step, unless lost
+                if LINK_LOST in str(error):
+                    raise
+
+        def write() -> int:
+            version = self.recv_whole(tensors, keys, receiver, bucket_size, KIND_RESYNC, SETUP, drop=update_dtypes,
+                                      drop_decompress=update_decompress, first=first)
+            if written is not None:
+                written(tensors)
+            return version
+        self.write_update(write, resync=True)
 
 
 def trainable_keys(module: torch.nn.Module) -> list[str]:
@@ -333,54 +357,6 @@ def tensors_of(model) -> dict:
     if isinstance(model, Mapping):
         return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in model.items()}
     raise TypeError(f"weight sync: expected an nn.Module or a state_dict, got {type(model).__name__}")
-
-
-def _describe(tensors: dict, cfg: WeightSyncConfig) -> dict:
-    """The handshake document: everything both sides must agree on for the wire format to line up."""
-    not_tensors = [k for k, t in tensors.items() if not isinstance(t, torch.Tensor)]
-    groups: dict = {}  # tied weights: keys whose tensors are the same memory
-    for key, t in tensors.items():
-        if key not in not_tensors and t.numel():
-            place = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-            groups.setdefault(place, []).append(key)
-    return {
-        "config": config_fields(cfg), "keys": list(tensors),
-        "shapes": [list(t.shape) if isinstance(t, torch.Tensor) else [] for t in tensors.values()],
-        "dtypes": [str(t.dtype) if isinstance(t, torch.Tensor) else "?" for t in tensors.values()],
-        "ties": [g for g in groups.values() if len(g) > 1], "not_tensors": not_tensors,
-        "not_contiguous": [k for k, t in tensors.items() if k not in not_tensors and not t.is_contiguous()],
-    }
-
-
-def _compare(sender: dict, receiver: dict) -> list[str]:
-    """Reasons the receiver's metadata cannot take the sender's updates (empty when it can)."""
-    if receiver["config"] != sender["config"]:
-        diff = {k: (v, receiver["config"][k]) for k, v in sender["config"].items() if v != receiver["config"][k]}
-        return [f"weight sync config differs from the sender's, by field (sender, receiver): {diff}"]
-    problems = [f"{what} on the {side}: {meta[what]}" for side, meta in (("sender", sender), ("receiver", receiver))
-                for what in ("not_tensors", "not_contiguous") if meta[what]]
-    missing = [k for k in sender["keys"] if k not in receiver["keys"]]
-    unexpected = [k for k in receiver["keys"] if k not in sender["keys"]]
-    if missing or unexpected:
-        return problems + [f"state_dict keys differ: missing on the receiver {missing}, unexpected on the receiver "
-                           f"{unexpected}"]
-    mine = dict(zip(sender["keys"], zip(sender["shapes"], sender["dtypes"])))
-    for key, shape, dtype in zip(receiver["keys"], receiver["shapes"], receiver["dtypes"]):
-        if shape != mine[key][0]:
-            problems.append(f"{key!r} has shape {shape} on the receiver and {mine[key][0]} on the sender")
-        elif dtype != mine[key][1] and not (_dtype(dtype).is_floating_point and _dtype(mine[key][1]).is_floating_point):
-            problems.append(f"{key!r} is {dtype} on the receiver and {mine[key][1]} on the sender "
-                            "(only floating dtypes may differ)")
-    if sorted(receiver["ties"]) != sorted(sender["ties"]):
-        problems.append(f"tied keys differ: sender {sender['ties']}, receiver {receiver['ties']}")
-    return problems
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"weight sync: unknown dtype {name!r} in metadata")
-    return dtype
 
 
 def _in_background(recv) -> Future:

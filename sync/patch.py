@@ -75,7 +75,7 @@ class PatchSyncer(Link):
                 self.recv_whole(tensors, bootstrap, [self.dtypes[k] for k in self.keys],
                                 self.cfg.patch.init_sync.bucket_size, KIND_BUCKET, SETUP)
             self._verify_rest(tensors, bootstrap)
-            self.checksums = {k: tensor_checksum(tensors[k]) for k in self.synced}
+            self._adopt_checksums(tensors)
             self.version = version
         return version
 
@@ -267,14 +267,14 @@ class PatchSyncer(Link):
         receivers resync(model). Any patches still queued for a receiver are received and dropped first.
         Crosses ranks: the synced and bootstrap keys whole (see Link.resync_whole)."""
         wanted = set(self.synced) | set(self._bootstrap_keys())
-        tensors = self.resync_whole(state_dict_or_model, version, self.once_per_tie([k for k in self.keys if k in wanted]),
-                                    self.cfg.patch.init_sync.bucket_size, [self.dtypes[k] for k in self.keys],
-                                    None if self.cfg.patch.compression == "none" else zstd_discard)
-        if self.is_sender:
-            self._take_snapshot(tensors)
-        else:
-            self.checksums = {k: tensor_checksum(tensors[k]) for k in self.synced}
+        self.resync_whole(state_dict_or_model, version, self.once_per_tie([k for k in self.keys if k in wanted]),
+                          self.cfg.patch.init_sync.bucket_size, [self.dtypes[k] for k in self.keys],
+                          None if self.cfg.patch.compression == "none" else zstd_discard,
+                          self._take_snapshot if self.is_sender else self._adopt_checksums)
         return self.version
+
+    def _adopt_checksums(self, tensors: dict) -> None:
+        self.checksums = {k: tensor_checksum(tensors[k]) for k in self.synced}
 
 
 # ----- encodings ---------------------------------------------------------------------------------------------

@@ -252,13 +252,22 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     return frame
 
 
+class UnexpectedKind(RuntimeError):
+    """A frame of another kind than the call expected, taken in whole and kept as `frame`: a resync's first
+    frame that a non-blocking apply received starts the resync() that follows it."""
+
+    def __init__(self, message: str, frame: Frame):
+        super().__init__(message)
+        self.frame = frame
+
+
 def check_kind(frame: Frame, kind: int) -> None:
     """Refuse a frame of another kind, once it is taken in whole (its receives are posted: left, they would
     stall the link and resync() could not drain it)."""
     if frame.kind != kind:
         frame.wait()
-        raise RuntimeError(f"weight sync: expected a message of kind {kind}, got kind {frame.kind}; sender and "
-                           "receiver disagree on which call comes next (sync/resync/apply)")
+        raise UnexpectedKind(f"weight sync: expected a message of kind {kind}, got kind {frame.kind}; sender and "
+                             "receiver disagree on which call comes next (sync/resync/apply)", frame)
 
 
 def _check_table(table: torch.Tensor, numels: Sequence[int]) -> None:

@@ -1,5 +1,5 @@
 """apply(model, blocking=False): a reader thread never sees a half-applied update or a version that is ahead
-of (or behind) the weights in place."""
+of (or behind) the weights in place; verify() on another thread never sees a resync half done."""
 
 import threading
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from multirank import run_ranks
-from sync import BucketConfig, WeightSyncConfig, make_weight_syncer
+from sync import BucketConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from test_sync_common import bits_equal, make_state, random_update, snapshot
 
 UPDATES, TENSORS, SIZE = 12, 8, 50_000
 
@@ -56,3 +57,70 @@ def test_non_blocking_apply_never_exposes_a_half_updated_model(cfg):
     assert observed and observed == sorted(observed)  # the visible version only moves forward
     assert returned == sorted(returned) and returned[-1] == UPDATES
     assert set(range(1, UPDATES + 1)) <= set(returned)  # every update landed, none was skipped
+
+
+class _HookedLock:
+    """The receiver's lock, running `before` just before the next acquire and `after` just after the next release,
+    once each: the other thread's verify() lands exactly where a scheduler could put it."""
+
+    def __init__(self):
+        self.lock, self.before, self.after = threading.Lock(), None, None
+
+    def __enter__(self):
+        hook, self.before = self.before, None
+        if hook:
+            hook()
+        self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+        hook, self.after = self.after, None
+        if hook:
+            hook()
+
+
+def _verify_around_resyncs(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    if rank == 0:
+        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+        syncer.init_sender(state)
+        for version in range(1, 6):
+            random_update(state, g, 0.1)
+            syncer.resync(state, version) if version in (2, 4) else syncer.sync(state, version)
+        return snapshot(state)
+    model = make_state(seed=7)
+    syncer.init_receiver(model)
+    syncer.lock = lock = _HookedLock()
+    said = []
+
+    def verify_on_another_thread():
+        def run():
+            try:
+                syncer.verify(model)
+                said.append(None)
+            except SyncIntegrityError as error:
+                said.append(str(error))
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+
+    assert syncer.apply(model) == 1
+    lock.after = verify_on_another_thread          # right after the resync wrote the weights
+    assert syncer.resync(model) == 2 and syncer.apply(model) == 3
+    model["enc.bias"][0] += 1.0                    # the receiver's model changed: a verify must refuse it ...
+    lock.before = verify_on_another_thread         # ... just before the resync that repairs it takes the lock
+    assert syncer.resync(model) == 4 and syncer.apply(model) == 5
+    return said, snapshot(model)
+
+
+@pytest.mark.slow
+def test_a_verify_on_another_thread_never_sees_a_resync_half_done():
+    """A verify() right after a resync's weights landed compared them with the checksums of before (they were
+    taken after the lock was released) and broke a healthy receiver; a verify that found a real change just
+    before a resync took the lock left its refusal standing after the resync repaired the model (cleared outside
+    the lock). Both are now read and written under the lock: the first verify passes, the second refuses, and
+    both resyncs leave a receiver that applies the next update bit for bit."""
+    sender, (said, received) = run_ranks(_verify_around_resyncs, 2, timeout=60)
+    assert said[0] is None
+    assert "verification found ['enc.bias'] changed on the receiver" in said[1]
+    assert bits_equal(received, sender)

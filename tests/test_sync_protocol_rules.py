@@ -228,11 +228,11 @@ def test_metadata_dtype_names_that_are_not_dtypes_are_refused():
     """The handshake document's dtype strings come from another process. A name that is a torch attribute but
     not a dtype (torch.Size, torch.Tensor) must be refused as an unknown dtype, as an unknown name is, instead
     of being carried on as if it were one."""
-    from sync.link import _dtype
-    assert _dtype("torch.bfloat16") is torch.bfloat16 and _dtype("int64") is torch.int64
+    from sync.handshake import named_dtype
+    assert named_dtype("torch.bfloat16") is torch.bfloat16 and named_dtype("int64") is torch.int64
     for name in ("torch.Size", "torch.Tensor", "torch.nonsense"):
         with pytest.raises(ValueError, match="unknown dtype"):
-            _dtype(name)
+            named_dtype(name)
 
 
 # ----- bucket ------------------------------------------------------------------------------------------------

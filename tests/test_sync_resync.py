@@ -1,13 +1,15 @@
 """resync() and refused frames: queued compressed patches are drained, a damaged compressed payload or a refused
 multi-bucket resync leaves the link resyncable, a refused trailer after an in-place receive says the model
-was written, an apply() that meets a resync refuses it by its kind and leaves the link in step, and a
-sender whose checksums fail ends its frame so that the link recovers."""
+was written, an apply() that meets a resync refuses it by its kind and leaves the link in step, a resync() that
+meets a non-blocking apply's receive takes it in first, and a sender whose checksums fail ends its frame so that
+the link recovers."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from multirank import run_ranks
-from sync import BucketConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from sync import BucketConfig, InitSyncConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
 from test_sync_common import bits_equal, make_state, random_update, snapshot
 
 
@@ -210,7 +212,7 @@ def test_an_apply_that_meets_a_resync_refuses_it_by_kind_and_the_link_recovers(c
     header), so the next resync pair and the update after it arrive in step."""
     sender, (refused, received) = run_ranks(_apply_meets_a_resync, 2, args=(cfg,), timeout=30)
     update_kind = 2 if cfg.type == "patch" else 1
-    assert refused == (f"RuntimeError: weight sync: expected a message of kind {update_kind}, got kind 3; sender and "
+    assert refused == (f"UnexpectedKind: weight sync: expected a message of kind {update_kind}, got kind 3; sender and "
                        f"receiver disagree on which call comes next (sync/resync/apply)")
     assert bits_equal(received, sender)
 
@@ -262,4 +264,49 @@ def test_a_sender_that_fails_computing_checksums_ends_the_frame_and_the_link_rec
     """sums() raising after the payload went out: the receivers get a trailer they refuse (they were waiting for
     one), the sender raises its own error, and a resync pair brings both back in step."""
     sender, receiver = run_ranks(_sender_fails_computing_checksums, 2, args=(mode,), timeout=60)
+    assert bits_equal(receiver, sender)
+
+
+def _resync_meets_a_non_blocking_apply(rank, world_size, cfg, queued):
+    """The receiver's background receive (apply(blocking=False)) is under way when it decides to resync; the sender
+    sent `queued` updates first (the receive takes the first of them) or none (the receive takes the resync's first
+    bucket, which must then start the resync rather than be lost)."""
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    if rank == 0:
+        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+        syncer.init_sender(state)
+        dist.barrier()
+        for version in range(1, queued + 1):
+            random_update(state, g, 0.1)
+            syncer.sync(state, version)
+        random_update(state, g, 0.1)
+        syncer.resync(state, 10)
+        random_update(state, g, 0.1)
+        syncer.sync(state, 11)
+        return snapshot(state)
+    model = make_state(seed=7)
+    syncer.init_receiver(model)
+    assert syncer.apply(model, blocking=False) == 0
+    dist.barrier()
+    assert syncer.resync(model) == 10 and syncer.apply(model) == 11
+    return snapshot(model)
+
+
+SMALL_BUCKETS = 4096  # bytes: make_state's resync then spans several buckets, the first met by the receive
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("queued", [0, 2], ids=["resync-first", "updates-first"])
+@pytest.mark.parametrize("cfg", [
+    WeightSyncConfig(type="patch"),
+    WeightSyncConfig(type="patch", patch=PatchConfig(init_sync=InitSyncConfig(bucket_size=SMALL_BUCKETS))),
+    WeightSyncConfig(type="patch", patch=PatchConfig(compression="zstd")),
+    WeightSyncConfig(type="bucket", bucket=BucketConfig(load_instant=False, bucket_size=SMALL_BUCKETS))],
+    ids=["patch", "patch-buckets", "patch-zstd", "bucket-staged"])
+def test_a_resync_takes_in_the_receive_of_a_non_blocking_apply_first(cfg, queued):
+    """resync() used to refuse while a non-blocking apply was receiving, so a rollout process that polled apply()
+    could not recover without an apply that never returned (the sender had moved on to its resync). Now the receive
+    is taken in first: an update is dropped like the queued ones behind it, a resync's first bucket starts the
+    resync, and the update after it lands bit for bit."""
+    sender, receiver = run_ranks(_resync_meets_a_non_blocking_apply, 2, args=(cfg, queued), timeout=60)
     assert bits_equal(receiver, sender)

@@ -1,0 +1,55 @@
+"""The init handshake's document: what sender and receivers must agree on for the wire format to line up,
+and the reasons a receiver cannot take the sender's updates. Nothing here crosses ranks (Link.agree sends it)."""
+
+import torch
+
+from .config import WeightSyncConfig, config_fields
+
+
+def describe(tensors: dict, cfg: WeightSyncConfig) -> dict:
+    """The handshake document of `tensors` (JSON): keys, shapes, dtypes, tied keys, the sync config, and what
+    cannot be synced (values that are not tensors, tensors that are not contiguous)."""
+    not_tensors = [k for k, t in tensors.items() if not isinstance(t, torch.Tensor)]
+    groups: dict = {}  # tied weights: keys whose tensors are the same memory
+    for key, t in tensors.items():
+        if key not in not_tensors and t.numel():
+            place = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            groups.setdefault(place, []).append(key)
+    return {
+        "config": config_fields(cfg), "keys": list(tensors),
+        "shapes": [list(t.shape) if isinstance(t, torch.Tensor) else [] for t in tensors.values()],
+        "dtypes": [str(t.dtype) if isinstance(t, torch.Tensor) else "?" for t in tensors.values()],
+        "ties": [g for g in groups.values() if len(g) > 1], "not_tensors": not_tensors,
+        "not_contiguous": [k for k, t in tensors.items() if k not in not_tensors and not t.is_contiguous()],
+    }
+
+
+def compare(sender: dict, receiver: dict) -> list[str]:
+    """Reasons the receiver's metadata cannot take the sender's updates (empty when it can)."""
+    if receiver["config"] != sender["config"]:
+        diff = {k: (v, receiver["config"][k]) for k, v in sender["config"].items() if v != receiver["config"][k]}
+        return [f"weight sync config differs from the sender's, by field (sender, receiver): {diff}"]
+    problems = [f"{what} on the {side}: {meta[what]}" for side, meta in (("sender", sender), ("receiver", receiver))
+                for what in ("not_tensors", "not_contiguous") if meta[what]]
+    missing = [k for k in sender["keys"] if k not in receiver["keys"]]
+    unexpected = [k for k in receiver["keys"] if k not in sender["keys"]]
+    if missing or unexpected:
+        return problems + [f"state_dict keys differ: missing on the receiver {missing}, unexpected on the receiver "
+                           f"{unexpected}"]
+    mine = dict(zip(sender["keys"], zip(sender["shapes"], sender["dtypes"])))
+    for key, shape, dtype in zip(receiver["keys"], receiver["shapes"], receiver["dtypes"]):
+        if shape != mine[key][0]:
+            problems.append(f"{key!r} has shape {shape} on the receiver and {mine[key][0]} on the sender")
+        elif dtype != mine[key][1] and not (named_dtype(dtype).is_floating_point and named_dtype(mine[key][1]).is_floating_point):
+            problems.append(f"{key!r} is {dtype} on the receiver and {mine[key][1]} on the sender "
+                            "(only floating dtypes may differ)")
+    if sorted(receiver["ties"]) != sorted(sender["ties"]):
+        problems.append(f"tied keys differ: sender {sender['ties']}, receiver {receiver['ties']}")
+    return problems
+
+
+def named_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"weight sync: unknown dtype {name!r} in metadata")
+    return dtype
