@@ -50,6 +50,7 @@ class Link:
         self.staging: list = []  # the receive buffer, made by the first frame and reused
         self._inflight: Optional[Future] = None
         self._broken: Optional[str] = None  # why the receiver refuses every update until resync()
+        self.keys, self.synced, self._tie_of = [], [], {}  # set by init (_adopt); empty before, for require()
 
     # ----- init -----------------------------------------------------------------------------------------------
 
@@ -181,16 +182,34 @@ class Link:
 
         Crosses ranks: one frame per bucket of at most `bucket_size` bytes to each receiver, once per bucket
         sync, bootstrap or resync. A tensor already in its wire dtype travels from its own memory; the
-        checksums that end each frame are computed while its values are in flight."""
+        checksums that end each frame are computed while its values are in flight. When they fail, the buckets
+        after it still go out, each with a trailer the receivers refuse (they take in the rest of a refused
+        update), and the first error is raised: the link stays in step for resync()."""
         ordinals = [self.ordinal[k] for k in keys]
         wire = raw = 0
+        failed: list = []
         for members in plan_buckets([self.numels[o] * dtypes[o].itemsize for o in ordinals], bucket_size):
             values = [state[keys[i]].detach().reshape(-1).to(dtypes[ordinals[i]]) for i in members]
             table = torch.tensor([[ordinals[i], v.numel(), DENSE, 0] for i, v in zip(members, values)],
                                  dtype=torch.int64).view(-1, 4)
-            sent = send_frame(kind, version, -1, table, values, lambda: [tensor_checksum(v) for v in values],
-                              self.dsts, self.group, self.device, purpose)
+
+            def sums(values=values):
+                if failed:
+                    raise failed[0]
+                try:
+                    return [tensor_checksum(v) for v in values]
+                except BaseException as error:
+                    failed.append(error)
+                    raise
+            try:
+                sent = send_frame(kind, version, -1, table, values, sums, self.dsts, self.group, self.device, purpose)
+            except BaseException as error:
+                if not failed or error is not failed[0]:  # a send that failed: nothing more can go out
+                    raise
+                continue
             wire, raw = wire + sent[0], raw + sent[1]
+        if failed:
+            raise failed[0]
         return SyncStats(wire, raw, sum(self.numels[o] for o in ordinals), dense_tensors=len(keys))
 
     def recv_whole(self, tensors: dict, keys: Sequence[str], dtypes: Sequence[torch.dtype], bucket_size: int,

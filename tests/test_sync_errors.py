@@ -107,6 +107,8 @@ def _bad_calls(rank, world_size):
     state = _state()
     with pytest.raises(RuntimeError, match="call init_sender/init_receiver first"):
         syncer.sync(state, 1) if rank == 0 else syncer.apply(state)
+    with pytest.raises(RuntimeError, match="call init_sender/init_receiver first"):   # not an AttributeError
+        syncer.resync(state, 1) if rank == 0 else syncer.resync(state)
     if rank == 0:
         with pytest.raises(RuntimeError, match="rank 0 is the sender; call the sender methods"):
             syncer.apply(state)

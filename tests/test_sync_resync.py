@@ -1,8 +1,8 @@
 """resync() and refused frames: queued compressed patches are drained, a damaged compressed payload or a refused
 multi-bucket resync leaves the link resyncable, a refused trailer after an in-place receive says the model
 was written, an apply() that meets a resync refuses it by its kind and leaves the link in step, a resync() that
-meets a non-blocking apply's receive takes it in first, and a sender whose checksums fail ends its frame so that
-the link recovers."""
+meets a non-blocking apply's receive takes it in first, and a sender whose checksums fail ends its frame (and
+the rest of a multi-bucket update) so that the link recovers."""
 
 import pytest
 import torch
@@ -310,3 +310,53 @@ def test_a_resync_takes_in_the_receive_of_a_non_blocking_apply_first(cfg, queued
     resync, and the update after it lands bit for bit."""
     sender, receiver = run_ranks(_resync_meets_a_non_blocking_apply, 2, args=(cfg, queued), timeout=60)
     assert bits_equal(receiver, sender)
+
+
+def _sender_fails_in_the_first_of_three_buckets(rank, world_size, mode):
+    import sync.link
+
+    cfg = WeightSyncConfig(type=mode)
+    cfg.patch.init_sync.bucket_size = cfg.bucket.bucket_size = 50_000  # make_state's tensors: 3 buckets
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    state = make_state(seed=0)
+    if rank == 0:
+        g = torch.Generator().manual_seed(1)
+        syncer.init_sender(state)
+        random_update(state, g, 0.1)
+        real = sync.link.tensor_checksum
+
+        def failing(tensor):                     # e.g. a device error in the first bucket's checksums
+            raise ArithmeticError("checksum failed on the device")
+
+        sync.link.tensor_checksum = failing
+        try:
+            with pytest.raises(ArithmeticError, match="checksum failed on the device"):
+                syncer.sync(state, 1) if mode == "bucket" else syncer.resync(state, 1)   # whole tensors, 3 buckets
+        finally:
+            sync.link.tensor_checksum = real
+        syncer.resync(state, 2)
+        random_update(state, g, 0.1)
+        syncer.sync(state, 3)
+        return snapshot(state)
+    syncer.init_receiver(state)
+    try:
+        syncer.apply(state) if mode == "bucket" else syncer.resync(state)
+        refused = None
+    except SyncIntegrityError as error:
+        refused = str(error)
+    assert syncer.resync(state) == 2 and syncer.apply(state) == 3
+    return refused, snapshot(state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["patch", "bucket"])
+def test_a_sender_that_fails_in_the_first_of_several_buckets_still_lets_resync_recover(mode):
+    """Receivers that refuse a bucket take in the rest of its update before raising. A sender whose checksums
+    failed on the first of three buckets (a bucket sync, or a resync in either mode) stopped there, so receivers
+    took the next resync's first two buckets for that rest and the resync after it was refused as off the
+    bucket plan: the link could not recover. The sender now sends the remaining buckets with refused trailers."""
+    sender, (refused, received) = run_ranks(_sender_fails_in_the_first_of_three_buckets, 2, args=(mode,),
+                                            timeout=60)
+    assert refused == ("weight sync: the checksums of frame version 1 failed their check (trailer corrupted, or the "
+                       "sender failed while computing them: see its error); call resync() on sender and receivers")
+    assert bits_equal(received, sender)
