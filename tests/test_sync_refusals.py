@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from multirank import run_ranks
-from sync import BucketConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from sync import BucketConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
 from test_checksum_reference import ref_checksum
 from test_sync_common import bits_equal, snapshot
 
@@ -302,3 +302,72 @@ def test_bucket_plan_counts_floats_in_the_wire_dtype():
     (20 bytes) and 3 int64 (24 bytes, ints keep their dtype), and a 24-byte trailer."""
     for rows in run_ranks(_bucket_plan_in_wire_dtype, 2):
         assert rows == [[64, 64, 44, 24]]
+
+
+
+class _Posted:
+    """A receive that dist.comm.irecv posted, and whether anyone waited for it."""
+
+    def __init__(self, work):
+        self.work, self.waited = work, False
+
+    def wait(self):
+        self.waited = True
+        return self.work.wait()
+
+
+def _refused_frames_taken_in_whole(rank, world_size, case):
+    import sync.link
+    import sync.patch
+    from dist import comm
+
+    if case == "plan":   # three 4 MB tensors, plan [a, b], [c]; every bucket is received straight into the model
+        cfg = WeightSyncConfig(type="bucket", bucket=BucketConfig(bucket_size=8_000_000))
+    else:                # a compressed patch whose payload does not decompress: its trailer is still on the way
+        cfg = WeightSyncConfig(type="patch", patch=PatchConfig(compression="zstd"))
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    state = {name: torch.zeros(1_000_000) for name in "abc"}
+    if rank == 0:
+        syncer.init_sender(state)
+        real_plan = sync.link.plan_buckets
+        if case == "plan":
+            sync.link.plan_buckets = lambda nbytes, size: [[0], [1, 2]]     # a sender out of step with the plan
+        state["a"][::3] += 1
+        syncer.sync(state, 1)
+        sync.link.plan_buckets = real_plan
+        state["b"] += 2
+        syncer.resync(state, 2)
+        state["c"][5] = 7.0
+        syncer.sync(state, 3)
+        return snapshot(state)
+    syncer.init_receiver(state)
+    decompress, irecv, posted = sync.patch.zstd_decompress, comm.irecv, []
+    sync.patch.zstd_decompress = lambda data, raw: decompress(data[:data.numel() // 2], raw)   # damaged on the way
+    comm.irecv = lambda *args, **kwargs: posted.append(_Posted(irecv(*args, **kwargs))) or posted[-1]
+    try:
+        syncer.apply(state)
+        refused = None
+    except SyncIntegrityError as error:
+        refused = str(error)
+    finally:
+        sync.patch.zstd_decompress, comm.irecv = decompress, irecv
+    pending = sum(not work.waited for work in posted)   # kept alive here: a stalled link would not say which
+    assert syncer.resync(state) == 2 and syncer.apply(state) == 3
+    return refused, len(posted), pending, snapshot(state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["plan", "zstd"])
+def test_a_refused_frame_is_received_whole_before_the_error_is_raised(case):
+    """A frame refused after its payload and trailer receives were posted (a bucket out of the receiver's plan, a
+    compressed payload that does not decompress) must be received whole before the error reaches the caller: a
+    receive still pending when the caller drops the error, and the frame with it, is lost, and resync() then
+    read the rest of the frame as the next header (a stall; with the receives kept alive here the link stays in
+    step, so the pending count says it). Resync recovers, and the update after it lands bit for bit."""
+    sender, (refused, posted, pending, received) = run_ranks(_refused_frames_taken_in_whole, 2, args=(case,),
+                                                             timeout=60)
+    assert refused.startswith({"plan": "weight sync: bucket 0 of 2 at version 1 carries tensors [0], expected [0, 1]",
+                               "zstd": "weight sync: zstd could not decompress the patch payload"}[case])
+    # plan: the refused bucket's one 4 MB value segment and its trailer; zstd: the trailer (the blob is blocking)
+    assert (posted, pending) == ({"plan": 2, "zstd": 1}[case], 0)
+    assert bits_equal(received, sender)

@@ -191,13 +191,14 @@ def _apply_meets_a_resync(rank, world_size, cfg):
         syncer.sync(state, 3)
         return snapshot(state)
     syncer.init_receiver(state)
-    refused = None
+    refused, before = None, snapshot(state)
     try:
         syncer.apply(state)
     except (RuntimeError, SyncIntegrityError) as error:
         refused = f"{type(error).__name__}: {error}"      # a string: the error would keep the frame alive
+    untouched = bits_equal(state, before)
     assert syncer.resync(state) == 2 and syncer.apply(state) == 3
-    return refused, snapshot(state)
+    return refused, untouched, snapshot(state)
 
 
 @pytest.mark.slow
@@ -209,11 +210,13 @@ def _apply_meets_a_resync(rank, world_size, cfg):
 def test_an_apply_that_meets_a_resync_refuses_it_by_kind_and_the_link_recovers(cfg):
     """The sender resynced while the receiver waited in apply(): the resync's frame is refused by its kind,
     taken in whole and never written (a bfloat16 bucket wire must not size it, or it reads as a corrupt
-    header), so the next resync pair and the update after it arrive in step."""
-    sender, (refused, received) = run_ranks(_apply_meets_a_resync, 2, args=(cfg,), timeout=30)
+    header; a float32 one must not receive it straight into the model, which the refusal says it left as it
+    was), so the next resync pair and the update after it arrive in step."""
+    sender, (refused, untouched, received) = run_ranks(_apply_meets_a_resync, 2, args=(cfg,), timeout=30)
     update_kind = 2 if cfg.type == "patch" else 1
     assert refused == (f"UnexpectedKind: weight sync: expected a message of kind {update_kind}, got kind 3; sender and "
                        f"receiver disagree on which call comes next (sync/resync/apply)")
+    assert untouched, "the refused resync frame was written into the model (4 MB, in its dtype: not staged)"
     assert bits_equal(received, sender)
 
 
