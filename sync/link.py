@@ -283,10 +283,10 @@ class Link:
     def receive(self, blocking: bool, recv: Callable, write: Callable) -> int:
         """apply(): receive the next update with `recv()` and apply it with `write(update)` (returns its version).
 
-        blocking=False never waits: the first call starts `recv` in a background thread and returns the current
-        version; a later call applies the update once it fully arrived, a Frame's payload and trailer too (on the
-        caller's thread, under `self.lock`), and returns the new version. Crosses ranks: `recv()`'s update, once
-        per update."""
+        blocking=False never waits: the first call starts `recv` in a background thread; each call (the first too,
+        when the update was already there) applies the update once it fully arrived, a Frame's payload and trailer
+        too (on the caller's thread, under `self.lock`), and returns the new version, or else the current one (or
+        raises what the receive met). Crosses ranks: `recv()`'s update, once per update."""
         if self._inflight is None and not blocking:
             self._inflight = _in_background(recv)
         if self._inflight is None:

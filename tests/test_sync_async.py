@@ -249,6 +249,7 @@ def _non_blocking_apply_refused_then_resync(rank, world_size, cfg):
     if rank == 0:
         state, g = make_state(seed=0), torch.Generator().manual_seed(1)
         syncer.init_sender(state)
+        dist.barrier()                             # the receiver's background receive is under way (not done)
         for version in (1, 2, 3):                  # update 1 is damaged on the way to the receiver
             random_update(state, g, 0.1)
             syncer.resync(state, version) if version == 2 else syncer.sync(state, version)
@@ -269,6 +270,7 @@ def _non_blocking_apply_refused_then_resync(rank, world_size, cfg):
     sync.link.recv_frame = damaged_bucket
     try:
         assert syncer.apply(model, blocking=False) == 0
+        dist.barrier()
         assert syncer.resync(model) == 2           # the background receive was refused: dropped like an update
     finally:
         sync.patch.zstd_decompress, sync.link.recv_frame = decompress, recv_frame
@@ -295,6 +297,7 @@ def _non_blocking_apply_loses_the_link(rank, world_size):
     state = {"w": torch.zeros(100)}   # tiny: the frame's queued rest fits in the socket, so the sender returns
     if rank == 0:
         syncer.init_sender(state)
+        dist.barrier()
         state["w"][[3, 50]] = 1.0
         syncer.sync(state, 1)
         return None
@@ -311,6 +314,7 @@ def _non_blocking_apply_loses_the_link(rank, world_size):
     comm.recv_then_count = damaged_header
     try:
         assert syncer.apply(state, blocking=False) == 0
+        dist.barrier()
         with pytest.raises(SyncIntegrityError) as error:
             syncer.resync(state)
     finally:
@@ -338,6 +342,7 @@ def _non_blocking_apply_meets_a_resync_then_resync(rank, world_size):
     state = {"w": torch.zeros(1000), "b": torch.zeros(5)}
     if rank == 0:
         syncer.init_sender(state)
+        dist.barrier()
         for version in (1, 2):          # resync(1) meets the receiver's apply; the receiver's resync takes resync(2)
             state["w"] += 1
             syncer.resync(state, version)
@@ -346,6 +351,7 @@ def _non_blocking_apply_meets_a_resync_then_resync(rank, world_size):
         return snapshot(state)
     syncer.init_receiver(state)
     assert syncer.apply(state, blocking=False) == 0
+    dist.barrier()                      # sent only now: this first call cannot have met the frame already
     try:
         refused = f"applied {syncer.apply(state)}"  # blocking: takes the background receive, which met resync(1)
     except RuntimeError as error:
