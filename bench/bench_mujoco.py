@@ -10,8 +10,8 @@ transitions and 32 minibatches of 64 per iteration.
 
 Final return of a run, two ways, both from raw (unnormalized) episodic returns:
   - CleanRL's statistic (openrlbenchmark): the mean of the last --last-episodes (100) episodes the run
-    finished, read from the Episode/return scalars rank 0 writes for each of its finished episodes
-    (with 2 ranks: rank 0's envs, which run the same policy as rank 1's);
+    finished, read from the Episode/return scalars rank 0 writes for each finished episode (with 2 ranks:
+    every rank's, gathered to rank 0; until 2026-12-02 rank 0's envs alone);
   - the mean of Train/mean_reward (episodes ended in an iteration, all ranks) over the last
     --last-iterations (10) iterations.
 The table shows the mean +- population std (ddof 0, as CleanRL's table) of each over seeds, CleanRL's
