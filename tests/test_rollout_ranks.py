@@ -66,13 +66,19 @@ def test_sync_mode_is_bit_identical_to_the_colocated_run(tmp_path, weights):
 
 
 @pytest.mark.slow
-def test_two_learners_with_two_rollout_ranks_match_two_colocated_ranks(tmp_path):
+@pytest.mark.parametrize("weights", ["patch", "bucket"])
+def test_two_learners_with_two_rollout_ranks_match_two_colocated_ranks(tmp_path, weights):
     colocated = run_ranks(body, 2, args=(small(tmp_path / "c", iterations=3), 3))
-    split = run_ranks(body, 4, args=(small(tmp_path / "s", iterations=3, ranks=2, sync="bucket"), 3))
+    split = run_ranks(body, 4, args=(small(tmp_path / "s", iterations=3, ranks=2, sync=weights), 3))
     for key, value in colocated[0][0].items():
         assert torch.equal(split[0][0][key], value) and torch.equal(split[1][0][key], value), key
+    for rank in (2, 3):                                    # each rollout copy ends with its learner's final weights
+        for key, value in split[rank - 2][0].items():
+            assert torch.equal(split[rank][0][key], value), (rank, key)
     assert split[0][1]["Loss/learning_rate"] == colocated[0][1]["Loss/learning_rate"]
     for rank, (_, _, ledger, expected) in enumerate(split):
+        if weights == "patch":            # a patch's messages and bytes depend on what changed: the plan bounds them
+            assert ledger.pop("weight_sync")[1] <= expected.pop("weight_sync")[1]
         assert ledger == expected, f"rank {rank}"
 
 
