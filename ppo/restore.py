@@ -83,7 +83,8 @@ def resumed_lr(cfg, saved_run: dict, restored: float, iteration: int) -> tuple[f
     Another --ppo.learning-rate restarts the adaptive schedule from it. --ppo.schedule fixed runs at
     --ppo.learning-rate, which is what its config says, never at a value another schedule left; linear anneals from
     --ppo.learning-rate to 0 at --max-iterations (train.py sets it every iteration). A schedule other than the
-    checkpoint run's starts as a new run of that schedule would, from --ppo.learning-rate."""
+    checkpoint run's starts as a new run of that schedule would, from --ppo.learning-rate. An adaptive LR that
+    continues outside this run's [--ppo.lr-min, --ppo.lr-max] continues clamped into them."""
     ppo, saved_ppo, k = cfg.ppo, saved_run.get("ppo", {}), iteration
     saved_lr, saved_schedule = saved_ppo.get("learning_rate"), saved_ppo.get("schedule")
     other = saved_schedule not in (None, ppo.schedule)     # an old checkpoint without one ran the default, adaptive
@@ -114,6 +115,11 @@ def resumed_lr(cfg, saved_run: dict, restored: float, iteration: int) -> tuple[f
                                    f"{restored:.4g} (its run started at {saved_lr:g}): the adaptive schedule restarts "
                                    f"from it")
     started = f"its run started at {saved_lr:g}; " if saved_lr is not None else ""
+    if not ppo.lr_min <= restored <= ppo.lr_max:    # narrower bounds: the first adaptive step would clamp it too late
+        clamped = min(max(restored, ppo.lr_min), ppo.lr_max)
+        return clamped, (f"the LR continues at {clamped:.4g}: the checkpoint's adaptive schedule left it at "
+                         f"{restored:.4g}, outside this run's [--ppo.lr-min {ppo.lr_min:g}, --ppo.lr-max "
+                         f"{ppo.lr_max:g}] ({started}another --ppo.learning-rate restarts the schedule from that)")
     return None, (f"the LR continues at {restored:.4g}, where the checkpoint's adaptive schedule left it ({started}"
                   f"another --ppo.learning-rate restarts the schedule from that)")
 
