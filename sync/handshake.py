@@ -40,7 +40,7 @@ def compare(sender: dict, receiver: dict) -> list[str]:
     for key, shape, dtype in zip(receiver["keys"], receiver["shapes"], receiver["dtypes"]):
         if shape != mine[key][0]:
             problems.append(f"{key!r} has shape {shape} on the receiver and {mine[key][0]} on the sender")
-        elif dtype != mine[key][1] and not (named_dtype(dtype).is_floating_point and named_dtype(mine[key][1]).is_floating_point):
+        elif dtype != mine[key][1] and not all(named_dtype(d).is_floating_point for d in (dtype, mine[key][1])):
             problems.append(f"{key!r} is {dtype} on the receiver and {mine[key][1]} on the sender "
                             "(only floating dtypes may differ)")
     if sorted(receiver["ties"]) != sorted(sender["ties"]):
