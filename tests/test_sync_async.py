@@ -82,6 +82,21 @@ class _HookedLock:
             hook()
 
 
+def _verify(syncer, model, said: list) -> None:
+    """syncer.verify(model), appending None or the refusal's text to `said`."""
+    try:
+        syncer.verify(model)
+        said.append(None)
+    except SyncIntegrityError as error:
+        said.append(str(error))
+
+
+def _verify_on_another_thread(syncer, model, said: list) -> None:
+    thread = threading.Thread(target=_verify, args=(syncer, model, said))
+    thread.start()
+    thread.join()
+
+
 def _verify_around_resyncs(rank, world_size):
     syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
     if rank == 0:
@@ -97,15 +112,7 @@ def _verify_around_resyncs(rank, world_size):
     said = []
 
     def verify_on_another_thread():
-        def run():
-            try:
-                syncer.verify(model)
-                said.append(None)
-            except SyncIntegrityError as error:
-                said.append(str(error))
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join()
+        _verify_on_another_thread(syncer, model, said)
 
     assert syncer.apply(model) == 1
     lock.after = verify_on_another_thread          # right after the resync wrote the weights
@@ -145,15 +152,7 @@ def _verify_right_after_a_resync_released_the_lock(rank, world_size):
 
     def change_then_verify_on_another_thread():
         model["enc.bias"][0] += 1.0                # written behind the syncer's back, just after the resync
-        def run():
-            try:
-                syncer.verify(model)
-                said.append(None)
-            except SyncIntegrityError as error:
-                said.append(str(error))
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join()
+        _verify_on_another_thread(syncer, model, said)
 
     lock.after = change_then_verify_on_another_thread
     assert syncer.resync(model) == 1
@@ -210,10 +209,7 @@ def _verify_while_a_resync_holds_the_lock(rank, world_size):
 
     def verify():
         try:
-            syncer.verify(model)
-            said.append(None)
-        except SyncIntegrityError as error:
-            said.append(str(error))
+            _verify(syncer, model, said)
         finally:
             lock.contended.set()                   # done (a verify that never waited for the lock)
 
