@@ -82,6 +82,19 @@ class _HookedLock:
             hook()
 
 
+def _send(syncer, resyncs: tuple, last: int, barrier: bool = False) -> dict:
+    """The sender of the tests below: init (then a barrier, if asked), then versions 1..last, each a random 10%
+    change sent by resync() for the versions in `resyncs` and by sync() otherwise; returns its final state."""
+    state, g = make_state(seed=0), torch.Generator().manual_seed(1)
+    syncer.init_sender(state)
+    if barrier:
+        dist.barrier()
+    for version in range(1, last + 1):
+        random_update(state, g, 0.1)
+        syncer.resync(state, version) if version in resyncs else syncer.sync(state, version)
+    return snapshot(state)
+
+
 def _verify(syncer, model, said: list) -> None:
     """syncer.verify(model), appending None or the refusal's text to `said`."""
     try:
@@ -100,12 +113,7 @@ def _verify_on_another_thread(syncer, model, said: list) -> None:
 def _verify_around_resyncs(rank, world_size):
     syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
     if rank == 0:
-        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
-        syncer.init_sender(state)
-        for version in range(1, 6):
-            random_update(state, g, 0.1)
-            syncer.resync(state, version) if version in (2, 4) else syncer.sync(state, version)
-        return snapshot(state)
+        return _send(syncer, resyncs=(2, 4), last=5)
     model = make_state(seed=7)
     syncer.init_receiver(model)
     syncer.lock = lock = _HookedLock()
@@ -139,12 +147,7 @@ def test_a_verify_on_another_thread_never_sees_a_resync_half_done():
 def _verify_right_after_a_resync_released_the_lock(rank, world_size):
     syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
     if rank == 0:
-        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
-        syncer.init_sender(state)
-        for version in (1, 2, 3):
-            random_update(state, g, 0.1)
-            syncer.sync(state, version) if version == 2 else syncer.resync(state, version)
-        return snapshot(state)
+        return _send(syncer, resyncs=(1, 3), last=3)
     model = make_state(seed=7)
     syncer.init_receiver(model)
     syncer.lock = lock = _HookedLock()
@@ -195,13 +198,7 @@ class _ContendedLock:
 def _verify_while_a_resync_holds_the_lock(rank, world_size):
     syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
     if rank == 0:
-        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
-        syncer.init_sender(state)
-        random_update(state, g, 0.1)
-        syncer.resync(state, 1)
-        random_update(state, g, 0.1)
-        syncer.sync(state, 2)
-        return snapshot(state)
+        return _send(syncer, resyncs=(1,), last=2)
     model = make_state(seed=7)
     syncer.init_receiver(model)
     syncer.lock = lock = _ContendedLock()
@@ -242,14 +239,8 @@ def _non_blocking_apply_refused_then_resync(rank, world_size, cfg):
     from sync.wire import KIND_BUCKET
 
     syncer = make_weight_syncer(cfg, src=0, dsts=[1])
-    if rank == 0:
-        state, g = make_state(seed=0), torch.Generator().manual_seed(1)
-        syncer.init_sender(state)
-        dist.barrier()                             # the receiver's background receive is under way (not done)
-        for version in (1, 2, 3):                  # update 1 is damaged on the way to the receiver
-            random_update(state, g, 0.1)
-            syncer.resync(state, version) if version == 2 else syncer.sync(state, version)
-        return snapshot(state)
+    if rank == 0:          # after the barrier the receiver's background receive is under way (not done);
+        return _send(syncer, resyncs=(2,), last=3, barrier=True)   # update 1 is damaged on the way to it
     model = make_state(seed=7)
     syncer.init_receiver(model)
     decompress, recv_frame, damaged = sync.patch.zstd_decompress, sync.link.recv_frame, []
