@@ -144,7 +144,8 @@ class BatchReceiver:
         """Crosses ranks: 2 receives per rollout rank, posted ahead; completed by `take`."""
         for i, src in enumerate(self.rollouts):
             buffers = self.layout.buffers(self.device)
-            works = [comm.irecv(b, "batches", src, self.group) for b in buffers.values()]
+            with naming(src):      # gloo refuses to post a receive from a rank whose connection already closed
+                works = [comm.irecv(b, "batches", src, self.group) for b in buffers.values()]
             self.slots[i].append((buffers, works))
         self.next_posted += 1
 
