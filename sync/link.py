@@ -18,7 +18,7 @@ from dist.checksum import tensor_checksum
 from dist.plan import PlanRow
 from .config import WeightSyncConfig
 from .handshake import compare, describe, named_dtype
-from .wire import (DENSE, KIND_RESYNC, LINK_LOST, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats,
+from .wire import (DENSE, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats,
                    UnexpectedKind, check_kind, plan_buckets, recv_frame, recv_json, send_frame, send_json)
 
 
@@ -187,29 +187,29 @@ class Link:
         update), and the first error is raised: the link stays in step for resync()."""
         ordinals = [self.ordinal[k] for k in keys]
         wire = raw = 0
-        failed: list = []
+        failure: Optional[BaseException] = None  # the first checksum failure: every later bucket is refused too
         for members in plan_buckets([self.numels[o] * dtypes[o].itemsize for o in ordinals], bucket_size):
             values = [state[keys[i]].detach().reshape(-1).to(dtypes[ordinals[i]]) for i in members]
             table = torch.tensor([[ordinals[i], v.numel(), DENSE, 0] for i, v in zip(members, values)],
                                  dtype=torch.int64).view(-1, 4)
 
             def sums(values=values):
-                if failed:
-                    raise failed[0]
-                try:
-                    return [tensor_checksum(v) for v in values]
-                except BaseException as error:
-                    failed.append(error)
-                    raise
+                nonlocal failure
+                if failure is None:
+                    try:
+                        return [tensor_checksum(v) for v in values]
+                    except BaseException as error:
+                        failure = error
+                raise failure
             try:
                 sent = send_frame(kind, version, -1, table, values, sums, self.dsts, self.group, self.device, purpose)
             except BaseException as error:
-                if not failed or error is not failed[0]:  # a send that failed: nothing more can go out
+                if error is not failure:  # a send that failed: nothing more can go out
                     raise
                 continue
             wire, raw = wire + sent[0], raw + sent[1]
-        if failed:
-            raise failed[0]
+        if failure is not None:
+            raise failure
         return SyncStats(wire, raw, sum(self.numels[o] for o in ordinals), dense_tensors=len(keys))
 
     def recv_whole(self, tensors: dict, keys: Sequence[str], dtypes: Sequence[torch.dtype], bucket_size: int,
@@ -352,7 +352,7 @@ class Link:
                     raise
                 first = error.frame
             except SyncIntegrityError as error:  # refused but taken in whole: the link is in step, unless lost
-                if LINK_LOST in str(error):
+                if error.link_lost:
                     raise
 
         def write() -> int:

@@ -48,12 +48,13 @@ class SyncIntegrityError(RuntimeError):
 
     `model_written`: the refusal came after the model was written (a whole tensor received in place, a
     dense-ish sparse write, or a periodic verification that found the model changed): the receiver then
-    refuses every update until resync().
+    refuses every update until resync(). `link_lost`: the frame was refused before its payload was received,
+    so resync() cannot recover (the message ends with LINK_LOST).
     """
 
-    def __init__(self, message: str, model_written: bool = False):
+    def __init__(self, message: str, model_written: bool = False, link_lost: bool = False):
         super().__init__(message)
-        self.model_written = model_written
+        self.model_written, self.link_lost = model_written, link_lost
 
 
 @dataclass
@@ -147,10 +148,11 @@ class Frame:
     def words(self) -> torch.Tensor:
         return torch.tensor([MAGIC, self.kind, self.version, self.base, len(self.table), *self.sizes], dtype=torch.int64)
 
-    def check_header(self, hint: str = RESYNC_HINT) -> None:
+    def check_header(self, link_lost: bool = False) -> None:
         if int(checksum([self.words(), self.table])) != self.check:
             raise SyncIntegrityError(f"weight sync: frame header {self.words().tolist()} or its table failed its "
-                                     f"checksum (corrupted); {hint}")
+                                     f"checksum (corrupted); {LINK_LOST if link_lost else RESYNC_HINT}",
+                                     link_lost=link_lost)
 
     def row(self, r: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         for place in (PAYLOAD, (r, 0), (r, 1)):
@@ -200,11 +202,11 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     decompress = codec[0] if codec else None
     if not 0 <= rows <= len(numels):
         raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces {rows} table rows; "
-                                 f"{LINK_LOST}")
+                                 f"{LINK_LOST}", link_lost=True)
     table = torch.zeros(rows, 4, dtype=torch.int64, device=device)
     frame = Frame(kind, version, base, (comm.recv(table, purpose, src, group) if rows else table).cpu(), (wire, raw),
                   int(head[7]), None, [], {}, None)
-    frame.check_header(LINK_LOST)
+    frame.check_header(link_lost=True)
     _check_table(frame.table, numels)
     specs, places = [], []  # (dtype, count) per segment; (row, part) per segment
     for r, (ordinal, values, encoding, symbols) in enumerate(frame.table.tolist()):
@@ -219,7 +221,7 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     _, offsets, staged = layout([(d, 0 if t is not None else n) for (d, n), t in zip(specs, target)])
     if total != raw or (decompress is None and wire != raw):
         raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces payload sizes its table "
-                                 f"does not ({total} bytes); {LINK_LOST}")
+                                 f"does not ({total} bytes); {LINK_LOST}", link_lost=True)
     buffer = staging[0] if staging else None
     if buffer is None or buffer.numel() < staged:
         buffer = torch.empty(staged, dtype=torch.uint8, device=device)
@@ -281,7 +283,7 @@ def _check_table(table: torch.Tensor, numels: Sequence[int]) -> None:
             encoding, encoding in SYMBOL_DTYPES and 0 < values < numel and values <= symbols < 2**40)
         if not ok:
             raise SyncIntegrityError(f"weight sync: malformed table row {row} (unknown or repeated tensor, or "
-                                     f"impossible sizes); {LINK_LOST}")
+                                     f"impossible sizes); {LINK_LOST}", link_lost=True)
         last = ordinal
 
 

@@ -311,7 +311,7 @@ def _non_blocking_apply_loses_the_link(rank, world_size):
     # checksum and its check), received here so that the sender's sends complete.
     for rest in (torch.empty(10, dtype=torch.uint8), torch.empty(2, dtype=torch.int64)):
         dist.recv(rest, src=0)
-    return str(error.value)
+    return str(error.value), error.value.link_lost
 
 
 @pytest.mark.slow
@@ -319,7 +319,8 @@ def test_a_resync_raises_the_lost_link_a_non_blocking_receive_met():
     """A background receive whose header was refused left the rest of its frame queued, which no resync can drain:
     resync() must raise that error (it says to make new syncers on a fresh group), not read on and take payload
     bytes for the next header."""
-    _, message = run_ranks(_non_blocking_apply_loses_the_link, 2, timeout=30)
+    _, (message, link_lost) = run_ranks(_non_blocking_apply_loses_the_link, 2, timeout=30)
+    assert link_lost is True
     assert "failed its checksum (corrupted); the rest of this frame is still queued and cannot be drained" in message
     assert message.endswith("create both syncers again on a fresh process group")
 

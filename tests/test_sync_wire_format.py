@@ -114,7 +114,7 @@ def _malformed_frames(rank, world_size):
         else:
             with pytest.raises(error) as caught:
                 recv_frame(0, None, "cpu", [4], lambda kind: ("weight_sync", [torch.float32], None))
-            messages.append(str(caught.value))
+            messages.append((str(caught.value), getattr(caught.value, "link_lost", None)))
         dist.barrier()
     return messages
 
@@ -126,11 +126,14 @@ def test_frames_with_a_consistent_check_but_impossible_contents_are_refused_befo
     receiver's tensors (here 2**40 rows, whose table alone would be 32 TiB to allocate), payload sizes the
     table does not account for (raw bytes, or uncompressed wire bytes unequal to raw), and a table row naming
     a tensor the receiver does not have must each be refused as they arrive, by name, before the receiver
-    allocates or posts receives for them."""
+    allocates or posts receives for them. Each refused frame leaves its payload queued, so each
+    SyncIntegrityError says the link is lost (`link_lost`, which resync() raises on) and how to start again."""
     _, messages = run_ranks(_malformed_frames, 2)
     assert len(messages) == len(MALFORMED)
-    for (_, _, _, expected), message in zip(MALFORMED, messages):
+    for (_, _, error, expected), (message, lost) in zip(MALFORMED, messages):
         assert expected in message, message
+        if error is SyncIntegrityError:
+            assert lost is True and message.endswith("create both syncers again on a fresh process group"), message
 
 
 
