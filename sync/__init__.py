@@ -4,8 +4,10 @@
     syncer = make_weight_syncer(cfg, src=0, dsts=[1, 2])
     # sender (rank 0)                                   # receivers (ranks 1, 2)
     syncer.init_sender(model, trainable_keys(model))    syncer.init_receiver(model)
-    syncer.sync(model, version=it)                      version = syncer.apply(model)
-    syncer.resync(model, version=it)                    syncer.resync(model)      # after a SyncIntegrityError
+    syncer.sync(model, version=it + 1)                  version = syncer.apply(model)
+    syncer.resync(model, version=it + 1)                syncer.resync(model)      # after a SyncIntegrityError
+
+Versions must increase from init's (default 0), so with `it` counting iterations from 0 the first sync is 1.
 
 patch.py and bucket.py each read top to bottom as their algorithm; link.py is what both share (roles,
 handshake, checks, whole tensors, resync, non-blocking apply), handshake.py the init document both sides
