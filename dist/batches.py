@@ -60,10 +60,6 @@ class Layout:
         return {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in self.sizes().items()}
 
 
-def describe(tensors: dict[str, torch.Tensor]) -> Layout:
-    return Layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
-
-
 def send_object(obj, dst: int, group, purpose: str) -> int:
     """Crosses ranks once at start-up: a pickled description (size, then bytes), never per iteration.
     Returns the pickled size (for the plan row)."""
@@ -99,7 +95,7 @@ class BatchSender:
     """A rollout rank's end: its batches up, the learners' decisions down, its state up at saves."""
 
     def __init__(self, learner: int, group, layout: Layout, state_bytes: int, device):
-        self.learner, self.group, self.layout, self.device = learner, group, layout, device
+        self.learner, self.group, self.layout = learner, group, layout
         self.out = layout.buffers(device)
         self.state_bytes = state_bytes
 
