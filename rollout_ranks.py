@@ -90,7 +90,7 @@ class LearnerTeam:
 
     def __init__(self, cfg: Config, roles, device, start_iteration: int):
         """Crosses ranks once at start-up: each rollout rank's pickled env spec and batch layout (`setup`)."""
-        self.cfg, self.roles, self.rollouts = cfg, roles, roles.team[1:]
+        self.cfg, self.rollouts = cfg, roles.team[1:]
         received = []
         for src in self.rollouts:
             with naming(src):
