@@ -85,7 +85,7 @@ class Variant:
     """One way of producing synchronized gradients on its own copy of the model (same seed on every rank)."""
 
     def __init__(self, kind: str, bucket_mb: float, model: torch.nn.Module, device: torch.device):
-        self.kind, self.model = kind, model
+        self.model = model
         self.name = f"bucketed {bucket_mb:g}MB" if kind == "bucketed" else kind
         self.sync = (GradSync(model.parameters(), mode=kind, bucket_mb=bucket_mb)
                      if kind in ("flat", "bucketed") else None)
