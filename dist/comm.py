@@ -110,18 +110,17 @@ class _Work:
             return self.work.wait()
 
 
-def all_reduce(tensor: torch.Tensor, purpose: str, op: str = "sum", async_op: bool = False):
-    """In-place all-reduce of `tensor` over all ranks with op "sum", "max" or "min".
+def all_reduce(tensor: torch.Tensor, purpose: str, async_op: bool = False):
+    """In-place sum of `tensor` over all ranks (every cross-rank statistic here is built from sums).
 
-    Crosses ranks once per call: `tensor`, reduced over the group, for the caller's `purpose` (counted in LEDGER);
+    Crosses ranks once per call: `tensor`, summed over the group, for the caller's `purpose` (counted in LEDGER);
     nothing with one rank. Returns a work handle when `async_op` (None in a single process), else the tensor.
     """
     if world_size() == 1:
         return None if async_op else tensor
     _count(purpose, tensor)
-    reduce_op = {"sum": torch_dist.ReduceOp.SUM, "max": torch_dist.ReduceOp.MAX, "min": torch_dist.ReduceOp.MIN}[op]
     with _named("all_reduce", purpose):
-        work = torch_dist.all_reduce(tensor, op=reduce_op, group=_GROUP, async_op=async_op)
+        work = torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=_GROUP, async_op=async_op)
     return _Work(work, "all_reduce", purpose) if async_op else tensor
 
 

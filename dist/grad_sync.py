@@ -228,7 +228,7 @@ class GradSync:
         input by 1/W rounded before summing, so at a world size that is not a power of 2 the extras came back
         inexact (a count of 7 on each of 3 ranks: 21.000002) and the gradients rounded unlike gloo's.
         """
-        return comm.all_reduce(buffer, "gradients", op="sum", async_op=async_op)
+        return comm.all_reduce(buffer, "gradients", async_op=async_op)
 
     def synchronize(self) -> torch.Tensor:
         """Finish the step's communication; return the extras summed over ranks.

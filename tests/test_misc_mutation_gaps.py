@@ -86,9 +86,9 @@ def test_a_recorded_step_counts_its_all_reduce_once_per_replay_and_not_for_the_r
     fake_cuda_graph.install(monkeypatch)
     issue = comm.all_reduce
 
-    def counted(tensor, purpose, op="sum", async_op=False):
+    def counted(tensor, purpose, async_op=False):
         comm.ledger_add(purpose, 1, tensor.numel() * tensor.element_size())
-        return issue(tensor, purpose, op=op, async_op=async_op)
+        return issue(tensor, purpose, async_op=async_op)
     monkeypatch.setattr(comm, "all_reduce", counted)
     monkeypatch.setattr(comm, "LEDGER", type(comm.LEDGER)(comm.LEDGER.default_factory))
     model, optimizer, _ = run_update(True, iterations=3, graph=True)

@@ -243,7 +243,7 @@ def test_the_sums_are_staged_on_the_device_collectives_need(monkeypatch):
     from dist import comm
     seen = []
 
-    def all_reduce(tensor, purpose, op="sum", async_op=False):
+    def all_reduce(tensor, purpose, async_op=False):
         seen.append((purpose, tensor.device.type))
         return torch.ones(tensor.shape, dtype=tensor.dtype)
 
