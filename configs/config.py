@@ -20,7 +20,7 @@ class EnvConfig:
     name: Literal["cartpole", "tracking", "gymnasium", "isaaclab"] = "tracking"
     """environment: embedded (cartpole, tracking) or a simulator adapter (gymnasium, isaaclab; see --env.task)"""
     num_envs: int = 256
-    """environments per rank (total = world size x num-envs)"""
+    """environments per rank (per rollout rank with --rollout.ranks); total = num-envs x the ranks that collect"""
     global_num_envs: int = 0
     """if > 0: a global env budget split evenly across ranks (replaces --env.num-envs; must divide)"""
     episode_length_s: float = 10.0
