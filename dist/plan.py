@@ -73,7 +73,7 @@ def _size(n: int) -> str:
 
 
 def format_plan(rows: list[PlanRow], world_size: int, collective_size: int | None = None) -> str:
-    """The plan as a table; more than 4 messages of a row are summed (`21 messages, 36.2 KB`). `collective_size`:
+    """The plan as a table; more than 4 messages of a row are summed (`21 messages, 36.2 KB in all`). `collective_size`:
     the ranks of the group the collectives run in, when not all of them (the learners, with rollout ranks)."""
     if world_size == 1:
         note = "; at world size 1 no collective runs"
