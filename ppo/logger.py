@@ -1,4 +1,5 @@
-"""Rank-0 logging: TensorBoard scalars under RSL-RL's tag names, and one console line per iteration."""
+"""Rank-0 logging: TensorBoard scalars under RSL-RL's tag names, and a console line every --log.print-every
+iterations (and after the last)."""
 
 import contextlib
 import math
