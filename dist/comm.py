@@ -26,8 +26,9 @@ _COUNTING = threading.Lock()
 # device (no collective runs, so nothing need cross to the host). Set by dist.setup; None until set (a copy of this
 # file in another project, where dist.setup is not): `device()` then follows the process group's backend.
 _DEVICE: torch.device | None = None
-# The group every collective below runs in: the whole world, or the learners only when rollout ranks
-# exist (they never join the learners' collectives). Set by `use_group`.
+# The group every collective below runs in: the whole world, or with rollout ranks the learners' group on a learner
+# and the rollout ranks' group on a rollout rank (the sampler-count sum): neither joins the other's. Set by
+# `use_group`.
 _GROUP = None
 
 
