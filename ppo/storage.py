@@ -38,8 +38,6 @@ class RolloutStorage:
     """Fixed-size buffers for one iteration. fill_storage (ppo/rollout.py) writes a whole batch; the update reads
     minibatches (`minibatches`)."""
 
-    FIELDS = ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values",
-              "advantages", "returns")
     actor_obs, critic_obs, actions, action_mean, action_std = _Column(), _Column(), _Column(), _Column(), _Column()
     log_probs, values, advantages, returns = _Column(), _Column(), _Column(), _Column()
 
