@@ -38,7 +38,6 @@ class MotionLibrary:
         self.duration = 4.0 + 8.0 * torch.rand(num_motions, generator=g)            # seconds
         for name in ("difficulty", "freq", "amp", "phase", "bias", "duration"):
             setattr(self, name, getattr(self, name).to(device))
-        self.num_motions = num_motions
         # Angular frequency, amplitude and phase stacked, so that a frame gathers one table, not four.
         self.sines = torch.stack([2 * math.pi * self.freq, self.amp, self.phase])   # [3, M, J, S]
 

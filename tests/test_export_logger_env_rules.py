@@ -334,7 +334,7 @@ def test_make_env_tracking_gets_every_setting_and_both_seeds():
     assert env.generator.initial_seed() == 5                   # per rank
     assert env.sampler.uniform_floor == 0.35 and env.sampler.global_counts.shape == (2, 7)
     library = MotionLibrary(7, env.num_joints, 11, CPU)        # shared by every rank: from base_seed
-    assert env.motions.num_motions == 7
+    assert env.motions.duration.shape == (7,)
     torch.testing.assert_close(env.motions.sines, library.sines, rtol=0, atol=0)
     other_rank = make_env(cfg, CPU, seed=6, base_seed=11)
     torch.testing.assert_close(other_rank.motions.sines, env.motions.sines, rtol=0, atol=0)

@@ -164,7 +164,7 @@ def test_a_new_seed_on_resume_restarts_the_rng_streams_and_keeps_the_motion_libr
     assert torch.load(reseeded, weights_only=True)["env_seed"] == 1
     train.main(cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=4, resume=reseeded, seed=2,
                         log__root=str(tmp_path / "again"), log__print_every=100))
-    library = MotionLibrary(built[1].motions.num_motions, built[1].num_joints, 1, torch.device("cpu"))
+    library = MotionLibrary(built[1].motions.duration.numel(), built[1].num_joints, 1, torch.device("cpu"))
     assert len(built) == 3
     for env in built:                                 # the checkpoint run's motions, which its policy learned
         assert torch.equal(env.motions.sines, library.sines) and torch.equal(env.motions.bias, library.bias)
