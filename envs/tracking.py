@@ -25,7 +25,7 @@ from envs.motions import AdaptiveMotionSampler, MotionLibrary
 class Tracking:
     num_joints, link_length, link_mass, gravity = 6, 0.25, 0.5, 9.81
     kp, kd, joint_damping = 40.0, 2.0, 0.1
-    sim_dt, decimation, action_scale = 0.005, 4, 1.0
+    sim_dt, decimation = 0.005, 4
     future_steps = (1, 2, 5, 10)     # the first must be 1 (the next frame, see _observe)
     fail_distance = 0.15
     log_keys = ("Episode/body_error", "Episode/reward_joint", "Episode/reward_body", "Episode/failure_rate")
@@ -124,7 +124,7 @@ class Tracking:
 
     def step(self, actions: torch.Tensor):
         self.last_action = actions.clamp(-5.0, 5.0)
-        self._simulate(self.action_scale * self.last_action)
+        self._simulate(self.last_action)
         self.motion_time = self.motion_time + self.dt
         self.episode_length += 1
 

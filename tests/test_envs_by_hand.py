@@ -212,7 +212,7 @@ def test_tracking_substep_matches_the_documented_equations_in_float64():
 
 def test_tracking_policy_step_is_decimation_substeps_toward_the_current_clamped_action():
     """One env step = `decimation` (4) substeps of the float64 equations, all with the PD target
-    action_scale * clamp(action, -5, 5) of *this* step's action: not the previous one (a one-step action delay),
+    clamp(action, -5, 5) of *this* step's action: not the previous one (a one-step action delay),
     not fewer substeps than the 0.02 s the motion clock advances."""
     env = Tracking(3, "cpu", 0, base_seed=0, num_motions=4, episode_length_s=100.0)
     env.reset()
@@ -226,7 +226,7 @@ def test_tracking_policy_step_is_decimation_substeps_toward_the_current_clamped_
     _, _, _, _, extras = env.step(actions)
     final = extras["final_obs"]["policy"].double().numpy()              # the state before any reset
     for i in range(3):
-        target = env.action_scale * np.clip(actions[i].double().numpy(), -5.0, 5.0)
+        target = np.clip(actions[i].double().numpy(), -5.0, 5.0)
         q, qd = q0[i], qd0[i]
         for _ in range(4):
             q, qd = numpy_substep(env, q, qd, target)
