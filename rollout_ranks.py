@@ -301,7 +301,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
         stop.restore_default_handlers()
 
 
-def restore_team_states(states: torch.Tensor, spec: dict) -> tuple[list[dict], dict]:
+def unpack_team_states(states: torch.Tensor, spec: dict) -> tuple[list[dict], dict]:
     """From the gathered blobs: every rollout rank's RNG states, in rollout-rank order, and the first one's env
     state (the same on all of them after the sampler sum; train.team_checkpoint keeps that one)."""
     per = spec["state_bytes"]

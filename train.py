@@ -56,7 +56,7 @@ from ppo.normalizer import RewardNormalizer
 from ppo.restore import restore
 from ppo.rollout import (TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout, episode_returns_plan_rows,
                           fill_storage)
-from rollout_ranks import LearnerTeam, describe_rollout, restore_team_states, run_rollout_rank
+from rollout_ranks import LearnerTeam, describe_rollout, run_rollout_rank, unpack_team_states
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update, update_plan_rows
 
@@ -316,7 +316,7 @@ def finished(device: torch.device) -> float:
 def team_checkpoint(gathered: torch.Tensor, spec: dict, roles) -> dict:
     """The checkpoint entries of the rollout ranks: every one's RNG, and the env state (identical on all
     of them after the sampler sum) from the first."""
-    rollout_rngs, env_state = restore_team_states(gathered.cpu().flatten(), spec)
+    rollout_rngs, env_state = unpack_team_states(gathered.cpu().flatten(), spec)
     return {"env": env_state, "rollout_rng": rollout_rngs, "layout": [roles.num_learners, roles.num_rollouts]}
 
 

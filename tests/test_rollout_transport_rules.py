@@ -15,7 +15,7 @@ from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, na
 from dist.checkpoint import flatten_state, to_bytes
 from dist.errors import RunError
 from dist.plan import expected_ledger
-from rollout_ranks import LearnerTeam, batch_layout, restore_rollout_rng, restore_team_states
+from rollout_ranks import LearnerTeam, batch_layout, restore_rollout_rng, unpack_team_states
 from tests.multirank import run_ranks
 
 
@@ -307,7 +307,7 @@ def test_a_batch_older_than_the_bound_is_refused_naming_the_flag(mode, versions,
         _team(_cfg(mode, 2), batches).receive(iteration)
 
 
-# ----- restore_team_states / restore_rollout_rng: whose states are whose ------------------------------------------
+# ----- unpack_team_states / restore_rollout_rng: whose states are whose -------------------------------------------
 
 def test_the_gathered_states_come_back_per_rollout_rank_with_the_first_rank_s_env_state():
     """Two rollout ranks' blobs (rng/torch, env/sampler/counts) one after the other: the RNG states come back in
@@ -320,7 +320,7 @@ def test_the_gathered_states_come_back_per_rollout_rank_with_the_first_rank_s_en
     spec = {"state_bytes": 3 + 16, "state_layout": layout}
     blob = torch.cat([to_bytes(r) for r in ranks])
     assert blob.numel() == 2 * 19
-    rngs, env = restore_team_states(blob, spec)
+    rngs, env = unpack_team_states(blob, spec)
     assert [r["torch"].tolist() for r in rngs] == [[1, 2, 3], [7, 8, 9]]
     assert list(env) == ["sampler"] and env["sampler"]["counts"].tolist() == [10.0, 20.0]
     assert flatten_state(env).keys() == {"sampler/counts"}
