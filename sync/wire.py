@@ -57,6 +57,11 @@ class SyncIntegrityError(RuntimeError):
         self.model_written, self.link_lost = model_written, link_lost
 
 
+def lost_link(message: str) -> SyncIntegrityError:
+    """The refusal of a frame whose payload is still queued: its message ends with LINK_LOST, its flag is set."""
+    return SyncIntegrityError(f"{message}; {LINK_LOST}", link_lost=True)
+
+
 @dataclass
 class SyncStats:
     """What the sender's last sync or resync put on the wire, per receiver."""
@@ -150,9 +155,8 @@ class Frame:
 
     def check_header(self, link_lost: bool = False) -> None:
         if int(checksum([self.words(), self.table])) != self.check:
-            raise SyncIntegrityError(f"weight sync: frame header {self.words().tolist()} or its table failed its "
-                                     f"checksum (corrupted); {LINK_LOST if link_lost else RESYNC_HINT}",
-                                     link_lost=link_lost)
+            message = f"weight sync: frame header {self.words().tolist()} or its table failed its checksum (corrupted)"
+            raise lost_link(message) if link_lost else SyncIntegrityError(f"{message}; {RESYNC_HINT}")
 
     def row(self, r: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         for place in (PAYLOAD, (r, 0), (r, 1)):
@@ -201,8 +205,7 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     purpose, dtypes, into, *codec = expect(kind)
     decompress = codec[0] if codec else None
     if not 0 <= rows <= len(numels):
-        raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces {rows} table rows; "
-                                 f"{LINK_LOST}", link_lost=True)
+        raise lost_link(f"weight sync: frame header {head.tolist()} announces {rows} table rows")
     table = torch.zeros(rows, 4, dtype=torch.int64, device=device)
     frame = Frame(kind, version, base, (comm.recv(table, purpose, src, group) if rows else table).cpu(), (wire, raw),
                   int(head[7]), None, [], {}, None)
@@ -220,8 +223,8 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     target = [into(frame.table[r, 0].item()) if into and part and not packed else None for r, part in places]
     _, offsets, staged = layout([(d, 0 if t is not None else n) for (d, n), t in zip(specs, target)])
     if total != raw or (decompress is None and wire != raw):
-        raise SyncIntegrityError(f"weight sync: frame header {head.tolist()} announces payload sizes its table "
-                                 f"does not ({total} bytes); {LINK_LOST}", link_lost=True)
+        raise lost_link(f"weight sync: frame header {head.tolist()} announces payload sizes its table does not "
+                        f"({total} bytes)")
     buffer = staging[0] if staging else None
     if buffer is None or buffer.numel() < staged:
         buffer = torch.empty(staged, dtype=torch.uint8, device=device)
@@ -282,8 +285,8 @@ def _check_table(table: torch.Tensor, numels: Sequence[int]) -> None:
               BITMAP: 0 < values < numel and symbols == (numel + 7) // 8}.get(
             encoding, encoding in SYMBOL_DTYPES and 0 < values < numel and values <= symbols < 2**40)
         if not ok:
-            raise SyncIntegrityError(f"weight sync: malformed table row {row} (unknown or repeated tensor, or "
-                                     f"impossible sizes); {LINK_LOST}", link_lost=True)
+            raise lost_link(f"weight sync: malformed table row {row} (unknown or repeated tensor, or impossible "
+                            "sizes)")
         last = ordinal
 
 
