@@ -379,9 +379,10 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
             chain += [error.__cause__, error.__context__]
     shutdown()
     release_run_dirs()
-    # Recorded as an uncaught exception would be, so exit handlers (Isaac Lab closes Kit with the
-    # process's status) see a failure rather than a clean exit.
-    sys.last_exc = sys.last_value = failure
+    # Where exit handlers look for an uncaught exception: Isaac Lab's Kit ends the process with this status.
+    ending = SystemExit(code)
+    ending.__context__ = failure
+    sys.last_exc = sys.last_value = ending
     return code
 
 

@@ -68,7 +68,9 @@ def test_cli_gives_each_failure_its_status_and_one_line_and_tears_down(monkeypat
     assert (status, err) == (code, said + "\n")
     told = ("torchrun", said) + (("after peer",) if isinstance(failure, comm.CollectiveError) else ())
     assert events == [told, "shutdown", "release"]
-    assert sys.last_value is failure
+    # Recorded as the status the process ends with (what Isaac Lab's exit handler hands Kit), the failure its context.
+    assert isinstance(sys.last_value, SystemExit) and sys.last_value.code == code
+    assert sys.last_value.__context__ is failure and sys.last_exc is sys.last_value
 
 
 def test_cli_prints_an_unexpected_exception_s_traceback_and_its_first_line(monkeypatch, capsys):

@@ -193,7 +193,8 @@ def test_a_failure_releases_what_the_frames_of_its_whole_chain_hold(monkeypatch)
     monkeypatch.setattr(sys, "last_exc", None, raising=False)   # cli() records the failure there
     monkeypatch.setattr(sys, "last_value", None, raising=False)
     assert train.cli(preset("cartpole")) == 1
-    assert sys.last_exc.__context__ is not None and sys.last_exc.__cause__ is not None
+    recorded = sys.last_exc.__context__          # the failure, under the SystemExit(1) the process ends with
+    assert recorded.__context__ is not None and recorded.__cause__ is not None
     assert teams[0]() is None
 
 
