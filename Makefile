@@ -90,7 +90,7 @@ setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv
 	. $(CURDIR)/$(ISAACLAB_VENV)/bin/activate && cd $(ISAACLAB_DIR) && ./isaaclab.sh --install
 	$(ISAACLAB_VENV)/bin/pip install -q -r requirements.txt
 
-export: $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.pt as TorchScript (+ ONNX if onnx, onnxscript are installed)
+export: $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.pt as TorchScript and torch.export (+ ONNX if onnx, onnxscript are installed)
 	@[ -n "$(CKPT)" ] || { echo "make export needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2; }
 	$(BIN)/python -m ppo.export "$(CKPT)" $(ARGS)
 

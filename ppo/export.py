@@ -1,15 +1,16 @@
 """Export a checkpoint's policy to run without this repository (on a robot, in a C++ stack): the
 deterministic actor (the action mean) with its observation normalizer folded in, so it takes raw
-observations. Writes TorchScript (loadable by libtorch) and, when the `onnx` and `onnxscript` packages
-are installed, ONNX.
+observations. Writes TorchScript (loadable by libtorch), a `torch.export` program (torch 2.13 deprecates
+TorchScript in its favour) and, when the `onnx` and `onnxscript` packages are installed, ONNX.
 
     make export CKPT=runs/mujoco/2026-01-01_12-00-00/model_488.pt
     python -m ppo.export runs/mujoco/.../model_488.pt --out exported/
 
-Output: DIR/STEM.policy.pt and DIR/STEM.policy.onnx (DIR defaults to the checkpoint's folder), mapping
-`obs` [batch, actor obs dim] float32 to `actions` [batch, actions] float32. The actions are the policy's,
-before the env adapter's --env.action-scale / --env.action-clip (and gymnasium's clip to the action
-space), which the deployment applies as the simulator did; the export prints them when they are set.
+Output: DIR/STEM.policy.pt, DIR/STEM.policy.pt2 and DIR/STEM.policy.onnx (DIR defaults to the checkpoint's
+folder), mapping `obs` [batch, actor obs dim] float32 to `actions` [batch, actions] float32, any batch size.
+The actions are the policy's, before the env adapter's --env.action-scale / --env.action-clip (and
+gymnasium's clip to the action space), which the deployment applies as the simulator did; the export
+prints them when they are set.
 """
 
 import argparse
@@ -89,7 +90,8 @@ def onnx_missing() -> str:
 
 
 def export(path: str, out_dir: str = "") -> dict[str, str]:
-    """Write the TorchScript (and, if possible, ONNX) policy of checkpoint `path`; return {format: file}."""
+    """Write the TorchScript, torch.export (and, if possible, ONNX) policy of checkpoint `path`; return
+    {format: file}."""
     if os.path.isdir(path):
         raise ValueError(f"CKPT {path!r} is a directory; pass a model_<iteration>.pt file inside it")
     if not os.path.isfile(path):
@@ -113,6 +115,11 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
         warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
         torch.jit.script(policy).save(stem + ".pt")
     written["torchscript"] = stem + ".pt"
+    # torch.export.load(file).module() runs it. The example batch is 2: torch.export specializes a dimension of
+    # size 1 to that size, which would refuse every other batch.
+    program = torch.export.export(policy, (example.repeat(2, 1),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    torch.export.save(program, stem + ".pt2")
+    written["torch.export"] = stem + ".pt2"
     if not onnx_missing():
         # The exporter logs every torchvision operator it skips and warns about torch's own pytree internals:
         # nothing a user can act on.

@@ -1,5 +1,5 @@
 """`make export`: the exported deterministic actor gives the checkpoint's model's mean actions on raw
-observations, as TorchScript and ONNX, for checkpoints of two presets (one with an actor observation
+observations, as TorchScript, a torch.export program and ONNX, for checkpoints of two presets (one with an actor observation
 normalizer, one without)."""
 
 import glob
@@ -51,8 +51,9 @@ def test_exported_policy_acts_like_the_checkpoint(tmp_path, name, capfd):
     capfd.readouterr()
     written = export.export(path, str(tmp_path / "exported"))
     assert capfd.readouterr().err == ""              # no exporter log lines or torch-internal warnings
-    assert set(written) == {"torchscript", "onnx"}
-    assert sorted(os.listdir(tmp_path / "exported")) == ["model_1.policy.onnx", "model_1.policy.pt"]   # one file each
+    assert set(written) == {"torchscript", "torch.export", "onnx"}
+    assert sorted(os.listdir(tmp_path / "exported")) == ["model_1.policy.onnx", "model_1.policy.pt",   # one file each
+                                                         "model_1.policy.pt2"]
     scripted = torch.jit.load(written["torchscript"])
     dim = torch.load(path, weights_only=True)["model"]["actor.0.weight"].shape[1]
     # Raw observations, wide enough that the normalizer's clip at 10 is hit (mujoco) as well as not.
@@ -63,6 +64,13 @@ def test_exported_policy_acts_like_the_checkpoint(tmp_path, name, capfd):
     assert not scripted(obs).requires_grad           # a deployed call builds no autograd graph
     with torch.no_grad():
         torch.testing.assert_close(scripted(obs), expected, rtol=0, atol=0)
+    program = torch.export.load(written["torch.export"]).module()
+    assert not program(obs).requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(program(obs), expected, rtol=0, atol=0)
+        # Any batch size, 1 included (exported with a batch of 2); against the model on that batch, as the GEMM's
+        # kernel, hence its rounding, depends on the batch size.
+        torch.testing.assert_close(program(obs[:1]), reference_actions(path, obs[:1]), rtol=0, atol=0)
     import onnx
     from onnx.reference import ReferenceEvaluator
 
@@ -78,7 +86,7 @@ def test_without_onnx_it_writes_torchscript_and_says_why(tmp_path, monkeypatch, 
     monkeypatch.setattr(export.importlib.util, "find_spec",
                         lambda name, *a: None if name == "onnxscript" else real_find_spec(name, *a))
     written = export.export(path, str(tmp_path / "exported"))
-    assert list(written) == ["torchscript"] and os.path.isfile(written["torchscript"])
+    assert list(written) == ["torchscript", "torch.export"] and all(map(os.path.isfile, written.values()))
     assert not glob.glob(str(tmp_path / "exported" / "*.onnx"))
     assert "ONNX skipped, not installed: onnxscript (pip install onnx onnxscript)" in capsys.readouterr().out
 
@@ -97,7 +105,7 @@ def test_a_torch_without_the_export_based_onnx_exporter_writes_torchscript_and_s
     path = checkpoint(tmp_path, "cartpole")
     monkeypatch.setattr(torch.onnx, "export", export_of_torch_2_4)
     written = export.export(path, str(tmp_path / "exported"))
-    assert list(written) == ["torchscript"] and os.path.isfile(written["torchscript"])
+    assert list(written) == ["torchscript", "torch.export"] and all(map(os.path.isfile, written.values()))
     assert not glob.glob(str(tmp_path / "exported" / "*.onnx"))
     assert (f"ONNX skipped, torch {torch.__version__}'s torch.onnx.export has no dynamic_shapes, external_data "
             f"(torch 2.5 or later)") in capsys.readouterr().out

@@ -145,6 +145,8 @@ def test_exported_policy_matches_a_hand_computation(tmp_path, normalized):
     assert actions.dtype == torch.float32 and actions.shape == (32, 3)
     expected = numpy_actions(torch.load(path, weights_only=True)["model"], obs.numpy(), normalized)
     np.testing.assert_allclose(actions.numpy(), expected, rtol=1e-4, atol=1e-5)
+    program_actions = torch.export.load(written["torch.export"]).module()(obs)
+    np.testing.assert_allclose(program_actions.numpy(), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_export_out_that_is_a_file_is_a_usage_error(tmp_path):
