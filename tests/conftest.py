@@ -1,12 +1,18 @@
 import faulthandler
 import os
+import shutil
 import sys
+import tempfile
 import threading
 
 import pytest
 
 # Multi-rank tests run several processes on 2 cores: one thread each keeps them from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# torchrun leaves a torchelastic_* log directory in TMPDIR at every launch (it never removes it): the processes the
+# tests start get a TMPDIR of their own, removed when the session ends, so the suite leaves nothing in /tmp.
+_CHILD_TMPDIR = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="syncppo-tests-")
 
 HANG_S = 600   # every test takes well under a minute; one still running after 10 minutes is hung, not slow
 
@@ -29,3 +35,7 @@ def fail_a_hung_test_instead_of_hanging_ci(request):
     timer.start()
     yield
     timer.cancel()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_CHILD_TMPDIR, ignore_errors=True)
