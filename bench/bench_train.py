@@ -20,7 +20,9 @@ timed and moved to RSL-RL's collection (the update ratio of RSL-RL's own split i
 What still differs is printed below each table (DIFFERENCES) rather than hidden.
 Both learners draw from the one global torch RNG in turn, so neither reproduces its standalone run.
 The host-memory setting `train.main` applies on CPU (glibc, process-wide, dist/setup.py) holds for both
-from syncppo's start-up on, before either learner's first iteration.
+from syncppo's start-up on, before either learner's first iteration. RSL-RL's own scripts keep glibc's defaults,
+which map large activations fresh at every minibatch: at the large setting its update took 18.3 s under them
+and 13.3 s under this setting (docs/benchmarks.md).
 syncppo at 2 ranks (torchrun, small setting, full run only) is timed separately for the scaling row.
 
 On CUDA (`--device cuda`) both learners and the env run on the GPU, on its default stream, where small networks
