@@ -85,9 +85,10 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
         else:
             theirs = section[path[-1]]
             theirs = tuple(theirs) if isinstance(ours, tuple) and isinstance(theirs, list) else theirs
-            if not fits_type(theirs, field.type):
-                kind = field.type if typing.get_origin(field.type) is tuple else \
-                    getattr(field.type, "__name__", field.type)       # tuple[int, ...], not "tuple"
+            if flag not in typed and not fits_type(theirs, field.type):   # a typed value replaces it
+                origin = typing.get_origin(field.type)
+                kind = ("one of " + ", ".join(map(str, typing.get_args(field.type))) if origin is typing.Literal
+                        else field.type if origin is tuple else getattr(field.type, "__name__", field.type))
                 raise UsageError(f"the checkpoint's run has {as_flag(flag, theirs)}, which this version does not "
                                  f"accept ({kind}); pass {flag} to choose")
         if flag not in typed:
@@ -242,6 +243,10 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
         if not env_reads(cfg, flag):   # e.g. --env.task of a cartpole run: unused, and refused if typed to match
             continue
         ours, theirs = getattr(getattr(cfg, section), name), saved.get(section, {}).get(name)
+        if name not in saved.get(section, {}):    # a setting newer than the checkpoint: its run had the default
+            field = next(f for f in dataclasses.fields(getattr(cfg, section)) if f.name == name)
+            theirs = field.default if field.default is not dataclasses.MISSING else \
+                None if field.default_factory is dataclasses.MISSING else field.default_factory()
         if theirs is not None and tuple_or_value(ours) != tuple_or_value(theirs):
             total = cfg.env.global_num_envs
             if name == "num_envs" and total:      # split already: ours = total / ranks

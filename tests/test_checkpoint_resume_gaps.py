@@ -237,3 +237,39 @@ def test_a_checkpoint_without_any_entry_a_save_always_writes_is_refused_naming_i
     save_checkpoint(path, state)
     with pytest.raises(UsageError, match=f"^--resume '{path}' is missing \\['{key}'\\]; the file is truncated"):
         load_checkpoint(path)
+
+
+# ---- checkpoints of earlier versions (an audit resumed checkpoints written by 8 earlier commits) ----------------
+
+def test_a_saved_value_this_version_refuses_is_replaced_by_typing_the_flag_the_refusal_names():
+    """Checkpoints of 25 commits of 2026-11-30 saved --rollout.recompute as None/True/False (now auto, on or off).
+    The refusal lists the accepted values, and typing the flag it names resumes: it used to be refused the same way
+    whatever was typed, so those checkpoints could not be resumed at all."""
+    with pytest.raises(UsageError, match=r"^the checkpoint's run has --rollout.recompute None, which this version "
+                                         r"does not accept \(one of auto, on, off\); pass --rollout.recompute to "
+                                         r"choose$"):
+        continue_saved_config(preset("tracking"), {"rollout": {"recompute": None}}, frozenset())
+    cfg = preset("tracking")
+    cfg.rollout.recompute = "on"                                  # as typed: --rollout.recompute on
+    changed, _ = continue_saved_config(cfg, {"rollout": {"recompute": None}}, frozenset({"--rollout.recompute"}))
+    assert cfg.rollout.recompute == "on"
+    assert changed == ["--rollout.recompute on (the checkpoint's run: --rollout.recompute None)"]
+
+
+@pytest.mark.parametrize("section, field, flag, refused", [
+    ("ppo", "normalize_rewards", "--ppo.normalize-rewards", "--ppo.no-normalize-rewards"),
+    ("policy", "orthogonal_init", "--policy.orthogonal-init", "--policy.no-orthogonal-init")])
+def test_a_must_match_setting_newer_than_the_checkpoint_is_compared_with_its_default(section, field, flag, refused):
+    """A checkpoint written before the setting existed ran with its default (False here). Typed otherwise, the resume
+    is refused naming the flag, as for a checkpoint that records it; before, the check skipped it: a typed
+    --ppo.normalize-rewards then failed later calling the file damaged, and --policy.orthogonal-init was listed as a
+    change and had no effect. Left at the default, the checkpoint fits."""
+    from configs.resume import check_resume_fits
+    saved = {"config": {"env": {"name": "tracking", "num_envs": 512, "num_motions": 64}, section: {}}, "iteration": 5}
+    cfg = preset("tracking")
+    assert getattr(getattr(cfg, section), field) is False
+    assert check_resume_fits(saved, cfg, "ckpt.pt", restarted=False) is True
+    setattr(getattr(cfg, section), field, True)
+    with pytest.raises(UsageError, match=f"^{flag} does not match the checkpoint's {refused} \\('ckpt.pt'\\); leave "
+                                         f"the flag out to keep the checkpoint's$"):
+        check_resume_fits(saved, cfg, "ckpt.pt", restarted=False)
