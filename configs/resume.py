@@ -19,7 +19,7 @@ import shlex
 import types
 import typing
 
-from configs.typed_flags import env_reads
+from configs.typed_flags import env_reads, requirement
 from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
 from dist.errors import UsageError
 from dist.setup import launch_int
@@ -85,6 +85,12 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
         else:
             theirs = section[path[-1]]
             theirs = tuple(theirs) if isinstance(ours, tuple) and isinstance(theirs, list) else theirs
+            if flag not in typed and not fits_type(theirs, field.type) and requirement(cfg, flag) is not None:
+                # a value this run would not read (--rollout.recompute None of 2026-11-30 on a colocated run): kept
+                # as it is, and said, since typing the flag would be refused as unread
+                kept.append(f"{flag} {theirs} (not accepted by this version, not read by this run: left at "
+                            f"{as_flag(flag, ours)})")
+                continue
             if flag not in typed and not fits_type(theirs, field.type):   # a typed value replaces it
                 origin = typing.get_origin(field.type)
                 kind = ("one of " + ", ".join(map(str, typing.get_args(field.type))) if origin is typing.Literal

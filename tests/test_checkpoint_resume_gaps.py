@@ -2,7 +2,10 @@
 float setting that is a bool is refused like a saved int that is one; an empty saved string is shown as typed ('');
 a fixed-length tuple annotation counts its elements; a save to a bare file name fsyncs the working directory;
 continuing a run removes checkpoint temporaries only; a restored reward normalizer takes the checkpoint's merged
-return statistics but keeps its own per-env running returns (rule `local`: the envs restart their episodes)."""
+return statistics but keeps its own per-env running returns (rule `local`: the envs restart their episodes).
+Checkpoints of earlier versions: a saved value this version refuses gives way to the flag typed to replace it, or to
+this run's value when the run does not read the flag; a must-match setting newer than the checkpoint is compared
+with its default."""
 
 import os
 
@@ -241,19 +244,29 @@ def test_a_checkpoint_without_any_entry_a_save_always_writes_is_refused_naming_i
 
 # ---- checkpoints of earlier versions (an audit resumed checkpoints written by 8 earlier commits) ----------------
 
-def test_a_saved_value_this_version_refuses_is_replaced_by_typing_the_flag_the_refusal_names():
+def test_a_saved_value_this_version_refuses_is_replaced_by_typing_the_flag_or_left_when_the_run_does_not_read_it():
     """Checkpoints of 25 commits of 2026-11-30 saved --rollout.recompute as None/True/False (now auto, on or off).
-    The refusal lists the accepted values, and typing the flag it names resumes: it used to be refused the same way
-    whatever was typed, so those checkpoints could not be resumed at all."""
+    On a run with rollout ranks the refusal lists the accepted values, and typing the flag it names resumes (it used
+    to be refused the same way whatever was typed). A colocated run does not read the flag, and typing it there is
+    refused as unread: the saved value is left at this run's, and the start-up says so. Before, neither could resume."""
+    def with_rollout_ranks():
+        cfg = preset("tracking")
+        cfg.rollout.ranks = 1                                     # a launch setting: this command line's
+        return cfg
     with pytest.raises(UsageError, match=r"^the checkpoint's run has --rollout.recompute None, which this version "
                                          r"does not accept \(one of auto, on, off\); pass --rollout.recompute to "
                                          r"choose$"):
-        continue_saved_config(preset("tracking"), {"rollout": {"recompute": None}}, frozenset())
-    cfg = preset("tracking")
+        continue_saved_config(with_rollout_ranks(), {"rollout": {"recompute": None}}, frozenset())
+    cfg = with_rollout_ranks()
     cfg.rollout.recompute = "on"                                  # as typed: --rollout.recompute on
     changed, _ = continue_saved_config(cfg, {"rollout": {"recompute": None}}, frozenset({"--rollout.recompute"}))
     assert cfg.rollout.recompute == "on"
     assert changed == ["--rollout.recompute on (the checkpoint's run: --rollout.recompute None)"]
+    cfg = preset("tracking")                                      # colocated
+    _, kept = continue_saved_config(cfg, {"rollout": {"recompute": True, "mode": "async"}}, frozenset())
+    assert cfg.rollout.recompute == "auto" and cfg.rollout.mode == "async"
+    assert ("--rollout.recompute True (not accepted by this version, not read by this run: left at "
+            "--rollout.recompute auto)") in kept
 
 
 @pytest.mark.parametrize("section, field, flag, refused", [

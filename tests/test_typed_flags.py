@@ -100,9 +100,12 @@ def test_command_line_spellings_are_normalized():
 def test_a_resume_compares_only_the_fields_the_env_reads():
     # A cartpole run started from the mujoco preset saved --env.task Hopper-v4; typing it to resume is refused,
     # so the comparison must not ask for it.
-    saved = {"config": {"env": {"name": "cartpole", "task": "Hopper-v4", "num_motions": 8}}, "iteration": 1}
+    envs = cfg_with().env.num_envs      # every checkpoint records it (a setting it lacked would count as the default)
+    saved = {"config": {"env": {"name": "cartpole", "task": "Hopper-v4", "num_envs": envs, "num_motions": 8}},
+             "iteration": 1}
     assert check_resume_fits(saved, cfg_with(env__name="cartpole"), "ckpt.pt", restarted=False)
-    saved = {"config": {"env": {"name": "tracking", "task": "", "num_motions": 8}}, "iteration": 1}
+    saved = {"config": {"env": {"name": "tracking", "task": "", "num_envs": envs, "num_motions": 8}},
+             "iteration": 1}
     with pytest.raises(UsageError, match="--env.num-motions 64 does not match the checkpoint's --env.num-motions 8 "):
         check_resume_fits(saved, cfg_with(), "ckpt.pt", restarted=False)
 
