@@ -86,8 +86,8 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
             theirs = section[path[-1]]
             theirs = tuple(theirs) if isinstance(ours, tuple) and isinstance(theirs, list) else theirs
             if flag not in typed and not fits_type(theirs, field.type) and requirement(cfg, flag) is not None:
-                # a value this run would not read (--rollout.recompute None of 2026-11-30 on a colocated run): kept
-                # as it is, and said, since typing the flag would be refused as unread
+                # a value this run would not read (--rollout.recompute None of 2026-11-30 on a colocated run): left
+                # at this run's, and said, since typing the flag would be refused as unread
                 kept.append(f"{flag} {theirs} (not accepted by this version, not read by this run: left at "
                             f"{as_flag(flag, ours)})")
                 continue
