@@ -8,7 +8,6 @@ import glob
 import os
 import re
 import sys
-import textwrap
 import warnings
 
 import gymnasium
@@ -21,10 +20,7 @@ from configs import preset, validate
 from envs.base import MissingSimulator
 from envs.isaaclab import IsaacLabEnv, simulation_device
 from tests.fake_isaaclab import MAX_EPISODE_LENGTH, TASK, TERMINATE_ABOVE, install, install_for_test
-from tests.forked_python import run_python
 from tests.multirank import run_ranks
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -81,57 +77,6 @@ def test_close_hands_the_runtime_the_exit_status(make, fake, monkeypatch):
     monkeypatch.setattr(sys, "last_exc", SystemExit(2), raising=False)     # what train.cli records for bad input
     make().close()
     assert fake.launches[-1]["exit_code"] == 2
-
-
-KIT_SCRIPT = """
-import torch
-from envs.isaaclab import IsaacLabEnv
-from tests.fake_isaaclab import TASK, install
-
-record = install(rank=0)
-env = IsaacLabEnv(TASK, 4, torch.device("cpu"), 0, task_overrides=("physics=isaacsim_physx",))
-env.reset()
-env.step(torch.zeros(4, 2))
-{end}
-"""
-
-
-@pytest.mark.parametrize("end, status", [("pass", 0), ("raise RuntimeError('training failed')", 1),
-                                         ("raise KeyboardInterrupt", 130), ("env.close(3)", 3)])
-def test_kit_ends_the_process_with_its_real_status(end, status):
-    # Kit (PhysX physics) ends the process when its runtime closes, with the status it is given: an error in
-    # training must not turn into status 0.
-    # A process of its own, forked from one that imported torch (tests/forked_python.py), ending as Kit ends it.
-    result = run_python(["-c", textwrap.dedent(KIT_SCRIPT).format(end=end)], cwd=REPO, timeout=120)
-    assert result.returncode == status, result.stderr
-    if status == 1:
-        assert "training failed" in result.stderr
-
-
-KIT_RUN = """
-import sys
-import torch
-torch.cuda.is_available = lambda: False      # the fake simulates on the CPU
-from tests.fake_isaaclab import install
-import train
-from configs import preset
-
-record = install(rank=0)
-cfg = preset("isaaclab")
-cfg.env.num_envs, cfg.env.task_overrides = 8, ("physics=isaacsim_physx",)
-cfg.env.actor_obs_groups = ("policy", "no_such_group")
-cfg.ppo.num_steps, cfg.log.root = 8, sys.argv[1]
-sys.exit(train.cli(cfg))
-"""
-
-
-def test_bad_input_met_after_kit_started_still_ends_the_process_with_status_2(tmp_path):
-    """An error only the built env can find (an observation group the task does not have) is bad input: status 2,
-    also when Kit, started by then, is what ends the process (with the status train.cli records, not 1)."""
-    result = run_python(["-c", KIT_RUN, str(tmp_path)], cwd=REPO, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.endswith("error: --env.actor-obs-groups: this task has no observation group 'no_such_group'; "
-                                  "it has ['critic', 'policy']\n")
 
 
 def test_final_obs_is_the_observation_before_the_reset(make):
