@@ -81,17 +81,17 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
             continue
         ours = getattr(owner, field.name)
         if path[-1] not in section:
-            theirs = field.default if field.default is not dataclasses.MISSING else ours
+            theirs = setting_before(field, ours)
         else:
             theirs = section[path[-1]]
             theirs = tuple(theirs) if isinstance(ours, tuple) and isinstance(theirs, list) else theirs
-            if flag not in typed and not fits_type(theirs, field.type) and requirement(cfg, flag) is not None:
-                # a value this run would not read (--rollout.recompute None of 2026-11-30 on a colocated run): left
-                # at this run's, and said, since typing the flag would be refused as unread
-                kept.append(f"{flag} {theirs} (not accepted by this version, not read by this run: left at "
-                            f"{as_flag(flag, ours)})")
-                continue
             if flag not in typed and not fits_type(theirs, field.type):   # a typed value replaces it
+                if requirement(cfg, flag) is not None:
+                    # a value this run would not read (--rollout.recompute None of 2026-11-30 on a colocated run):
+                    # left at this run's, and said, since typing the flag would be refused as unread
+                    kept.append(f"{flag} {theirs} (not accepted by this version, not read by this run: left at "
+                                f"{as_flag(flag, ours)})")
+                    continue
                 origin = typing.get_origin(field.type)
                 kind = ("one of " + ", ".join(map(str, typing.get_args(field.type))) if origin is typing.Literal
                         else field.type if origin is tuple else getattr(field.type, "__name__", field.type))
@@ -110,6 +110,12 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
     kept += [f"{as_flag('--' + '.'.join(path).replace('_', '-'), item)} (not known to this version: dropped)"
              for path, item in saved_settings if path not in known]
     return changed, kept
+
+
+def setting_before(field: dataclasses.Field, ours):
+    """A setting newer than a checkpoint, as the checkpoint's run had it: the field's default (the behaviour before
+    the setting existed), or `ours` for a field without a plain default."""
+    return field.default if field.default is not dataclasses.MISSING else ours
 
 
 def env_count(env: dict) -> tuple[str, int]:
@@ -251,8 +257,7 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
         ours, theirs = getattr(getattr(cfg, section), name), saved.get(section, {}).get(name)
         if name not in saved.get(section, {}):    # a setting newer than the checkpoint: its run had the default
             field = next(f for f in dataclasses.fields(getattr(cfg, section)) if f.name == name)
-            theirs = field.default if field.default is not dataclasses.MISSING else \
-                None if field.default_factory is dataclasses.MISSING else field.default_factory()
+            theirs = setting_before(field, ours)
         if theirs is not None and tuple_or_value(ours) != tuple_or_value(theirs):
             total = cfg.env.global_num_envs
             if name == "num_envs" and total:      # split already: ours = total / ranks
