@@ -96,7 +96,7 @@ def device_adaptive_lr(lr: torch.Tensor, kl: torch.Tensor, desired_kl: float, lr
     """ppo.kl_schedule.adaptive_lr on 0-dim tensors (lr float64), without a host read; a non-finite KL
     leaves the LR unchanged, as the host path does."""
     kl = kl.double()
-    new = torch.where(kl > 2.0 * desired_kl, lr / 1.5, torch.where(kl < 0.5 * desired_kl, lr * 1.5, lr))
+    new = torch.where(kl > 2.0 * desired_kl, lr / 1.5, torch.where((kl > 0.0) & (kl < 0.5 * desired_kl), lr * 1.5, lr))
     return torch.where(torch.isfinite(kl), new.clamp(lr_min, lr_max), lr)
 
 

@@ -45,7 +45,10 @@ def test_adaptive_lr_rule():
     assert adaptive_lr(1e-3, kl=0.01, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-3
     assert adaptive_lr(1e-3, kl=0.02, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-3   # boundary: not above 2x
     assert adaptive_lr(1e-5, kl=1.0, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-5     # bounded below
-    assert adaptive_lr(9e-3, kl=0.0, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-2     # bounded above
+    assert adaptive_lr(9e-3, kl=1e-4, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-2    # bounded above
+    # KL exactly 0: the policy has not moved (every update's first minibatch); no evidence, no change (RSL-RL's rule)
+    assert adaptive_lr(1e-3, kl=0.0, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-3
+    assert adaptive_lr(1e-3, kl=1e-300, desired_kl=0.01, lr_min=1e-5, lr_max=1e-2) == 1e-3 * 1.5
 
 
 def test_ppo_loss_refuses_values_of_shape_b_1():

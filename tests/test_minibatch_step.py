@@ -33,7 +33,8 @@ def test_device_lr_rule_gives_the_host_rule_bit_for_bit():
     desired, lr_min, lr_max = 0.01, 1e-5, 1e-2
     g = torch.Generator().manual_seed(0)
     kls = torch.cat([torch.rand(300, generator=g) * 0.04, torch.tensor([0.02, 0.005, 0.0, float("nan"), float("inf")]),
-                     torch.zeros(20)])    # the random KLs drift the LR down to lr_min; 20 KLs of 0 climb to lr_max
+                     torch.zeros(3), torch.full((20,), 1e-6)])
+    # the random KLs drift the LR down to lr_min; KLs of 0 leave it; 20 tiny ones climb to lr_max
     host, dev, seen = 1e-3, torch.tensor(1e-3, dtype=torch.float64), set()
     for kl in kls.tolist() * 3:
         if math.isfinite(kl):
@@ -41,7 +42,7 @@ def test_device_lr_rule_gives_the_host_rule_bit_for_bit():
         dev = device_adaptive_lr(dev, torch.tensor(kl, dtype=torch.float32), desired, lr_min, lr_max)
         assert dev.item() == host          # exact, including the clamps at lr_min / lr_max
         seen.add(host)
-    # Both clamps acted (1.5**17 > lr_max / lr_min = 1000): without the zeros lr_max was never reached, so a device
+    # Both clamps acted (1.5**17 > lr_max / lr_min = 1000): without the tiny KLs lr_max was never reached, so a device
     # rule that clamped below only passed.
     assert {lr_min, lr_max} <= seen
 
@@ -390,3 +391,13 @@ def test_a_replay_refuses_a_minibatch_laid_out_otherwise_than_the_captured_one(m
     graph, replays = step.graph, getattr(step.graph, "replays", 0)     # the CPU stand-in counts its replays
     step(torch.zeros(B, F, device=DEVICE), dict(widths))                 # an equal layout (another dict) replays
     assert step.graph is graph and (DEVICE.type != "cpu" or graph.replays == replays + 1)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_a_kl_of_exactly_zero_leaves_the_adaptive_lr(capture):
+    """An update's first minibatch meets the policy that collected the rollout: KL exactly 0, no evidence about the
+    step size, so the LR stays (RSL-RL's rule; it was raised 1.5x at every update's start before 2026-12-04). One
+    minibatch per update, so that KL is the only one the rule sees."""
+    _, optimizer, stats = run_update(capture, iterations=1, num_epochs=1, num_mini_batches=1)
+    assert stats[0]["kl"] == 0.0
+    assert stats[0]["learning_rate"] == optimizer.param_groups[0]["lr"] == 1e-3
