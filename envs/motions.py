@@ -97,5 +97,9 @@ class AdaptiveMotionSampler:
             if state[key].shape != self.global_counts.shape:
                 raise ValueError(f"sampler {key} has shape {tuple(state[key].shape)}, expected "
                                  f"{tuple(self.global_counts.shape)}: was the checkpoint made with another --env.num-motions?")
-        self.global_counts = state["global_counts"].to(self.global_counts, copy=True)
-        self.local_counts = state["local_counts"].to(self.local_counts, copy=True)
+        # Saved local counts are one rank's episodes not yet in the cross-rank sum (versions before 1e8f1c5,
+        # 2026-11-30, saved rank 0's unsummed; this one sums before every save, so they are 0). Every rank (every
+        # rollout rank) loads the same file: kept local, they would be summed once per rank at the next sync.
+        # Folded into the global counts, they count once on any layout, with the same probabilities.
+        self.global_counts = (state["global_counts"] + state["local_counts"]).to(self.global_counts, copy=True)
+        self.local_counts = torch.zeros_like(self.global_counts)

@@ -110,13 +110,15 @@ def test_tracking_state_dict_round_trip_and_shape_check():
     b = Tracking(16, "cpu", 1, base_seed=0, num_motions=8)
     b.load_state_dict(a.state_dict())
     torch.testing.assert_close(b.sampler.probabilities(), a.sampler.probabilities())
-    # Each part comes back as itself: global and local swapped give the same probabilities, but the next
-    # commit_global would add the loaded global counts (every rank's) to the cross-rank sum a second time.
+    # Global counts come back global: loaded as local, the next commit_global would add them (every rank's) to
+    # the cross-rank sum a second time. Saved local counts are folded into them (every rank loads the same
+    # file, so kept local they would be summed once per rank): the same probabilities, nothing local.
     a.sampler.global_counts = torch.tensor([[5.0] * 8, [1.0] * 8], dtype=torch.float64)
     a.sampler.local_counts = torch.tensor([[2.0] * 8, [0.0] * 8], dtype=torch.float64)
     b.load_state_dict(a.state_dict())
-    assert b.sampler.global_counts.tolist() == [[5.0] * 8, [1.0] * 8]
-    assert b.sampler.local_counts.tolist() == [[2.0] * 8, [0.0] * 8]
+    assert b.sampler.global_counts.tolist() == [[7.0] * 8, [1.0] * 8]
+    assert b.sampler.local_counts.tolist() == [[0.0] * 8, [0.0] * 8]
+    torch.testing.assert_close(b.sampler.probabilities(), a.sampler.probabilities())
     with pytest.raises(ValueError, match="num-motions"):
         Tracking(16, "cpu", 0, base_seed=0, num_motions=9).load_state_dict(a.state_dict())
 
