@@ -19,6 +19,7 @@ import shlex
 import types
 import typing
 
+from configs.config import FLOAT32_MAX
 from configs.typed_flags import env_reads, requirement
 from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
 from dist.errors import UsageError
@@ -60,8 +61,8 @@ def settings(cfg):
 def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list[str], list[str]]:
     """Give `cfg` every setting of the checkpoint's run that the command line did not type (launch settings
     excepted), so that a resumed run continues as it was started, not with the preset's defaults; a field the
-    checkpoint's version did not have takes its default (the behaviour before it existed). Returns the typed
-    flags that change a setting, each as `FLAG VALUE (the checkpoint's run: FLAG VALUE)`, and the settings
+    checkpoint's version did not have takes what its run did (setting_before: the default, or BEFORE's). Returns the
+    typed flags that change a setting, each as `FLAG VALUE (the checkpoint's run: FLAG VALUE)`, and the settings
     taken from the checkpoint that differ from what `cfg` had (the preset's), as `FLAG VALUE`, followed by the
     saved settings this version does not know (a newer version's), which are dropped, so the start-up says so."""
     name = saved.get("env", {}).get("name")
@@ -81,7 +82,7 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
             continue
         ours = getattr(owner, field.name)
         if path[-1] not in section:
-            theirs = setting_before(field, ours)
+            theirs = setting_before(field, ours, flag, saved)
         else:
             theirs = section[path[-1]]
             theirs = tuple(theirs) if isinstance(ours, tuple) and isinstance(theirs, list) else theirs
@@ -100,7 +101,8 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
         if flag not in typed:
             setattr(owner, field.name, theirs)
             if ours != theirs:
-                kept.append(as_flag(flag, theirs))
+                why = f" ({BEFORE[flag][1]})" if flag in BEFORE and path[-1] not in section else ""
+                kept.append(as_flag(flag, theirs) + why)
         elif ours != theirs:
             changed.append(f"{as_flag(flag, ours)} (the checkpoint's run: {as_flag(flag, theirs)})")
     known = {path for *_, path in settings(cfg)}
@@ -112,9 +114,22 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
     return changed, kept
 
 
-def setting_before(field: dataclasses.Field, ours):
-    """A setting newer than a checkpoint, as the checkpoint's run had it: the field's default (the behaviour before
-    the setting existed), or `ours` for a field without a plain default."""
+# Settings whose default is not what a run from before the setting did: flag -> (the value that does it, given the
+# checkpoint run's config, or None for the default; why, as the start-up says it). Rewards normalized before
+# --ppo.reward-clip (942d2f1, 2026-11-30) were not clipped: the preset's clip at 10 would silently change what a
+# resumed run trains on, and the largest float32 clip is none.
+BEFORE = {"--ppo.reward-clip": (lambda saved: FLOAT32_MAX if saved.get("ppo", {}).get("normalize_rewards") else None,
+                                "the checkpoint's run predates the flag and did not clip its normalized rewards: no "
+                                "clip; pass --ppo.reward-clip to clip")}
+
+
+def setting_before(field: dataclasses.Field, ours, flag: str = "", saved: dict | None = None):
+    """A setting newer than a checkpoint, as the checkpoint's run (`saved`: its config) had it: what BEFORE says for
+    `flag`, else the field's default (the behaviour before the setting existed), or `ours` for a field without a
+    plain default."""
+    then = BEFORE[flag][0](saved or {}) if flag in BEFORE else None
+    if then is not None:
+        return then
     return field.default if field.default is not dataclasses.MISSING else ours
 
 
@@ -257,7 +272,7 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
         ours, theirs = getattr(getattr(cfg, section), name), saved.get(section, {}).get(name)
         if name not in saved.get(section, {}):    # a setting newer than the checkpoint: its run had the default
             field = next(f for f in dataclasses.fields(getattr(cfg, section)) if f.name == name)
-            theirs = setting_before(field, ours)
+            theirs = setting_before(field, ours, flag, saved)
         if theirs is not None and tuple_or_value(ours) != tuple_or_value(theirs):
             total = cfg.env.global_num_envs
             if name == "num_envs" and total:      # split already: ours = total / ranks

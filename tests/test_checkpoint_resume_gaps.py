@@ -286,3 +286,29 @@ def test_a_must_match_setting_newer_than_the_checkpoint_is_compared_with_its_def
     with pytest.raises(UsageError, match=f"^{flag} does not match the checkpoint's {refused} \\('ckpt.pt'\\); leave "
                                          f"the flag out to keep the checkpoint's$"):
         check_resume_fits(saved, cfg, "ckpt.pt", restarted=False)
+
+
+def test_rewards_normalized_before_the_reward_clip_existed_continue_unclipped_and_the_start_up_says_so():
+    """Checkpoints from before --ppo.reward-clip (942d2f1, 2026-11-30: a 2-rank run of 1e8f1c5 with
+    --ppo.normalize-rewards, say) normalized rewards without clipping them. Their resume continues so (the largest
+    float32 clip, which validate accepts) and lists it with the reason; it clipped at 10 unannounced, the default
+    taken as what the run had done. A typed clip applies; a run that did not normalize rewards takes the default."""
+    from configs import validate
+    from configs.config import FLOAT32_MAX
+    saved = {"env": {"name": "tracking"}, "ppo": {"normalize_rewards": True}}
+    cfg = preset("tracking")
+    _, kept = continue_saved_config(cfg, saved, frozenset())
+    assert cfg.ppo.normalize_rewards and cfg.ppo.reward_clip == FLOAT32_MAX
+    assert (f"--ppo.reward-clip {FLOAT32_MAX} (the checkpoint's run predates the flag and did not clip its "
+            f"normalized rewards: no clip; pass --ppo.reward-clip to clip)") in kept
+    validate(cfg, 2, frozenset())
+    norm = RewardNormalizer(1, 0.99, cfg.ppo.reward_clip)
+    assert norm(torch.tensor([1e6]), torch.tensor([False])).item() == pytest.approx(1e6 / (1.0 + 1e-8))
+    cfg = preset("tracking")
+    cfg.ppo.reward_clip = 5.0                                     # as typed: --ppo.reward-clip 5
+    continue_saved_config(cfg, saved, frozenset({"--ppo.reward-clip"}))
+    assert cfg.ppo.reward_clip == 5.0
+    cfg = preset("tracking")
+    _, kept = continue_saved_config(cfg, {"env": {"name": "tracking"}, "ppo": {"normalize_rewards": False}},
+                                    frozenset())
+    assert cfg.ppo.reward_clip == 10.0 and not any("reward-clip" in setting for setting in kept)
