@@ -2,6 +2,7 @@
 KL, an update whose every step is skipped, the optimizer's implementation and settings as each path builds it, one
 SyncFreeStep per optimizer; what restore takes from a checkpoint and what from the run."""
 
+import math
 import re
 from types import SimpleNamespace
 
@@ -24,6 +25,24 @@ CPU = torch.device("cpu")
 
 
 # ---- ppo/minibatch_step.py -------------------------------------------------------------------------------------
+
+def test_device_lr_rule_gives_the_host_rule_bit_for_bit():
+    desired, lr_min, lr_max = 0.01, 1e-5, 1e-2
+    g = torch.Generator().manual_seed(0)
+    kls = torch.cat([torch.rand(300, generator=g) * 0.04, torch.tensor([0.02, 0.005, 0.0, float("nan"), float("inf")]),
+                     torch.zeros(3), torch.full((20,), 1e-6)])
+    # the random KLs drift the LR down to lr_min; KLs of 0 leave it; 20 tiny ones climb to lr_max
+    host, dev, seen = 1e-3, torch.tensor(1e-3, dtype=torch.float64), set()
+    for kl in kls.tolist() * 3:
+        if math.isfinite(kl):
+            host = adaptive_lr(host, kl, desired, lr_min, lr_max)
+        dev = device_adaptive_lr(dev, torch.tensor(kl, dtype=torch.float32), desired, lr_min, lr_max)
+        assert dev.item() == host          # exact, including the clamps at lr_min / lr_max
+        seen.add(host)
+    # Both clamps acted (1.5**17 > lr_max / lr_min = 1000): without the tiny KLs lr_max was never reached, so a device
+    # rule that clamped below only passed.
+    assert {lr_min, lr_max} <= seen
+
 
 @pytest.mark.parametrize("kl_dtype", [torch.float64, torch.float32])
 def test_the_device_lr_rule_keeps_the_lr_at_exactly_twice_and_half_the_desired_kl(kl_dtype):
