@@ -63,12 +63,13 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
     excepted), so that a resumed run continues as it was started, not with the preset's defaults; a field the
     checkpoint's version did not have takes what its run did (setting_before: the default, or BEFORE's). Returns the
     typed flags that change a setting, each as `FLAG VALUE (the checkpoint's run: FLAG VALUE)`, and the settings
-    taken from the checkpoint that differ from what `cfg` had (the preset's), as `FLAG VALUE`, followed by the
-    saved settings this version does not know (a newer version's), which are dropped, so the start-up says so."""
+    taken from the checkpoint that differ from what `cfg` had (the preset's), as `FLAG VALUE` (`(not read by this
+    run)` added where this run leaves it unread), followed by the saved settings this version does not know (a newer
+    version's), which are dropped, so the start-up says so."""
     name = saved.get("env", {}).get("name")
     if name is not None and name != cfg.env.name:      # every other env setting would be the wrong env's
         refuse_other_env(cfg.env.name, name)
-    changed, kept = [], []
+    changed, taken, kept = [], [], []
     # one setting in two fields; a typed --env.global-num-envs 0 sets no count (the per-rank one continues)
     env_count_typed = "--env.num-envs" in typed or ("--env.global-num-envs" in typed and cfg.env.global_num_envs != 0)
     for flag, owner, field, path in settings(cfg):
@@ -102,9 +103,13 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
             setattr(owner, field.name, theirs)
             if ours != theirs:
                 why = f" ({BEFORE[flag][1]})" if flag in BEFORE and path[-1] not in section else ""
-                kept.append(as_flag(flag, theirs) + why)
+                taken.append((flag, as_flag(flag, theirs) + why))
         elif ours != theirs:
             changed.append(f"{as_flag(flag, ours)} (the checkpoint's run: {as_flag(flag, theirs)})")
+    # Said of a setting this run leaves unread (an async run's --rollout.mode, resumed colocated), once `cfg` is whole:
+    # kept all the same, so that its next checkpoint continues it wherever a resume reads it.
+    kept = [text + (" (not read by this run)" if requirement(cfg, flag) is not None else "") for flag, text in taken] \
+        + kept
     known = {path for *_, path in settings(cfg)}
     saved_settings = [((key, sub), item) for key, section in saved.items() if isinstance(section, dict)
                       for sub, item in section.items()]
@@ -159,6 +164,10 @@ def blame_checkpoint(error: UsageError, kept: list[str], path: str) -> UsageErro
         others = [f for f in dict.fromkeys(flags) if f not in MUST_MATCH and f != "--env.global-num-envs"]
         way_out = f"change {' or '.join(others)}" if others else "start a new run to change it"
         return UsageError(f"{error} ({flag} is the checkpoint's run's, {path!r}, which a resume keeps: {way_out})")
+    if flag == "--env.global-num-envs":   # 0 turns the split off and the checkpoint's per-rank count continues
+        where = "" if repr(path) in str(error) else f", {path!r}"
+        way_out = "" if f"pass {flag} " in str(error) else f": pass {flag} 0 to keep its per-rank --env.num-envs"
+        return UsageError(f"{error} ({kept_as[flag]} is the checkpoint's run's{where}{way_out})")
     if flag != named[0]:      # the error leads with another flag: say which of its flags came from the checkpoint
         return UsageError(f"{error} ({kept_as[flag]} is the value of the checkpoint's run, {path!r}: pass {flag} to "
                           f"change it)")

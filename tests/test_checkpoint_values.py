@@ -269,8 +269,12 @@ def test_a_refused_env_split_taken_from_the_checkpoint_says_it_came_from_there(t
     with pytest.raises(UsageError) as exc:
         train.main(cfg_with(resume=path, dry_run=True, log__root=root, rollout__ranks=1), typed_flags(argv))
     assert str(exc.value) == ("--env.global-num-envs with --rollout.ranks: give --env.num-envs per rollout rank "
-                              f"instead (the value of the checkpoint's run, {path!r}: pass --env.global-num-envs to "
-                              f"change it)")
+                              f"instead (--env.global-num-envs 16 is the checkpoint's run's, {path!r}: pass "
+                              f"--env.global-num-envs 0 to keep its per-rank --env.num-envs)")
+    with pytest.raises(UsageError) as exc:      # as told: refused next only for want of a second rank here
+        train.main(cfg_with(resume=path, dry_run=True, log__root=root, rollout__ranks=1, env__global_num_envs=0),
+                   typed_flags([*argv, "--env.global-num-envs", "0"]))
+    assert str(exc.value).startswith("--rollout.ranks 1 leaves no learner among 1 rank(s)")
 
 
 def test_a_typed_flag_refused_for_a_setting_taken_from_the_checkpoint_blames_that_setting(trained, tmp_path):
@@ -392,5 +396,4 @@ def test_a_setting_taken_from_the_checkpoint_that_it_does_not_fit_says_it_came_f
                    typed_flags(argv))
     assert str(exc.value) == (f"--env.global-num-envs {2 * per_rank} gives {2 * per_rank} envs per rank on 1 rank(s), "
                               f"the checkpoint {path!r} has {per_rank} per rank; pass --env.global-num-envs {per_rank} "
-                              f"to resume it (the value of the checkpoint's run, {path!r}: pass --env.global-num-envs "
-                              f"to change it)")
+                              f"to resume it (--env.global-num-envs {2 * per_rank} is the checkpoint's run's)")
