@@ -214,7 +214,8 @@ def test_continue_saved_config_by_field_kind():
     assert changed == ["--ppo.num-epochs 5 (the checkpoint's run: --ppo.num-epochs 2)"]
     assert {"--env.num-motions 8", "--ppo.entropy-coef 0.005", "--seed 7"} <= set(kept)   # what differs from `cfg`
     # (the preset); launch settings are not; how rollout ranks collect is kept, and said to be unread on 0 of them
-    assert {"--rollout.mode async (not read by this run)", "--rollout.dtype bfloat16 (not read by this run)"} <= set(kept)
+    assert {"--rollout.mode async (not read by this run)",
+            "--rollout.dtype bfloat16 (not read by this run)"} <= set(kept)
     assert not [k for k in kept if k.startswith(("--rollout.ranks", "--dist.", "--env.launcher", "--log.root"))]
     assert cfg.ppo.num_epochs == 5
     assert (cfg.rollout.mode, cfg.rollout.dtype, cfg.rollout.ranks) == ("async", "bfloat16", 0)
