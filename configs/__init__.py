@@ -1,4 +1,6 @@
-from configs.config import Config, DistConfig, EnvConfig, LogConfig, PolicyConfig, PPOConfig, RolloutConfig, resolve_num_envs, validate, validate_device
+from configs.config import (Config, DistConfig, EnvConfig, LogConfig, PolicyConfig, PPOConfig, RolloutConfig,
+                            resolve_num_envs, validate, validate_device)
 from configs.presets import PRESETS, preset
 
-__all__ = ["Config", "DistConfig", "EnvConfig", "LogConfig", "PolicyConfig", "PPOConfig", "RolloutConfig", "resolve_num_envs", "validate", "validate_device", "PRESETS", "preset"]
+__all__ = ["Config", "DistConfig", "EnvConfig", "LogConfig", "PolicyConfig", "PPOConfig", "RolloutConfig",
+           "resolve_num_envs", "validate", "validate_device", "PRESETS", "preset"]

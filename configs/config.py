@@ -386,4 +386,5 @@ def resolve_num_envs(cfg: Config, world_size: int) -> str:
         raise UsageError(f"--env.global-num-envs {cfg.env.global_num_envs} is not divisible by the world size "
                          f"{world_size}; pick a multiple of {world_size} or use per-rank --env.num-envs")
     cfg.env.num_envs = cfg.env.global_num_envs // world_size
-    return f"--env.global-num-envs {cfg.env.global_num_envs} split over {world_size} ranks = {cfg.env.num_envs} per rank"
+    return (f"--env.global-num-envs {cfg.env.global_num_envs} split over {world_size} ranks = {cfg.env.num_envs} "
+            "per rank")

@@ -279,7 +279,7 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
         if not env_reads(cfg, flag):   # e.g. --env.task of a cartpole run: unused, and refused if typed to match
             continue
         ours, theirs = getattr(getattr(cfg, section), name), saved.get(section, {}).get(name)
-        if name not in saved.get(section, {}):    # a setting newer than the checkpoint: what its run did (setting_before)
+        if name not in saved.get(section, {}):    # newer than the checkpoint: what its run did (setting_before)
             field = next(f for f in dataclasses.fields(getattr(cfg, section)) if f.name == name)
             theirs = setting_before(field, ours, flag, saved)
         if theirs is not None and tuple_or_value(ours) != tuple_or_value(theirs):
