@@ -66,7 +66,8 @@ def final_returns(root: str, last_episodes: int, last_iterations: int) -> dict:
     accumulator.Reload()
     episodes = [event.value for event in accumulator.Scalars("Episode/return")]   # in the order they ended
     if len(episodes) < last_episodes:
-        raise RuntimeError(f"{root}: only {len(episodes)} episodes finished, fewer than --last-episodes {last_episodes}")
+        raise RuntimeError(f"{root}: only {len(episodes)} episodes finished, "
+                           f"fewer than --last-episodes {last_episodes}")
     iterations = [event.value for event in accumulator.Scalars("Train/mean_reward")]
     return {"last_episodes_return": float(np.mean(episodes[-last_episodes:])), "episodes": len(episodes),
             "last_iterations_return": float(np.mean(iterations[-last_iterations:]))}
@@ -221,7 +222,8 @@ def main() -> None:
                 results[result["key"]] = result
                 with open(results_path, "a") as f:
                     f.write(json.dumps(result) + "\n")
-                print(f"[bench] {result['key']}: last {args.last_episodes} episodes {result['last_episodes_return']:.2f}, "
+                print(f"[bench] {result['key']}: last {args.last_episodes} episodes "
+                      f"{result['last_episodes_return']:.2f}, "
                       f"last {args.last_iterations} iterations {result['last_iterations_return']:.2f}, "
                       f"{result['wall_s'] / 60:.1f} min", flush=True)
 

@@ -22,11 +22,12 @@ thread each), read back from the TensorBoard file the learner writes.
 2. Weight sync. 1 + 1 sync-mode jobs with --rollout.sync patch and bucket, fp32 and bf16 copies, at the
    tracking preset's LR (adaptive from 1e-3) and SONIC's (2e-5 in [1e-5, 2e-4]). Bytes per iteration
    are the learner's ledger (Comm/weight_sync_bytes); the adaptive schedule takes SONIC's 2e-5 to its
-   2e-4 cap within the first iteration, so a fixed 2e-5 shows a truly small LR. The patch jobs save every iteration; their weight
-   sequence is then replayed through sync/'s patch and bucket syncers (2 gloo processes, the two modes
-   alternating version by version) to time sender sync() and receiver apply(), and the share of
-   changed elements is counted from the checkpoints directly (bits that differ in the copy's dtype:
-   parameters in --rollout.dtype, buffers as they are) and checked against patch's own count.
+   2e-4 cap within the first iteration, so a fixed 2e-5 shows a truly small LR. The patch jobs save
+   every iteration; their weight sequence is then replayed through sync/'s patch and bucket syncers
+   (2 gloo processes, the two modes alternating version by version) to time sender sync() and receiver
+   apply(), and the share of changed elements is counted from the checkpoints directly (bits that
+   differ in the copy's dtype: parameters in --rollout.dtype, buffers as they are) and checked against
+   patch's own count.
 3. Learning. The tracking preset, 400 iterations, async 1 + 1 (512 envs) vs colocated 2 ranks x 256
    envs (the same 12,288 transitions per iteration), 2 seeds each, two jobs at a time under nice; and
    async with recompute off (ratio and KL against the stale copy) and on (the default: the learner's weights).
@@ -64,7 +65,8 @@ VARIANTS = {"colocated": [], "sync": ["--rollout.ranks", "1", "--rollout.mode", 
 WORKLOADS = {"tracking": (["--env.num-envs", "256"], ["--env.num-envs", "512"]),
              "mujoco": (["--ppo.num-steps", "1024"], ["--ppo.num-steps", "2048"])}
 LRS = {"tracking LR (adaptive from 1e-3)": [],
-       "SONIC LR (2e-5 in [1e-5, 2e-4])": ["--ppo.learning-rate", "2e-5", "--ppo.lr-min", "1e-5", "--ppo.lr-max", "2e-4"],
+       "SONIC LR (2e-5 in [1e-5, 2e-4])": ["--ppo.learning-rate", "2e-5", "--ppo.lr-min", "1e-5",
+                                           "--ppo.lr-max", "2e-4"],
        "fixed 2e-5 (SONIC's start, not adapted)": ["--ppo.learning-rate", "2e-5", "--ppo.schedule", "fixed"]}
 QUIET = ["--dist.verify-every", "0", "--log.print-every", "1000"]
 
@@ -138,8 +140,11 @@ def throughput(args, root: str) -> None:
             if variant == "colocated":
                 sum_ratio = max_ratio = "-"
             else:   # C: the sync job's wait (rollout rank's receive + collect + send); U: this job's update
-                sum_ratio = f"{median_ratio((row[variant]['iteration'], row['sync']['wait'] + row[variant]['update']) for row in rounds):.2f}"
-                max_ratio = f"{median_ratio((row[variant]['iteration'], max(row['sync']['wait'], row[variant]['update'])) for row in rounds):.2f}"
+                sum_ratio = median_ratio((row[variant]["iteration"], row["sync"]["wait"] + row[variant]["update"])
+                                         for row in rounds)
+                max_ratio = median_ratio((row[variant]["iteration"], max(row["sync"]["wait"], row[variant]["update"]))
+                                         for row in rounds)
+                sum_ratio, max_ratio = f"{sum_ratio:.2f}", f"{max_ratio:.2f}"
             print(f"| {variant} | {transitions / med['iteration']:,.0f} | {med['iteration']:.2f} | {med['wait']:.2f} | "
                   f"{med['update']:.2f} | {vs:.2f}x | {sum_ratio} | {max_ratio} |")
         print("C = learner wait in the sync job (rollout rank: weights in, collect, batch out); U = learner update "
@@ -260,7 +265,8 @@ def weight_sync(args, root: str) -> None:
                          "send_ms": {m: 1e3 * statistics.median(timed["send"][m]) for m in ("patch", "bucket")},
                          "apply_ms": {m: 1e3 * statistics.median(timed["apply"][m]) for m in ("patch", "bucket")}})
             r = rows[-1]
-            print(f"  {lr_name}, {dtype}: {100 * r['share']:.1f}% changed, patch {r['modes']['patch']['bytes']:,.0f} B, "
+            print(f"  {lr_name}, {dtype}: {100 * r['share']:.1f}% changed, "
+                  f"patch {r['modes']['patch']['bytes']:,.0f} B, "
                   f"bucket {r['modes']['bucket']['bytes']:,.0f} B per iteration", flush=True)
     print(f"\nweight sync per iteration (tracking model, 1 + 1 sync mode, {args.sync_iterations} iterations per job; "
           f"medians over iterations)")
@@ -270,13 +276,14 @@ def weight_sync(args, root: str) -> None:
     for r in rows:
         p, b = r["modes"]["patch"], r["modes"]["bucket"]
         print(f"| {r['lr']} | {r['dtype']} | {p['lr']:.1e} | {100 * r['share']:.1f}% | {p['bytes']:,.0f} | "
-              f"{b['bytes']:,.0f} | {p['bytes'] / b['bytes']:.2f} | {r['send_ms']['patch']:.2f} + {r['apply_ms']['patch']:.2f} "
+              f"{b['bytes']:,.0f} | {p['bytes'] / b['bytes']:.2f} | "
+              f"{r['send_ms']['patch']:.2f} + {r['apply_ms']['patch']:.2f} "
               f"| {r['send_ms']['bucket']:.2f} + {r['apply_ms']['bucket']:.2f} | "
               f"{r['apply_ms']['patch'] / r['apply_ms']['bucket']:.2f} | {p['calls']:.0f} / {b['calls']:.0f} |")
     print("Bytes: the learner's ledger (Comm/weight_sync_bytes) of the job in that mode. Time: the patch job's weights "
-          "replayed through both syncers, alternating; sync = sender's call, apply = receiver's (from a common barrier, "
-          "so it includes waiting for the data). Elements changed: bits differing between consecutive versions in the "
-          "copy's dtype, over the whole state_dict.")
+          "replayed through both syncers, alternating; sync = sender's call, apply = receiver's "
+          "(from a common barrier, so it includes waiting for the data). Elements changed: bits differing between "
+          "consecutive versions in the copy's dtype, over the whole state_dict.")
     for r in rows:
         print(f"check {r['lr']}, {r['dtype']}: patch's changed-element counts == the checkpoint diff and replayed "
               f"bytes == the training jobs' ledger, version by version: {'yes' if r['agree'] else 'NO'}")

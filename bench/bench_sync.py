@@ -75,7 +75,8 @@ def information_limit(before: dict, after: dict) -> float:
     total = 0.0
     for key, old in before.items():
         n, k = old.numel(), int((as_bits(old) != as_bits(after[key])).sum())
-        total += k * old.element_size() + (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2) / 8
+        total += k * old.element_size() + (math.lgamma(n + 1) - math.lgamma(k + 1)
+                                           - math.lgamma(n - k + 1)) / math.log(2) / 8
     return total
 
 
@@ -125,7 +126,8 @@ def bench_time(rank: int, name: str, densities: list, repeats: int, device: str 
     g, version = torch.Generator().manual_seed(1), versions()
     syncers = {}
     for mode in ("bucket", "patch"):
-        cfg = WeightSyncConfig(type=mode, bucket=BucketConfig(bucket_size=BUCKET_SIZE), patch=PatchConfig(snapshot_device=device))
+        cfg = WeightSyncConfig(type=mode, bucket=BucketConfig(bucket_size=BUCKET_SIZE),
+                               patch=PatchConfig(snapshot_device=device))
         syncers[mode] = make_weight_syncer(cfg, 0, [1])
         syncers[mode].init_sender(state) if rank == 0 else syncers[mode].init_receiver(state)
     rows = []

@@ -157,4 +157,5 @@ def checksum(tensors) -> torch.Tensor:
     w = _tables.get(("I", str(device)))
     if w is None or w.shape[0] < len(sums):
         w = _tables[("I", str(device))] = torch.from_numpy(weights(max(64, len(sums)), 31, offset=1 << 50)).to(device)
-    return _combine(torch.remainder(torch.remainder(torch.stack([_split(c) for c in sums]) * w[:len(sums)], P).sum(0), P))
+    return _combine(torch.remainder(
+        torch.remainder(torch.stack([_split(c) for c in sums]) * w[:len(sums)], P).sum(0), P))

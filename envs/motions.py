@@ -96,7 +96,8 @@ class AdaptiveMotionSampler:
         for key in ("global_counts", "local_counts"):
             if state[key].shape != self.global_counts.shape:
                 raise ValueError(f"sampler {key} has shape {tuple(state[key].shape)}, expected "
-                                 f"{tuple(self.global_counts.shape)}: was the checkpoint made with another --env.num-motions?")
+                                 f"{tuple(self.global_counts.shape)}: "
+                                 "was the checkpoint made with another --env.num-motions?")
         # Saved local counts are one rank's episodes not yet in the cross-rank sum (versions before 1e8f1c5,
         # 2026-11-30, saved rank 0's unsummed; this one sums before every save, so they are 0). Every rank (every
         # rollout rank) loads the same file: kept local, they would be summed once per rank at the next sync.

@@ -106,7 +106,8 @@ class Tracking:
         ref_future, ref_qd_future = self.motions.frame(self.motion_ids, future)  # [N, F, J]
         # The first future frame is the next one (future_steps[0] == 1): its velocity is the policy's reference
         # velocity, the same value a separate frame() at motion_time + dt computes, at a third of the cost.
-        policy = torch.cat([self.q, 0.1 * self.qd, self.last_action, ref_future.flatten(1), 0.1 * ref_qd_future[:, 0]], 1)
+        policy = torch.cat([self.q, 0.1 * self.qd, self.last_action, ref_future.flatten(1),
+                            0.1 * ref_qd_future[:, 0]], 1)
         if ref_q is None:
             ref_q, _ = self.motions.frame(self.motion_ids, self.motion_time)
         phase = (self.episode_length.float() / self.max_episode_length)[:, None]

@@ -73,7 +73,8 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, ini
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, init_group)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, init_group))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = [None] * world_size, []

@@ -1,6 +1,6 @@
 """Checkpoints and resume: entries ppo.restore cannot use are refused by name, a run directory's newest checkpoint
-(which run a resume picks: test_resume_which_run.py), which saved configs fit, named tensors and RNG states round trips, and the replica
-check's plan rows."""
+(which run a resume picks: test_resume_which_run.py), which saved configs fit, named tensors and RNG states
+round trips, and the replica check's plan rows."""
 
 import contextlib
 import io
@@ -253,7 +253,8 @@ def test_ranks_that_loaded_another_checkpoint_or_none_stop_every_rank_at_start()
     from tests.multirank import run_ranks
     same = run_ranks(agree_body, 3, args=([(4, 1.0), (4, 1.0), (4, 1.0)],))
     assert [said for said, _, _ in same] == ["ok"] * 3
-    assert all(ledger["resume"] == [2, 8 + 32] for _, ledger, _ in same)   # the plan rows: 8-byte broadcast, 32-byte all-gather
+    # the plan rows: 8-byte broadcast, 32-byte all-gather
+    assert all(ledger["resume"] == [2, 8 + 32] for _, ledger, _ in same)
     weights = int(checksum([torch.full((3,), 1.0)]))
     fresh = run_ranks(agree_body, 3, args=([(4, 1.0), None, (4, 2.0)],))
     other = int(checksum([torch.full((3,), 2.0)]))

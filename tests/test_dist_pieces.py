@@ -150,7 +150,8 @@ def test_each_bucket_is_all_reduced_only_once_its_whole_minibatch_gradient_is_in
         offset = 0
         for p in bucket.params:
             i = next(j for j, q in enumerate(net.parameters()) if q is p)
-            torch.testing.assert_close(snapshot[offset:offset + p.numel()].view_as(p), expected[i], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(snapshot[offset:offset + p.numel()].view_as(p), expected[i],
+                                       rtol=1e-5, atol=1e-7)
             offset += p.numel()
     assert sync.launched[-1][-2:].tolist() == [0.25, 9.0]
 
@@ -241,7 +242,8 @@ def test_roles_teams_seeds_and_description_by_hand():
     assert [r.is_learner for r in roles] == [True, True, False, False, False, False]
     assert [r.rollout_index for r in roles[2:]] == [0, 1, 2, 3]
     assert roles[0].team_of(0) == [0, 2, 3] and roles[0].team_of(1) == [1, 4, 5]
-    assert roles[0].describe() == "2 learner(s) + 4 rollout rank(s): learner 0 <- rollout ranks [2, 3]; learner 1 <- rollout ranks [4, 5]"
+    assert roles[0].describe() == ("2 learner(s) + 4 rollout rank(s): learner 0 <- rollout ranks [2, 3]; "
+                                   "learner 1 <- rollout ranks [4, 5]")
     one = Roles(1, 2, 1, 1)
     assert not one.colocated and one.team_of(0) == [0, 1] and not one.is_learner and one.rollout_index == 0
     co = assign_roles(3, 4, 0)
@@ -316,7 +318,8 @@ def test_plan_occurrences_and_expected_ledger_by_hand():
     assert expected_ledger(rows, 10, collectives=False) == {"c": [2, 10]}
     everyone = PlanRow("f", "r", "all_gather", "setup", [24], all_ranks=True)   # runs before the learners' group exists
     assert expected_ledger([*rows, everyone], 10, collectives=False) == {"c": [2, 10], "f": [1, 24]}
-    text = format_plan([PlanRow("p", "r", "send", "iteration", [1] * 4), PlanRow("q", "r", "send", "iteration", [1024] * 5),
+    text = format_plan([PlanRow("p", "r", "send", "iteration", [1] * 4),
+                        PlanRow("q", "r", "send", "iteration", [1024] * 5),
                         PlanRow("s", "r", "send", "iteration", [1023, 1024, 2 ** 20], rounds=2)], 1)
     assert "1 B + 1 B + 1 B + 1 B" in text and "5 messages, 5.0 KB in all" in text
     assert "1023 B + 1.0 KB + 1.0 MB  (x2 steps)" in text and "at world size 1 no collective runs" in text

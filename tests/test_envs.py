@@ -152,7 +152,8 @@ def test_tracking_observations_hold_the_reference_frames_they_name():
     def reference(motion: int, t: float):
         q, qd = [], []
         for j in range(env.num_joints):
-            terms = [(2 * math.pi * float(m.freq[motion, j, s]), float(m.amp[motion, j, s]), float(m.phase[motion, j, s]))
+            terms = [(2 * math.pi * float(m.freq[motion, j, s]), float(m.amp[motion, j, s]),
+                      float(m.phase[motion, j, s]))
                      for s in range(m.num_sines)]
             q.append(float(m.bias[motion, j]) + sum(a * math.sin(w * t + p) for w, a, p in terms))
             qd.append(sum(a * w * math.cos(w * t + p) for w, a, p in terms))

@@ -32,7 +32,8 @@ def body_positions(q: np.ndarray, l: float = 0.25) -> np.ndarray:
 
 
 def expected_reward(q: np.ndarray, ref: np.ndarray):
-    """reward = 0.5 exp(-mean_j (q - ref)^2 / 0.05) + 0.5 exp(-body_err^2 / 0.005), body_err the mean link-end distance."""
+    """reward = 0.5 exp(-mean_j (q - ref)^2 / 0.05) + 0.5 exp(-body_err^2 / 0.005), body_err the mean link-end
+    distance."""
     joint_err = ((q - ref) ** 2).mean(-1)
     body_err = np.linalg.norm(body_positions(q) - body_positions(ref), axis=-1).mean(-1)
     return 0.5 * np.exp(-joint_err / 0.05) + 0.5 * np.exp(-body_err ** 2 / 0.005), body_err
@@ -207,7 +208,8 @@ def test_tracking_substep_matches_the_documented_equations_in_float64():
     for i in range(3):
         want_q, want_qd = numpy_substep(env, q[i].double().numpy(), qd[i].double().numpy(), target[i].double().numpy())
         np.testing.assert_allclose(env.q[i].double().numpy(), want_q, rtol=0, atol=1e-5)
-        np.testing.assert_allclose(env.qd[i].double().numpy(), want_qd, rtol=0, atol=2e-4 * max(1, np.abs(want_qd).max()))
+        np.testing.assert_allclose(env.qd[i].double().numpy(), want_qd, rtol=0,
+                                   atol=2e-4 * max(1, np.abs(want_qd).max()))
 
 
 def test_tracking_policy_step_is_decimation_substeps_toward_the_current_clamped_action():
@@ -248,7 +250,8 @@ def test_sampler_counts_only_ended_failures_and_commit_adds_then_restarts_local(
     failure); `commit_global` adds the cross-rank sum to the global counts and zeroes the local ones, so the
     next sync does not count this rank's episodes twice; a checkpoint's local counts of another size are refused."""
     s = AdaptiveMotionSampler(3, uniform_floor=0.2, device="cpu")
-    s.record(torch.tensor([0, 1, 2, 2]), torch.tensor([True, False, True, False]), torch.tensor([True, True, False, True]))
+    s.record(torch.tensor([0, 1, 2, 2]), torch.tensor([True, False, True, False]),
+             torch.tensor([True, True, False, True]))
     assert s.local_counts.tolist() == [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
     s.global_counts = torch.tensor([[5.0, 1.0, 0.0], [2.0, 0.0, 0.0]], dtype=torch.float64)
     s.commit_global(torch.tensor([[3.0, 4.0, 1.0], [1.0, 2.0, 0.0]], dtype=torch.float64))
@@ -256,7 +259,8 @@ def test_sampler_counts_only_ended_failures_and_commit_adds_then_restarts_local(
     assert s.local_counts.tolist() == [[0.0] * 3, [0.0] * 3]
     rate = np.array([4 / 10, 3 / 7, 1 / 3])           # (failures + 1) / (visits + 2)
     np.testing.assert_allclose(s.probabilities().numpy(), 0.2 / 3 + 0.8 * rate / rate.sum(), rtol=1e-12)
-    bad = {"global_counts": torch.zeros(2, 3, dtype=torch.float64), "local_counts": torch.zeros(2, 4, dtype=torch.float64)}
+    bad = {"global_counts": torch.zeros(2, 3, dtype=torch.float64),
+           "local_counts": torch.zeros(2, 4, dtype=torch.float64)}
     with pytest.raises(ValueError, match="local_counts.*num-motions"):
         s.load_state_dict(bad)
 

@@ -1,6 +1,6 @@
 """`make export`: the exported deterministic actor gives the checkpoint's model's mean actions on raw
-observations, as TorchScript, a torch.export program and ONNX, for checkpoints of two presets (one with an actor observation
-normalizer, one without)."""
+observations, as TorchScript, a torch.export program and ONNX, for checkpoints of two presets (one with an
+actor observation normalizer, one without)."""
 
 import glob
 import os
@@ -36,7 +36,8 @@ def reference_actions(path: str, obs: torch.Tensor) -> torch.Tensor:
     state = torch.load(path, weights_only=True)
     weights = state["model"]
     model = build_actor_critic(PolicyConfig(**state["config"]["policy"]),
-                               {"policy": weights["actor.0.weight"].shape[1], "critic": weights["critic.0.weight"].shape[1]},
+                               {"policy": weights["actor.0.weight"].shape[1],
+                                "critic": weights["critic.0.weight"].shape[1]},
                                weights["log_std"].shape[0])
     model.load_state_dict(weights)
     with torch.no_grad():

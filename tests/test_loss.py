@@ -16,7 +16,8 @@ def test_ppo_loss_terms_match_hand_calculation():
     ent = torch.tensor([1.0, 2.0, 3.0])
     out = ppo_loss(lp, old, adv, v, old_v, ret, ent, clip_param=0.2, clip_value_loss=True,
                    value_loss_coef=0.5, entropy_coef=0.01)
-    # surrogate per sample: -min(r*A, clip(r)*A): 1 -> -1; 1.5*2=3 vs 1.2*2=2.4 -> -2.4; 0.5*-1=-0.5 vs 0.8*-1=-0.8 -> 0.8
+    # surrogate per sample: -min(r*A, clip(r)*A): 1 -> -1; 1.5*2=3 vs 1.2*2=2.4 -> -2.4;
+    # 0.5*-1=-0.5 vs 0.8*-1=-0.8 -> 0.8
     surrogate = np.mean([-1.0, -2.4, 0.8])
     # value: clipped = old + clip(v-old, +-0.2) = [0.7, 0.3, 2.2]
     # max((v-R)^2, (vc-R)^2): [max(1, 1.69), max(0, 0.09), max(1, 0.04)] = [1.69, 0.09, 1.0]

@@ -167,7 +167,8 @@ def test_an_env_only_a_rollout_rank_builds_says_its_error_there_and_the_learner_
         errors = [line for line in rollout.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "NoSuchTask-v0" in errors[0] and "Traceback" not in rollout, rollout
         learner_errors = [line for line in learner.splitlines() if line.startswith("error:")]
-        assert len(learner_errors) == 1 and learner_errors[0].startswith("error: rollout rank 1 died or stalled"), learner
+        assert (len(learner_errors) == 1
+                and learner_errors[0].startswith("error: rollout rank 1 died or stalled")), learner
     finally:
         for job in ranks:
             job.kill_all()

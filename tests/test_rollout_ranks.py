@@ -38,7 +38,8 @@ def body(rank, world_size, cfg, iterations):
     model, scalars, plan = train.main(cfg)
     k = cfg.rollout.ranks                  # this rank's collective group: the learners or the rollout ranks
     single = (k if rank >= world_size - k else world_size - k) == 1
-    return ({k: v.clone() for k, v in model.state_dict().items()}, scalars, {k: list(v) for k, v in comm.LEDGER.items()},
+    return ({k: v.clone() for k, v in model.state_dict().items()}, scalars,
+            {k: list(v) for k, v in comm.LEDGER.items()},
             expected_ledger(plan, iterations, final_iteration=iterations, collectives=not single))
 
 

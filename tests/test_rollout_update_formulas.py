@@ -134,7 +134,8 @@ class CountingEnv:
         truncated = torch.stack([torch.tensor(False), self.k[1] == 3])
         final = self.observe()
         self.k[terminated | truncated] = 0
-        return self.observe(), reward, terminated, truncated, {"final_obs": final, "log": {"Episode/x": torch.tensor(1.5)}}
+        return (self.observe(), reward, terminated, truncated,
+                {"final_obs": final, "log": {"Episode/x": torch.tensor(1.5)}})
 
 
 def test_collect_rollout_records_pre_step_observations_dones_and_time_out_bootstraps():

@@ -45,7 +45,8 @@ def test_normalizer_merge_and_global_mean_std_equal_numpy_over_the_union():
 def test_merge_moments_single_process_equals_numpy_over_sequential_batches():
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(n, 3, generator=g, dtype=torch.float64) * 5 + 100 for n in (1, 17, 4)]
-    count, mean, m2 = torch.zeros((), dtype=torch.float64), torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    count, mean, m2 = (torch.zeros((), dtype=torch.float64), torch.zeros(3, dtype=torch.float64),
+                       torch.zeros(3, dtype=torch.float64))
     for b in batches:
         count, mean, m2 = merge_moments(count, mean, m2, b)
     union = torch.cat(batches).numpy()

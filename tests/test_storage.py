@@ -97,7 +97,8 @@ def test_fill_storage_recomputes_old_policy_outputs_with_the_learners_model():
     with torch.no_grad():
         pi = model.distribution(batch["actor_obs"])
         assert torch.equal(storage.log_probs, pi.log_prob(batch["actions"]).sum(-1))
-        assert torch.equal(storage.action_mean, pi.mean) and torch.equal(storage.values, model.value(batch["critic_obs"]))
+        assert (torch.equal(storage.action_mean, pi.mean)
+                and torch.equal(storage.values, model.value(batch["critic_obs"])))
     fill_storage(storage, batch, model, None, 0.99, 0.95, recompute=False)
     for name in ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values"):
         assert torch.equal(getattr(storage, name), batch[name]), name      # the copy's numbers, as sent

@@ -31,11 +31,13 @@ def ledger_body(rank, world_size, root, epochs, minibatches, micro, mode, iterat
     cfg.dist.device = "cpu"          # gloo ranks on CPU even where a GPU is visible
     comm.reset_ledger()
     _, scalars, plan = train.main(cfg)
-    return {k: list(v) for k, v in comm.LEDGER.items()}, expected_ledger(plan, iterations, final_iteration=iterations), scalars
+    return ({k: list(v) for k, v in comm.LEDGER.items()}, expected_ledger(plan, iterations, final_iteration=iterations),
+            scalars)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("epochs, minibatches, micro, mode", [(2, 2, 1, "flat"), (1, 4, 2, "bucketed"), (3, 1, 4, "bucketed")])
+@pytest.mark.parametrize("epochs, minibatches, micro, mode",
+                         [(2, 2, 1, "flat"), (1, 4, 2, "bucketed"), (3, 1, 4, "bucketed")])
 def test_ledger_after_training_equals_the_printed_plan(tmp_path, epochs, minibatches, micro, mode):
     iterations = 3
     results = run_ranks(ledger_body, 2, args=(str(tmp_path), epochs, minibatches, micro, mode, iterations))

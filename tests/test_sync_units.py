@@ -137,7 +137,8 @@ def test_checksum_catches_shifted_and_permuted_writes():
 def test_checksum_updates_from_changed_elements_alone():
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.int64):
-        old = (torch.randn(5 * ROW, generator=g) > 0) if dtype == torch.bool else torch.randn(5 * ROW, generator=g).to(dtype)
+        old = ((torch.randn(5 * ROW, generator=g) > 0) if dtype == torch.bool
+               else torch.randn(5 * ROW, generator=g).to(dtype))
         index = torch.randperm(old.numel(), generator=g)[:300].sort().values
         new = old.clone()
         new[index] = ~old[index] if dtype == torch.bool else (old[index] + 1).to(dtype)
@@ -163,7 +164,8 @@ def test_checksum_updates_from_changed_elements_alone():
 def test_checksum_of_many_tensors_matches_a_numpy_reference():
     tensors = [torch.randn(ROW + 3), torch.arange(5), torch.rand(9) < 0.5]
     w = weights(len(tensors), 31, offset=1 << 50)
-    parts = [sum(divmod(_numpy_checksum(t), 2**31)[k] * int(w[i, k]) for i, t in enumerate(tensors)) % P for k in range(2)]
+    parts = [sum(divmod(_numpy_checksum(t), 2**31)[k] * int(w[i, k]) for i, t in enumerate(tensors)) % P
+             for k in range(2)]
     assert int(checksum(tensors)) == parts[0] * 2**31 + parts[1]
 
 
