@@ -140,11 +140,11 @@ def throughput(args, root: str) -> None:
             if variant == "colocated":
                 sum_ratio = max_ratio = "-"
             else:   # C: the sync job's wait (rollout rank's receive + collect + send); U: this job's update
-                sum_ratio = median_ratio((row[variant]["iteration"], row["sync"]["wait"] + row[variant]["update"])
-                                         for row in rounds)
-                max_ratio = median_ratio((row[variant]["iteration"], max(row["sync"]["wait"], row[variant]["update"]))
-                                         for row in rounds)
-                sum_ratio, max_ratio = f"{sum_ratio:.2f}", f"{max_ratio:.2f}"
+                sums = median_ratio((row[variant]["iteration"], row["sync"]["wait"] + row[variant]["update"])
+                                    for row in rounds)
+                peaks = median_ratio((row[variant]["iteration"], max(row["sync"]["wait"], row[variant]["update"]))
+                                     for row in rounds)
+                sum_ratio, max_ratio = f"{sums:.2f}", f"{peaks:.2f}"
             print(f"| {variant} | {transitions / med['iteration']:,.0f} | {med['iteration']:.2f} | {med['wait']:.2f} | "
                   f"{med['update']:.2f} | {vs:.2f}x | {sum_ratio} | {max_ratio} |")
         print("C = learner wait in the sync job (rollout rank: weights in, collect, batch out); U = learner update "
