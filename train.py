@@ -58,7 +58,7 @@ from ppo.rollout import (TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout
                           fill_storage)
 from rollout_ranks import LearnerTeam, describe_rollout, run_rollout_rank, unpack_team_states
 from ppo.storage import RolloutStorage
-from ppo.update import ppo_update, update_plan_rows
+from ppo.update import checked_noise_std, ppo_update, update_plan_rows
 
 OBS_GROUP = {"actor_obs": "policy", "critic_obs": "critic"}   # storage field -> observation group
 
@@ -245,7 +245,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         returns = episodes.ended_returns() if cfg.log.episode_returns else []   # every rank's, on rank 0
         stop_signal, launcher_gone = (scalars.pop(key) > 0 for key in STOP_KEYS)
         scalars.update({"Loss/learning_rate": stats["learning_rate"], "Policy/kl": stats["kl"],
-                        "Policy/mean_noise_std": model.log_std.exp().mean().item(),
+                        "Policy/mean_noise_std": checked_noise_std(model, iteration + 1, stats["learning_rate"]),
                         "Perf/total_fps": learners * N * T / (collection_time + learning_time),
                         "Perf/collection_time": collection_time, "Perf/learning_time": learning_time,
                         "Train/nonfinite_skipped_steps": stats["skipped_steps"]})

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from dist.errors import RunError
 from dist.plan import PlanRow
 from dist.stats import global_mean_std, mean_std_plan_rows
 from ppo.kl_schedule import adaptive_lr
@@ -88,6 +89,26 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
     stats = {k: v / max(num_steps, 1) for k, v in totals.items()}
     stats.update(learning_rate=lr, skipped_steps=float(skipped))
     return stats
+
+
+def checked_noise_std(model, iteration: int, lr: float) -> float:
+    """The policy's mean action noise std after an update (logged), read in the same host read as a check that
+    the update left every weight finite and the noise std in (0, inf). A step with a finite gradient can still
+    leave neither (an LR of 1e4, a loss weight of 1e30): every later step would be skipped and every action be
+    nan, which the env would be blamed for. No communication: the replicas are equal, so every learner raises."""
+    params = dict(model.named_parameters())
+    std = model.log_std.exp()
+    usable = [p.isfinite().all() for p in params.values()] + [(std > 0).all() & std.isfinite().all()]
+    mean_std, *ok = torch.cat([std.mean().reshape(1), torch.stack(usable).to(std.dtype)]).tolist()
+    if all(ok):
+        return mean_std
+    broken = [name for name, good in zip(params, ok) if not good]
+    more = f" and {len(broken) - 3} more" if len(broken) > 3 else ""
+    what = f"non-finite weights in {', '.join(broken[:3])}{more}" if broken else \
+        f"an action noise std of {std.min().item():g} to {std.max().item():g} (log_std)"
+    raise RunError(f"the update of iteration {iteration} left the policy unusable: {what}, at LR {lr:g}; its steps "
+                   f"were too large: lower --ppo.learning-rate (adaptive: --ppo.lr-max) or the loss weights, and "
+                   f"resume from a checkpoint before it (nothing of this iteration was saved)")
 
 
 

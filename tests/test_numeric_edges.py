@@ -1,11 +1,20 @@
 """Extreme but legitimate inputs, checked against numpy float64 over the same float32 values."""
 
+import glob
+import math
+
 import numpy as np
+import pytest
 import torch
 
+import train
+from dist.errors import RunError
 from dist.stats import merge_moments
 from ppo.gae import compute_gae
 from ppo.normalizer import RewardNormalizer
+from ppo.update import checked_noise_std
+from tests.ppo_fixtures import make_model
+from tests.test_config_errors import cfg_with
 
 
 def test_a_constant_feature_merged_away_from_its_shift_has_std_zero_not_nan():
@@ -76,3 +85,33 @@ def test_gae_over_a_thousand_steps_of_large_rewards_stays_within_float32_roundin
         np.testing.assert_allclose(adv.double().numpy(), expected, rtol=0, atol=bound)
         np.testing.assert_allclose(ret.double().numpy(), expected + v, rtol=0, atol=bound + np.finfo(np.float32).eps
                                    * np.abs(expected + v).max())
+
+
+def test_the_noise_std_read_after_an_update_refuses_a_policy_it_left_unusable():
+    model = make_model()
+    with torch.no_grad():
+        model.log_std.copy_(torch.tensor([-0.5, 0.0, 0.7][:model.log_std.numel()]))
+    expected = float(np.mean(np.exp(model.log_std.detach().numpy().astype(np.float64))))
+    assert math.isclose(checked_noise_std(model, 4, 1e-3), expected, rel_tol=1e-6)
+    with torch.no_grad():
+        model.critic[2].bias[1] = float("inf")
+    with pytest.raises(RunError, match=r"^the update of iteration 4 left the policy unusable: non-finite weights in "
+                                       r"critic\.2\.bias, at LR 0\.001; .*lower --ppo\.learning-rate"):
+        checked_noise_std(model, 4, 1e-3)
+    for log_std, std in ((1e4, "inf"), (-200.0, "0")):     # finite weights, but exp() leaves float32's range
+        model = make_model()
+        with torch.no_grad():
+            model.log_std[0] = log_std
+        with pytest.raises(RunError, match=f"left the policy unusable: an action noise std of .*{std}.* \\(log_std\\)"):
+            checked_noise_std(model, 1, 1e4)
+
+
+def test_a_learning_rate_that_blows_the_policy_up_stops_the_run_at_that_update_and_saves_nothing(tmp_path):
+    """A fixed LR of 1e4: Adam's first steps move log_std by about 1e4, so exp() is inf and every action nan;
+    the run used to go on, every step skipped, and save that policy (or blame the env for the nan it was fed)."""
+    cfg = cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=3, log__root=str(tmp_path),
+                   log__save_every=1, ppo__schedule="fixed", ppo__learning_rate=1e4)
+    with pytest.raises(RunError, match=r"^the update of iteration 1 left the policy unusable: .* at LR 10000; "):
+        train.main(cfg)
+    assert glob.glob(str(tmp_path / "**" / "config_0.json"), recursive=True)   # the run did start
+    assert not glob.glob(str(tmp_path / "**" / "model_*.pt"), recursive=True)
