@@ -77,7 +77,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     restarted = launch_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
     typed_task = cfg.env.task if "--env.task" in (typed or ()) and env_reads(cfg, "--env.task") else None
     resume_path, run_dir = resolve_resume(cfg, experiment, typed_task, cfg.env.name)
-    checkpoint = load_checkpoint(resume_path) if resume_path else None
+    checkpoint = load_checkpoint(resume_path, run_dir) if resume_path else None
     changed, kept = [], []            # from the command line a resumed run continues its own settings
     if checkpoint is not None and typed is not None:
         changed, kept = continue_saved_config(cfg, checkpoint["config"], typed)

@@ -39,8 +39,21 @@ def read_torch_file(path: str):
                          f"model_<iteration>.pt file train.py wrote") from None
 
 
-def load_checkpoint(path: str) -> dict:
-    """Load and validate a checkpoint; a file that is not one of ours raises naming what is wrong."""
+def load_checkpoint(path: str, run_dir: str | None = None) -> dict:
+    """Load and validate a checkpoint; a file that is not one of ours raises naming what is wrong. `run_dir`: the run
+    directory whose newest checkpoint `path` is (--resume auto or RUN_DIR), which the resume continues in place."""
+    try:
+        return checked_checkpoint(path)
+    except UsageError as error:
+        if run_dir is None or not os.path.isfile(path):
+            raise
+        # Another file passed by hand would start a new run directory: the way to continue in place is to set it aside.
+        raise UsageError(f"{error} (it is the newest checkpoint of {run_dir!r}, the run this resume continues in "
+                         f"place: move it out of that directory, and the resume continues from the newest one "
+                         f"left)") from None
+
+
+def checked_checkpoint(path: str) -> dict:
     if not os.path.exists(path):
         dangling = os.path.islink(path)      # exists() follows links: a dangling or looping one reads as missing
         raise UsageError(f"--resume {path!r} " + ("is a symbolic link whose target does not exist (or that loops)"

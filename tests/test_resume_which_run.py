@@ -124,3 +124,31 @@ def test_resume_auto_of_a_shared_experiment_continues_this_presets_run(tmp_path,
     from dist.errors import UsageError
     with pytest.raises(UsageError, match=r"--resume auto: no checkpoint of --env.name gymnasium under "):
         resolve_resume(SimpleNamespace(resume="auto"), os.path.join(root, "shared"), env="gymnasium")
+
+
+def test_a_damaged_newest_checkpoint_of_a_run_continued_in_place_says_how_to_continue_in_place(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """--resume auto (or RUN_DIR) met a truncated newest checkpoint and said "use another one": passed by hand,
+    another file starts a new run directory. Set aside, the resume continues in place from the newest one left."""
+    import glob
+    from pathlib import Path
+    import train
+    from dist.errors import UsageError
+    from tests.test_config_errors import cfg_with
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    small = dict(env__num_envs=16, ppo__num_steps=8, log__root=str(tmp_path), log__save_every=1)
+    train.main(cfg_with(max_iterations=2, **small))
+    run_dir, = glob.glob(str(tmp_path / "tracking" / "*"))
+    newest = os.path.join(run_dir, "model_2.pt")
+    with open(newest, "r+b") as f:
+        f.truncate(os.path.getsize(newest) // 2)
+    with pytest.raises(UsageError, match=r"is a truncated or damaged checkpoint .* \(it is the newest checkpoint of "
+                                         r".*, the run this resume continues in place: move it out of that "
+                                         r"directory, and the resume continues from the newest one left\)$"):
+        train.main(cfg_with(max_iterations=3, resume="auto", dry_run=True, **small))
+    os.rename(newest, str(tmp_path / "damaged.pt"))
+    capsys.readouterr()
+    train.main(cfg_with(max_iterations=3, resume="auto", **small))
+    assert f"resumed {os.path.join(run_dir, 'model_1.pt')} at iteration 1" in capsys.readouterr().out
+    assert glob.glob(str(tmp_path / "tracking" / "*")) == [run_dir]                            # in place
+    assert sorted(p.name for p in Path(run_dir).glob("model_*.pt")) == ["model_1.pt", "model_2.pt", "model_3.pt"]
