@@ -195,6 +195,9 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
     if cfg.log.experiment in (".", "..") or any(sep in cfg.log.experiment for sep in ("/", "\\", os.sep)):
         raise UsageError(f"--log.experiment {cfg.log.experiment!r} must be a plain name without path separators "
                          f"(runs go to --log.root/EXPERIMENT/TIMESTAMP); use --log.root to write elsewhere")
+    if cfg.log.experiment and not (cfg.log.experiment.strip() and cfg.log.experiment.isprintable()):
+        raise UsageError(f"--log.experiment {cfg.log.experiment!r} is blank or holds a control character (a newline, "
+                         f"a tab); a run directory's name must be printable: leave it out for the env's name")
     if len(cfg.log.experiment.encode()) > 255:     # NAME_MAX: the run directory's mkdir would fail after the build
         raise UsageError(f"--log.experiment is {len(cfg.log.experiment.encode())} bytes long; a directory name "
                          f"can have at most 255: use a shorter name")
@@ -207,23 +210,13 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
     if not 1e-3 <= cfg.dist.timeout_s <= 1e9:   # c10d counts whole ms; gloo's deadline overflows int64 ns past ~9e9 s
         raise UsageError(f"--dist.timeout-s must be in [0.001, 1e9] seconds (torch.distributed counts whole "
                          f"milliseconds and overflows beyond), got {cfg.dist.timeout_s}")
-    positive = {
-        "--env.num-envs": cfg.env.num_envs, "--ppo.num-steps": cfg.ppo.num_steps,
-        "--ppo.num-epochs": cfg.ppo.num_epochs, "--ppo.num-mini-batches": cfg.ppo.num_mini_batches,
-        "--max-iterations": cfg.max_iterations, "--log.save-every": cfg.log.save_every,
-        "--log.print-every": cfg.log.print_every, "--env.episode-length-s": cfg.env.episode_length_s,
-        "--ppo.learning-rate": cfg.ppo.learning_rate, "--ppo.clip-param": cfg.ppo.clip_param,
-        "--ppo.max-grad-norm": cfg.ppo.max_grad_norm, "--policy.init-noise-std": cfg.policy.init_noise_std,
-        "--env.num-motions": cfg.env.num_motions, "--ppo.desired-kl": cfg.ppo.desired_kl,
-        "--ppo.num-micro-batches": cfg.ppo.num_micro_batches, "--dist.bucket-mb": cfg.dist.bucket_mb,
-        "--dist.sampler-sync-every": cfg.dist.sampler_sync_every,
-        "--ppo.adam-eps": cfg.ppo.adam_eps, "--ppo.reward-clip": cfg.ppo.reward_clip,
-    }
-    for flag, value in positive.items():
-        if not value > 0:
-            raise UsageError(f"{flag} must be positive, got {value}")
-    for flag, value in {"--ppo.gamma": cfg.ppo.gamma, "--ppo.lam": cfg.ppo.lam,
-                        "--env.sampling-uniform-floor": cfg.env.sampling_uniform_floor}.items():
+    for flag in ("--env.num-envs", "--ppo.num-steps", "--ppo.num-epochs", "--ppo.num-mini-batches", "--max-iterations",
+                 "--log.save-every", "--log.print-every", "--env.episode-length-s", "--env.num-motions",
+                 "--ppo.num-micro-batches", "--dist.sampler-sync-every", *POSITIVE_FLOATS):
+        if not flag_value(cfg, flag) > 0:
+            raise UsageError(f"{flag} must be positive, got {flag_value(cfg, flag)}")
+    for flag in UNIT_INTERVAL:
+        value = flag_value(cfg, flag)
         if not 0.0 <= value <= 1.0:
             raise UsageError(f"{flag} must be in [0, 1], got {value}")
     # with --env.global-num-envs the per-rank count was split from it (resolve_num_envs): say which flag to fix
@@ -309,6 +302,18 @@ def validate_rollout(cfg: Config, world_size: int) -> None:
 
 GLOBAL_ENVS_WITH_ROLLOUT_RANKS = ("--env.global-num-envs with --rollout.ranks: give --env.num-envs per rollout rank "
                                   "instead")
+# The float flags validate() requires to be positive, or in [0, 1]: check_finite's advice keeps to them.
+POSITIVE_FLOATS = ("--ppo.learning-rate", "--ppo.clip-param", "--ppo.max-grad-norm", "--policy.init-noise-std",
+                   "--ppo.desired-kl", "--dist.bucket-mb", "--ppo.adam-eps", "--ppo.reward-clip", "--ppo.lr-min",
+                   "--ppo.lr-max")
+UNIT_INTERVAL = ("--ppo.gamma", "--ppo.lam", "--env.sampling-uniform-floor")
+
+
+def flag_value(cfg: Config, flag: str):
+    """The value `flag` sets in `cfg`: --ppo.lr-max is cfg.ppo.lr_max, --max-iterations cfg.max_iterations."""
+    *section, name = flag[2:].replace("-", "_").split(".")
+    return getattr(getattr(cfg, section[0]) if section else cfg, name)
+
 EMBEDDED_STEP_S = 0.02    # control step of both embedded envs (cartpole: dt; tracking: 4 x 5 ms substeps)
 FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38   # smallest normal, largest float32
 
@@ -329,8 +334,11 @@ def check_finite(cfg: Config) -> None:
                 raise UsageError(f"--{prefix}{f.name.replace('_', '-')} must be a finite number, got {value}")
             in_float32 = prefix + f.name not in ("dist.timeout_s", "env.episode_length_s")   # seconds: own ranges
             if in_float32 and isinstance(value, float) and value and not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
-                raise UsageError(f"--{prefix}{f.name.replace('_', '-')} {value} is 0 or inf in float32, where it is "
-                                 f"used; use 0 or a magnitude in [{FLOAT32_TINY:.1e}, {FLOAT32_MAX:.1e}]")
+                flag = f"--{prefix}{f.name.replace('_', '-')}"     # the advice is the range validate() then takes
+                zero = "" if flag in POSITIVE_FLOATS else "0 or "
+                top = 1 if flag in UNIT_INTERVAL else FLOAT32_MAX
+                raise UsageError(f"{flag} {value} is 0 or inf in float32, where it is used; use {zero}a magnitude in "
+                                 f"[{FLOAT32_TINY:.1e}, {top:.1e}]")
             ints = value if isinstance(value, tuple) else (value,)
             if any(isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63 for v in ints):
                 raise UsageError(f"--{prefix}{f.name.replace('_', '-')} must fit in 64 bits "

@@ -13,6 +13,7 @@ import torch
 
 import train
 from configs import preset, resolve_num_envs, validate
+from configs.config import POSITIVE_FLOATS, UNIT_INTERVAL
 from dist.checkpoint import rng_states, save_checkpoint
 from dist.checkpoint_read import load_checkpoint
 from dist.errors import UsageError
@@ -144,6 +145,29 @@ def test_a_collective_timeout_torch_cannot_represent_names_the_flag(timeout_s):
 def test_floats_outside_float32_name_the_flag(changes, flag):
     with pytest.raises(UsageError, match="^" + re.escape(f"{flag} is 0 or inf in float32, where it is used")):
         validate(cfg_with(**changes))
+
+
+@pytest.mark.parametrize("changes, advice", [
+    ({"ppo__learning_rate": 1e-45, "ppo__schedule": "fixed"}, "use a magnitude in [1.2e-38, 3.4e+38]"),   # offered 0
+    ({"ppo__adam_eps": 1e-45}, "use a magnitude in [1.2e-38, 3.4e+38]"),
+    ({"ppo__entropy_coef": 1e-45}, "use 0 or a magnitude in [1.2e-38, 3.4e+38]"),   # ">= 0"
+    ({"ppo__gamma": 1e-300}, "use 0 or a magnitude in [1.2e-38, 1.0e+00]"),         # offered float32's range
+])
+def test_the_float32_advice_is_a_range_the_flag_then_takes(changes, advice):
+    with pytest.raises(UsageError, match=re.escape(advice) + "$"):
+        validate(cfg_with(**changes))
+    field = next(iter(changes))                 # the flag; the others make its low end valid (a fixed-LR schedule)
+    flag = f"--{field.replace('__', '.').replace('_', '-')}"
+    taken = 0.0 if advice.startswith("use 0") else 1.2e-38     # the advice's low end, taken as it says
+    validate(cfg_with(**{**changes, field: taken}))
+    assert (flag in POSITIVE_FLOATS) == (not advice.startswith("use 0"))
+
+
+@pytest.mark.parametrize("flag", UNIT_INTERVAL)
+def test_every_unit_interval_flag_refuses_a_value_past_1_naming_itself(flag):
+    field = flag[2:].replace(".", "__").replace("-", "_")
+    with pytest.raises(UsageError, match=f"^{re.escape(flag)} must be in \\[0, 1\\], got 1.5$"):
+        validate(cfg_with(**{field: 1.5}))
     validate(cfg_with(ppo__entropy_coef=0.0, ppo__clip_param=3e38, ppo__max_grad_norm=1.2e-38,   # 0, the range
                       env__action_scale=-1.0))                                                   # and a negative
 

@@ -34,6 +34,7 @@ POSITIVE = [   # (field, flag) of every entry of validate()'s "must be positive"
     ("ppo__desired_kl", "--ppo.desired-kl"), ("ppo__num_micro_batches", "--ppo.num-micro-batches"),
     ("dist__bucket_mb", "--dist.bucket-mb"), ("dist__sampler_sync_every", "--dist.sampler-sync-every"),
     ("ppo__adam_eps", "--ppo.adam-eps"), ("ppo__reward_clip", "--ppo.reward-clip"),
+    ("ppo__lr_min", "--ppo.lr-min"), ("ppo__lr_max", "--ppo.lr-max"),    # lr-max 0 blamed lr-min, which was typed
 ]
 
 
