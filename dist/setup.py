@@ -5,6 +5,7 @@ import ctypes
 import gc
 import os
 import random
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -58,6 +59,9 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
 
 
+WAIT_NOTICE_S = 10.0     # a rendezvous longer than this says what it waits for
+
+
 def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK); one device per local rank.
 
@@ -94,6 +98,14 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
             timeout = timedelta(seconds=timeout_s)
             # device_id binds the group to this GPU (NCCL's eager init); a gloo group stays unbound
             kwargs = {"backend": backend, "timeout": timeout, "device_id": dev if backend == "nccl" else None}
+            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            # Said once when the others are late (a node not started yet, RANK set by hand without torchrun): the
+            # rendezvous is otherwise silent for up to --dist.timeout-s (600 s by default).
+            notice = threading.Timer(WAIT_NOTICE_S, print, [f"[syncppo] rank {rank}: waiting for the other "
+                                                            f"{world_size - 1} rank(s) at {where} (for up to "
+                                                            f"--dist.timeout-s {timeout_s:g})"], {"flush": True})
+            notice.daemon = True
+            notice.start()
             try:
                 if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                     store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], launch_int("MASTER_PORT", 0), world_size,
@@ -103,10 +115,12 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
                                   world_size=world_size)
                 torch_dist.init_process_group(**kwargs)
             except torch_dist.DistError as error:      # a store that timed out or could not be reached: no bug
-                where, why = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", one_line(error).rstrip(".")
+                why = one_line(error).rstrip(".")
                 raise RunError(f"the {world_size} ranks did not all meet at {where} within --dist.timeout-s "
                                f"{timeout_s:g} ({why}); start every rank (torchrun --nnodes/--nproc-per-node), "
                                "check that rank 0's host and port are reachable, or raise --dist.timeout-s") from error
+            finally:
+                notice.cancel()
     else:
         backend = "none"
     # Where collectives stage their tensors: the rank's GPU under NCCL, the host under gloo; with one process (no

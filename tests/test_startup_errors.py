@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import train
+import dist.setup
 from configs import preset, validate
 from dist.errors import UsageError
 from tests.fake_isaaclab import Record, fake_modules
@@ -90,8 +91,11 @@ def test_a_rank_that_never_comes_is_one_line_naming_the_timeout_flag(tmp_path, c
         monkeypatch.setenv(name, value)
     cfg = small(tmp_path)
     cfg.dist.timeout_s = 0.5
+    monkeypatch.setattr(dist.setup, "WAIT_NOTICE_S", 0.0)    # what a late rendezvous says meanwhile, said at once
     assert train.cli(cfg) == 1
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out == (f"[syncppo] rank 0: waiting for the other 1 rank(s) at 127.0.0.1:{port} (for up to "
+                   f"--dist.timeout-s 0.5)\n")
     assert err.startswith(f"error: the 2 ranks did not all meet at 127.0.0.1:{port} within --dist.timeout-s 0.5 (")
     assert err.endswith("start every rank (torchrun --nnodes/--nproc-per-node), check that rank 0's host and port "
                         "are reachable, or raise --dist.timeout-s\n") and "Traceback" not in err
