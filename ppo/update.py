@@ -94,8 +94,8 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
 def checked_noise_std(model, iteration: int, lr: float) -> float:
     """The policy's mean action noise std after an update (logged), read in the same host read as a check that
     the update left every weight finite and the noise std in (0, inf). A step with a finite gradient can still
-    leave neither (an LR of 1e4, a loss weight of 1e30): every later step would be skipped and every action be
-    nan, which the env would be blamed for. No communication: the replicas are equal, so every learner raises."""
+    leave neither (a fixed LR of 1e4: log_std moves by about 1e4): every later step would be skipped and every action
+    be nan, which the env would be blamed for. No communication: the replicas are equal, so every learner raises."""
     params = dict(model.named_parameters())
     std = model.log_std.exp()
     usable = [p.isfinite().all() for p in params.values()] + [(std > 0).all() & std.isfinite().all()]
