@@ -251,11 +251,11 @@ def test_the_mujoco_preset_is_cleanrl_s_setting_as_docs_simulators_md_describes(
 
 
 def test_the_cartpole_and_tracking_presets_are_the_runs_the_readme_lists():
-    """README's presets table: cartpole 64 envs, T=32, 60 iterations, episodes capped at 500 steps of 0.02 s;
+    """README's presets table: cartpole 64 envs, T=32, 100 iterations, episodes capped at 500 steps of 0.02 s;
     tracking 512 envs per rank, T=24, 5 epochs x 4 minibatches, 400 iterations, and the motion library whose
     sampler counts docs/design.md's sync table sizes."""
     cart = preset("cartpole")
-    assert (cart.env.name, cart.env.num_envs, cart.ppo.num_steps, cart.max_iterations) == ("cartpole", 64, 32, 60)
+    assert (cart.env.name, cart.env.num_envs, cart.ppo.num_steps, cart.max_iterations) == ("cartpole", 64, 32, 100)
     assert round(cart.env.episode_length_s / 0.02) == 500
     track = preset("tracking")
     assert (track.env.name, track.env.num_envs, track.ppo.num_steps, track.max_iterations) == ("tracking", 512, 24, 400)
