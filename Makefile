@@ -19,7 +19,7 @@ ISAACLAB_VENV    ?= .venv-isaaclab
 ISAACSIM         ?= 0
 ISAACSIM_VERSION ?= 6.2.0.0
 
-.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco gpu-wheels setup-mujoco setup-isaaclab export tensorboard clean
+.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco gpu-wheels setup-mujoco setup-isaaclab export export-needs-ckpt tensorboard clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -90,12 +90,18 @@ setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv
 	. $(CURDIR)/$(ISAACLAB_VENV)/bin/activate && cd $(ISAACLAB_DIR) && ./isaaclab.sh --install
 	$(ISAACLAB_VENV)/bin/pip install -q -r requirements.txt
 
-export: $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.pt as TorchScript and torch.export (+ ONNX if onnx, onnxscript are installed)
-	@[ -n "$(CKPT)" ] || { echo "make export needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2; }
-	$(BIN)/python -m ppo.export "$(CKPT)" $(ARGS)
+# A path as one shell word, as typed: single-quoted, with make's own $ left alone (a path can hold " or $).
+quoted = '$(subst ','\'',$(value $(1)))'
+
+# Before the prerequisites: a missing CKPT is said before .venv is built.
+export: export-needs-ckpt $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.pt as TorchScript and torch.export (+ ONNX if onnx, onnxscript are installed)
+	$(BIN)/python -m ppo.export $(call quoted,CKPT) $(ARGS)
+
+export-needs-ckpt:
+	@$(if $(value CKPT),true,echo "error: make export needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2)
 
 tensorboard: $(VENV)/.runtime  ## serve LOGDIR=runs (your --log.root) on PORT=6006
-	$(BIN)/tensorboard --logdir "$(LOGDIR)" --port $(PORT)
+	$(BIN)/tensorboard --logdir $(call quoted,LOGDIR) --port $(PORT)
 
 clean:  ## remove caches (keeps .venv and runs/: checkpoints are never deleted by make)
 	rm -rf .pytest_cache

@@ -18,6 +18,7 @@ import copy
 import importlib.util
 import inspect
 import logging
+import math
 import os
 import warnings
 
@@ -74,6 +75,22 @@ def load_policy(path: str) -> tuple[ActorCritic, dict]:
     return model.eval(), config
 
 
+def deployment(config: dict, path: str) -> tuple[float, float | None, str | None]:
+    """(--env.action-scale, --env.action-clip, --env.name) of the checkpoint's run: what the export's note tells a
+    deployment to do to the actions, so checked before anything is written."""
+    env = config.get("env", {})
+    if not isinstance(env, dict):
+        raise ValueError(f"CKPT {path!r}: its config's 'env' is a {type(env).__name__}, not a dict (damaged?)")
+    scale, clip = env.get("action_scale", 1.0), env.get("action_clip")
+
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if not (number(scale) and scale != 0) or not (clip is None or number(clip) and clip > 0):
+        raise ValueError(f"CKPT {path!r}: its config's action scale {scale!r} or clip {clip!r} is not one a run takes "
+                         f"(a nonzero finite scale; a positive finite clip or None): damaged?")
+    return scale, clip, env.get("name")
+
+
 # The torch.export-based exporter's options export() passes: torch 2.4, inside requirements.txt's range, has the
 # TorchScript exporter alone (no dynamic_shapes, no external_data), and would fail the call with a TypeError.
 EXPORTER_OPTIONS = ("dynamo", "dynamic_shapes", "external_data")
@@ -94,9 +111,13 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
     {format: file}."""
     if os.path.isdir(path):
         raise ValueError(f"CKPT {path!r} is a directory; pass a model_<iteration>.pt file inside it")
-    if not os.path.isfile(path):
-        raise ValueError(f"CKPT {path!r}: no such checkpoint file")
+    if not os.path.exists(path):
+        dangling = " (a symbolic link whose target does not exist)" if os.path.islink(path) else ""
+        raise ValueError(f"CKPT {path!r}: no such checkpoint file{dangling}")
+    if not os.path.isfile(path):      # a device or a pipe: reading it could block or never end
+        raise ValueError(f"CKPT {path!r} is not a regular file; pass a model_<iteration>.pt file")
     model, config = load_policy(path)
+    scale, clip, env_name = deployment(config, path)
     policy = DeterministicActor(model).eval().requires_grad_(False)   # deployed calls build no autograd graph
     typed_out, out_dir = bool(out_dir), out_dir or os.path.dirname(os.path.abspath(path))
     where = f"--out {out_dir!r}" if typed_out else f"the checkpoint's folder {out_dir!r} (the default --out)"
@@ -108,6 +129,11 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
     if refused:
         raise ValueError(f"{where} is not writable ({refused}); pass --out with a folder you can write to")
     stem = os.path.join(out_dir, os.path.splitext(os.path.basename(path))[0] + ".policy")
+    taken = [stem + ext for ext in (".pt", ".pt2", ".onnx") if os.path.lexists(stem + ext)
+             and (os.path.isdir(stem + ext) or not os.path.isfile(stem + ext))]
+    if taken:       # checked before writing any: a half export would otherwise be left behind
+        raise ValueError(f"{taken[0]!r} is a directory or not a regular file, where the export writes a file; move "
+                         f"it, or pass --out with another folder")
     example = torch.zeros(1, policy.actor[0].in_features)
     written = {}
     with warnings.catch_warnings():
@@ -135,8 +161,6 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
         finally:
             registration.setLevel(level)
         written["onnx"] = stem + ".onnx"
-    env = config.get("env", {})
-    scale, clip = env.get("action_scale", 1.0), env.get("action_clip")
     print(f"[export] {path}: obs dim {example.shape[1]} -> {policy.actor[-1].out_features} actions "
           f"({'with' if policy.obs_clip != float('inf') else 'no'} observation normalizer)")
     for fmt, file in written.items():
@@ -145,7 +169,7 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
         print(f"[export] ONNX skipped, {onnx_missing()}")
     steps = ([f"scaled them by {scale}"] if scale != 1.0 else []) + \
         ([f"clipped them to [-{clip}, {clip}]"] if clip is not None else []) + \
-        (["clipped them to the action space's bounds"] if env.get("name") == "gymnasium" else [])
+        (["clipped them to the action space's bounds"] if env_name == "gymnasium" else [])
     if steps:       # what envs/ did to the actions in training: a deployment must do the same
         print(f"[export] note: before the simulator, the run {', then '.join(steps)}; the exported policy outputs "
               f"actions without that")
@@ -160,7 +184,7 @@ def main() -> None:
     try:
         export(args.ckpt, args.out)
     except ValueError as exc:
-        parser.exit(2, f"export: {exc}\n")
+        parser.exit(2, f"error: {exc}\n")
 
 
 if __name__ == "__main__":

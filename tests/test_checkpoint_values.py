@@ -150,7 +150,7 @@ def test_export_checks_the_crc_as_resume_does(trained, tmp_path):
     assert damage.startswith("archive/data/") and damage.endswith(" does not match its CRC-32")
     result = run_python(["-m", "ppo.export", str(path)], cwd=REPO, timeout=120)
     assert result.returncode == 2, result.stderr
-    assert result.stderr == f"export: CKPT {str(path)!r} is damaged ({damage}); export another checkpoint\n"
+    assert result.stderr == f"error: CKPT {str(path)!r} is damaged ({damage}); export another checkpoint\n"
     assert sorted(os.listdir(tmp_path)) == ["model_1.pt"]
 
 

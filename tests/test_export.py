@@ -129,7 +129,7 @@ def test_an_out_folder_that_refuses_writes_is_one_line_even_for_root(tmp_path):
     path = small_checkpoint(tmp_path / "model_3.pt", False)
     result = run_python(["-m", "ppo.export", path, "--out", "/proc"], cwd=REPO, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.startswith("export: --out '/proc' is not writable (") and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: --out '/proc' is not writable (") and result.stderr.count("\n") == 1
 
 
 def test_a_read_only_run_folder_names_itself_and_the_way_out_not_an_out_never_typed(tmp_path):
@@ -141,7 +141,7 @@ def test_a_read_only_run_folder_names_itself_and_the_way_out_not_an_out_never_ty
     with read_only_folder(run_dir):
         result = run_python(["-m", "ppo.export", path], cwd=REPO, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.startswith(f"export: the checkpoint's folder {str(run_dir)!r} (the default --out) is not "
+    assert result.stderr.startswith(f"error: the checkpoint's folder {str(run_dir)!r} (the default --out) is not "
                                     f"writable (") and "; pass --out with a folder you can write to" in result.stderr
     assert sorted(os.listdir(run_dir)) == ["model_3.pt"]
 

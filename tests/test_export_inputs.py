@@ -1,0 +1,84 @@
+"""What `make export` / `python -m ppo.export` does with inputs that are not a checkpoint it can deploy: one line,
+`error: ...`, status 2, before any file is written; and the Makefile passes CKPT to it as one word, as typed."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from ppo import export
+from tests.forked_python import run_python
+from tests.test_export_logger_env_rules import small_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("taken", [".pt", ".pt2", ".onnx"])
+def test_an_output_name_held_by_a_directory_is_refused_before_any_file_is_written(tmp_path, taken):
+    """A folder named like one of the three outputs: torch.jit.save's (or ONNX's) traceback, after the formats
+    before it were written."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    out = tmp_path / "out"
+    (out / f"model_3.policy{taken}").mkdir(parents=True)
+    with pytest.raises(ValueError, match=rf"^'{out}/model_3\.policy\{taken}' is a directory or not a regular file, "
+                                         r"where the export writes a file; move it, or pass --out with another"):
+        export.export(path, str(out))
+    assert os.listdir(out) == [f"model_3.policy{taken}"]
+
+
+@pytest.mark.parametrize("env, shown", [
+    ("x", "its config's 'env' is a str, not a dict"),                       # an AttributeError after the files
+    ({"action_scale": float("nan")}, "its config's action scale nan or clip None"),   # the note: "scaled them by nan"
+    ({"action_scale": 0.0}, "its config's action scale 0.0 or clip None"),
+    ({"action_scale": "big"}, "its config's action scale 'big' or clip None"),
+    ({"action_clip": -1.0}, "its config's action scale 1.0 or clip -1.0"),
+    ({"action_clip": float("inf")}, "its config's action scale 1.0 or clip inf"),
+])
+def test_an_action_scale_or_clip_no_run_takes_is_refused_before_any_file_is_written(tmp_path, env, shown):
+    """The note the export prints is what a deployment applies to the actions: a value no run takes is damage."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    state = torch.load(path, weights_only=True)
+    state["config"]["env"] = env
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=f"^CKPT '{path}': {shown}"):
+        export.export(path, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_an_exported_program_passed_back_is_named_as_one_and_a_pipe_is_not_a_regular_file(tmp_path):
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    written = export.export(path, str(tmp_path / "out"))
+    for kind, file in (("TorchScript", written["torchscript"]), ("torch.export", written["torch.export"])):
+        with pytest.raises(ValueError, match=rf"is an exported policy \({kind}\), not a training checkpoint: pass "
+                                             r"the model_<k>\.pt it was exported from$"):
+            export.export(file, str(tmp_path / "again"))
+    pipe = tmp_path / "model_4.pt"
+    os.mkfifo(pipe)
+    with pytest.raises(ValueError, match=r"is not a regular file; pass a model_<iteration>\.pt file$"):
+        export.export(str(pipe))                           # said "no such checkpoint file"
+    (tmp_path / "model_5.pt").symlink_to(tmp_path / "gone.pt")
+    with pytest.raises(ValueError, match=r"no such checkpoint file \(a symbolic link whose target does not exist\)$"):
+        export.export(str(tmp_path / "model_5.pt"))
+    result = run_python(["-m", "ppo.export", str(pipe)], cwd=REPO, timeout=120)
+    assert (result.returncode, result.stderr) == (2, f"error: CKPT {str(pipe)!r} is not a regular file; pass a "
+                                                     f"model_<iteration>.pt file\n")
+
+
+@pytest.mark.parametrize("ckpt", ['x"; echo INJECTED; echo "', "$F/model_1.pt", "it's here/model_1.pt"])
+def test_make_export_passes_ckpt_as_one_word_as_typed(ckpt):
+    """CKPT went into the recipe inside double quotes: a path with " ran the rest as shell (and make's exit status
+    was the injected command's), one with $F lost it to make's expansion."""
+    result = subprocess.run(["make", "-n", "export", f"CKPT={ckpt}"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    quoted = "'" + ckpt.replace("'", "'\\''") + "'"
+    assert f"-m ppo.export {quoted} " in result.stdout, result.stdout + result.stderr
+    assert "INJECTED" not in result.stdout.replace(quoted, "")
+
+
+def test_make_export_without_ckpt_says_so_before_building_anything(tmp_path):
+    result = subprocess.run(["make", "-n", "export"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    lines = result.stdout.splitlines()
+    assert "make export needs CKPT=" in lines[0] and not any("pip install" in line for line in lines[:1])
+    result = subprocess.run(["make", "export"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.startswith("error: make export needs CKPT=path/to/model_")
