@@ -25,13 +25,17 @@ def read_torch_file(path: str):
                          if started else
                          "not a torch checkpoint (torch.save writes a zip archive; this file is not one): pass a "
                          "model_<iteration>.pt file train.py wrote")
-    with zipfile.ZipFile(path) as archive:
-        names = archive.namelist()
-        kind = "TorchScript" if any(name.endswith("/constants.pkl") for name in names) else \
-            "torch.export" if any(name.endswith("/archive_format") for name in names) else ""
-        if kind:
-            raise ValueError(f"an exported policy ({kind}), not a training checkpoint: pass the model_<k>.pt it was "
-                             "exported from")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as exc:     # an end record found, the index behind it unreadable
+        raise ValueError(f"a damaged checkpoint (its zip archive's index is unreadable: {exc}); use another one") \
+            from None
+    kind = "TorchScript" if any(name.endswith("/constants.pkl") for name in names) else \
+        "torch.export" if any(name.endswith("/archive_format") for name in names) else ""
+    if kind:
+        raise ValueError(f"an exported policy ({kind}), not a training checkpoint: pass the model_<k>.pt it was "
+                         "exported from")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error

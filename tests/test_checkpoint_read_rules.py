@@ -126,3 +126,17 @@ def test_a_truncated_checkpoint_a_directory_and_a_non_archive_each_say_what_they
         load_checkpoint(str(tmp_path))
     assert str(exc.value) == f"--resume {str(tmp_path)!r} is a directory; pass a model_<iteration>.pt file inside " \
                              "it, or auto"
+
+
+@pytest.mark.parametrize("entry", ["first", "last"])
+def test_a_flipped_bit_in_the_archive_index_is_a_damaged_checkpoint_not_a_bad_zip_traceback(tmp_path, entry):
+    """The end record found, the central directory behind it unreadable: zipfile raised BadZipFile, which every
+    reader (--resume, make export, bench_sync) reported as a bug with its traceback."""
+    path = _saved(tmp_path, _state())
+    data = bytearray(open(path, "rb").read())
+    # The signature of an entry of the central directory (one per member, found from the end record)
+    data[data.index(b"PK\x01\x02") if entry == "first" else data.rindex(b"PK\x01\x02")] ^= 4
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(UsageError, match=r"^--resume '.*' is a damaged checkpoint \(its zip archive's index is "
+                                         r"unreadable: .*\); use another one$"):
+        load_checkpoint(path)
