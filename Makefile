@@ -13,13 +13,17 @@ NPROC   ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); [ "$$n" -g
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
+PRESETS := cartpole tracking mujoco isaaclab
+# A value as one shell word, as typed: single-quoted (a path can hold " or $; pass $(value VAR) to keep make's $).
+quote = '$(subst ','\'',$(1))'
+
 ISAACLAB_DIR     ?= ../IsaacLab
 ISAACLAB_REF     ?= v3.0.0
 ISAACLAB_VENV    ?= .venv-isaaclab
 ISAACSIM         ?= 0
 ISAACSIM_VERSION ?= 6.2.0.0
 
-.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco gpu-wheels setup-mujoco setup-isaaclab export export-needs-ckpt tensorboard clean
+.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco gpu-wheels setup-mujoco setup-isaaclab export export-needs-ckpt train-settings tensorboard clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -41,8 +45,15 @@ $(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
 
 setup: $(VENV)/.dev  ## create .venv with everything the tests need
 
-train: $(VENV)/.runtime  ## train the default preset: NPROC ranks (2 on CPU), PRESET=tracking
+train: train-settings $(VENV)/.runtime  ## train the default preset: NPROC ranks (2 on CPU), PRESET=tracking
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) train.py $(PRESET) $(ARGS)
+
+# Before the prerequisites and torchrun (whose tracebacks would bury the cause): PRESET and NPROC as make passes them.
+train-settings:
+	@$(if $(filter-out $(PRESETS),$(PRESET))$(if $(PRESET),,none),echo $(call quote,error: PRESET=$(PRESET) is not \
+		a preset; use one of: $(PRESETS)) >&2; exit 2,true)
+	@case $(call quote,$(NPROC)) in ''|*[!0-9]*|0*) \
+		echo $(call quote,error: NPROC=$(NPROC) must be a positive number of ranks) >&2; exit 2;; esac
 
 test: $(VENV)/.dev  ## run the whole test suite
 	$(BIN)/python -m pytest -q tests
@@ -90,18 +101,18 @@ setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv
 	. $(CURDIR)/$(ISAACLAB_VENV)/bin/activate && cd $(ISAACLAB_DIR) && ./isaaclab.sh --install
 	$(ISAACLAB_VENV)/bin/pip install -q -r requirements.txt
 
-# A path as one shell word, as typed: single-quoted, with make's own $ left alone (a path can hold " or $).
-quoted = '$(subst ','\'',$(value $(1)))'
 
 # Before the prerequisites: a missing CKPT is said before .venv is built.
 export: export-needs-ckpt $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.pt as TorchScript and torch.export (+ ONNX if onnx, onnxscript are installed)
-	$(BIN)/python -m ppo.export $(call quoted,CKPT) $(ARGS)
+	$(BIN)/python -m ppo.export $(call quote,$(value CKPT)) $(ARGS)
 
 export-needs-ckpt:
 	@$(if $(value CKPT),true,echo "error: make export needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2)
 
 tensorboard: $(VENV)/.runtime  ## serve LOGDIR=runs (your --log.root) on PORT=6006
-	$(BIN)/tensorboard --logdir $(call quoted,LOGDIR) --port $(PORT)
+	@case $(call quote,$(PORT)) in ''|*[!0-9]*|0*|??????*) false;; *) [ $(PORT) -le 65535 ];; esac || \
+		{ echo $(call quote,error: PORT=$(PORT) must be a port number from 1 to 65535) >&2; exit 2; }
+	$(BIN)/tensorboard --logdir $(call quote,$(value LOGDIR)) --port $(PORT)
 
 clean:  ## remove caches (keeps .venv and runs/: checkpoints are never deleted by make)
 	rm -rf .pytest_cache

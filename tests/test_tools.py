@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from configs import PRESETS
 from configs.config import PolicyConfig
 from ppo import export
 from ppo.actor_critic import build_actor_critic
@@ -208,6 +209,36 @@ def test_make_train_counts_gpus_not_lines_of_nvidia_smi(tmp_path, output, status
     env.pop("NPROC", None)
     result = subprocess.run(["make", "-n", "train"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert f"--nproc-per-node {nproc} train.py" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("setting, said", [
+    ("PRESET=nope", "error: PRESET=nope is not a preset; use one of: cartpole tracking mujoco isaaclab"),
+    ("PRESET=", "error: PRESET= is not a preset; use one of: cartpole tracking mujoco isaaclab"),
+    ("PRESET=tracking; echo INJECTED", "error: PRESET=tracking; echo INJECTED is not a preset; use one of: "),
+    ("NPROC=0", "error: NPROC=0 must be a positive number of ranks"),      # torchrun: a bare AssertionError
+    ("NPROC=abc", "error: NPROC=abc must be a positive number of ranks"),  # torchrun: a ValueError traceback
+    ("NPROC=it's", "error: NPROC=it's must be a positive number of ranks"),
+])
+def test_make_train_refuses_a_preset_or_rank_count_before_building_or_launching_anything(setting, said):
+    """`PRESET='tracking; echo INJECTED' ARGS=--help` ran a whole training run, then the echo."""
+    result = subprocess.run(["make", "train", setting, "ARGS=--help"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and result.stderr.startswith(said), result.stdout + result.stderr
+    assert "INJECTED\n" not in result.stdout and "torchrun" not in result.stdout
+
+
+def test_the_makefile_s_presets_are_train_py_s():
+    text = open(os.path.join(REPO, "Makefile")).read()
+    assert text.split("\nPRESETS := ", 1)[1].split("\n", 1)[0].split() == list(PRESETS)
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "65536", "99999", "-1", "1; echo INJECTED"])
+def test_make_tensorboard_refuses_a_port_that_is_not_one(port):
+    result = subprocess.run(["make", "tensorboard", f"PORT={port}"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert (result.returncode, result.stderr.splitlines()[0]) == (2, f"error: PORT={port} must be a port number from "
+                                                                     f"1 to 65535")
+    assert "INJECTED" not in result.stdout
 
 
 # ---- bench/bench_rollout.py ---------------------------------------------------------------------------
