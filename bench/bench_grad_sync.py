@@ -285,7 +285,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run: models 20k 0.6M, batch 64, 1 warm-up + "
                         "3 timed steps, bucket caps 25 0.5 MB, each unless typed")
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), help=f"default: {' '.join(MODELS)}")
+    parser.add_argument("--models", nargs="+", choices=[*MODELS, *QUICK_MODELS],
+                        help=f"default: {' '.join(MODELS)} (--quick: {' '.join(QUICK_MODELS)})")
     parser.add_argument("--batch", type=int, help="samples per rank per step; default 256")
     parser.add_argument("--warmup", type=int, help="default 3")
     parser.add_argument("--iters", type=int, help="timed steps per variant (medians); default 10")
@@ -308,8 +309,8 @@ def main() -> None:
             parser.error(f"{flag} must be >= {least}, got {value}")
     if not all(mb > 0 for mb in args.bucket_mb):
         parser.error(f"--bucket-mb must be positive, got {args.bucket_mb}")
-    if not args.timeout > 0:
-        parser.error(f"--timeout must be positive, got {args.timeout}")
+    if not 1 <= args.timeout <= 1e6:     # below, ranks dump their stacks before a step; above, past time_t, or nan
+        parser.error(f"--timeout must be in [1, 1e6] seconds, got {args.timeout}")
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA device")

@@ -37,6 +37,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from configs import preset  # noqa: E402
 from dist.checkpoint import check_writable_root  # noqa: E402
 from dist.errors import UsageError  # noqa: E402
 
@@ -166,8 +167,11 @@ def check_tasks(parser: argparse.ArgumentParser, tasks: list[str]) -> None:
     for task in tasks:
         try:
             gymnasium.spec(task)
+            space = gymnasium.make(task).action_space     # train.py's adapter takes 1-D continuous actions only
         except gymnasium.error.Error as exc:
             parser.error(f"--tasks {task!r}: {exc}")
+        if not isinstance(space, gymnasium.spaces.Box) or len(space.shape) != 1:
+            parser.error(f"--tasks {task!r}: needs a 1-D continuous (Box) action space, got {space}")
 
 
 def main() -> None:
@@ -182,9 +186,15 @@ def main() -> None:
     parser.add_argument("--root", default=os.path.join(REPO, "runs", "bench_mujoco"), help="runs and results.jsonl")
     parser.add_argument("--table-only", action="store_true", help="print the table of finished runs and exit")
     args = parser.parse_args()
+    minibatches = preset("mujoco").ppo.num_mini_batches       # of transitions, at least 2 each (per-minibatch std)
     for ranks in args.ranks:
         if ranks < 1 or GLOBAL_STEPS_PER_ITERATION % ranks:
             parser.error(f"--ranks {ranks}: must divide the {GLOBAL_STEPS_PER_ITERATION} steps per iteration")
+        steps = GLOBAL_STEPS_PER_ITERATION // ranks
+        if steps % minibatches or steps < 2 * minibatches:
+            parser.error(f"--ranks {ranks}: each rank's {steps} steps must split into "
+                         f"the mujoco preset's {minibatches} minibatches of at least 2; use at most "
+                         f"{GLOBAL_STEPS_PER_ITERATION // (2 * minibatches)} ranks")
     for flag, value in (("--jobs", args.jobs), ("--last-episodes", args.last_episodes),
                         ("--last-iterations", args.last_iterations)):
         if value < 1:

@@ -339,11 +339,11 @@ def main() -> None:
         args.envs, args.rounds, args.iterations = ["tracking", "mujoco"], 2, {"tracking": 14, "mujoco": 8}
         args.lrs, args.dtypes, args.sync_iterations = LRS, ["float32", "bfloat16"], 12
     args.seeds = [1, 2]
-    try:
+    try:      # a file of that name, a read-only place (/proc, where root's makedirs passes): one line, before any job
         os.makedirs(args.out, exist_ok=True)
-    except OSError as exc:     # a file of that name, a read-only place: one line, before any job starts
+        scratch = tempfile.mkdtemp(prefix="run_", dir=args.out)   # throughput and sync jobs: removed when done
+    except OSError as exc:
         parser.error(f"--out {args.out!r} cannot hold run directories ({exc.strerror or type(exc).__name__})")
-    scratch = tempfile.mkdtemp(prefix="run_", dir=args.out)   # throughput and sync jobs: removed when done
     print(f"bench_rollout: {', '.join(args.parts)}; runs under {scratch}; load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} cores at start" + ("; --quick: one round, the ratios move by tens of percent "
                                                    "from run to run" if args.quick else ""), flush=True)

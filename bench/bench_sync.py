@@ -40,7 +40,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist.checkpoint_read import read_torch_file  # noqa: E402
+from dist.checkpoint_read import read_checkpoint  # noqa: E402
+from dist.errors import UsageError  # noqa: E402
 from sync import BucketConfig, PatchConfig, WeightSyncConfig, make_weight_syncer  # noqa: E402
 from sync.patch import _bits as as_bits  # noqa: E402
 
@@ -180,20 +181,23 @@ def bench_bytes(rank: int, name: str, densities: list) -> list:
 def checkpoint_models(paths: list) -> list:
     """The 'model' state_dict of each train.py checkpoint; ValueError names the first file that is not one, or whose
     model differs from the first file's in its keys, shapes or dtypes (a checkpoint of another preset)."""
-    models, first = [], None
+    models, first, last = [], None, None
     for path in paths:
         if not os.path.isfile(path):
             raise ValueError(f"--checkpoints {path!r} " + ("is not a regular file" if os.path.exists(path) else
                                                            "does not exist"))
-        try:
-            state = read_torch_file(path)
+
+        def usable(state, path=path) -> None:
+            model = state.get("model") if isinstance(state, dict) else None
+            if not isinstance(model, dict) or not model or not all(isinstance(v, torch.Tensor) for v in model.values()):
+                raise ValueError(f"--checkpoints {path!r} is not a train.py checkpoint (no 'model' state_dict entry)")
+        try:      # the checks of --resume too: CRC-32s (a flipped bit would be timed as a change), no nan or inf
+            state = read_checkpoint(path, "--checkpoints", "use", usable)
         except OSError as exc:
             raise ValueError(f"--checkpoints {path!r} cannot be read ({exc.strerror})") from None
-        except ValueError as exc:
-            raise ValueError(f"--checkpoints {path!r} is {exc}") from None
-        model = state.get("model") if isinstance(state, dict) else None
-        if not isinstance(model, dict) or not model or not all(isinstance(v, torch.Tensor) for v in model.values()):
-            raise ValueError(f"--checkpoints {path!r} is not a train.py checkpoint (no 'model' state_dict entry)")
+        except UsageError as exc:
+            raise ValueError(str(exc)) from None
+        model = state["model"]
         layout = {k: (tuple(v.shape), v.dtype) for k, v in model.items()}
         first = first or layout
         if layout != first:
@@ -201,7 +205,12 @@ def checkpoint_models(paths: list) -> list:
             raise ValueError(f"--checkpoints {path!r}: its model differs from {paths[0]!r}'s at {key!r} "
                              f"({layout.get(key, 'missing')} vs {first.get(key, 'missing')}); pass consecutive "
                              f"checkpoints of one run")
+        iteration = state.get("iteration")     # the same file twice, or out of order, would time no change
+        if models and isinstance(iteration, int) and isinstance(last, int) and iteration <= last:
+            raise ValueError(f"--checkpoints {path!r} is of iteration {iteration}, not after "
+                             f"{paths[len(models) - 1]!r}'s {last}: pass consecutive checkpoints of one run, in order")
         models.append(model)
+        last = iteration
     return models
 
 

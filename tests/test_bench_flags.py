@@ -5,8 +5,10 @@ functions that would start ranks or train.py are replaced by ones that raise."""
 import dataclasses
 import json
 import os
+import struct
 import sys
 import types
+import zipfile
 
 import pytest
 import torch
@@ -124,6 +126,9 @@ def checkpoint(path, hidden=(8, 8), seed=0) -> str:
     ("garbage", "is not a torch checkpoint"),                        # was EOFError / UnpicklingError
     ("truncated", "is a truncated or damaged checkpoint"),
     ("no model", "is not a train.py checkpoint (no 'model' state_dict entry)"),
+    ("flipped", "does not match its CRC-32"),                        # was timed as a change of the weights
+    ("nan", "has nan in its model["),
+    ("not after", "is of iteration 0, not after"),                   # the same iteration twice: no change at all
     ("other preset", "its model differs from"),                      # was 'weight sync: shape or dtype changed'
 ])
 def test_bench_sync_bad_checkpoints_are_refused_before_the_ranks(bench_sync, monkeypatch, capsys, tmp_path,
@@ -141,6 +146,21 @@ def test_bench_sync_bad_checkpoints_are_refused_before_the_ranks(bench_sync, mon
         torch.save({"weights": torch.zeros(3)}, bad)
     elif damage == "other preset":
         checkpoint(bad, hidden=(16, 8))
+    elif damage == "flipped":
+        data = bytearray(open(checkpoint(bad, seed=2), "rb").read())
+        with zipfile.ZipFile(bad) as archive:          # the largest member: a weight tensor's bytes
+            member = max((info for info in archive.infolist() if info.filename.split("/data/")[-1].isdigit()),
+                         key=lambda info: info.file_size)
+        at = member.header_offset          # local header: 30 bytes, then the name and the extra field
+        start = at + 30 + sum(struct.unpack_from("<HH", data, at + 26))
+        data[start + member.file_size // 2] ^= 1
+        bad.write_bytes(bytes(data))
+    elif damage == "nan":
+        state = torch.load(checkpoint(bad, seed=2))
+        next(iter(state["model"].values()))[0] = float("nan")
+        torch.save(state, bad)
+    elif damage == "not after":
+        checkpoint(bad)
     line = usage_error(bench_sync.main, monkeypatch, capsys, ["bench_sync.py", "--checkpoints", good, str(bad)])
     assert line.startswith(f"bench_sync.py: error: --checkpoints {str(bad)!r}") and reason in line, line
 
@@ -217,6 +237,20 @@ def test_bench_grad_sync_quick_sets_only_what_was_not_typed(bench_grad_sync, mon
     assert {name: got[name] for name in expected} == expected
 
 
+@pytest.mark.parametrize("flags, error", [
+    (["--timeout", "inf"], "--timeout must be in [1, 1e6] seconds, got inf"),     # OverflowError in every rank
+    (["--timeout", "1e-9"], "--timeout must be in [1, 1e6] seconds, got 1e-09"),  # stacks dumped before a step
+])
+def test_bench_grad_sync_timeouts_no_rank_can_keep_are_one_line(bench_grad_sync, monkeypatch, capsys, flags, error):
+    line = usage_error(bench_grad_sync.main, monkeypatch, capsys, ["bench_grad_sync.py", "--quick", *flags])
+    assert line == f"bench_grad_sync.py: error: {error}"
+
+
+def test_bench_grad_sync_runs_one_quick_model_when_named(bench_grad_sync, monkeypatch):
+    args = launched_args(bench_grad_sync.main, monkeypatch, ["bench_grad_sync.py", "--quick", "--models", "20k"])
+    assert list(args.models) == ["20k"]
+
+
 # ---- bench/bench_mujoco.py ----------------------------------------------------------------------------
 
 @pytest.fixture
@@ -233,6 +267,10 @@ def bench_mujoco(monkeypatch):
     (["--last-iterations", "-3"], "--last-iterations must be at least 1, got -3"),
     (["--tasks", "Hopper-v4", "NoSuch-v0"], "--tasks 'NoSuch-v0': Environment `NoSuch` doesn't exist."),
     (["--tasks", "Hopper"], "--tasks 'Hopper': No registered env with id: Hopper"),
+    (["--tasks", "Hopper-v4", "CartPole-v1"],        # train.py refused it after the Hopper runs, "see train.log"
+     "--tasks 'CartPole-v1': needs a 1-D continuous (Box) action space, got Discrete(2)"),
+    (["--ranks", "64"], "--ranks 64: each rank's 32 steps must split into the mujoco preset's 32 minibatches of at "
+                        "least 2; use at most 32 ranks"),        # train.py refused it once 64 ranks had started
 ])
 def test_bench_mujoco_bad_flags_are_one_line(bench_mujoco, monkeypatch, capsys, tmp_path, flags, error):
     line = usage_error(bench_mujoco.main, monkeypatch, capsys, ["bench_mujoco.py", "--root", str(tmp_path), *flags])

@@ -256,6 +256,17 @@ def test_bench_rollout_out_that_is_a_file_is_a_usage_error(tmp_path, monkeypatch
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"bench_rollout.py: error: --out {str(not_a_dir)!r} ")
 
 
+def test_bench_rollout_out_where_nothing_can_be_made_is_a_usage_error(monkeypatch, capsys):
+    """/proc exists, so makedirs passes even for root; the scratch folder inside it was a traceback."""
+    bench_rollout = load_bench("bench_rollout")
+    monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--quick", "--out", "/proc"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_rollout.main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("bench_rollout.py: error: --out '/proc' cannot hold "
+                                                               "run directories (")
+
+
 def test_a_restart_in_the_same_second_writes_an_event_file_that_sorts_last(tmp_path):
     """TensorBoard reads event files in name order (creation second, host, pid): a restart's file must come after
     the attempt before, or that attempt's steps, read last, purge the restart's."""
