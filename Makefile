@@ -112,6 +112,8 @@ export-needs-ckpt:
 tensorboard: $(VENV)/.runtime  ## serve LOGDIR=runs (your --log.root) on PORT=6006
 	@case $(call quote,$(PORT)) in ''|*[!0-9]*|0*|??????*) false;; *) [ $(PORT) -le 65535 ];; esac || \
 		{ echo $(call quote,error: PORT=$(PORT) must be a port number from 1 to 65535) >&2; exit 2; }
+	@[ -d $(call quote,$(value LOGDIR)) ] || { echo $(call quote,error: LOGDIR=$(value LOGDIR) is not a folder: \
+		train first (make train) or set LOGDIR to a run's --log.root) >&2; exit 2; }
 	$(BIN)/tensorboard --logdir $(call quote,$(value LOGDIR)) --port $(PORT)
 
 clean:  ## remove caches (keeps .venv and runs/: checkpoints are never deleted by make)

@@ -334,6 +334,9 @@ def main() -> None:
         args.parts = args.parts or ["throughput", "sync"]
         args.envs, args.rounds, args.iterations = ["tracking"], 1, {"tracking": 7}
         args.lrs, args.dtypes, args.sync_iterations = {k: v for k, v in list(LRS.items())[:1]}, ["float32"], 4
+        if "learning" in args.parts:      # it has no quick size: 400-iteration jobs would run under a "smoke run"
+            parser.error("--quick has no learning part (its jobs run 400 iterations, about an hour): drop --quick or "
+                         "leave learning out of --parts")
     else:
         args.parts = args.parts or ["throughput", "sync", "learning"]
         args.envs, args.rounds, args.iterations = ["tracking", "mujoco"], 2, {"tracking": 14, "mujoco": 8}

@@ -256,6 +256,23 @@ def test_bench_rollout_out_that_is_a_file_is_a_usage_error(tmp_path, monkeypatch
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"bench_rollout.py: error: --out {str(not_a_dir)!r} ")
 
 
+def test_make_tensorboard_without_its_folder_says_so(tmp_path):
+    """A fresh clone's `make tensorboard` (no runs/ yet) served an empty board without a word."""
+    result = subprocess.run(["make", "tensorboard", f"LOGDIR={tmp_path / 'none'}"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert (result.returncode, result.stderr.splitlines()[0]) == (
+        2, f"error: LOGDIR={tmp_path / 'none'} is not a folder: train first (make train) or set LOGDIR to a run's "
+           f"--log.root")
+
+
+def test_bench_rollout_quick_refuses_the_hour_long_learning_part(monkeypatch, capsys):
+    bench_rollout = load_bench("bench_rollout")
+    monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--quick", "--parts", "learning"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_rollout.main()
+    assert exit_info.value.code == 2 and "--quick has no learning part" in capsys.readouterr().err
+
+
 def test_bench_rollout_out_where_nothing_can_be_made_is_a_usage_error(monkeypatch, capsys):
     """/proc exists, so makedirs passes even for root; the scratch folder inside it was a traceback."""
     bench_rollout = load_bench("bench_rollout")
