@@ -276,7 +276,8 @@ def print_tables(tables: dict, args) -> None:
         print(f"| {r['mode']} | {r['density']:.2%} | {r['naive']:.3f} | {r['seconds']:.3f} | {r['ratio']:.2f} | "
               f"{r['low']:.2f}-{r['high']:.2f} |")
     print(f"\nBytes: patch wire bytes (headers, tables, trailers included) against the information limit, "
-          f"{args.size} fp32 parameters")
+          f"{args.size} fp32 parameters" + ("" if tables["bytes"] else ": none, as --densities has none below 1 (a "
+                                             "whole tensor has no positions to encode)"))
     print("| receiver | density perturbed | changed in receiver dtype | wire bytes | limit bytes | bytes vs limit |")
     print("|---|---|---|---|---|---|")
     for r in tables["bytes"]:

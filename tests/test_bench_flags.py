@@ -198,6 +198,14 @@ def test_bench_sync_checkpoint_table_says_whose_checkpoints_it_syncs(bench_sync,
                           "| float32 model_4 -> model_9 | patch | 50.0% | 1,234 | 0.250 |"]
 
 
+def test_bench_sync_bytes_table_without_a_density_below_1_says_why_it_is_empty(bench_sync, capsys):
+    """`--densities 1` printed the header alone."""
+    args = types.SimpleNamespace(size="1M", repeats=1, quick=False, ppo=False)
+    bench_sync.print_tables({"time": [], "bytes": []}, args)
+    assert ("fp32 parameters: none, as --densities has none below 1 (a whole tensor has no positions to encode)"
+            in capsys.readouterr().out)
+
+
 def test_bench_sync_ppo_with_checkpoints_is_refused(bench_sync, monkeypatch, capsys, tmp_path):
     """--ppo was silently ignored when --checkpoints were given (and trained anyway after a bare --checkpoints)."""
     paths = [checkpoint(tmp_path / f"model_{i}.pt", seed=i) for i in (1, 2)]
