@@ -101,7 +101,6 @@ setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv
 	. $(CURDIR)/$(ISAACLAB_VENV)/bin/activate && cd $(ISAACLAB_DIR) && ./isaaclab.sh --install
 	$(ISAACLAB_VENV)/bin/pip install -q -r requirements.txt
 
-
 # Before the prerequisites: a missing CKPT is said before .venv is built.
 export: export-needs-ckpt $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.pt as TorchScript and torch.export (+ ONNX if onnx, onnxscript are installed)
 	$(BIN)/python -m ppo.export $(call quote,$(value CKPT)) $(ARGS)

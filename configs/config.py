@@ -314,6 +314,7 @@ def flag_value(cfg: Config, flag: str):
     *section, name = flag[2:].replace("-", "_").split(".")
     return getattr(getattr(cfg, section[0]) if section else cfg, name)
 
+
 EMBEDDED_STEP_S = 0.02    # control step of both embedded envs (cartpole: dt; tracking: 4 x 5 ms substeps)
 FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38   # smallest normal, largest float32
 

@@ -111,7 +111,6 @@ def checked_noise_std(model, iteration: int, lr: float) -> float:
                    f"resume from a checkpoint before it (nothing of this iteration was saved)")
 
 
-
 def update_plan_rows(model, grad_sync, cfg) -> list[PlanRow]:
     """The sync-plan rows of one ppo_update per iteration, declared next to the code that communicates."""
     rows = grad_sync.plan_rows(cfg.num_epochs * cfg.num_mini_batches)
