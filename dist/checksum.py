@@ -1,13 +1,17 @@
 """One exact checksum of tensors' bytes, identical on every device and rank; updatable from changed elements.
 
-The bits are read as 16-bit lanes (8-bit for 1-byte dtypes) and laid out as rows of ROW lanes. Lane s of
-row r has the weight W[s] * H[r] (two independent weight sets, so two 31-bit checksums in one int64).
-W and H are pseudo-random (splitmix64 of the position under fixed seeds), so a shifted or permuted write
-does not line up with the original the way linear position weights do.
+The bytes are read as signed 8-bit lanes and laid out as rows of ROW lanes. Lane s of row r has the weight
+W[s] * H[r] (two independent weight sets, so two 31-bit checksums in one int64). W (24 bits) and H (31 bits)
+are pseudo-random (splitmix64 of the position under fixed seeds), so a shifted or permuted write does not
+line up with the original the way linear position weights do.
 
-Exact on any device and in any summation order: a row sum of |lane| < 2**15 times W < 2**24 over 2**14
-lanes stays below 2**53, so it is an exact float64 matrix-vector product (one BLAS call per block of
-rows, with a reused buffer); row sums are then folded modulo the prime P in int64.
+Exact on any device and in any summation order; row sums are folded modulo the prime P in int64. On the
+host the rows are one int8 matrix product with int32 sums (torch._int_mm, at memory speed): each W is split
+into four 6-bit digits (W = D0 + 64 D1 + 4096 D2 + 262144 D3), so a digit's row sum stays under
+128 * 63 * 2**14 < 2**31, and the digits are recombined in int64. (6 bits, not 7: int8 kernels of x86
+CPUs without VNNI add pairs of products in saturating int16, and 2 * 255 * 63 < 2**15.) On other devices a
+row sum is a float64 matrix-vector product per block of rows: |lane| <= 128 times W < 2**24 over 2**14
+lanes stays below 2**53.
 
 Because the checksum is linear in the lanes, changing elements at known positions from `old` to `new`
 changes it by sum((new - old) * weight) mod P: `update_checksum` needs only the changed elements.
@@ -20,8 +24,10 @@ import torch
 
 P = 2**31 - 1
 ROW_BITS = 14
-ROW = 1 << ROW_BITS      # lanes per row
-BLOCK = 32               # rows converted per BLAS call: a 4 MiB float64 buffer, reused
+ROW = 1 << ROW_BITS      # lanes (bytes) per row
+BLOCK = 32               # rows converted per float64 product (devices): a 4 MiB buffer, reused
+DIGITS = 4               # 6-bit digits per 24-bit lane weight (host int8 product)
+HOST_INT8 = True         # False runs the devices' float64 product on the host too (the tests compare both)
 _SEEDS = (0x5EED0001, 0x5EED0002)
 _tables: dict = {}       # (what, device) -> tensor, built once (H grows on demand)
 _scratch = threading.local()  # per-thread float64 buffers: a receiving thread and the caller may both checksum
@@ -53,6 +59,15 @@ def _lane_weights(device, dtype) -> torch.Tensor:
     return _tables[key]
 
 
+def _lane_digits() -> torch.Tensor:
+    """[ROW, 2 * DIGITS] int8: column 4k + j is digit j (6 bits) of the lane weights of seed k."""
+    if "digits" not in _tables:
+        w = weights(ROW, 24)
+        _tables["digits"] = torch.from_numpy(np.stack(
+            [(w[:, k] >> (6 * j)) & 63 for k in range(2) for j in range(DIGITS)], axis=1).astype(np.int8))
+    return _tables["digits"]
+
+
 def _lane_weights_by_column(device) -> torch.Tensor:
     """[ROW, 2] int64: the lane weights laid out for gathering by lane column."""
     key = ("W by column", str(device))
@@ -78,9 +93,8 @@ def _host_tables() -> tuple[np.ndarray, np.ndarray]:
 
 
 def lanes(t: torch.Tensor) -> torch.Tensor:
-    """The 1-D integer lanes of a tensor's bits (no copy for contiguous tensors)."""
-    flat = t.detach().reshape(-1)
-    return flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
+    """The 1-D signed 8-bit lanes of a tensor's bytes (no copy for contiguous tensors)."""
+    return t.detach().reshape(-1).view(torch.int8)
 
 
 def _combine(parts: torch.Tensor) -> torch.Tensor:
@@ -92,19 +106,26 @@ def _split(checksum: torch.Tensor) -> torch.Tensor:
     return torch.stack([checksum // 2**31, checksum % 2**31])
 
 
-def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
-    """0-dim int64 checksum of `t`'s exact bits, on t.device; no host synchronization."""
-    x = lanes(t)
-    device = x.device
-    if device.type == "cpu" and x.numel() <= ROW:  # one row on the host (headers, tables): numpy is 3-4x faster
-        w, h = _host_tables()
-        parts = (x.numpy().astype(np.int64) @ w[:x.numel()]) % P * h % P
-        return torch.tensor(int(parts[0]) * 2**31 + int(parts[1]))
+def _host_row_sums(x: torch.Tensor) -> torch.Tensor:
+    """[rows, 2] int64 weighted lane sums of the rows of `x` (int8, on the host): the full rows as one int8
+    matrix product by the weights' digits, the last partial row in numpy."""
+    full, tail = divmod(x.numel(), ROW)
+    sums = []
+    if full:
+        digits = torch._int_mm(x[:full * ROW].view(full, ROW), _lane_digits()).to(torch.int64)
+        sums.append((digits.view(full, 2, DIGITS) << torch.arange(0, 6 * DIGITS, 6)).sum(2))
+    if tail:
+        sums.append(torch.from_numpy(x[full * ROW:].numpy().astype(np.int64) @ _host_tables()[0][:tail]).view(1, 2))
+    return torch.cat(sums)
+
+
+def _device_row_sums(x: torch.Tensor) -> torch.Tensor:
+    """[rows, 2] int64 weighted lane sums of the rows of `x` (int8, any device), in float64 blocks."""
     full, tail = divmod(x.numel(), ROW)
     buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.device != device:
-        buffer = _scratch.buffer = torch.empty(BLOCK, ROW, dtype=torch.float64, device=device)
-    w = _lane_weights(device, torch.float64)
+    if buffer is None or buffer.device != x.device:
+        buffer = _scratch.buffer = torch.empty(BLOCK, ROW, dtype=torch.float64, device=x.device)
+    w = _lane_weights(x.device, torch.float64)
     sums = []
     for start in range(0, full, BLOCK):
         rows = min(BLOCK, full - start)
@@ -115,13 +136,23 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
         block = buffer[0, :tail]
         block.copy_(x[full * ROW:])
         sums.append((w[:, :tail] @ block).view(1, 2))
-    if not sums:
+    return torch.cat(sums).to(torch.int64)
+
+
+def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
+    """0-dim int64 checksum of `t`'s exact bits, on t.device; no host synchronization."""
+    x = lanes(t)
+    device = x.device
+    if x.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=device)
-    row_sums = torch.remainder(torch.cat(sums).to(torch.int64), P)
+    if device.type == "cpu" and x.numel() <= ROW:  # one row on the host (headers, tables): numpy is 3-4x faster
+        w, h = _host_tables()
+        parts = (x.numpy().astype(np.int64) @ w[:x.numel()]) % P * h % P
+        return torch.tensor(int(parts[0]) * 2**31 + int(parts[1]))
+    row_sums = _host_row_sums(x) if device.type == "cpu" and HOST_INT8 else _device_row_sums(x)
+    row_sums = torch.remainder(row_sums, P)
     folded = torch.remainder(row_sums * _row_weights(row_sums.shape[0], device)[:row_sums.shape[0]], P)
     return _combine(torch.remainder(folded.sum(0), P))
-
-
 def update_checksum(checksum: torch.Tensor, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
                     numel: int) -> torch.Tensor:
     """The checksum of a tensor of `numel` elements after those at flat positions `index` changed from `old`
@@ -133,15 +164,15 @@ def update_checksum(checksum: torch.Tensor, index: torch.Tensor, old: torch.Tens
     """
     if index.numel() == 0:
         return checksum
-    per = max(1, old.element_size() // 2)                      # lanes per element, all in one row (ROW is even)
+    per = old.element_size()                                    # lanes per element, all in one row (8 | ROW)
     lane = index.to(torch.int64) * per                          # each changed lane's flat position
     if per > 1:
         lane = (lane.view(-1, 1) + torch.arange(per, device=index.device)).view(-1)
     diff = lanes(new).to(torch.int64) - lanes(old).to(torch.int64)
-    terms = diff.view(-1, 1) * _lane_weights_by_column(index.device).index_select(0, lane & (ROW - 1))  # < 2**40
+    terms = diff.view(-1, 1) * _lane_weights_by_column(index.device).index_select(0, lane & (ROW - 1))  # < 2**32
     rows = lane >> ROW_BITS
     num_rows = (numel * per + ROW - 1) >> ROW_BITS
-    # Summed per row first (exact in int64: under 2**54), so the slow modulo runs once per row, not per change.
+    # Summed per row first (exact in int64: under 2**46), so the slow modulo runs once per row, not per change.
     per_row = torch.zeros(num_rows, 2, dtype=torch.int64, device=index.device).index_add_(0, rows, terms)
     delta = torch.remainder(torch.remainder(per_row, P) * _row_weights(num_rows, index.device)[:num_rows], P).sum(0)
     return _combine(torch.remainder(_split(checksum.to(index.device)) + delta, P))  # callers may keep it on the host

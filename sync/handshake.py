@@ -4,6 +4,7 @@ and the reasons a receiver cannot take the sender's updates. Nothing here crosse
 import torch
 
 from .config import WeightSyncConfig, config_fields
+from .wire import FORMAT
 
 
 def describe(tensors: dict, cfg: WeightSyncConfig) -> dict:
@@ -16,7 +17,7 @@ def describe(tensors: dict, cfg: WeightSyncConfig) -> dict:
             place = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
             groups.setdefault(place, []).append(key)
     return {
-        "config": config_fields(cfg), "keys": list(tensors),
+        "format": FORMAT, "config": config_fields(cfg), "keys": list(tensors),
         "shapes": [list(t.shape) if isinstance(t, torch.Tensor) else [] for t in tensors.values()],
         "dtypes": [str(t.dtype) if isinstance(t, torch.Tensor) else "?" for t in tensors.values()],
         "ties": [g for g in groups.values() if len(g) > 1], "not_tensors": not_tensors,
@@ -26,6 +27,9 @@ def describe(tensors: dict, cfg: WeightSyncConfig) -> dict:
 
 def compare(sender: dict, receiver: dict) -> list[str]:
     """Reasons the receiver's metadata cannot take the sender's updates (empty when it can)."""
+    if receiver.get("format") != sender.get("format"):  # a build before format 2 sends none
+        return [f"wire format {receiver.get('format')} on the receiver, {sender.get('format')} on the sender: run the "
+                "same syncppo version on both sides"]
     if receiver["config"] != sender["config"]:
         diff = {k: (v, receiver["config"][k]) for k, v in sender["config"].items() if v != receiver["config"][k]}
         return [f"weight sync config differs from the sender's, by field (sender, receiver): {diff}"]

@@ -134,8 +134,7 @@ class PatchSyncer(Link):
                 changes.append((key, current, old, index, parts[-1], count))
 
         def checksums_after():  # runs while the payload is in flight
-            return [update_checksum(self.checksums[key], index, old.index_select(0, index), values,
-                                    current.numel())
+            return [update_checksum(self.checksums[key], index, old.index_select(0, index), values, current.numel())
                     if _incremental(index, current) else tensor_checksum(current)
                     for key, current, old, index, values, _ in changes]
 
@@ -284,18 +283,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def _incremental(index, tensor: torch.Tensor) -> bool:
+def _incremental(index, tensor: torch.Tensor) -> bool:  # whether to update a checksum rather than rescan
     return index is not None and index.numel() < INCREMENTAL_BELOW * tensor.numel()
 
 
 def _changes(mask: torch.Tensor) -> tuple[int, Optional[torch.Tensor]]:
-    """(how many flags of `mask` are set, their flat positions or None). The words of 8 flags that hold a
-    change are counted first (a pass over n/8 int64); when few, the positions are collected and counted at
-    once; when many, the flags are only counted (no gap encoding can win then, and the bitmap and dense
-    encodings need no positions)."""
+    """(how many flags of `mask` are set, their flat positions or None). Words of 8 flags that hold a change
+    are counted first (n/8 int64): when few, the positions are collected; when many, the flags only counted
+    (no gap encoding can win then, and bitmap and dense need no positions)."""
     n = mask.numel()
     if int(torch.count_nonzero(mask[:n - n % 8].view(torch.int64))) > n // 64:   # changes in over 1 word of 8
-        return int(torch.count_nonzero(mask)), None
+        return _count(mask), None
     index = _positions(mask)
     return index.numel(), index
 
@@ -328,9 +326,8 @@ def _encode(current: torch.Tensor, mask: torch.Tensor, count: int, index: Option
 def _decode(symbols: torch.Tensor, encoding: int, numel: int):
     """(flat positions, [flags that are True when the positions are invalid]) from a gap or bitmap segment.
 
-    Positions past the end (a corrupted gap) are flagged and clamped to the last element, so that nothing
-    reads outside the tensor before the caller checks the flags (on a GPU such a read is a device-side
-    assert that ends the process)."""
+    Positions past the end (a corrupted gap) are flagged and clamped to the last element, so that nothing reads
+    outside the tensor before the caller checks the flags (on a GPU, a device-side assert that ends the process)."""
     if encoding == BITMAP:
         bits = _unpack_bits(symbols)
         return _positions(bits[:numel]), [bits[numel:].any()]
@@ -357,11 +354,9 @@ def _narrow(symbols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return symbols.to(dtype) if dtype == torch.uint8 else torch.where(symbols >= half, symbols - 2 * half, symbols).to(dtype)
 
 
-# On the host, numpy's comparison, nonzero and bit packing are faster than torch's CPU kernels (the change
-# mask of 10M int32 pairs: 3.9 ms against 5.0 ms, 2.5x when in cache; nonzero over 10M flags at 20% set:
-# 5 ms against 25-30 ms); other devices use torch. Both give the same result. Flags stay bool throughout:
-# numpy's nonzero over uint8 is 7x slower than over bool (2M flags at 26%: 6 ms vs 0.85 ms).
-# HOST_NUMPY = False runs the device code on the host too (the tests compare both paths on CPU).
+# On the host numpy's kernels beat torch's (change mask of 10M int32 pairs 3.9 vs 5.0 ms; nonzero over 10M flags
+# at 20%: 5 vs 25-30 ms; count over 2M flags: 0.09 vs 0.42 ms); other devices use torch, with the same results.
+# Flags stay bool: numpy's nonzero over uint8 is 7x slower. False runs the device code on the host (tests).
 HOST_NUMPY = True
 
 
@@ -371,6 +366,11 @@ def _differ(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor
         np.not_equal(_bits(a).numpy(), _bits(b).numpy(), out=out.numpy())
         return out
     return torch.ne(_bits(a), _bits(b), out=out)
+
+
+def _count(flags: torch.Tensor) -> int:
+    """How many entries of a 1-D bool tensor are True."""
+    return int(np.count_nonzero(flags.numpy()) if HOST_NUMPY and flags.device.type == "cpu" else flags.count_nonzero())
 
 
 def _positions(flags: torch.Tensor) -> torch.Tensor:

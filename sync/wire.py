@@ -29,6 +29,7 @@ from dist import comm
 from dist.checksum import checksum
 
 MAGIC = 0x53594E43  # "SYNC": a receiver reading a stray message fails loudly instead of decoding garbage
+FORMAT = 2  # of frames and checksums (2: checksums over byte lanes): the handshake refuses a peer of another
 KIND_BUCKET, KIND_PATCH, KIND_RESYNC = 1, 2, 3
 UPDATE, SETUP = "weight_sync", "weight_sync_setup"  # ledger purposes
 GAPS8, GAPS16, GAPS32, BITMAP, DENSE = range(5)  # how a row's positions travel (see patch.py)

@@ -40,11 +40,10 @@ def _ref_weights(count: int, bits: int, offset: int) -> tuple:
 
 
 def ref_tensor_checksum(t: torch.Tensor) -> int:
-    """The tensor's bytes as little-endian int16 lanes (uint8 for 1-byte dtypes), rows of 2**14 lanes; lane s of
-    row r weighs W[s] * H[r] (24-bit lane weights, 31-bit row weights from position 2**40), mod P, per seed."""
+    """The tensor's bytes as signed 8-bit lanes, rows of 2**14 lanes; lane s of row r weighs W[s] * H[r] (24-bit
+    lane weights, 31-bit row weights from position 2**40), mod P, per seed."""
     raw = bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
-    lanes = list(raw) if t.element_size() == 1 else [int.from_bytes(raw[i:i + 2], "little", signed=True)
-                                                     for i in range(0, len(raw), 2)]
+    lanes = [b - 256 if b > 127 else b for b in raw]
     rows = -(-len(lanes) // REF_ROW)
     w, h = _ref_weights(REF_ROW, 24, 0), _ref_weights(max(rows, 1), 31, 1 << 40)
     parts = []
@@ -72,7 +71,7 @@ def test_reference_splitmix64_matches_the_published_test_vector():
 
 
 @pytest.mark.parametrize("t", [
-    torch.arange(256, dtype=torch.uint8),                          # 1-byte lanes above 127 are unsigned
+    torch.arange(256, dtype=torch.uint8),                          # bytes above 127 are negative lanes
     torch.tensor([1.5, -2.0, 3.25]),                               # one row, the host path
     torch.randn(REF_ROW + 7, generator=torch.Generator().manual_seed(3)),   # two rows, the BLAS path
     torch.tensor([-1, 2**40, -(2**62)], dtype=torch.int64),
@@ -80,13 +79,42 @@ def test_reference_splitmix64_matches_the_published_test_vector():
 ], ids=["uint8", "fp32 one row", "fp32 two rows", "int64", "bool"])
 def test_checksum_values_match_an_independent_reference(t):
     """The checksum is part of the wire format (every frame ends with one per tensor, and a receiver may run
-    another build on a GPU): its constants (P, the row length, the seeds and splitmix64) and the unsigned
-    reading of 1-byte lanes are pinned here against a from-scratch reference, not against dist.checksum's own
+    another build on a GPU): its constants (P, the row length, the seeds and splitmix64) and the signed
+    reading of bytes are pinned here against a from-scratch reference, not against dist.checksum's own
     `weights` and `P`, which a constant change would move together with the code."""
     from dist.checksum import checksum, tensor_checksum
     assert int(tensor_checksum(t)) == ref_tensor_checksum(t)
     assert int(checksum([t, t[:1]])) == ref_checksum([t, t[:1]])
 
+
+
+@pytest.mark.parametrize("byte", [-128, 127, -1])
+def test_rows_of_extreme_bytes_stay_exact_on_both_paths(monkeypatch, byte):
+    """Every lane at the int8 bound, two full rows and a partial one: the host's int8 product (per-digit int32 sums
+    at their largest, 128 * 63 * 2**14) and the devices' float64 product both give the reference's value."""
+    from dist import checksum as module
+    t = torch.full((2 * REF_ROW + 9,), byte, dtype=torch.int8)
+    expected = ref_tensor_checksum(t)
+    assert int(module.tensor_checksum(t)) == expected
+    monkeypatch.setattr(module, "HOST_INT8", False)
+    assert int(module.tensor_checksum(t)) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool])
+def test_the_host_int8_product_and_the_device_float64_product_agree(monkeypatch, dtype):
+    """The host sums rows with torch._int_mm, GPUs with float64 blocks (dist/checksum.py): a sender on one and a
+    receiver on the other must agree bit for bit. Both paths run here on CPU, over tensors of many full rows, a
+    partial last row, and random bits of every byte value."""
+    from dist import checksum as module
+    g = torch.Generator().manual_seed(11)
+    for numel in (40 * REF_ROW + 13, REF_ROW + 1):
+        raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g)
+        t = (raw % 2).view(torch.bool) if dtype == torch.bool else raw.view(dtype)
+        host = int(module.tensor_checksum(t))
+        monkeypatch.setattr(module, "HOST_INT8", False)
+        assert int(module.tensor_checksum(t)) == host
+        monkeypatch.setattr(module, "HOST_INT8", True)
+    assert host == ref_tensor_checksum(t)
 
 
 def test_a_change_in_the_last_partial_row_updates_the_checksum():
@@ -95,7 +123,7 @@ def test_a_change_in_the_last_partial_row_updates_the_checksum():
     sender and receiver update checksums this way for every sparse tensor."""
     from dist.checksum import tensor_checksum, update_checksum
     g = torch.Generator().manual_seed(5)
-    old = torch.randn(2 * REF_ROW + 5, generator=g)          # 4 full rows of int16 lanes and 10 lanes more
+    old = torch.randn(2 * REF_ROW + 5, generator=g)          # 8 full rows of byte lanes and 20 lanes more
     index = torch.tensor([3, old.numel() - 1])
     new = old.clone()
     new[index] = torch.tensor([7.0, -1.25])
@@ -104,8 +132,8 @@ def test_a_change_in_the_last_partial_row_updates_the_checksum():
 
 
 def test_checksum_of_a_tensor_longer_than_1024_rows():
-    """The row weights are built for 1024 rows and grown on demand: a tensor of more than 2**24 lanes (an
-    8M-element fp32 embedding) must weigh row 1024 by its own weight. One lane set to 1 in row 1024 of a
+    """The row weights are built for 1024 rows and grown on demand: a tensor of more than 2**24 lanes (a
+    4M-element fp32 embedding) must weigh row 1024 by its own weight. One lane set to 1 in row 1024 of a
     zero tensor has the checksum W[0] * H[1024] mod P per seed, from the reference weights."""
     from dist.checksum import tensor_checksum
     t = torch.zeros(1025 * REF_ROW, dtype=torch.uint8)

@@ -7,7 +7,8 @@ import torch
 
 from multirank import run_ranks
 from sync import BucketConfig, InitSyncConfig, PatchConfig, WeightSyncConfig, make_weight_syncer
-from sync.wire import require_zstd
+from sync import handshake
+from sync.wire import FORMAT, require_zstd
 
 
 @pytest.mark.parametrize("build, message", [
@@ -43,6 +44,7 @@ HANDSHAKES = [
     ("config", "config differs from the sender's, by field (sender, receiver): {'patch.verify_every': (100, 7)}"),
     ("not contiguous", "not_contiguous on the receiver: ['a']"),
     ("not a tensor", "not_tensors on the sender: ['note']"),  # on both sides: keys, shapes and dtypes agree
+    ("format", "wire format 1 on the receiver, 2 on the sender: run the same syncppo version on both sides"),
 ]
 # (keys the sender asks to sync, what both sides' error must say)
 SENDER_KEYS = [(["a", "nope"], "keys to sync not in the sender's state_dict: ['nope']"),
@@ -67,9 +69,12 @@ def _bad_handshakes(rank, world_size):
                 cfg.patch.verify_every = 7
             elif change == "not contiguous":
                 state["a"] = torch.zeros(3, 4).t()
+            elif change == "format":  # a receiver built from an older syncppo (checksums over other lanes)
+                handshake.FORMAT = 1
         syncer = make_weight_syncer(cfg, src=0, dsts=[1])
         with pytest.raises(ValueError) as error:
             syncer.init_sender(state) if rank == 0 else syncer.init_receiver(state)
+        handshake.FORMAT = FORMAT
         messages.append(str(error.value))
     for keys, _ in SENDER_KEYS:
         syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
