@@ -4,7 +4,7 @@ observations. Writes TorchScript (loadable by libtorch), a `torch.export` progra
 TorchScript in its favour) and, when the `onnx` and `onnxscript` packages are installed, ONNX.
 
     make export CKPT=runs/mujoco/2026-01-01_12-00-00/model_488.pt
-    python -m ppo.export runs/mujoco/.../model_488.pt --out exported/
+    python -m ppo.export runs/mujoco/.../model_488.pt --out exported/     # or: python ppo/export.py ...
 
 Output: DIR/STEM.policy.pt, DIR/STEM.policy.pt2 and DIR/STEM.policy.onnx (DIR defaults to the checkpoint's
 folder), mapping `obs` [batch, actor obs dim] float32 to `actions` [batch, actions] float32, any batch size.
@@ -20,17 +20,20 @@ import inspect
 import logging
 import math
 import os
+import sys
 import warnings
 
 import torch
 from torch import nn
 
-from configs.config import PolicyConfig
-from dist.checkpoint import write_refusal
-from dist.checkpoint_read import read_checkpoint
-from dist.errors import one_line
-from ppo.actor_critic import ActorCritic, build_actor_critic
-from ppo.normalizer import ObsNormalizer
+if __name__ == "__main__" and not __package__:  # `python ppo/export.py`: import from the repository, as -m does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configs.config import PolicyConfig  # noqa: E402
+from dist.checkpoint import write_refusal  # noqa: E402
+from dist.checkpoint_read import read_checkpoint  # noqa: E402
+from dist.errors import one_line  # noqa: E402
+from ppo.actor_critic import ActorCritic, build_actor_critic  # noqa: E402
+from ppo.normalizer import ObsNormalizer  # noqa: E402
 
 
 class DeterministicActor(nn.Module):

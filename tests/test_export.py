@@ -122,6 +122,21 @@ def test_bad_checkpoint_path_is_one_line_and_status_2(tmp_path):
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_the_script_path_exports_from_any_folder_like_the_module(tmp_path):
+    """`python ppo/export.py CKPT`, the way one runs a forked file, failed with ModuleNotFoundError ('configs'):
+    only `python -m ppo.export` from the repository root put the root on the import path. Run from another folder
+    by path, it writes the same policy, acting like the checkpoint's actor."""
+    from test_export_logger_env_rules import numpy_actions, small_checkpoint
+    path = small_checkpoint(tmp_path / "model_3.pt")
+    result = run_python([os.path.join(REPO, "ppo", "export.py"), path, "--out", str(tmp_path / "out")],
+                        cwd=str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr
+    policy = torch.jit.load(str(tmp_path / "out" / "model_3.policy.pt"))
+    obs = np.random.default_rng(0).normal(size=(4, 5)).astype(np.float32)
+    np.testing.assert_allclose(policy(torch.from_numpy(obs)).detach().numpy(), numpy_actions(path, obs), rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_an_out_folder_that_refuses_writes_is_one_line_even_for_root(tmp_path):
     """os.access says yes to root where writing fails (/proc here; an NFS mount that squashes root): the export
     passed that check and died in torch.jit.save with a RuntimeError traceback, status 1."""
