@@ -11,9 +11,9 @@ snapshot tensor. Each sync compares the current weights with the snapshot bit fo
 Positions decoded from gaps or a bitmap are strictly increasing by construction, so no position repeats.
 
 The frame's trailer carries each changed tensor's checksum after the update. Both sides update it from the
-changed elements alone (old and new values at the changed positions) below 1/16 density and rescan the
+changed elements alone (old and new values at the changed positions) below 1/64 density and rescan the
 tensor above. The receiver checks the header, the table, every dense tensor and every sparse one under
-1/16 density before writing anything; a denser sparse tensor is checked right after it is written (then a
+1/64 density before writing anything; a denser sparse tensor is checked right after it is written (then a
 mismatch leaves the receiver refusing everything until resync()). Every `patch.verify_every` versions the
 receiver rescans all synced tensors. The sender commits the snapshot only after every receiver has the frame.
 """
@@ -32,7 +32,7 @@ from .wire import (BITMAP, DENSE, GAPS8, GAPS16, GAPS32, KIND_BUCKET, KIND_PATCH
                    recv_frame, require_zstd, send_frame, zstd_compress, zstd_decompress, zstd_discard)
 
 GAP_DTYPES = {code: SYMBOL_DTYPES[code] for code in (GAPS8, GAPS16, GAPS32)}
-INCREMENTAL_BELOW = 1 / 16  # changed fraction under which updating a checksum beats recomputing it
+INCREMENTAL_BELOW = 1 / 64  # changed fraction under which updating a checksum beats recomputing it (~1/90)
 
 
 class PatchSyncer(Link):

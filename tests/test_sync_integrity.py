@@ -161,7 +161,7 @@ def _extra_position_in_a_sparse_tensor(rank, world_size):
     state = {"w": torch.zeros(1000)}
     if rank == 0:
         syncer.init_sender(state)
-        state["w"][[10, 500, 990]] = 1.0        # 3 of 1000: under 1/16, checked before writing
+        state["w"][[10, 500, 990]] = 1.0        # 3 of 1000: under 1/64, checked before writing
         syncer.sync(state, 1)
         syncer.resync(state, 2)
         return snapshot(state)
@@ -190,7 +190,7 @@ def _corrupted_after_writing(rank, world_size):
     state = {"w": torch.zeros(64)}
     if rank == 0:
         syncer.init_sender(state)
-        state["w"][::4] = 1.0                    # 16 of 64 (over 1/16): a bitmap, checked after writing
+        state["w"][::4] = 1.0                    # 16 of 64 (over 1/64): a bitmap, checked after writing
         syncer.sync(state, 1)
         state["w"][1] = 3.0
         syncer.sync(state, 2)
@@ -213,7 +213,7 @@ def _corrupted_after_writing(rank, world_size):
 
 @pytest.mark.slow
 def test_a_sparse_tensor_found_wrong_after_writing_makes_the_receiver_refuse_until_resync():
-    """docs/weight_sync.md: a sparse tensor over 1/16 density is checked right after it is written, and a
+    """docs/weight_sync.md: a sparse tensor over 1/64 density is checked right after it is written, and a
     mismatch then makes the receiver refuse every update until resync()."""
     sender, receiver = run_ranks(_corrupted_after_writing, 2)
     assert bits_equal(receiver, sender)

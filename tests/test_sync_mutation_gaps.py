@@ -23,10 +23,10 @@ def test_resync_drains_a_queued_compressed_patch_that_would_not_decompress():
 
 
 def _corrupted_value(rank, world_size, step, table, written):
-    """One patch that sets every `step`-th of 64 zeros to 1.0; the receiver damages the value at position 0
+    """One patch that sets every `step`-th of 256 zeros to 1.0; the receiver damages the value at position 0
     after it arrived, applies it, and reports whether the model was written (then resync() recovers)."""
     syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
-    state = {"w": torch.zeros(64)}
+    state = {"w": torch.zeros(256)}
     if rank == 0:
         syncer.init_sender(state)
         state["w"][::step] = 1.0
@@ -47,17 +47,20 @@ def _corrupted_value(rank, world_size, step, table, written):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("step, table, written", [
-    # 4 of 64, exactly 1/16, so not under it: checked after writing. Gaps 0, 15, 15, 15 as 1-byte symbols:
-    # 4 + 16 value bytes = 20, under a bitmap (8 + 16) and dense (256).
-    (16, [[0, 4, GAPS8, 4]], True),
-    # All 64 changed: dense (256 bytes, under a bitmap's 8 + 256), checked before anything is written.
-    (1, [[0, 64, DENSE, 0]], False),
-], ids=["sparse-at-one-sixteenth", "dense"])
+    # 4 of 256, exactly 1/64, so not under it: checked after writing. Gaps 0, 63, 63, 63 as 1-byte symbols:
+    # 4 + 16 value bytes = 20, under a bitmap (32 + 16) and dense (1024).
+    (64, [[0, 4, GAPS8, 4]], True),
+    # 2 of 256, under 1/64: checked before writing (gaps 0, 127; 2 + 8 value bytes).
+    (128, [[0, 2, GAPS8, 2]], False),
+    # All 256 changed: dense (1024 bytes, under a bitmap's 32 + 1024), checked before anything is written.
+    (1, [[0, 256, DENSE, 0]], False),
+], ids=["sparse-at-one-sixty-fourth", "sparse-under-it", "dense"])
 def test_when_a_corrupted_tensor_is_caught_follows_the_documented_density_rule(step, table, written):
-    """docs/weight_sync.md: the receiver checks every whole tensor and every sparse tensor under 1/16 density
+    """docs/weight_sync.md: the receiver checks every whole tensor and every sparse tensor under 1/64 density
     before writing anything; a denser sparse tensor right after it is written (model_written). Mutants:
-    `_incremental` with `<=` or INCREMENTAL_BELOW = 1/8 (the 1/16 tensor checked before writing), and a dense
-    row's pre-write checksum dropped (the dense tensor written, then found wrong)."""
+    `_incremental` with `<=` or INCREMENTAL_BELOW = 1/32 (the 1/64 tensor checked before writing) or 1/128 (the
+    1/128 tensor checked after), and a dense row's pre-write checksum dropped (the dense tensor written, then
+    found wrong)."""
     sender, receiver = run_ranks(_corrupted_value, 2, args=(step, table, written), timeout=60)
     assert bits_equal(receiver, sender)
 

@@ -21,10 +21,10 @@ def _refused_patches(rank, world_size):
         state["w"][:] = torch.arange(1.0, 11.0)     # every element: dense
         syncer.sync(state, 1)
         syncer.resync(state, 2)
-        state["m"][::8] = True                       # 8 of 64 (above 1/16): a bitmap, checked after writing
+        state["m"][::8] = True                       # 8 of 64 (above 1/64): a bitmap, checked after writing
         syncer.sync(state, 3)
         syncer.resync(state, 4)
-        state["big"][[10, 500, 990]] = 1.0          # 3 of 1000 (under 1/16): checked before writing
+        state["big"][[10, 500, 990]] = 1.0          # 3 of 1000 (under 1/64): checked before writing
         syncer.sync(state, 5)
         syncer.resync(state, 6)
         state["m"][4::8] = True                      # 8 more of 64: a bitmap again
@@ -49,7 +49,7 @@ def _refused_patches(rank, world_size):
         syncer.apply_update(state, update)
     errors.append((str(caught.value), caught.value.model_written, bits_equal(state, before), syncer.version))
     assert syncer.resync(state) == 4
-    # 3. A corrupted value of a sparse tensor under 1/16 density.
+    # 3. A corrupted value of a sparse tensor under 1/64 density.
     update, before = syncer.recv_update(), snapshot(state)
     update.segments[0][1][1] = 2.0
     with pytest.raises(SyncIntegrityError) as caught:
@@ -70,7 +70,7 @@ def _refused_patches(rank, world_size):
 @pytest.mark.slow
 def test_patches_refused_before_anything_is_written():
     """docs/weight_sync.md: a patch touching a tensor the syncer does not sync, invalid bools, and a wrong value
-    in a sparse tensor under 1/16 density are refused before anything is written: the model keeps its version
+    in a sparse tensor under 1/64 density are refused before anything is written: the model keeps its version
     and weights, and the error does not say `model_written` (which would make the receiver refuse everything
     until resync). A frozen key written by a patch would diverge silently, since no later update carries it;
     an invalid bool must be refused by name even where the checksum would only see it after writing; a bitmap
