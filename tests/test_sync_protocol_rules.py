@@ -121,7 +121,7 @@ def _non_blocking_while_the_trailer_is_held(rank, world_size, go_file):
     import sync.patch
     from dist import comm
     syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
-    state = {"w": torch.zeros(30)}
+    state = {"w": torch.zeros(100)}        # 1 change of 100, under 1/64: its checksum is updated, not rescanned
     if rank == 0:
         held = sync.patch.update_checksum
 
