@@ -5,13 +5,13 @@ W[s] * H[r] (two independent weight sets, so two 31-bit checksums in one int64).
 are pseudo-random (splitmix64 of the position under fixed seeds), so a shifted or permuted write does not
 line up with the original the way linear position weights do.
 
-Exact on any device and in any summation order; row sums are folded modulo the prime P in int64. On the
-host the rows are one int8 matrix product with int32 sums (torch._int_mm, at memory speed): each W is split
+Exact on any device and in any summation order; row sums are folded modulo the prime P in int64. On an
+AVX-512 host the rows are one int8 matrix product with int32 sums (torch._int_mm, at memory speed): each W is split
 into four 6-bit digits (W = D0 + 64 D1 + 4096 D2 + 262144 D3), so a digit's row sum stays under
-128 * 63 * 2**14 < 2**31, and the digits are recombined in int64. (6 bits, not 7: int8 kernels of x86
-CPUs without VNNI add pairs of products in saturating int16, and 2 * 255 * 63 < 2**15.) On other devices a
-row sum is a float64 matrix-vector product per block of rows: |lane| <= 128 times W < 2**24 over 2**14
-lanes stays below 2**53.
+128 * 63 * 2**14 < 2**31, and the digits are recombined in int64. (6 bits, not 7: oneDNN documents that its
+int8 kernels on x86 CPUs without VNNI may add pairs of products in saturating int16; 2 * 255 * 63 < 2**15.)
+Elsewhere (GPUs, other CPUs) a row sum is a float64 matrix-vector product per block of rows: |lane| <= 128
+times W < 2**24 over 2**14 lanes stays below 2**53.
 
 Because the checksum is linear in the lanes, changing elements at known positions from `old` to `new`
 changes it by sum((new - old) * weight) mod P: `update_checksum` needs only the changed elements.
@@ -28,8 +28,9 @@ ROW = 1 << ROW_BITS      # lanes (bytes) per row
 BLOCK = 32               # rows per float64 product on the host: a 4 MiB buffer, reused, stays in cache
 DEVICE_BLOCK = 256       # on a GPU: a 32 MiB buffer, 8x fewer kernel launches
 DIGITS = 4               # 6-bit digits per 24-bit lane weight (host int8 product)
-# Without oneDNN torch's int8 product is a scalar loop, slower than float64 blocks. The tests compare both paths.
-HOST_INT8 = torch.backends.mkldnn.is_available()
+# torch._int_mm runs oneDNN's int8 kernels: per 40 MB, 4.2 ms with AVX-512 but 25 ms held to AVX2 (float64 blocks:
+# 15 ms), and a scalar loop without oneDNN. So the int8 product only on AVX-512. The tests compare both paths.
+HOST_INT8 = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 _SEEDS = (0x5EED0001, 0x5EED0002)
 _tables: dict = {}       # (what, device) -> tensor, built once (H grows on demand)
 _scratch = threading.local()  # per-thread float64 buffers: a receiving thread and the caller may both checksum

@@ -95,28 +95,28 @@ def test_rows_of_extreme_bytes_stay_exact_on_both_paths(monkeypatch, byte):
     from dist import checksum as module
     t = torch.full((2 * REF_ROW + 9,), byte, dtype=torch.int8)
     expected = ref_tensor_checksum(t)
-    assert int(module.tensor_checksum(t)) == expected
-    monkeypatch.setattr(module, "HOST_INT8", False)
-    assert int(module.tensor_checksum(t)) == expected
+    for int8_product in (True, False):   # the host's default depends on the CPU (AVX-512 or not): both, always
+        monkeypatch.setattr(module, "HOST_INT8", int8_product)
+        assert int(module.tensor_checksum(t)) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool])
 def test_the_host_int8_product_and_the_device_float64_product_agree(monkeypatch, dtype):
-    """The host sums rows with torch._int_mm, GPUs with float64 blocks (dist/checksum.py): a sender on one and a
-    receiver on the other must agree bit for bit. Both paths run here on CPU, over tensors of many full rows, a
-    partial last row, and random bits of every byte value."""
+    """An AVX-512 host sums rows with torch._int_mm, GPUs and other CPUs with float64 blocks (dist/checksum.py): a
+    sender on one and a receiver on the other must agree bit for bit. Both paths run here on CPU, over tensors of
+    many full rows, a partial last row, and random bits of every byte value."""
     from dist import checksum as module
     g = torch.Generator().manual_seed(11)
     for numel in (40 * REF_ROW + 13, REF_ROW + 1):
         raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g)
         t = (raw % 2).view(torch.bool) if dtype == torch.bool else raw.view(dtype)
+        monkeypatch.setattr(module, "HOST_INT8", True)
         host = int(module.tensor_checksum(t))
         monkeypatch.setattr(module, "HOST_INT8", False)
         assert int(module.tensor_checksum(t)) == host
         monkeypatch.setattr(module, "BLOCK", 3)          # a GPU's blocks are larger: a partial last block too
         assert int(module.tensor_checksum(t)) == host
         monkeypatch.setattr(module, "BLOCK", 32)
-        monkeypatch.setattr(module, "HOST_INT8", True)
     assert host == ref_tensor_checksum(t)
 
 
@@ -166,3 +166,26 @@ def test_no_change_leaves_a_checksum_as_it_was_and_no_tensors_sum_to_zero():
     before = torch.tensor(ref_tensor_checksum(t))
     assert int(update_checksum(before, none, t[none], t[none], t.numel())) == ref_tensor_checksum(t)
     assert int(checksum([])) == ref_checksum([]) == 0
+
+
+@pytest.mark.slow
+def test_the_int8_product_stays_exact_on_avx2_kernels():
+    """The host's int8 product stays exact where oneDNN lacks VNNI (its documentation allows int8 kernels there to add
+    pairs of products in saturating int16, which the 6-bit digits stay clear of). oneDNN is held to AVX2 in a fresh
+    process (it reads ONEDNN_MAX_CPU_ISA once); rows of -128 and 127 bytes, and of both alternating, at the sums'
+    bound, match the reference. (This machine's AVX2 kernels were exact with 7-bit digits too.)"""
+    import os
+    import subprocess
+    import sys
+    tensors = {"low": torch.full((2 * REF_ROW + 3,), -128, dtype=torch.int8),
+               "high": torch.full((2 * REF_ROW + 3,), 127, dtype=torch.int8),
+               "both": torch.tensor([-128, 127], dtype=torch.int8).repeat(REF_ROW + 2)}
+    code = ("import torch, dist.checksum as c\nc.HOST_INT8 = True\n"
+            "for t in (torch.full((2 * c.ROW + 3,), -128, dtype=torch.int8), torch.full((2 * c.ROW + 3,), 127, "
+            "dtype=torch.int8), torch.tensor([-128, 127], dtype=torch.int8).repeat(c.ROW + 2)):\n"
+            "    print(int(c.tensor_checksum(t)))\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    assert [int(v) for v in result.stdout.split()] == [ref_tensor_checksum(t) for t in tensors.values()]
