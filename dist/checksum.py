@@ -157,6 +157,8 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
     row_sums = torch.remainder(row_sums, P)
     folded = torch.remainder(row_sums * _row_weights(row_sums.shape[0], device)[:row_sums.shape[0]], P)
     return _combine(torch.remainder(folded.sum(0), P))
+
+
 def update_checksum(checksum: torch.Tensor, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
                     numel: int) -> torch.Tensor:
     """The checksum of a tensor of `numel` elements after those at flat positions `index` changed from `old`
