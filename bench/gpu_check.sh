@@ -48,7 +48,7 @@ for part in $parts; do
         step train_16384_host 45 $py train.py tracking --env.num-envs 16384 $big --max-iterations 12 --log.print-every 1 $runs
         step train_16384_preset_capture 40 $py train.py tracking --env.num-envs 16384 --ppo.capture-step --max-iterations 12 --log.print-every 1 $runs ;;
     sync)
-        SYNCPPO_TEST_DEVICE=cuda step sync_tests_cuda 60 $py -m pytest -q -p no:cacheprovider tests/test_sync_patch.py tests/test_sync_bucket.py -k "every_update or load_instant"
+        SYNCPPO_TEST_DEVICE=cuda step sync_tests_cuda 60 $py -m pytest -q -p no:cacheprovider tests/test_sync_patch.py tests/test_sync_bucket.py tests/test_checksum_reference.py -k "every_update or load_instant or test_device"
         step bench_sync_cuda 75 $py bench/bench_sync.py --device cuda --densities 0.001 0.01 0.1 1.0 --repeats 5 ;;
     train)
         step train_cuda_4096 90 $py train.py tracking --env.num-envs 4096 --max-iterations 40 --log.print-every 5 $runs

@@ -3,6 +3,7 @@
 incremental update at row boundaries."""
 
 import functools
+import os
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ REF_P = 2**31 - 1
 REF_ROW = 2**14
 MASK64 = 2**64 - 1
 SEEDS = (0x5EED0001, 0x5EED0002)
+# Where the device test runs: SYNCPPO_TEST_DEVICE=cuda on a GPU (bench/gpu_check.sh), else the host.
+DEVICE = os.environ.get("SYNCPPO_TEST_DEVICE", "cpu")
 
 
 def _splitmix64(x: int) -> int:
@@ -189,3 +192,21 @@ def test_the_int8_product_stays_exact_on_avx2_kernels():
                             env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     assert [int(v) for v in result.stdout.split()] == [ref_tensor_checksum(t) for t in tensors.values()]
+
+
+def test_the_checksum_on_the_test_device_matches_the_host():
+    """On the device a run's weights live on (SYNCPPO_TEST_DEVICE=cuda in bench/gpu_check.sh: float64 blocks of 256
+    rows there, update_checksum's gathers there), a tensor of more than one block and a partial row, and its update
+    from changed elements, give the host's values (themselves pinned to the reference above)."""
+    from dist.checksum import ROW, tensor_checksum, update_checksum
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        old = torch.randn(300 * ROW // dtype.itemsize + 7, generator=g).to(dtype)
+        index = torch.randperm(old.numel(), generator=g)[:1000].sort().values
+        new = old.clone()
+        new[index] = (old[index] * 3 + 1).to(dtype)
+        on_device = tensor_checksum(old.to(DEVICE))
+        assert on_device.device.type == torch.device(DEVICE).type and int(on_device) == int(tensor_checksum(old))
+        changed = [x.to(DEVICE) for x in (index, old[index], new[index])]
+        updated = update_checksum(on_device, *changed, old.numel())
+        assert int(updated) == int(tensor_checksum(new)) == int(tensor_checksum(new.to(DEVICE)))
