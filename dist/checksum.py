@@ -8,8 +8,8 @@ line up with the original the way linear position weights do.
 Exact on any device and in any summation order; row sums are folded modulo the prime P in int64. On an
 AVX-512 host the rows are one int8 matrix product with int32 sums (torch._int_mm, at memory speed): each W is split
 into four 6-bit digits (W = D0 + 64 D1 + 4096 D2 + 262144 D3), so a digit's row sum stays under
-128 * 63 * 2**14 < 2**31, and the digits are recombined in int64. (6 bits, not 7: oneDNN documents that its
-int8 kernels on x86 CPUs without VNNI may add pairs of products in saturating int16; 2 * 255 * 63 < 2**15.)
+128 * 63 * 2**14 < 2**31, and the digits are recombined in int64. (6 bits, not 7: without VNNI oneDNN's int8
+kernels add pairs of products in saturating int16, 2 * 255 * 63 < 2**15; 7-bit digits came out wrong there.)
 Elsewhere (GPUs, other CPUs) a row sum is a float64 matrix-vector product per block of rows: |lane| <= 128
 times W < 2**24 over 2**14 lanes stays below 2**53.
 
@@ -29,7 +29,8 @@ BLOCK = 32               # rows per float64 product on the host: a 4 MiB buffer,
 DEVICE_BLOCK = 256       # on a GPU: a 32 MiB buffer, 8x fewer kernel launches
 DIGITS = 4               # 6-bit digits per 24-bit lane weight (host int8 product)
 # torch._int_mm runs oneDNN's int8 kernels: per 40 MB, 4.2 ms with AVX-512 but 25 ms held to AVX2 (float64 blocks:
-# 15 ms), and a scalar loop without oneDNN. So the int8 product only on AVX-512. The tests compare both paths.
+# 15 ms), and a scalar loop (50x slower) without oneDNN or with torch.backends.mkldnn.enabled = False. So the int8
+# product only on AVX-512, with oneDNN on. The tests compare both paths.
 HOST_INT8 = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 _SEEDS = (0x5EED0001, 0x5EED0002)
 _tables: dict = {}       # (what, device) -> tensor, built once (H grows on demand)
@@ -153,7 +154,8 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
         w, h = _host_tables()
         parts = (x.numpy().astype(np.int64) @ w[:x.numel()]) % P * h % P
         return torch.tensor(int(parts[0]) * 2**31 + int(parts[1]))
-    row_sums = _host_row_sums(x) if device.type == "cpu" and HOST_INT8 else _device_row_sums(x)
+    int8 = device.type == "cpu" and HOST_INT8 and torch.backends.mkldnn.enabled
+    row_sums = _host_row_sums(x) if int8 else _device_row_sums(x)
     row_sums = torch.remainder(row_sums, P)
     folded = torch.remainder(row_sums * _row_weights(row_sums.shape[0], device)[:row_sums.shape[0]], P)
     return _combine(torch.remainder(folded.sum(0), P))

@@ -18,7 +18,7 @@ from dist.checksum import tensor_checksum
 from dist.plan import PlanRow
 from .config import WeightSyncConfig
 from .handshake import compare, describe, named_dtype
-from .wire import (DENSE, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats,
+from .wire import (DENSE, FORMAT, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats,
                    UnexpectedKind, check_kind, plan_buckets, recv_frame, recv_json, send_frame, send_json)
 
 
@@ -67,6 +67,9 @@ class Link:
             reply, received = recv_json(self.src, self.group, self.device)
             if reply["error"]:
                 raise ValueError("weight sync init: " + reply["error"])
+            if reply.get("format") != FORMAT:    # a sender before format 2 compares none and replies none
+                raise ValueError(f"weight sync init: wire format {FORMAT} on the receiver, {reply.get('format')} on "
+                                 "the sender: run the same syncppo version on both sides")
             self._adopt(mine, reply["keys"], [(sent, received)])
             return reply["version"]
         problems, keys = list(problems), list(tensors) if keys is None else list(keys)
@@ -80,7 +83,8 @@ class Link:
             if any(meta[field] != metas[0][0][field] for field in ("keys", "shapes", "dtypes", "ties")):
                 problems.append(f"receiver rank {dst} differs from receiver rank {self.dsts[0]} in key order, shapes, "
                                 "dtypes or tied keys; one syncer serves identical receivers (use one per kind)")
-        reply = {"error": "; ".join(problems) or None, "version": version, "keys": [k for k in mine["keys"] if k in keys]}
+        reply = {"error": "; ".join(problems) or None, "version": version, "format": FORMAT,
+                 "keys": [k for k in mine["keys"] if k in keys]}
         replied = [send_json(reply, dst, self.group, self.device) for dst in self.dsts]
         if problems:
             raise ValueError("weight sync init: " + "; ".join(problems))

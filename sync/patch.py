@@ -32,7 +32,7 @@ from .wire import (BITMAP, DENSE, GAPS8, GAPS16, GAPS32, KIND_BUCKET, KIND_PATCH
                    recv_frame, require_zstd, send_frame, zstd_compress, zstd_decompress, zstd_discard)
 
 GAP_DTYPES = {code: SYMBOL_DTYPES[code] for code in (GAPS8, GAPS16, GAPS32)}
-INCREMENTAL_BELOW = 1 / 64  # changed fraction under which updating a checksum beats recomputing it (~1/90)
+INCREMENTAL_BELOW = 1 / 64  # update a checksum below, rescan above: crossovers ~1/110 (int8), ~1/25 (float64)
 
 
 class PatchSyncer(Link):

@@ -96,6 +96,31 @@ def test_handshake_mismatches_fail_on_both_sides_with_the_reason():
             assert expected in message, message
 
 
+def _reply_of_an_older_sender(rank, world_size):
+    import sync.link
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    if rank == 0:
+        return syncer.agree(_state())           # the handshake alone: the receiver stops there
+    real = sync.link.recv_json
+
+    def older_reply(*args):  # what a sender before format 2 replies: it compared no format and names none
+        reply, size = real(*args)
+        return {k: v for k, v in reply.items() if k != "format"}, size
+    sync.link.recv_json = older_reply
+    with pytest.raises(ValueError) as error:
+        syncer.agree(_state())
+    return str(error.value)
+
+
+def test_a_receiver_refuses_the_reply_of_a_sender_on_an_older_wire_format():
+    """The sender compares formats, but a sender from before format 2 does not: it accepted a newer receiver, whose
+    first frame then failed its header checksum as "corrupted". The reply carries the sender's format, and the
+    receiver refuses one without it, naming both."""
+    _, message = run_ranks(_reply_of_an_older_sender, 2)
+    assert message == ("weight sync init: wire format 2 on the receiver, None on the sender: run the same syncppo "
+                       "version on both sides")
+
+
 def _bad_calls(rank, world_size):
     with pytest.raises(ValueError, match="neither the sender"):
         make_weight_syncer(WeightSyncConfig(), src=5, dsts=[6])
