@@ -112,6 +112,7 @@ def _reply_of_an_older_sender(rank, world_size):
     return str(error.value)
 
 
+@pytest.mark.slow
 def test_a_receiver_refuses_the_reply_of_a_sender_on_an_older_wire_format():
     """The sender compares formats, but a sender from before format 2 does not: it accepted a newer receiver, whose
     first frame then failed its header checksum as "corrupted". The reply carries the sender's format, and the
