@@ -70,7 +70,7 @@ bench: $(VENV)/.dev  ## training throughput vs RSL-RL (installs rsl-rl-lib into 
 bench-grad: $(VENV)/.runtime  ## gradient sync: flat | bucketed vs DDP vs a raw all-reduce, 2 gloo ranks (ARGS=--quick)
 	$(BIN)/python bench/bench_grad_sync.py $(ARGS)
 
-bench-sync: $(VENV)/.dev  ## weight sync: patch vs bucket vs naive dist.send (a few minutes; ARGS=--quick for seconds)
+bench-sync: $(VENV)/.dev  ## weight sync: patch vs bucket vs naive dist.send (~10 s on 2 cores; ARGS=--quick: ~3 s)
 	$(BIN)/python bench/bench_sync.py $(ARGS)
 
 bench-rollout: $(VENV)/.dev  ## rollout ranks: colocated vs 1 + 1 sync/async, weight-sync bytes, learning (~1 h; ARGS=--quick)

@@ -5,7 +5,7 @@ elements changed since the last sync); bucket and naive send everything whatever
 gives patch's bytes against the information limit for fp32 and bf16 receivers. Optionally, the density a
 real PPO iteration of the `tracking` preset produces, from consecutive checkpoints of train.py.
 
-    python bench/bench_sync.py              # ~10M parameters: time and bytes tables, a few minutes
+    python bench/bench_sync.py              # ~10M parameters: time and bytes tables, ~10 s on 2 cores
     python bench/bench_sync.py --quick      # ~1M parameters, three densities: seconds
     python bench/bench_sync.py --ppo        # also train 3 iterations of `tracking` and sync its checkpoints
     python bench/bench_sync.py --checkpoints a/model_1.pt a/model_2.pt a/model_3.pt   # PPO part from these
