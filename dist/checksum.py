@@ -66,7 +66,7 @@ def _lane_weights(device, dtype) -> torch.Tensor:
 def _lane_digits() -> torch.Tensor:
     """[ROW, 2 * DIGITS] int8: column 4k + j is digit j (6 bits) of the lane weights of seed k."""
     if "digits" not in _tables:
-        w = weights(ROW, 24)
+        w = _host_tables()[0]
         _tables["digits"] = torch.from_numpy(np.stack(
             [(w[:, k] >> (6 * j)) & 63 for k in range(2) for j in range(DIGITS)], axis=1).astype(np.int8))
     return _tables["digits"]

@@ -25,11 +25,19 @@ def describe(tensors: dict, cfg: WeightSyncConfig) -> dict:
     }
 
 
+def format_mismatch(sender, receiver) -> str | None:
+    """Why peers of these wire formats cannot sync (None: they can). A build before format 2 names none, so each
+    side checks the other's: the sender the receiver's document, the receiver the sender's reply."""
+    if sender == receiver:
+        return None
+    return f"wire format {receiver} on the receiver, {sender} on the sender: run the same syncppo version on both sides"
+
+
 def compare(sender: dict, receiver: dict) -> list[str]:
     """Reasons the receiver's metadata cannot take the sender's updates (empty when it can)."""
-    if receiver.get("format") != sender.get("format"):  # a build before format 2 sends none
-        return [f"wire format {receiver.get('format')} on the receiver, {sender.get('format')} on the sender: run the "
-                "same syncppo version on both sides"]
+    mismatch = format_mismatch(sender.get("format"), receiver.get("format"))
+    if mismatch:
+        return [mismatch]
     if receiver["config"] != sender["config"]:
         diff = {k: (v, receiver["config"][k]) for k, v in sender["config"].items() if v != receiver["config"][k]}
         return [f"weight sync config differs from the sender's, by field (sender, receiver): {diff}"]

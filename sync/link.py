@@ -17,7 +17,7 @@ from dist import comm
 from dist.checksum import tensor_checksum
 from dist.plan import PlanRow
 from .config import WeightSyncConfig
-from .handshake import compare, describe, named_dtype
+from .handshake import compare, describe, format_mismatch, named_dtype
 from .wire import (DENSE, FORMAT, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats,
                    UnexpectedKind, check_kind, plan_buckets, recv_frame, recv_json, send_frame, send_json)
 
@@ -67,9 +67,9 @@ class Link:
             reply, received = recv_json(self.src, self.group, self.device)
             if reply["error"]:
                 raise ValueError("weight sync init: " + reply["error"])
-            if reply.get("format") != FORMAT:    # a sender before format 2 compares none and replies none
-                raise ValueError(f"weight sync init: wire format {FORMAT} on the receiver, {reply.get('format')} on "
-                                 "the sender: run the same syncppo version on both sides")
+            mismatch = format_mismatch(reply.get("format"), FORMAT)
+            if mismatch:
+                raise ValueError("weight sync init: " + mismatch)
             self._adopt(mine, reply["keys"], [(sent, received)])
             return reply["version"]
         problems, keys = list(problems), list(tensors) if keys is None else list(keys)
