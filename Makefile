@@ -23,7 +23,7 @@ ISAACLAB_VENV    ?= .venv-isaaclab
 ISAACSIM         ?= 0
 ISAACSIM_VERSION ?= 6.2.0.0
 
-.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco gpu-wheels setup-mujoco setup-isaaclab export export-needs-ckpt train-settings tensorboard clean
+.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco gpu-wheels setup-mujoco setup-isaaclab export export-needs-ckpt train-settings tensorboard tensorboard-settings clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -61,9 +61,9 @@ test: $(VENV)/.dev  ## run the whole test suite
 test-fast: $(VENV)/.dev  ## run the quick subset (no slow multi-rank or learning tests)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-bench: $(VENV)/.dev  ## training throughput vs RSL-RL (installs rsl-rl-lib into .venv), then bench-grad and bench-rollout
+bench: $(VENV)/.dev  ## training throughput vs RSL-RL (installs rsl-rl-lib into .venv), then bench-grad and bench-rollout (ARGS=--quick: all three)
 	$(BIN)/pip install -q rsl-rl-lib==5.5.1
-	$(BIN)/python bench/bench_train.py
+	$(BIN)/python bench/bench_train.py $(ARGS)
 	$(MAKE) bench-grad
 	$(MAKE) bench-rollout
 
@@ -108,12 +108,15 @@ export: export-needs-ckpt $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.p
 export-needs-ckpt:
 	@$(if $(value CKPT),true,echo "error: make export needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2)
 
-tensorboard: $(VENV)/.runtime  ## serve LOGDIR=runs (your --log.root) on PORT=6006
+# Before the prerequisites, as train-settings: a bad PORT or LOGDIR is said before .venv is built.
+tensorboard: tensorboard-settings $(VENV)/.runtime  ## serve LOGDIR=runs (your --log.root) on PORT=6006
+	$(BIN)/tensorboard --logdir $(call quote,$(value LOGDIR)) --port $(PORT)
+
+tensorboard-settings:
 	@case $(call quote,$(PORT)) in ''|*[!0-9]*|0*|??????*) false;; *) [ $(PORT) -le 65535 ];; esac || \
 		{ echo $(call quote,error: PORT=$(PORT) must be a port number from 1 to 65535) >&2; exit 2; }
 	@[ -d $(call quote,$(value LOGDIR)) ] || { echo $(call quote,error: LOGDIR=$(value LOGDIR) is not a folder: \
 		train first (make train) or set LOGDIR to a run's --log.root) >&2; exit 2; }
-	$(BIN)/tensorboard --logdir $(call quote,$(value LOGDIR)) --port $(PORT)
 
 clean:  ## remove caches (keeps .venv and runs/: checkpoints are never deleted by make)
 	rm -rf .pytest_cache

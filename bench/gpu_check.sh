@@ -19,6 +19,7 @@
 # this script installs .whl/*.whl into /tmp/site when the folder is present. Through a remote-run tool
 # that returns a folder OUT: command `bash bench/gpu_check.sh $OUT`, carrying `.whl`, with a 540 s limit.
 # What comes back: gpu.txt, summary.txt (one line per step: exit status and seconds) and one log per part.
+# Exit status 1 when CUDA was not usable, a step failed or a part is unknown (every part still runs).
 set -u
 out=${1:-gpu_out}
 shift || true
@@ -31,11 +32,14 @@ if [ -d .whl ]; then
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-{ nvidia-smi -L; $py -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"; } > "$out/gpu.txt" 2>&1
+failed=0
+nvidia-smi -L > "$out/gpu.txt" 2>&1 || failed=1
+$py -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" >> "$out/gpu.txt" 2>&1 || failed=1
+[ $failed = 0 ] || echo "no usable CUDA device: see gpu.txt" | tee -a "$out/summary.txt"
 # One log per part (the device tool brings back at most 8 files), each step under a header line.
 step() { name=$1; limit=$2; shift 2; s=$(date +%s); echo "===== $name: $*" >> "$out/$part.txt";
-         timeout "$limit" "$@" >> "$out/$part.txt" 2>&1;
-         echo "$name rc=$? ${SECONDS}s total, $(( $(date +%s) - s ))s" | tee -a "$out/summary.txt"; }
+         timeout "$limit" "$@" >> "$out/$part.txt" 2>&1; rc=$?; [ $rc = 0 ] || failed=$((failed + 1));
+         echo "$name rc=$rc ${SECONDS}s total, $(( $(date +%s) - s ))s" | tee -a "$out/summary.txt"; }
 big="--policy.actor-hidden 512 256 128 --policy.critic-hidden 512 256 128"
 runs="--log.root /tmp/gpu_runs --log.save-every 1000000"
 for part in $parts; do
@@ -59,6 +63,8 @@ for part in $parts; do
     grad)
         step bench_grad_cuda 240 $py bench/bench_grad_sync.py --device cuda --iters 10 ;;
     *)
+        failed=$((failed + 1))
         echo "unknown part $part (learner, sync, train, tests, grad)" | tee -a "$out/summary.txt" ;;
     esac
 done
+[ $failed = 0 ] || { echo "$failed failed (see summary.txt)" | tee -a "$out/summary.txt"; exit 1; }

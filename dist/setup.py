@@ -41,8 +41,9 @@ def launch_rank_and_world() -> tuple[int, int]:
     """(RANK, WORLD_SIZE) from torchrun's environment, (0, 1) without it; checked."""
     rank, world_size = launch_int("RANK", 0), launch_int("WORLD_SIZE", 1, low=1)
     if rank >= world_size:
-        raise UsageError(f"environment variables RANK={rank} and WORLD_SIZE={world_size}: a rank must be below the "
-                         f"world size (torchrun sets both; launch with torchrun)")
+        given = f"WORLD_SIZE={world_size}" if "WORLD_SIZE" in os.environ else "WORLD_SIZE unset (1)"
+        raise UsageError(f"environment variables RANK={rank} and {given}: a rank must be below the world size "
+                         f"(torchrun sets both; launch with torchrun)")
     return rank, world_size
 
 

@@ -105,7 +105,7 @@ def checked_noise_std(model, iteration: int, lr: float) -> float:
     broken = [name for name, good in zip(params, ok) if not good]
     more = f" and {len(broken) - 3} more" if len(broken) > 3 else ""
     what = f"non-finite weights in {', '.join(broken[:3])}{more}" if broken else \
-        f"an action noise std of {std.min().item():g} to {std.max().item():g} (log_std)"
+        f"an action noise std of {' to '.join(dict.fromkeys(f'{v:g}' for v in std.aminmax()))} (log_std)"
     raise RunError(f"the update of iteration {iteration} left the policy unusable: {what}, at LR {lr:g}; its steps "
                    f"were too large: lower --ppo.learning-rate (adaptive: --ppo.lr-max) or the loss weights, and "
                    f"resume from a checkpoint before it (nothing of this iteration was saved)")

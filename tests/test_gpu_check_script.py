@@ -90,3 +90,20 @@ def test_the_default_parts_fit_the_device_run_limit_with_room_to_install():
     total = sum(int(limit) for part in default for limit in re.findall(r"\bstep \w+ (\d+) ", blocks[part]))
     assert f"time boxes total {total} s" in text and "with a 540 s limit" in text
     assert total <= 540 - 30
+
+
+@pytest.mark.parametrize("parts, fake_gpu, status", [("sync", True, 0), ("sync bogus", True, 1), ("sync", False, 1)])
+def test_the_script_exits_1_when_cuda_a_step_or_a_part_failed(tmp_path, parts, fake_gpu, status):
+    """It exited 0 whatever happened: a remote run of it looked fine with every step failed. Here every step's
+    python is `true` (rc 0), so only the unknown part or the missing GPU (nvidia-smi fails) can fail it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + ("echo 'GPU 0: fake'\n" if fake_gpu else "exit 9\n"))
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": "true"}
+    result = subprocess.run(["bash", SCRIPT, str(tmp_path / "out"), *parts.split()], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert result.returncode == status, summary
+    assert "sync_tests_cuda rc=0" in summary and "bench_sync_cuda rc=0" in summary     # every part still ran
+    assert ("failed (see summary.txt)" in summary) == bool(status)

@@ -104,6 +104,13 @@ def test_the_noise_std_read_after_an_update_refuses_a_policy_it_left_unusable():
             model.log_std[0] = log_std
         with pytest.raises(RunError, match=f"left the policy unusable: an action noise std of .*{std}.* \\(log_std\\)"):
             checked_noise_std(model, 1, 1e4)
+    with torch.no_grad():     # the range over the actions' stds; one value once (one action read "0 to 0")
+        model.log_std.fill_(-200.0)
+    with pytest.raises(RunError, match=r"an action noise std of 0 \(log_std\)"):
+        checked_noise_std(model, 1, 1e4)
+    model.log_std.data[1] = 1e4
+    with pytest.raises(RunError, match=r"an action noise std of 0 to inf \(log_std\)"):
+        checked_noise_std(model, 1, 1e4)
 
 
 def test_a_learning_rate_that_blows_the_policy_up_stops_the_run_at_that_update_and_saves_nothing(tmp_path):

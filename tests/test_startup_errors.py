@@ -57,6 +57,7 @@ def test_nccl_on_the_cpu_is_one_line_naming_the_flag(tmp_path, capsys):
     ({"LOCAL_RANK": "-1"}, "environment variable LOCAL_RANK='-1' is not an integer >= 0"),
     ({"TORCHELASTIC_RESTART_COUNT": "x"}, "environment variable TORCHELASTIC_RESTART_COUNT='x' is not an integer"),
     ({"WORLD_SIZE": "2", "RANK": "2"}, "environment variables RANK=2 and WORLD_SIZE=2: a rank must be below"),
+    ({"RANK": "1"}, "environment variables RANK=1 and WORLD_SIZE unset (1): a rank must be below"),  # not "=1"
     ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2 without MASTER_ADDR and MASTER_PORT"),
     # torchrun's agent store is reached at MASTER_ADDR:MASTER_PORT too: without them this was a KeyError traceback
     ({"WORLD_SIZE": "2", "RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": "29500"},

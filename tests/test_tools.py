@@ -241,6 +241,23 @@ def test_make_tensorboard_refuses_a_port_that_is_not_one(port):
     assert "INJECTED" not in result.stdout
 
 
+
+@pytest.mark.parametrize("setting, said", [("PORT=abc", "error: PORT=abc must be a port number"),
+                                           ("LOGDIR=/nonexistent/runs", "error: LOGDIR=/nonexistent/runs is not a folder")])
+def test_make_tensorboard_refuses_its_settings_before_building_the_venv(tmp_path, setting, said):
+    """The checks ran in the recipe, after .venv was built: on a fresh clone a mistyped PORT installed torch first."""
+    result = subprocess.run(["make", "tensorboard", setting, f"VENV={tmp_path / 'fresh'}", "PY=false"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.startswith(said), result.stdout + result.stderr
+    assert "venv" not in result.stdout and not (tmp_path / "fresh").exists()
+
+
+def test_make_bench_passes_args_to_every_bench():
+    """`make bench ARGS=--quick` ran the throughput bench at full length (only the sub-makes got ARGS)."""
+    result = subprocess.run(["make", "-n", "bench", "ARGS=--quick"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert "bench/bench_train.py --quick" in result.stdout, result.stdout + result.stderr
+
 # ---- bench/bench_rollout.py ---------------------------------------------------------------------------
 
 def test_bench_rollout_out_that_is_a_file_is_a_usage_error(tmp_path, monkeypatch, capsys):
