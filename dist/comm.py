@@ -94,7 +94,8 @@ def _named(kind: str, purpose: str):
         # "No backend type associated with device type cpu") is this rank's, and the first line says which.
         timed_out = "timed out" in first_line.lower() or "timeout" in first_line.lower()
         why = ("a peer rank died (its connection closed)" if closed else
-               "a peer rank died or stalled past the process group's timeout (train.py: --dist.timeout-s)"
+               "a peer rank died or stalled past the process group's timeout (init_process_group's timeout=; "
+               "train.py: --dist.timeout-s)"
                if timed_out else "the backend refused or failed it")
         raise CollectiveError(f"{kind} for {purpose!r} failed on rank {torch_dist.get_rank()}: {why} ({first_line})"
                               ) from exc

@@ -15,7 +15,7 @@ compare, and wire.py what travels (frames, JSON).
 """
 
 from .bucket import BucketSyncer
-from .config import BucketConfig, InitSyncConfig, PatchConfig, WeightSyncConfig
+from .config import BucketConfig, InitSyncConfig, PatchConfig, WeightSyncConfig, check_config
 from .link import trainable_keys
 from .patch import PatchSyncer
 from .wire import SyncIntegrityError, SyncStats
@@ -26,6 +26,5 @@ __all__ = ["BucketConfig", "BucketSyncer", "InitSyncConfig", "PatchConfig", "Pat
 
 def make_weight_syncer(cfg: WeightSyncConfig, src: int, dsts, group=None) -> PatchSyncer | BucketSyncer:
     """The syncer `cfg.type` names, between global rank `src` (sender) and ranks `dsts` (receivers) of `group`."""
-    if not isinstance(cfg, WeightSyncConfig):
-        raise TypeError(f"make_weight_syncer needs a WeightSyncConfig, got {type(cfg).__name__}")
+    check_config(cfg)
     return {"patch": PatchSyncer, "bucket": BucketSyncer}[cfg.type](cfg, src, dsts, group)

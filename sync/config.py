@@ -59,7 +59,7 @@ class BucketConfig:
     bucket_size: int = 512 * 2**20
     """largest bucket in bytes (a bigger tensor travels alone)"""
     bucket_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
-    """wire dtype for floating tensors (ints and bools keep theirs); None = the receiver's dtype, which is exact"""
+    """wire dtype for floating tensors (ints and bools keep theirs); None = the receiver's dtype, which is exact (float16 overflows past 65504)"""
     bucket_device: Literal["cpu", "cuda"] = "cpu"
     """where buckets are packed: cpu for gloo, cuda for NCCL"""
     load_instant: bool = True
@@ -100,6 +100,19 @@ def _require_type(name, value, kind, wanted):
 def _require_count(name, value, low=1, what="a positive number of bytes"):
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"weight sync config: {name} must be {what}, got {value!r}")
+
+
+def is_int(value) -> bool:
+    """An int that fits the wire's int64 (a float, bool, tensor or None is not a version or a rank)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
+
+
+def check_config(cfg: WeightSyncConfig) -> None:
+    """Every section's checks again: the dataclasses are mutable, and a field set after construction was not checked."""
+    if not isinstance(cfg, WeightSyncConfig):
+        raise TypeError(f"weight sync needs a WeightSyncConfig, got {type(cfg).__name__}")
+    for section in (cfg, cfg.patch, cfg.patch.init_sync, cfg.bucket):  # each checks the type of the next ones
+        section.__post_init__()
 
 
 def config_fields(cfg: WeightSyncConfig) -> dict:

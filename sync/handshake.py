@@ -3,7 +3,7 @@ and the reasons a receiver cannot take the sender's updates. Nothing here crosse
 
 import torch
 
-from .config import WeightSyncConfig, config_fields
+from .config import WeightSyncConfig, config_fields, is_int
 from .wire import FORMAT
 
 
@@ -31,6 +31,19 @@ def format_mismatch(sender, receiver) -> str | None:
     if sender == receiver:
         return None
     return f"wire format {receiver} on the receiver, {sender} on the sender: run the same syncppo version on both sides"
+
+
+def sender_problems(tensors: dict, keys, version, problems=()) -> tuple[list[str], list[str]]:
+    """(the keys to sync, the reasons the sender's own arguments cannot start a sync: `problems` and these)."""
+    problems = list(problems) + [f"version must be an integer, got {version!r}"] * (not is_int(version))
+    if isinstance(keys, (str, bytes)):  # list() would sync its characters
+        problems.append(f"keys must be a list of state_dict keys, got the string {keys!r}")
+    keys = list(tensors) if keys is None or isinstance(keys, (str, bytes)) else list(keys)
+    if set(keys) - set(tensors):
+        problems.append(f"keys to sync not in the sender's state_dict: {sorted(set(keys) - set(tensors))}")
+    if not keys:
+        problems.append("the list of keys to sync is empty")
+    return keys, problems
 
 
 def compare(sender: dict, receiver: dict) -> list[str]:

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from dist import comm
 from dist.checksum import tensor_checksum
 from dist.plan import PlanRow
-from .config import WeightSyncConfig
-from .handshake import compare, describe, format_mismatch, named_dtype
+from .config import WeightSyncConfig, check_config, is_int
+from .handshake import compare, describe, format_mismatch, named_dtype, sender_problems
 from .wire import (DENSE, FORMAT, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats,
                    UnexpectedKind, check_kind, plan_buckets, recv_frame, recv_json, send_frame, send_json)
 
@@ -29,6 +29,10 @@ class Link:
         `device` is where messages are staged: cpu for gloo, cuda for NCCL (the current CUDA device, by index).
         Give the syncer its own group (dist.new_group) when the receiver runs collectives while apply receives.
         """
+        check_config(cfg)
+        if not is_int(src) or isinstance(dsts, (str, bytes)) or not isinstance(dsts, Sequence) or \
+                not all(is_int(d) for d in dsts):
+            raise TypeError(f"weight sync: src must be a rank and dsts a list of ranks, got src={src!r}, dsts={dsts!r}")
         self.cfg, self.src, self.dsts, self.group = cfg, src, tuple(dsts), group
         rank = dist.get_rank()
         if not self.dsts or src in self.dsts or len(set(self.dsts)) != len(self.dsts):
@@ -72,18 +76,14 @@ class Link:
                 raise ValueError("weight sync init: " + mismatch)
             self._adopt(mine, reply["keys"], [(sent, received)])
             return reply["version"]
-        problems, keys = list(problems), list(tensors) if keys is None else list(keys)
-        if set(keys) - set(tensors):
-            problems.append(f"keys to sync not in the sender's state_dict: {sorted(set(keys) - set(tensors))}")
-        if not keys:
-            problems.append("the list of keys to sync is empty")
+        keys, problems = sender_problems(tensors, keys, version, problems)
         metas = [recv_json(dst, self.group, self.device) for dst in self.dsts]
         for dst, (meta, _) in zip(self.dsts, metas):
             problems += [f"receiver rank {dst}: {p}" for p in compare(mine, meta)]
             if any(meta[field] != metas[0][0][field] for field in ("keys", "shapes", "dtypes", "ties")):
                 problems.append(f"receiver rank {dst} differs from receiver rank {self.dsts[0]} in key order, shapes, "
                                 "dtypes or tied keys; one syncer serves identical receivers (use one per kind)")
-        reply = {"error": "; ".join(problems) or None, "version": version, "format": FORMAT,
+        reply = {"error": "; ".join(problems) or None, "version": version if is_int(version) else 0, "format": FORMAT,
                  "keys": [k for k in mine["keys"] if k in keys]}
         replied = [send_json(reply, dst, self.group, self.device) for dst in self.dsts]
         if problems:
@@ -140,6 +140,7 @@ class Link:
     def plan(self, bootstrap: list[int], rule: str, update: list[int]) -> list[PlanRow]:
         """This rank's rows of the sync plan: the init traffic (handshake, the `bootstrap` messages, the start
         check) and one sync's messages `update` (bytes of each message to one receiver)."""
+        self.require(sender=self.is_sender)
         n = len(self.dsts) if self.is_sender else 1
         out, back = ("send", "recv") if self.is_sender else ("recv", "send")
         rows = [PlanRow(SETUP, "handshake: metadata (JSON)", back, "setup", [b for m, _ in self._documents for b in (8, m)]),
@@ -152,14 +153,18 @@ class Link:
 
     # ----- strict checks on every call ------------------------------------------------------------------------
 
-    def require(self, sender: bool, initialized: bool = True, version: Optional[int] = None) -> None:
+    def require(self, sender: bool, initialized: bool = True, version=...) -> None:
+        """Refuse a call of the other role, before or after init as the call needs, or a `version` (when given)
+        that is not an integer above the last one sent."""
         if sender != self.is_sender:
             role = "sender" if self.is_sender else "receiver"
             raise RuntimeError(f"weight sync: rank {dist.get_rank()} is the {role}; call the {role} methods")
         if initialized != (self.version is not None):  # a second init would wait for a handshake the peer never sends
             raise RuntimeError("weight sync: " + ("call init_sender/init_receiver first" if initialized else
                                "init already ran: call resync() on both sides to send the weights again"))
-        if version is not None and version <= self.version:
+        if version is not ... and not is_int(version):
+            raise TypeError(f"weight sync: version must be an integer, got {version!r}")
+        if version is not ... and version <= self.version:
             raise ValueError(f"weight sync: version must increase, last sent {self.version}, got {version}")
 
     def tensors(self, model) -> dict:
@@ -176,6 +181,10 @@ class Link:
                or not self.is_sender and t.dtype != self.dtypes[k]]
         if bad:
             raise ValueError(f"weight sync: shape or dtype changed since init for {bad}")
+        scattered = [k for k, t in tensors.items() if not self.is_sender and not t.is_contiguous()]
+        if scattered:  # refused before anything is received: writes land in place
+            raise ValueError(f"weight sync: receiver tensors {scattered} are not contiguous; pass the model's own "
+                             "tensors")
         return tensors
 
     # ----- whole tensors in size-capped buckets -----------------------------------------------------------------
@@ -339,8 +348,9 @@ class Link:
         receiver = [self.dtypes[k] for k in self.keys]
         tensors = self.tensors(state_dict_or_model)
         if self.is_sender:
-            if version is None:
-                raise ValueError("weight sync: the sender's resync needs the version to restart from")
+            if not is_int(version):
+                raise ValueError(f"weight sync: the sender's resync needs the (integer) version to restart from, got "
+                                 f"{version!r}")
             self.stats = self.send_whole(tensors, keys, receiver, bucket_size, version, KIND_RESYNC, SETUP)
             self.version = version
             if written is not None:

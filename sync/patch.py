@@ -45,6 +45,7 @@ class PatchSyncer(Link):
         self.snapshot: dict[str, torch.Tensor] = {}
         self.checksums: dict[str, torch.Tensor] = {}  # of the snapshot (sender) or of the model (receiver)
         self._mask = torch.empty(0, dtype=torch.bool)  # change mask, reused (a fresh one costs page faults)
+        self._memory: list = []  # receiver: where the synced tensors were when last written or checked
 
     # ----- init: handshake, bootstrap, start check ----------------------------------------------------------
 
@@ -190,6 +191,9 @@ class PatchSyncer(Link):
         """Check, decode and apply a patch; returns its version. Host syncs: a few per patch and one or two per
         sparse tensor (its positions; whether its gaps hold escapes). Waits for the payload that _recv posted."""
         frame.check_header()
+        if [tensors[k].data_ptr() for k in self.synced] != self._memory:  # patches apply to what the last ones wrote
+            self._verify(tensors, "were given to apply() in other memory than the last patch wrote, and hold other "
+                         "values (pass the receiver's own model)")
         if frame.base != self.version:
             raise SyncIntegrityError(f"weight sync: patch {frame.version} applies to version {frame.base} but this "
                                      f"receiver holds version {self.version}: a patch was lost or reordered; {RESYNC_HINT}")
@@ -252,12 +256,13 @@ class PatchSyncer(Link):
         with self.lock:
             self._verify(tensors)
 
-    def _verify(self, tensors: dict) -> None:
+    def _verify(self, tensors: dict, why: str = "changed on the receiver since the patches that wrote them") -> None:
         actual = torch.stack([tensor_checksum(tensors[k]).cpu() for k in self.synced])
         wrong = [k for k, a in zip(self.synced, actual.tolist()) if a != int(self.checksums[k])]
         if wrong:
-            self._broken = f"{wrong} changed on the receiver since the patches that wrote them"
+            self._broken = f"{wrong} {why}"
             raise SyncIntegrityError(f"weight sync: verification found {self._broken}; {RESYNC_HINT}", model_written=True)
+        self._memory = [tensors[k].data_ptr() for k in self.synced]
 
     # ----- resync ------------------------------------------------------------------------------------------
 
@@ -274,6 +279,7 @@ class PatchSyncer(Link):
 
     def _adopt_checksums(self, tensors: dict) -> None:
         self.checksums = {k: tensor_checksum(tensors[k]) for k in self.synced}
+        self._memory = [tensors[k].data_ptr() for k in self.synced]
 
 
 # ----- encodings ---------------------------------------------------------------------------------------------

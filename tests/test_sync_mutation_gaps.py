@@ -87,7 +87,7 @@ def test_trainable_keys_leave_out_a_frozen_parameter_under_every_name_it_has():
 def test_make_weight_syncer_refuses_a_config_that_is_not_a_weight_sync_config():
     """Mutant: the type check dropped, a YAML mapping given in place of the config failed with an AttributeError
     (`dict` has no `type`) instead of a TypeError that names what to pass. No rank is needed: it fails first."""
-    with pytest.raises(TypeError, match="make_weight_syncer needs a WeightSyncConfig, got dict"):
+    with pytest.raises(TypeError, match="weight sync needs a WeightSyncConfig, got dict"):
         make_weight_syncer({"type": "patch"}, src=0, dsts=[1])
 
 
