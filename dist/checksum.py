@@ -6,7 +6,7 @@ are pseudo-random (splitmix64 of the position under fixed seeds), so a shifted o
 line up with the original the way linear position weights do.
 
 Exact on any device and in any summation order; row sums are folded modulo the prime P in int64. On an
-AVX-512 host the rows are one int8 matrix product with int32 sums (torch._int_mm, at memory speed): each W is split
+AVX-512 host the rows are one int8 matrix product with int32 sums (torch._int_mm, ~10 GB/s): each W is split
 into four 6-bit digits (W = D0 + 64 D1 + 4096 D2 + 262144 D3), so a digit's row sum stays under
 128 * 63 * 2**14 < 2**31, and the digits are recombined in int64. (6 bits, not 7: without VNNI oneDNN's int8
 kernels add pairs of products in saturating int16, 2 * 255 * 63 < 2**15; 7-bit digits came out wrong there.)
