@@ -397,4 +397,7 @@ if __name__ == "__main__":
         if exc.code:                  # not --help
             tell_torchrun("error: the command line could not be parsed: see the parser's message (local rank 0)")
         raise
-    sys.exit(cli(config, typed_flags(sys.argv[1:])))
+    code = cli(config, typed_flags(sys.argv[1:]))
+    # Run over: finalizing, Python puts SIGINT back to SIG_DFL (a Ctrl-C then: 130, unsaid), but leaves SIG_IGN alone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)

@@ -4,6 +4,7 @@ iterations (and after the last)."""
 import contextlib
 import math
 import os
+import threading
 import time
 
 from torch.utils.tensorboard import SummaryWriter
@@ -17,6 +18,8 @@ class RunLogger:
         # whatever an earlier attempt logged after the checkpoint, so no step appears twice. Also from step 1: a
         # torchrun restart before the first checkpoint continues in the same directory from iteration 0.
         wait_past_earlier_event_files(run_dir)
+        if not getattr(threading.excepthook, "leaves_writer_oserrors", False):
+            threading.excepthook = leave_writer_oserrors(threading.excepthook)
         self.run_dir = run_dir
         with self.writing():
             self.writer = SummaryWriter(run_dir, purge_step=start_iteration + 1)
@@ -74,8 +77,19 @@ class RunLogger:
             yield
         except OSError as exc:
             raise RunError(f"could not write TensorBoard events in {self.run_dir}: {exc.strerror or exc}; free "
-                           f"space on that disk or point --log.root elsewhere, then resume from the last checkpoint"
+                           f"space on that disk or point --log.root elsewhere, then resume from the last checkpoint (if any)"
                            ) from None
+
+
+def leave_writer_oserrors(hook):
+    """threading.excepthook `hook`, but silent for an OSError that ends TensorBoard's writer thread: the thread keeps
+    it for the next write or flush, which says it in one line (RunLogger.writing); its own traceback, printed at the
+    same moment, cut into that line and buried it (a full disk)."""
+    def excepthook(args):
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            hook(args)
+    excepthook.leaves_writer_oserrors = True
+    return excepthook
 
 
 def _fmt(value: float | None, width: int, spec: str) -> str:

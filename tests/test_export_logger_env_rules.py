@@ -216,7 +216,7 @@ def test_every_tag_of_a_log_call_is_written_at_its_step_in_a_new_run_directory(t
     assert tb_scalars(run_dir, "Loss/learning_rate") == [(1, 0.125), (2, 0.0625)]
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the writer thread's own
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")    # the writer thread is silent
 @pytest.mark.parametrize("when", ["start", "log"])
 def test_a_full_disk_under_tensorboard_is_a_one_line_error_naming_the_run_directory(tmp_path, monkeypatch, when):
     """TensorBoard writes from a thread of its own; the OSError it meets (a --log.root disk that filled up, at the
@@ -236,10 +236,22 @@ def test_a_full_disk_under_tensorboard_is_a_one_line_error_naming_the_run_direct
             RunLogger(run_dir, max_iterations=5, start_iteration=0, steps_per_iteration=4)
         else:
             logger.log({"Policy/kl": 0.25}, step=1)
-    # The writer thread ends with the OSError: joined here, its traceback is this test's (ignored above), not
-    # reported under whichever test runs when the thread gets to it.
+    # The writer thread ends with the OSError: joined here, so that a traceback of it would be this test's (an error,
+    # above: its traceback cut into the one line; leave_writer_oserrors), not reported under a later test.
     for thread in set(threading.enumerate()) - threads_before:
         thread.join(timeout=30)
+
+
+def test_only_the_writer_thread_s_oserror_is_left_to_the_next_write():
+    """Any other thread's failure, and any other error of the writer thread, still reaches the hook it wraps."""
+    from ppo.logger import leave_writer_oserrors
+    seen = []
+    hook = leave_writer_oserrors(seen.append)
+    writer = type("_AsyncWriterThread", (threading.Thread,), {})()
+    calls = [(OSError(28, "full"), writer), (ValueError("bug"), writer), (OSError(5, "io"), threading.Thread())]
+    for error, thread in calls:
+        hook(threading.ExceptHookArgs((type(error), error, None, thread)))
+    assert [args.exc_value for args in seen] == [calls[1][0], calls[2][0]]
 
 
 def test_a_non_finite_scalar_is_written_as_is_and_said_once_per_tag(tmp_path, capsys):

@@ -106,3 +106,24 @@ def test_the_flags_say_this_rank_was_signalled_or_reparented(monkeypatch, handle
     assert flags(unwatched) == ((1.0, 1.0), (0.0, 1.0))
     # train.py unpacks the reduced flags as `stop_signal, launcher_gone` in STOP_KEYS order
     assert STOP_KEYS == ("Control/stop_signal", "Control/launcher_gone")
+
+
+def test_train_py_exits_with_its_status_whatever_ctrl_c_meets_in_the_teardown(tmp_path):
+    """Once the run returned its status, Python's finalization sets SIGINT back to SIG_DFL (a handler of its own is
+    undone, SIG_IGN kept), so a Ctrl-C there ended a finished run with status 130 and no word. At exit train.py's
+    SIGINT is ignored: checked from an exit handler of the process, and by sending SIGINT there."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    probe = ("import atexit, os, runpy, signal, sys\n"
+             "def at_exit():\n"
+             "    print('SIGINT at exit:', signal.getsignal(signal.SIGINT) is signal.SIG_IGN, file=sys.stderr)\n"
+             "    os.kill(os.getpid(), signal.SIGINT)\n"
+             "atexit.register(at_exit)\n"
+             f"sys.argv = ['train.py', 'cartpole', '--dry-run', '--log.root', {str(tmp_path)!r}]\n"
+             "runpy.run_path('train.py', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=repo, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "SIGINT at exit: True" in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 0, result.stderr[-2000:]
