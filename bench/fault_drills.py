@@ -118,7 +118,7 @@ def main():
         drill("kill -9 a rank 3x under --max-restarts 3 (run to 40 it)", restart_three_times, keep, restarts=3,
               iterations=40),
     ]
-    print(f"\n| drill | exit status | seconds to exit | kept |\n|---|---|---|---|")
+    print(f"\n| drill | exit status (torchrun) | seconds to exit | kept |\n|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(str(c) for c in row) + " |")
 
