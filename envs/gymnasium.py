@@ -86,6 +86,10 @@ def check_reset_and_step(env, task: str) -> None:
     if not (isinstance(result, tuple) and len(result) == 5):   # gymnasium's wrappers would unpack it, and fail
         raise ValueError(f"--env.task {task}: step() returned {returned(result)}, not gymnasium's (obs, reward, "
                          f"terminated, truncated, info): {OLD_API}")
+    reward = np.asarray(result[1])
+    if reward.shape != () or reward.dtype.kind not in "fiu":  # the vector env's float array takes one number per env
+        raise ValueError(f"--env.task {task}: step()'s reward is {type(result[1]).__name__} of shape "
+                         f"{list(reward.shape)}, dtype {reward.dtype}, not a single number: return float(reward)")
 
 
 class GymnasiumEnv:

@@ -125,9 +125,7 @@ def check_step(env, result, name: str, device: torch.device, bootstrap: bool) ->
             shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             fail(name, f"step()'s {what} must be a [num_envs] = [{env.num_envs}] tensor, got {shape}")
         check_tensor(name, f"step()'s {what}", value, dtype, device)
-    check_extras(env, extras, name, bootstrap)
-    if "final_obs" in extras:
-        check_obs(extras["final_obs"], env, name, "step()'s extras['final_obs']", device)
+    check_extras(env, extras, name, bootstrap, device)
 
 
 def unpack_step(result, name: str) -> tuple:
@@ -136,8 +134,9 @@ def unpack_step(result, name: str) -> tuple:
     return result
 
 
-def check_extras(env, extras, name: str, bootstrap: bool) -> None:
-    """A step's extras: 'log' (names declared, values scalars) and 'final_obs' there when time-outs bootstrap."""
+def check_extras(env, extras, name: str, bootstrap: bool, device: torch.device) -> None:
+    """A step's extras: 'log' (names declared, values scalars) and 'final_obs' (there when time-outs bootstrap; its
+    groups, shapes, dtype and device as the obs'). No host sync."""
     if not isinstance(extras, dict) or not isinstance(extras.get("log"), dict):   # not None: {} when nothing logged
         fail(name, "step()'s extras must be a dict with 'log', a dict ({} when the env logs nothing)")
     if bootstrap and "final_obs" not in extras:
@@ -152,6 +151,8 @@ def check_extras(env, extras, name: str, bootstrap: bool) -> None:
             got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else a_type(value)
             fail(name, f"step()'s extras['log'][{key!r}] must be a scalar (a 0-d tensor or a number: one value per "
                        f"step, e.g. a mean over the envs), got {got}")
+    if "final_obs" in extras:   # often built only on the steps where episodes end: a mistake shows mid-run
+        check_obs(extras["final_obs"], env, name, "step()'s extras['final_obs']", device)
 
 
 def step_checker(env, name: str, device: torch.device, bootstrap: bool):
@@ -164,5 +165,5 @@ def step_checker(env, name: str, device: torch.device, bootstrap: bool):
             check_step(env, result, name, device, bootstrap)
             checked_first = True
         else:
-            check_extras(env, unpack_step(result, name)[4], name, bootstrap)
+            check_extras(env, unpack_step(result, name)[4], name, bootstrap, device)
     return check

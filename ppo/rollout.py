@@ -136,7 +136,7 @@ def check_finite(batch: dict[str, torch.Tensor], env_name: str, rank: int, itera
         if bad.any():
             t, n, *feature = (int(i) for i in bad.nonzero()[0])
             where = f" feature {feature[0]}" if feature else ""
-            raise RunError(f"env {env_name!r} produced {data[bad][0].item()} in {what}{where} at step {t} of "
+            raise RunError(f"env {env_name!r} produced {data[bad][0].item()} in {what}{where} at step {t} (0-based) of "
                            f"iteration {iteration} in env {n} on rank {rank}; stopped before it reached a normalizer "
                            f"(fix the env or its config)")
 

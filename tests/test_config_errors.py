@@ -254,7 +254,7 @@ def test_non_finite_observation_names_env_group_and_feature_before_the_normalize
     seen = []
     monkeypatch.setattr(ObsNormalizer, "update", lambda self, batch: seen.append(batch))
     with pytest.raises(RunError, match=r"env 'tracking' produced nan in observation group 'critic' feature 2 "
-                                       r"at step 4 of iteration 2 in env 3 on rank 0"):   # obs of env step 12
+                                       r"at step 4 \(0-based\) of iteration 2 in env 3 on rank 0"):  # env step 12
         train.main(cfg)
     assert len(seen) == 1            # iteration 1 was clean; iteration 2's NaN never reached a normalizer
 

@@ -336,6 +336,25 @@ def test_a_mistake_only_the_step_makes_is_named_by_the_first_step_check(mistake)
     step_checker(correct, "mine", torch.device("cpu"), True)(correct.step(torch.zeros(8, 1)))
 
 
+@pytest.mark.parametrize("mistake, said", [
+    (lambda g: g[:, :3], r"\['policy'\] has shape \[8, 3\], expected \[num_envs, obs_dims\['policy'\]\] = \[8, 4\]"),
+    (lambda g: g.double(), r"\['policy'\] has dtype torch.float64, expected torch.float32"),
+    (lambda g: g.numpy(), r"\['policy'\] must be a torch.Tensor, got ndarray"),
+], ids=["shape", "float64", "numpy"])
+def test_a_final_obs_wrong_only_on_a_later_step_is_named_there(mistake, said):
+    """Only the first step's final_obs had its shapes and types checked: one built wrong on the steps where episodes
+    end (mid-run) went into the time-out bootstrap as a torch error, `unexpected RuntimeError (traceback above)`."""
+    from ppo.env_check import step_checker
+    env = CartPole(8, "cpu", 0)
+    env.reset()
+    check = step_checker(env, "mine", torch.device("cpu"), True)
+    check(env.step(torch.zeros(8, 1)))
+    obs, reward, terminated, truncated, extras = env.step(torch.zeros(8, 1))
+    extras = {**extras, "final_obs": {**extras["final_obs"], "policy": mistake(extras["final_obs"]["policy"])}}
+    with pytest.raises(RunError, match=r"^env 'mine': step\(\)'s extras\['final_obs'\]" + said):
+        check((obs, reward, terminated, truncated, extras))
+
+
 def test_a_state_key_that_is_not_a_str_is_named():
     """Rollout ranks send the env's state as 'a/b' names and rebuild str keys: an int key would not come back as
     itself, so it is refused like a key with '/' in it."""

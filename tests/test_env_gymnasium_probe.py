@@ -2,6 +2,8 @@
 the one nearest 0 inside the action space's bounds, so an env that checks its actions accepts the probe; an env
 whose step still returns the old gym API's 4-tuple is one line while built."""
 
+import re
+
 import gymnasium
 import numpy as np
 import pytest
@@ -114,6 +116,36 @@ def test_an_env_half_ported_from_the_old_gym_api_is_one_line_while_built(monkeyp
                                        "API; port it to gymnasium's (reset -> (obs, info), step -> (obs, reward, "
                                        "terminated, truncated, info))\n")
     assert [a.tolist() for a in HalfPorted.stepped_with] == [[0.0]]    # in bounds, finite
+
+
+class ArrayReward(gymnasium.Env):
+    """A lab env whose step returns its reward as a 1-element array (or a bool, or a string)."""
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,))
+    action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,))
+    reward = np.array([1.0])
+
+    def reset(self, seed=None, options=None):
+        return np.zeros(2, dtype=np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, dtype=np.float32), self.reward, False, False, {}
+
+
+@pytest.mark.parametrize("reward, said", [
+    (np.array([1.0]), "ndarray of shape [1], dtype float64"), (True, "bool of shape [], dtype bool"),
+    ("1", "str of shape [], dtype <U1"), (np.float32(1.0), None), (2, None)])
+def test_a_reward_that_is_not_one_number_is_named_while_built(monkeypatch, reward, said):
+    """A [1] array failed the first rollout step inside gymnasium's vector env, after the run directory was made:
+    "ValueError: setting an array element with a sequence." (exit 1, a traceback)."""
+    monkeypatch.setattr(ArrayReward, "reward", reward)
+    monkeypatch.setitem(gymnasium.registry, "ArrayReward-v0", gymnasium.envs.registration.EnvSpec(
+        "ArrayReward-v0", entry_point=ArrayReward, max_episode_steps=10))
+    if said is None:
+        assert GymnasiumEnv("ArrayReward-v0", 2, torch.device("cpu"), seed=0).num_envs == 2   # a number is taken
+        return
+    with pytest.raises(ValueError, match=re.escape(f"--env.task ArrayReward-v0: step()'s reward is {said}, not a "
+                                                   "single number: return float(reward)")):
+        GymnasiumEnv("ArrayReward-v0", 2, torch.device("cpu"), seed=0)
 
 
 class ResetInfoNone(gymnasium.Env):

@@ -210,8 +210,8 @@ def test_a_nan_reward_on_a_rollout_rank_stops_it_before_its_batch_reaches_the_le
 
     monkeypatch.setattr(envs.cartpole.CartPole, "step", nan_at_env_2)
     learner = ScriptedLearner(0, 3, 1, save_every=2)
-    with pytest.raises(RunError, match=r"^env 'cartpole' produced nan in reward at step 0 of iteration 1 in env 2 "
-                                       r"on rank 1; "):
+    with pytest.raises(RunError, match=r"^env 'cartpole' produced nan in reward at step 0 \(0-based\) of iteration 1 "
+                                       r"in env 2 on rank 1; "):
         run_against(learner, cartpole(3), monkeypatch)
     assert learner.batches == {}
 
