@@ -225,6 +225,8 @@ def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> 
     runner.alg.compute_returns = timed_returns
 
     def timed_rsl_log(**kw):
+        if not thread_may_run_alone:
+            raise InterruptedError   # syncppo stopped on request (Ctrl-C, SIGTERM): RSL-RL stops with it
         # RSL-RL's learning clock stops while its last optimizer step may still run on a GPU; syncppo's phase clocks
         # wait for the device (train.finished), so the drain counts as RSL-RL's update too. ~0 on CPU.
         start = time.perf_counter()
@@ -239,12 +241,14 @@ def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> 
         baton.pass_on("rsl-rl")
     runner.logger.log = timed_rsl_log
 
-    errors = []
+    errors, thread_may_run_alone = [], True
 
     def rsl_thread():
         try:
             baton.wait_turn("rsl-rl")
             runner.learn(cfg.max_iterations)
+        except InterruptedError:
+            pass
         except BaseException as exc:   # surfaced in the main thread below
             errors.append(exc)
         finally:
@@ -260,10 +264,15 @@ def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> 
             train.main(cfg)
         finally:
             train.RunLogger = original
+            thread_may_run_alone = len(rows["syncppo"]) == cfg.max_iterations
             baton.pass_on("syncppo", finished=True)
             thread.join()
     if errors:
         raise errors[0]
+    if not thread_may_run_alone:   # a cut run's few rounds would print as a table of the bench's
+        print(f"bench_train.py: stopped on request after {len(rows['syncppo'])} of {cfg.max_iterations} iterations; "
+              "no table", file=sys.stderr)
+        raise SystemExit(130)
     return rows
 
 
@@ -338,7 +347,9 @@ def main():
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both learners and the env run")
     parser.add_argument("--num-envs", type=int, default=None, help="envs per learner instead of the setting's")
-    parser.add_argument("--capture-step", action="store_true", help="syncppo with --ppo.capture-step (CUDA graphs)")
+    parser.add_argument("--capture-step", action="store_true",
+                        help="syncppo with --ppo.capture-step (a CUDA graph on a GPU; on CPU the same sync-free step, "
+                             "uncaptured)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch")

@@ -52,6 +52,43 @@ def test_bench_train_interleaves_with_train_main(bench_train, monkeypatch, tmp_p
     assert bench_train.train.RunLogger is RunLogger     # put back
 
 
+def test_bench_train_stopped_on_request_stops_rsl_rl_too_and_prints_no_table(bench_train, monkeypatch, tmp_path,
+                                                                            capsys):
+    """Ctrl-C stopped syncppo at its iteration's end, then RSL-RL ran all its iterations alone and the bench printed
+    a table of the few rounds there were (or crashed on none) and went on to the next setting."""
+    import os
+    import signal
+    from configs import preset
+    learned = []
+
+    class Runner:
+        def __init__(self):
+            self.logger = type("Logger", (), {"log": staticmethod(self.log)})()
+            self.alg = type("PPO", (), {"compute_returns": staticmethod(lambda obs: None)})()
+
+        def log(self, **kw):
+            learned.append(kw)
+            if len(learned) == 1:     # a Ctrl-C while RSL-RL runs: syncppo's handler takes it (the main thread)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        def learn(self, iterations):
+            for _ in range(iterations):
+                self.alg.compute_returns(None)
+                self.logger.log(collect_time=0.1, learn_time=0.2)
+
+    monkeypatch.setattr(bench_train, "rsl_rl_runner", lambda cfg, log_dir, device: Runner())
+    monkeypatch.setattr(bench_train, "matmul_limit_seconds", lambda shapes, device: 0.01)
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 16, 8, 6
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
+    with pytest.raises(SystemExit) as stopped:
+        bench_train.run_interleaved(cfg, str(tmp_path), [(1, 1, 1)], torch.device("cpu"))
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == ("bench_train.py: stopped on request after 2 of 6 iterations; "
+                                                        "no table")
+    assert len(learned) == 2     # RSL-RL's iterations alongside syncppo's, none alone after
+
+
 class FakeDevice:
     """A device whose work takes time: each sync advances a fake clock by `drain` s and is logged with the learner
     whose thread called it (syncppo runs in the main thread); `work(s)` advances the clock."""
