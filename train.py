@@ -398,6 +398,5 @@ if __name__ == "__main__":
             tell_torchrun("error: the command line could not be parsed: see the parser's message (local rank 0)")
         raise
     code = cli(config, typed_flags(sys.argv[1:]))
-    # Run over: finalizing, Python puts SIGINT back to SIG_DFL (a Ctrl-C then: 130, unsaid), but leaves SIG_IGN alone
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # finalizing, Python resets a handler to SIG_DFL (130, unsaid)
     sys.exit(code)

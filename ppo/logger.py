@@ -77,8 +77,8 @@ class RunLogger:
             yield
         except OSError as exc:
             raise RunError(f"could not write TensorBoard events in {self.run_dir}: {exc.strerror or exc}; free "
-                           f"space on that disk or point --log.root elsewhere, then resume from the last checkpoint (if any)"
-                           ) from None
+                           f"space on that disk or point --log.root elsewhere, then resume from the last checkpoint "
+                           f"(if any)") from None
 
 
 def leave_writer_oserrors(hook):

@@ -10,13 +10,13 @@
 Versions must increase from init's (default 0), so with `it` counting iterations from 0 the first sync is 1.
 
 patch.py and bucket.py each read top to bottom as their algorithm; link.py is what both share (roles,
-handshake, checks, whole tensors, resync, non-blocking apply), handshake.py the init document both sides
-compare, and wire.py what travels (frames, JSON).
+handshake, checks, whole tensors, resync, non-blocking apply), handshake.py the tensors read from a model and the
+init document both sides compare, and wire.py what travels (frames, JSON).
 """
 
 from .bucket import BucketSyncer
 from .config import BucketConfig, InitSyncConfig, PatchConfig, WeightSyncConfig, check_config
-from .link import trainable_keys
+from .handshake import trainable_keys
 from .patch import PatchSyncer
 from .wire import SyncIntegrityError, SyncStats
 

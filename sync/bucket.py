@@ -11,7 +11,8 @@ import torch
 
 from dist.plan import PlanRow
 from .config import BUCKET_DTYPES, WeightSyncConfig
-from .link import Link, tensors_of
+from .handshake import tensors_of
+from .link import Link
 from .wire import KIND_BUCKET, UPDATE, SyncStats, bucket_messages
 
 

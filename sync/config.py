@@ -102,6 +102,11 @@ def _require_count(name, value, low=1, what="a positive number of bytes"):
         raise ValueError(f"weight sync config: {name} must be {what}, got {value!r}")
 
 
+def under_prefix(key: str, prefix: str) -> bool:
+    """Whether state_dict `key` is `prefix` or a key under it (patch.init_sync.prefixes)."""
+    return key == prefix or key.startswith(prefix + ".")
+
+
 def is_int(value) -> bool:
     """An int that fits the wire's int64 (a float, bool, tensor or None is not a version or a rank)."""
     return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63

@@ -1,10 +1,27 @@
-"""The init handshake's document: what sender and receivers must agree on for the wire format to line up,
-and the reasons a receiver cannot take the sender's updates. Nothing here crosses ranks (Link.agree sends it)."""
+"""The tensors a syncer reads from a model or state_dict, and the init handshake's document: what sender and
+receivers must agree on for the wire format to line up, and the reasons a receiver cannot take the sender's
+updates. Nothing here crosses ranks (Link.agree sends the document)."""
+
+from typing import Mapping
 
 import torch
 
 from .config import WeightSyncConfig, config_fields, is_int
 from .wire import FORMAT
+
+
+def trainable_keys(module: torch.nn.Module) -> list[str]:
+    """State-dict keys of parameters with requires_grad and of persistent buffers: what changes in training."""
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return [k for k in module.state_dict() if k not in frozen]
+
+
+def tensors_of(model) -> dict:
+    if isinstance(model, torch.nn.Module):
+        return model.state_dict()  # detached tensors sharing the module's memory
+    if isinstance(model, Mapping):
+        return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in model.items()}
+    raise TypeError(f"weight sync: expected an nn.Module or a state_dict, got {type(model).__name__}")
 
 
 def describe(tensors: dict, cfg: WeightSyncConfig) -> dict:

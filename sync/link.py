@@ -8,7 +8,7 @@ each write their own init/sync/apply/resync on top of it, top to bottom.
 
 import threading
 from concurrent.futures import Future
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from dist import comm
 from dist.checksum import tensor_checksum
 from dist.plan import PlanRow
 from .config import WeightSyncConfig, check_config, is_int
-from .handshake import compare, describe, format_mismatch, named_dtype, sender_problems
+from .handshake import compare, describe, format_mismatch, named_dtype, sender_problems, tensors_of
 from .wire import (DENSE, FORMAT, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats,
                    UnexpectedKind, check_kind, plan_buckets, recv_frame, recv_json, send_frame, send_json)
 
@@ -376,20 +376,6 @@ class Link:
                 written(tensors)
             return version
         self.write_update(write, resync=True)
-
-
-def trainable_keys(module: torch.nn.Module) -> list[str]:
-    """State-dict keys of parameters with requires_grad and of persistent buffers: what changes in training."""
-    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    return [k for k in module.state_dict() if k not in frozen]
-
-
-def tensors_of(model) -> dict:
-    if isinstance(model, torch.nn.Module):
-        return model.state_dict()  # detached tensors sharing the module's memory
-    if isinstance(model, Mapping):
-        return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in model.items()}
-    raise TypeError(f"weight sync: expected an nn.Module or a state_dict, got {type(model).__name__}")
 
 
 def _in_background(recv) -> Future:

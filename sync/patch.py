@@ -1,8 +1,8 @@
 """patch strategy: send only the elements whose bits changed since the last sync.
 
-The sender keeps a snapshot of what the receivers hold (in the receivers' dtypes) and a checksum of each
-snapshot tensor. Each sync compares the current weights with the snapshot bit for bit and sends one frame
-(see wire.py) with a table row per changed tensor, each in the smallest of these encodings by exact size:
+The sender keeps a snapshot of what the receivers hold (in the receivers' dtypes) and a checksum of each snapshot
+tensor. Each sync compares the current weights with the snapshot bit for bit and sends one frame (see wire.py) with a
+table row per changed tensor, each in the smallest of these encodings by exact size:
 
     gaps8 / gaps16 / gaps32  the gap before each change (0 = adjacent), one symbol each in 1, 2 or 4
                              bytes; a longer gap spends escape symbols (the largest value: "skip that many")
@@ -10,12 +10,12 @@ snapshot tensor. Each sync compares the current weights with the snapshot bit fo
     dense                    every value, no positions (sent straight from the weights' memory)
 Positions decoded from gaps or a bitmap are strictly increasing by construction, so no position repeats.
 
-The frame's trailer carries each changed tensor's checksum after the update. Both sides update it from the
-changed elements alone (old and new values at the changed positions) below 1/64 density and rescan the
-tensor above. The receiver checks the header, the table, every dense tensor and every sparse one under
-1/64 density before writing anything; a denser sparse tensor is checked right after it is written (then a
-mismatch leaves the receiver refusing everything until resync()). Every `patch.verify_every` versions the
-receiver rescans all synced tensors. The sender commits the snapshot only after every receiver has the frame.
+The frame's trailer carries each changed tensor's checksum after the update. Both sides update it from the changed
+elements alone (old and new values at the changed positions) below 1/64 density and rescan the tensor above. The
+receiver checks the header, the table, every dense tensor and every sparse one under 1/64 density before writing
+anything; a denser sparse tensor is checked right after it is written (then a mismatch leaves the receiver refusing
+everything until resync()). Every `patch.verify_every` versions the receiver rescans all synced tensors. The sender
+commits the snapshot only after every receiver has the frame.
 """
 
 from typing import Optional
@@ -25,8 +25,9 @@ import torch
 
 from dist.checksum import tensor_checksum, update_checksum
 from dist.plan import PlanRow
-from .config import WeightSyncConfig
-from .link import Link, tensors_of
+from .config import WeightSyncConfig, under_prefix
+from .handshake import tensors_of
+from .link import Link
 from .wire import (BITMAP, DENSE, GAPS8, GAPS16, GAPS32, KIND_BUCKET, KIND_PATCH, RESYNC_HINT, SETUP, SYMBOL_DTYPES,
                    UPDATE, Frame, SyncIntegrityError, SyncStats, bucket_messages, check_kind, frame_messages,
                    recv_frame, require_zstd, send_frame, zstd_compress, zstd_decompress, zstd_discard)
@@ -55,7 +56,7 @@ class PatchSyncer(Link):
         `keys`: what every patch carries (None = all), e.g. `trainable_keys(model)`."""
         self.require(sender=True, initialized=False)
         state, init = tensors_of(state_dict), self.cfg.patch.init_sync
-        unmatched = [p for p in init.prefixes or () if init.enabled and not any(_under(k, p) for k in state)]
+        unmatched = [p for p in init.prefixes or () if init.enabled and not any(under_prefix(k, p) for k in state)]
         self.agree(state, keys, version, [f"patch.init_sync.prefixes {unmatched} match no state_dict key"] * bool(unmatched))
         self.version = version
         bootstrap = self._bootstrap_keys()
@@ -83,7 +84,7 @@ class PatchSyncer(Link):
     def _bootstrap_keys(self) -> list[str]:
         init = self.cfg.patch.init_sync
         return self.once_per_tie([k for k in self.keys if init.enabled and (
-            init.prefixes is None or any(_under(k, p) for p in init.prefixes))])
+            init.prefixes is None or any(under_prefix(k, p) for p in init.prefixes))])
 
     def _verify_rest(self, tensors: dict, bootstrap: list[str]) -> None:
         rest = [k for k in self.once_per_tie(self.keys) if k not in bootstrap]
@@ -252,9 +253,8 @@ class PatchSyncer(Link):
         """Rescan every synced tensor of `model` against the checksums the patches left (receiver, on demand;
         also every `patch.verify_every` versions). Raises SyncIntegrityError when the model was changed."""
         self.require(sender=False)
-        tensors = self.tensors(model)
         with self.lock:
-            self._verify(tensors)
+            self._verify(self.tensors(model))
 
     def _verify(self, tensors: dict, why: str = "changed on the receiver since the patches that wrote them") -> None:
         actual = torch.stack([tensor_checksum(tensors[k]).cpu() for k in self.synced])
@@ -400,7 +400,3 @@ def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.unpackbits(packed.numpy(), bitorder="little").view(np.bool_))
     bits = (packed.view(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
     return bits.view(-1).view(torch.bool)
-
-
-def _under(key: str, prefix: str) -> bool:
-    return key == prefix or key.startswith(prefix + ".")

@@ -34,7 +34,7 @@ from envs.motions import MotionLibrary
 from ppo import export
 from ppo import logger as logger_module
 from ppo.actor_critic import build_actor_critic
-from ppo.logger import RunLogger, wait_past_earlier_event_files
+from ppo.logger import RunLogger, leave_writer_oserrors, wait_past_earlier_event_files
 from tests.fake_isaaclab import TASK, Record, fake_modules, spec
 from tests.forked_python import run_python
 from tests.test_tools import numpy_actions as numpy_actions_of_state
@@ -236,21 +236,17 @@ def test_a_full_disk_under_tensorboard_is_a_one_line_error_naming_the_run_direct
             RunLogger(run_dir, max_iterations=5, start_iteration=0, steps_per_iteration=4)
         else:
             logger.log({"Policy/kl": 0.25}, step=1)
-    # The writer thread ends with the OSError: joined here, so that a traceback of it would be this test's (an error,
-    # above: its traceback cut into the one line; leave_writer_oserrors), not reported under a later test.
+    # Joined here: a traceback of the writer thread would be this test's (an error, above), not a later test's.
     for thread in set(threading.enumerate()) - threads_before:
         thread.join(timeout=30)
 
 
 def test_only_the_writer_thread_s_oserror_is_left_to_the_next_write():
     """Any other thread's failure, and any other error of the writer thread, still reaches the hook it wraps."""
-    from ppo.logger import leave_writer_oserrors
-    seen = []
-    hook = leave_writer_oserrors(seen.append)
-    writer = type("_AsyncWriterThread", (threading.Thread,), {})()
+    seen, writer = [], type("_AsyncWriterThread", (threading.Thread,), {})()
     calls = [(OSError(28, "full"), writer), (ValueError("bug"), writer), (OSError(5, "io"), threading.Thread())]
     for error, thread in calls:
-        hook(threading.ExceptHookArgs((type(error), error, None, thread)))
+        leave_writer_oserrors(seen.append)(threading.ExceptHookArgs((type(error), error, None, thread)))
     assert [args.exc_value for args in seen] == [calls[1][0], calls[2][0]]
 
 
