@@ -94,7 +94,7 @@ class PPOConfig:
     clip_value_loss: bool = True
     """clip the value prediction around the rollout value"""
     value_loss_coef: float = 1.0
-    """weight of the value loss"""
+    """weight of the value loss (no 1/2 factor in it: CleanRL's vf_coef c is c / 2 here)"""
     entropy_coef: float = 0.005
     """weight of the entropy bonus"""
     max_grad_norm: float = 1.0
@@ -102,7 +102,7 @@ class PPOConfig:
     advantage_norm: Literal["global", "local", "minibatch", "none"] = "global"
     """normalize advantages over all ranks (3 float64 sums), per rank, per minibatch on each rank (CleanRL), or not"""
     minibatch_unit: Literal["trajectory", "transition"] = "trajectory"
-    """split minibatches by whole env trajectories (SONIC, RSL-RL) or by single transitions (CleanRL)"""
+    """split minibatches by whole env trajectories (SONIC) or single transitions (CleanRL, RSL-RL)"""
     normalize_rewards: bool = False
     """divide rewards by the running std of the discounted return (CleanRL's NormalizeReward), merged across ranks"""
     reward_clip: float = 10.0

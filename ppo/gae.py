@@ -23,7 +23,7 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor
     next_advantage = torch.zeros_like(last_values)
     next_values = last_values
     for t in reversed(range(num_steps)):
-        not_done = 1.0 - dones[t].float()
+        not_done = 1.0 - dones[t].to(rewards.dtype)  # float64 inputs keep gamma's digits
         delta = rewards[t] + gamma * not_done * next_values - values[t]
         next_advantage = delta + gamma * lam * not_done * next_advantage
         advantages[t] = next_advantage

@@ -5,7 +5,9 @@ def adaptive_lr(lr: float, kl: float, desired_kl: float, lr_min: float, lr_max: 
     """Divide by 1.5 when kl > 2 * desired, multiply by 1.5 when 0 < kl < desired / 2, clamp to [lr_min, lr_max].
 
     A KL of exactly 0 leaves the LR: the policy has not moved from the one that collected the rollout (every
-    update's first minibatch), which says nothing about the step size. RSL-RL's rule skips it too.
+    update's first minibatch), which says nothing about the step size. RSL-RL 5.x's rule skips it too (its KL is
+    exactly 0 there; RSL-RL <= 2 and legged_gym add 1e-5 inside the log, so their KL there is ~1e-5 per action
+    and raises the LR).
 
     Every rank must pass the same `kl` (the global mean, see dist/) so every rank picks the same LR and
     optimizer states never drift apart; no LR broadcast is needed.

@@ -4,6 +4,8 @@ Buffers (count, mean, M2 in float64; mean/std float32 copies for the forward pas
 `update(batch)` folds this iteration's observations of *all ranks* into the statistics by an exact
 count-weighted merge (dist.stats.merge_moments). Between updates the statistics are frozen, so the
 values computed during the rollout and during learning see the same normalization.
+
+Copying this file out takes dist/stats.py, dist/comm.py and dist/plan.py along, in a package named `dist`.
 """
 
 import torch
@@ -14,7 +16,10 @@ from dist.stats import merge_moments, merge_plan_row
 
 
 class ObsNormalizer(nn.Module):
-    eps, clip = 1e-8, 10.0    # CleanRL's NormalizeObservation epsilon and its clip at 10 (ppo/export.py reads both)
+    # CleanRL's epsilon and clip (ppo/export.py reads both), but added to the std as RSL-RL does (its eps is 1e-2),
+    # not under CleanRL's square root: a feature that was constant so far (std 0) scales a later deviation d to
+    # d / 1e-8, clipped at 10 (CleanRL's sqrt(0 + 1e-8) gives d / 1e-4).
+    eps, clip = 1e-8, 10.0
 
     def __init__(self, dim: int):
         super().__init__()
@@ -68,7 +73,7 @@ class RewardNormalizer(nn.Module):
 
     BUFFER_POLICY = {"returns": "local", "count": "merge", "mean64": "merge", "m2": "merge", "std": "merge"}
 
-    eps = 1e-8                # CleanRL's NormalizeReward epsilon
+    eps = 1e-8                # CleanRL's NormalizeReward epsilon, added to the std (CleanRL: under the root)
 
     def __init__(self, num_envs: int, gamma: float, clip: float):
         super().__init__()
@@ -82,10 +87,11 @@ class RewardNormalizer(nn.Module):
 
     @torch.no_grad()
     def forward(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
-        """Record the discounted return after this step and return the scaled, clipped reward."""
+        """Record the discounted return after this step and return the scaled, clipped reward. `done` [N]: any
+        dtype, nonzero where the episode ended (its return restarts at 0)."""
         self.returns.mul_(self.gamma).add_(reward)
         self._seen.append(self.returns.clone())
-        self.returns.mul_(~done)
+        self.returns.mul_(done.logical_not())  # not ~done: on integers that is -1 - done
         return (reward / (self.std + self.eps)).clamp(-self.clip, self.clip)
 
     @torch.no_grad()

@@ -69,6 +69,10 @@ class RolloutStorage:
         [T * N / M, F] tensor (contiguous); `split(minibatch)` gives its fields as views into it. The packed
         tensor is what a CUDA graph of the step takes as its input, in one copy (ppo/minibatch_step.py).
         """
+        if unit not in ("trajectory", "transition"):
+            raise ValueError(f"minibatch unit must be 'trajectory' or 'transition', got {unit!r}")
+        if isinstance(num_mini_batches, bool) or not isinstance(num_mini_batches, int) or num_mini_batches < 1:
+            raise ValueError(f"num_mini_batches must be an integer >= 1, got {num_mini_batches!r}")
         count = self.num_envs if unit == "trajectory" else self.num_envs * self.num_steps
         if count % num_mini_batches:
             what = "trajectories (envs)" if unit == "trajectory" else "transitions"

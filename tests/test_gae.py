@@ -120,3 +120,13 @@ def test_time_out_bootstrap_on_an_accelerator_multiplies_a_bfloat16_value_by_gam
     out = bootstrap_time_outs(reward.as_subclass(_OnAnAccelerator), truncated, final_obs, value, 0.99)
     expected = np.float32(2.0) + np.float32(0.99) * np.float32(4.0)    # gamma x V in float32, by hand
     assert out.dtype == torch.float32 and out.as_subclass(torch.Tensor).tolist() == [1.0, float(expected), 3.0]
+
+
+def test_gae_in_float64_keeps_gamma_in_float64():
+    """With float64 inputs (an oracle's), no step rounds gamma to float32: 50 rewards of 1 with lambda 1 and no done
+    give sum(0.99**k) to float64 precision (a float32 not_done was 8.5e-6 off)."""
+    rewards = torch.ones(50, 1, dtype=torch.float64)
+    adv, _ = compute_gae(rewards, torch.zeros_like(rewards), torch.zeros(50, 1, dtype=torch.bool),
+                         torch.zeros(1, dtype=torch.float64), 0.99, 1.0)
+    assert adv.dtype == torch.float64
+    assert abs(adv[0, 0].item() - sum(0.99 ** k for k in range(50))) < 1e-12

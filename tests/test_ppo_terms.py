@@ -218,3 +218,13 @@ def test_every_normalizer_buffer_of_the_actor_critic_is_merged_never_broadcast_o
                                    for name in ("count", "mean64", "m2", "mean", "std"))
     assert set(rules.values()) == {"merge"}
     assert buffer_plan_rows(model, rules) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int64, torch.float32])
+def test_reward_normalizer_restarts_returns_for_dones_of_any_dtype(dtype):
+    """An env that ended restarts its running return at 0 whatever the dtype of `done` (legged_gym-style envs give
+    long dones): ~done on integers is -1 - done, which scaled the returns by -1 or -2 (uint8: 254, 255)."""
+    rn = RewardNormalizer(num_envs=2, gamma=0.99, clip=10.0)
+    rn(torch.ones(2), torch.tensor([0, 1]).to(dtype))
+    rn(torch.ones(2), torch.tensor([0, 0]).to(dtype))
+    np.testing.assert_allclose(rn.returns.numpy(), [0.99 * 1.0 + 1.0, 1.0], rtol=1e-7)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from ppo.storage import RolloutStorage
@@ -118,3 +119,12 @@ def test_a_gpu_storage_queues_each_epochs_permutation_from_pinned_memory(monkeyp
     got = list(s.minibatches(3, torch.Generator().manual_seed(0)))
     assert calls == ["pin_memory", ("to", {"non_blocking": True})]
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))   # the same permutation
+
+
+@pytest.mark.parametrize("count, unit, message", [(0, "trajectory", "num_mini_batches must be an integer >= 1"),
+                                                  (2, "trajectories", "unit must be 'trajectory' or 'transition'")])
+def test_minibatches_refuse_a_bad_count_or_unit(count, unit, message):
+    """A copied-out storage refuses what the CLI would: 0 minibatches (was a ZeroDivisionError) and a misspelt unit
+    (was silently the transition unit)."""
+    with pytest.raises(ValueError, match=message):
+        next(filled_storage(2, 10).minibatches(count, unit=unit))
