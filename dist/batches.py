@@ -17,16 +17,26 @@ from dataclasses import dataclass
 
 import torch
 
-from dist import comm
-from dist.plan import PlanRow
+from . import comm
+from .plan import PlanRow
 
 SMALL = torch.float64     # fields of this dtype travel in the float64 message, everything else as float32
+ENV_FIRST = ("last_critic_obs",)   # the [N, ...] fields of a batch; every other one is [T, N, ...]
 
 
 @dataclass
 class Layout:
-    """name -> (shape, dtype) of every tensor of a message pair, in a fixed order."""
+    """name -> (shape, dtype) of every tensor of a message pair, in a fixed order. float64 fields travel as float64,
+    the others as float32, which holds bool, 16-bit floats and integers up to 2**24 exactly: wider integer
+    dtypes are refused."""
     fields: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+    def __post_init__(self):
+        wide = {name: str(dtype) for name, (_, dtype) in self.fields.items()
+                if dtype in (torch.int32, torch.int64, torch.uint32, torch.uint64)}
+        if wide:
+            raise ValueError(f"batch layout: fields {wide} would travel as float32, which rounds integers past 2**24; "
+                             "send them as float64")
 
     def wire(self, dtype: torch.dtype) -> torch.dtype:
         return SMALL if dtype == SMALL else torch.float32
@@ -202,7 +212,8 @@ class BatchReceiver:
 
 
 def concat_batches(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Join rollout ranks' batches along the env axis (dim 1 of [T, N, ...], dim 0 of [N, ...])."""
+    """Join rollout ranks' batches along the env axis: dim 1 of every [T, N, ...] field, dim 0 of the one [N, ...]
+    field, `last_critic_obs` (ENV_FIRST); a copy with other [N, ...] fields must name them there."""
     if len(batches) == 1:
         return batches[0]
-    return {k: torch.cat([b[k] for b in batches], dim=0 if k == "last_critic_obs" else 1) for k in batches[0]}
+    return {k: torch.cat([b[k] for b in batches], dim=0 if k in ENV_FIRST else 1) for k in batches[0]}

@@ -11,8 +11,8 @@ from fnmatch import fnmatch
 
 import torch
 
-from dist import comm
-from dist.plan import PlanRow
+from . import comm
+from .plan import PlanRow
 
 RULES = ("broadcast", "mean", "merge", "local")
 

@@ -12,7 +12,8 @@ Every parameter's `.grad` is a view into a bucket buffer (no packing copy, ever)
 
 A few `extras` scalars (e.g. the KL sum and count of the adaptive-LR rule) ride at the end of the
 last bucket to launch, saving a separate collective: they are summed, the gradients averaged. They
-take the gradient dtype (float32 for fp32 parameters: counts stay exact below 2**24).
+take the gradient dtype (float32 for fp32 parameters: counts stay exact below 2**24; bfloat16 keeps 8
+significant bits, so a count of 1001 travels as 1000).
 
 GradSync averages gradients only. Unlike DDP it broadcasts nothing at construction: start every rank
 from the same parameters and buffers (same seed, or broadcast them from rank 0 before the first step),
@@ -33,6 +34,7 @@ communicates, so the accumulation window is exactly one minibatch):
     norm = sync.clip_(max_norm)                  # global norm of the synchronized gradient
     optimizer.step()
 
+Building a GradSync replaces each parameter's `.grad` by a zeroed view (a gradient already there is dropped).
 A new GradSync over parameters that another one serves takes them over: the old one's hooks are removed
 (its gradient views are replaced, so it could not synchronize anyway) and its buckets can be freed. A GradSync
 nothing refers to any more is freed, its hooks removed, whether or not its model lives on.
@@ -41,7 +43,8 @@ Parameters that got no gradient in a step: `unused="error"` (default) raises nam
 silently missing gradient usually means a bug in the loss; `unused="zero"` treats it as a zero
 gradient (still averaged, so ranks stay identical). Calls out of that order raise rather than return a
 wrong gradient: arm() again after the armed backward, zero_grad() or clip_() between arm() and
-synchronize(). A parameter listed twice (a trunk shared by actor and critic) is synchronized once.
+synchronize(), a backward after synchronize() before the next zero_grad() (its gradient would stay on its
+rank). A parameter listed twice (a trunk shared by actor and critic) is synchronized once.
 
 The all-reduces run in dist.comm's current group (the whole world unless `comm.use_group(group)` set one)
 and are counted in `dist.comm.LEDGER`. To copy this file into another project, take dist/comm.py and
@@ -132,6 +135,9 @@ class GradSync:
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise ValueError(f"gradient buckets need one parameter dtype, got {sorted(map(str, dtypes))}")
+        devices = {str(p.device) for p in self.params}
+        if len(devices) != 1:
+            raise ValueError(f"gradient buckets need every parameter on one device, got {sorted(devices)}")
         for previous in {id(o): o for p in self.params if (o := _served_by(p)) is not None}.values():
             previous.remove_hooks()
         self.mode, self.unused, self.num_extras = mode, unused, num_extras
@@ -140,7 +146,7 @@ class GradSync:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._grad_ptr = {id(p): p.grad.data_ptr() for p in self.params}
         self._received: set[int] = set()
-        self._armed = False
+        self._armed = self._synchronized = False  # synchronized: until zero_grad(), a backward would stay local
         self._armed_received: set[int] = set()
         self._next_launch = 0
         # The hooks hold this object weakly (see _grad_ready) and go when it is freed, so a model that outlives it
@@ -169,6 +175,7 @@ class GradSync:
         for b in self.buckets:
             b.buffer.zero_()
         self._received.clear()
+        self._synchronized = False
 
     def arm(self, extras: torch.Tensor | None = None) -> None:
         """Declare the next backward the minibatch boundary and stage the extras to sum across ranks.
@@ -195,6 +202,10 @@ class GradSync:
         """Post-accumulate-grad hook of every parameter. Crosses ranks only in an armed bucketed backward:
         launches each bucket's all-reduce (`_launch_ready`) once its last gradient arrived, once per
         optimizer step, to overlap communication with the rest of backward."""
+        if self._synchronized:
+            raise RuntimeError("a backward after synchronize() and before sync.zero_grad(): its gradient would be "
+                               "added on this rank only and the ranks would step to different weights; call "
+                               "sync.zero_grad() before the next step's backwards (and arm() before its last)")
         if self._armed:
             if id(p) in self._armed_received:
                 # Bucketed: this bucket's all-reduce may already be in flight, so the second gradient
@@ -240,6 +251,10 @@ class GradSync:
         if not self._armed:
             raise RuntimeError("synchronize() without arm(): call arm() before the last micro-batch's backward")
         for i, p in enumerate(self.params):
+            if _served_by(p) is not self:
+                raise RuntimeError(f"parameter #{i} is no longer served by this GradSync: one built over it later took "
+                                   "it over (its gradient view and hooks), or remove_hooks() ran; build one GradSync "
+                                   "over all the parameters (actor and critic with their shared trunk together)")
             if p.grad is None or p.grad.data_ptr() != self._grad_ptr[id(p)]:
                 raise RuntimeError(f"parameter #{i}'s .grad is no longer a view into its gradient bucket, so it would "
                                    f"not be synchronized: zero gradients with sync.zero_grad(), never with "
@@ -258,7 +273,7 @@ class GradSync:
                 b.work = None     # a finished work kept alive until interpreter exit can abort the process
             if world > 1:
                 b.grads.div_(world)
-        self._armed = False
+        self._armed, self._synchronized = False, True
         return self.buckets[-1].extras.clone()
 
     def clip_(self, max_norm: float) -> torch.Tensor:

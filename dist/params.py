@@ -2,8 +2,8 @@
 
 import torch
 
-from dist import comm
-from dist.plan import PlanRow
+from . import comm
+from .plan import PlanRow
 
 
 def _by_dtype(module: torch.nn.Module) -> dict[torch.dtype, list[torch.Tensor]]:

@@ -3,7 +3,7 @@
 None of these gathers samples: ranks exchange counts, sums and sums of squared deviations from a
 value every rank already shares (a running mean, or a global mean computed first), so the bytes are
 O(dim), independent of batch size and world size, and the result equals the statistic over the union
-of all ranks' samples (up to float64 summation order).
+of all ranks' samples (up to float64 summation order; merge_moments also up to its shift's conditioning: see there).
 
 To copy this file into another project, take dist/comm.py and dist/plan.py with it (the imports are
 relative, so the package may have any name), as for dist/grad_sync.py. The sums of global_mean_std,
@@ -59,13 +59,15 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor,
     summed = comm.all_reduce(local, "normalizer")
     dim = mean.numel()
     n_b, s1, s2 = summed[0], summed[1:1 + dim], summed[1 + dim:]
-    mean_b_shift = s1 / n_b                      # batch mean minus running mean
+    # Clamped: counts are whole numbers, so only an empty batch (n_b = 0, sums 0) or none at all (n = 0) changes,
+    # which now leaves the moments as they were instead of 0 / 0 = NaN.
+    mean_b_shift = s1 / n_b.clamp(min=1.0)       # batch mean minus running mean
     # Never negative in exact arithmetic, but a (nearly) constant feature away from the shift cancels to a rounding
     # residue of either sign: a negative M2 made the std sqrt(M2 / n) nan until a later batch's spread outweighed it.
     m2_b = (s2 - s1 * mean_b_shift).clamp_(min=0.0)     # batch sum of squared deviations from its own mean
     n = count + n_b
-    new_mean = mean + mean_b_shift * (n_b / n)
-    new_m2 = m2 + m2_b + mean_b_shift.square() * count * n_b / n
+    new_mean = mean + mean_b_shift * (n_b / n.clamp(min=1.0))
+    new_m2 = m2 + m2_b + mean_b_shift.square() * count * n_b / n.clamp(min=1.0)
     return n, new_mean, new_m2
 
 
@@ -102,8 +104,8 @@ def metrics_plan_rows(num_keys: int) -> list[PlanRow]:
 def sum_counts(sampler) -> None:
     """Sampler/curriculum counts: sum (not mean) of every rank's local counts, committed as the new global ones.
 
-    Crosses ranks: one all-reduce of the counts (float64) every --dist.sampler-sync-every iterations and
-    before every checkpoint; see `sum_counts_plan_rows`.
+    Crosses ranks: one all-reduce of the counts (in their own dtype; float64 in envs/motions.py) every
+    --dist.sampler-sync-every iterations and before every checkpoint; see `sum_counts_plan_rows`.
     """
     sampler.commit_global(comm.all_reduce(sampler.local_counts.clone().to(comm.device()), "sampler").to(
         sampler.local_counts.device))
@@ -112,6 +114,6 @@ def sum_counts(sampler) -> None:
 def sum_counts_plan_rows(sampler, every: int, save_every: int) -> list[PlanRow]:
     if sampler is None:
         return []
-    nbytes = [sampler.local_counts.numel() * 8]
+    nbytes = [sampler.local_counts.numel() * sampler.local_counts.element_size()]
     return [PlanRow("sampler", "sum of counts", "all_reduce", "every", nbytes, every=every),
             PlanRow("sampler", "sum of counts before save", "all_reduce", "checkpoint", nbytes, every=save_every)]

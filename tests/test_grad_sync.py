@@ -344,3 +344,49 @@ def test_extras_that_still_require_grad_leave_no_autograd_history_in_the_buckets
     extras = sync.synchronize()
     assert extras.tolist() == [kl.item(), 12.0] and not extras.requires_grad
     assert all(not p.grad.requires_grad and p.grad.grad_fn is None for p in net.parameters())
+
+
+@pytest.mark.parametrize("zero", ["none", "optimizer"])
+def test_a_backward_after_synchronize_before_zero_grad_is_an_error(zero):
+    """A backward between synchronize() and the next sync.zero_grad() (an auxiliary loss before optimizer.step(), or
+    zeroing with optimizer.zero_grad(set_to_none=False), which keeps the views) would add a gradient on its rank
+    only: the ranks would step to different weights. It raises; after sync.zero_grad() the next step runs."""
+    net = Net()
+    sync = GradSync(net.parameters(), "flat", unused="zero")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sync.zero_grad()
+    sync.arm()
+    loss_fn(net, *data(0)).backward()
+    sync.synchronize()
+    if zero == "optimizer":
+        opt.zero_grad(set_to_none=False)
+    with pytest.raises(RuntimeError, match=r"a backward after synchronize\(\) and before sync.zero_grad\(\)"):
+        loss_fn(net, *data(1)).backward()
+    sync.zero_grad()
+    sync.arm()
+    loss_fn(net, *data(1)).backward()
+    sync.synchronize()
+    expected = torch.autograd.grad(loss_fn(net, *data(1)), list(net.parameters()), allow_unused=True)
+    assert all(torch.equal(p.grad, torch.zeros_like(p) if g is None else g) for p, g in zip(net.parameters(), expected))
+
+
+def test_synchronize_of_a_grad_sync_taken_over_names_the_takeover():
+    """Two GradSyncs over a shared trunk (one per optimizer): the second takes the trunk over, and the first's
+    synchronize() says so, rather than blaming an optimizer.zero_grad() the user never called."""
+    net = Net()
+    first = GradSync(net.parameters(), "flat", unused="zero")
+    second = GradSync(net.body.parameters(), "flat", unused="zero")
+    for sync in (first, second):
+        sync.zero_grad()
+        sync.arm()
+    loss_fn(net, *data(0)).backward()
+    with pytest.raises(RuntimeError, match="no longer served by this GradSync: one built over it later took it over"):
+        first.synchronize()
+
+
+def test_parameters_on_two_devices_are_refused_by_name():
+    """One bucket lives on one device: parameters on two are refused at construction with both devices named (a
+    meta tensor stands in for a second device), not torch's error about assigning a gradient."""
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, device="meta"))]
+    with pytest.raises(ValueError, match=r"one device, got \['cpu', 'meta'\]"):
+        GradSync(params)

@@ -111,10 +111,10 @@ def test_undeclared_buffer_is_a_start_up_error_naming_it():
         resolve_buffer_policy(m, {"*": "average"})
 
 
-def diverge_body(rank, world_size):
+def diverge_body(rank, world_size, odd=2):
     model = make_model()
     verify_replicas(model)                      # equal: passes
-    if rank == 2:
+    if rank == odd:
         with torch.no_grad():
             model.actor[0].weight[0, 0] += 1e-7   # one ulp-scale change on one rank
     return verify_message(model)
@@ -130,9 +130,12 @@ def verify_message(model) -> str:
 
 
 @pytest.mark.slow
-def test_divergent_parameters_are_detected_naming_the_rank():
-    for message in run_ranks(diverge_body, 3):
-        assert "rank(s) [2] differ from rank 0" in message
+@pytest.mark.parametrize("odd", [2, 0])
+def test_divergent_parameters_are_detected_naming_the_rank(odd):
+    """The rank that differs from the two others is named, rank 0 too (not the two healthy ones)."""
+    agree = [r for r in range(3) if r != odd]
+    for message in run_ranks(diverge_body, 3, args=(odd,)):
+        assert f"rank(s) [{odd}] differ from rank(s) {agree} (checksums" in message
 
 
 def local_buffer_body(rank, world_size):
@@ -176,8 +179,8 @@ def test_a_change_to_the_last_parameter_on_a_middle_rank_names_that_rank_alone_w
     (message, ref0), (_, ref1), (_, ref2) = results = run_ranks(last_parameter_body, 3)
     assert ref0 == ref2 != ref1
     for got, _ in results:
-        assert got == (f"parameters diverged across ranks: rank(s) [1] differ from rank 0 (checksums "
-                       f"{[ref0, ref1, ref2]}); something updated one replica without the others")
+        assert got == (f"parameters diverged across ranks: rank(s) [1] differ from rank(s) [0, 2] (checksums "
+                       f"{[ref0, ref1, ref2]}); something updated some replicas without the others")
 
 
 def sampler_body(rank, world_size):
