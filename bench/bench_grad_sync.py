@@ -307,8 +307,8 @@ def main() -> None:
                                ("--world-size", args.world_size, 1)):
         if value is not None and value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
-    if not all(mb > 0 for mb in args.bucket_mb):
-        parser.error(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    if not all(0 < mb < float("inf") for mb in args.bucket_mb) or len(set(args.bucket_mb)) < len(args.bucket_mb):
+        parser.error(f"--bucket-mb must be distinct positive caps (inf is flat), got {args.bucket_mb}")
     if not 1 <= args.timeout <= 1e6:     # below, ranks dump their stacks before a step; above, past time_t, or nan
         parser.error(f"--timeout must be in [1, 1e6] seconds, got {args.timeout}")
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")

@@ -248,8 +248,11 @@ def test_bench_grad_sync_quick_sets_only_what_was_not_typed(bench_grad_sync, mon
 @pytest.mark.parametrize("flags, error", [
     (["--timeout", "inf"], "--timeout must be in [1, 1e6] seconds, got inf"),     # OverflowError in every rank
     (["--timeout", "1e-9"], "--timeout must be in [1, 1e6] seconds, got 1e-09"),  # stacks dumped before a step
+    (["--bucket-mb", "inf"], "--bucket-mb must be distinct positive caps (inf is flat), got [inf]"),  # a flat row
+    (["--bucket-mb", "4", "4"], "--bucket-mb must be distinct positive caps (inf is flat), got [4.0, 4.0]"),  # twice
+    (["--bucket-mb", "0"], "--bucket-mb must be distinct positive caps (inf is flat), got [0.0]"),
 ])
-def test_bench_grad_sync_timeouts_no_rank_can_keep_are_one_line(bench_grad_sync, monkeypatch, capsys, flags, error):
+def test_bench_grad_sync_values_no_rank_can_use_are_one_line(bench_grad_sync, monkeypatch, capsys, flags, error):
     line = usage_error(bench_grad_sync.main, monkeypatch, capsys, ["bench_grad_sync.py", "--quick", *flags])
     assert line == f"bench_grad_sync.py: error: {error}"
 
