@@ -4,6 +4,7 @@ docstrings (the chain's H, C, G and implicit PD terms; the classic cart-pole equ
 
 import math
 
+import gymnasium
 import numpy as np
 import pytest
 import torch
@@ -338,9 +339,6 @@ def test_cartpole_reset_spreads_episode_lengths_over_the_whole_limit_and_has_no_
 
 
 # ---- envs/gymnasium.py ------------------------------------------------------------------------------
-
-gymnasium = pytest.importorskip("gymnasium")
-
 
 class _Toy(gymnasium.Env):
     action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,))

@@ -101,6 +101,17 @@ def test_set_first_shift_leaves_the_forward_pass_unchanged_until_the_first_merge
     torch.testing.assert_close(norm(torch.tensor([[106.0, -37.0]])), expected)   # (2, 2)
 
 
+def test_a_feature_constant_so_far_scales_a_deviation_by_one_over_eps_added_to_the_std():
+    """The std + eps form (RSL-RL's), not CleanRL's sqrt(var + eps): a feature that was 0 in every observation so
+    far (std 0) moved by 5e-8 reads 5e-8 / 1e-8 = 5 (inside the clip, so the clip cannot hide the form); under the
+    root it would read 5e-8 / 1e-4 = 5e-4. The other feature (mean 2, std 1) is the plain (x - 2) / 1."""
+    norm = ObsNormalizer(2)
+    norm.update(torch.tensor([[0.0, 1.0], [0.0, 3.0]]))
+    assert norm.std.tolist() == [0.0, 1.0]
+    out = norm(torch.tensor([[5e-8, 2.5]]))
+    torch.testing.assert_close(out, torch.tensor([[5.0, 0.5]]), rtol=1e-5, atol=0)
+
+
 def test_set_first_shift_shifts_each_feature_by_its_own_mean():
     """The shift is per feature: features far apart (+1e6 and -1e6, unit spread) each need their own mean, or a
     shift by the mean over all features (~0 here) leaves the first merge plain sums of squares, which lose digits

@@ -10,7 +10,7 @@ from multirank import run_ranks
 from sync import PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer, trainable_keys
 from sync.patch import _decode
 from sync.wire import BITMAP, DENSE, GAPS8
-from test_sync_common import bits_equal, snapshot
+from test_sync_common import bits_equal, snapshot, sync_once
 from test_sync_resync import _zstd_queued_then_resync
 
 
@@ -133,3 +133,29 @@ def test_a_receiver_key_the_sender_lacks_fails_the_handshake_on_both_sides():
     check, whose lookup raised a KeyError on the sender alone, and the receiver waited for a reply never sent."""
     for message in run_ranks(_receiver_with_an_extra_key, 2, timeout=30):
         assert "missing on the receiver [], unexpected on the receiver ['extra']" in message, message
+
+
+def test_equal_shape_views_at_different_offsets_of_one_buffer_are_not_tied():
+    """Mutant: the tie key without storage_offset. Two same-shape views of one flat buffer (a split qkv) share
+    storage, shape, stride and dtype but not memory, so they are separate tensors, not tied ones; a view at the
+    same offset is tied."""
+    from sync.handshake import describe
+    flat = torch.zeros(8)
+    assert describe({"q": flat[:4], "k": flat[4:]}, WeightSyncConfig())["ties"] == []
+    assert describe({"q": flat[:4], "q_again": flat[:4], "k": flat[4:]}, WeightSyncConfig())["ties"] == [
+        ["q", "q_again"]]
+
+
+def _split_views(rank, world_size, kind):
+    flat = torch.zeros(8)
+    syncer = make_weight_syncer(WeightSyncConfig(type=kind), src=0, dsts=[1])
+    return sync_once(syncer, rank, {"q": flat[:4], "k": flat[4:]},
+                     lambda s: (s["q"].__setitem__(1, 2.0), s["k"].__setitem__(2, 3.0)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["patch", "bucket"])
+def test_split_views_of_one_buffer_both_arrive(kind):
+    """With the views taken for tied, only "q" would travel and the receiver's "k" would stay zero."""
+    sender, received = run_ranks(_split_views, 2, args=(kind,), timeout=60)
+    assert sender["k"].tolist() == [0.0, 0.0, 3.0, 0.0] and bits_equal(received, sender)
