@@ -168,7 +168,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     plan = [*agree_plan_rows(), *broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
             *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
             *sum_counts_plan_rows(sampler, cfg.dist.sampler_sync_every, cfg.log.save_every),
-            *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS)),
+            *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS), num_maxima=2),
             *episode_returns_plan_rows(cfg.log.episode_returns, T, N),
             *(team.plan_rows() if team else []),
             *verify_plan_rows(cfg.dist.verify_every, checkpoint is not None),
@@ -236,18 +236,21 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         learning_time = finished(device) - t1
 
         # ---- metrics + the stop flags: one packed all-reduce of (sum, count) pairs; rank 0 writes --
+        stepped = stats["skipped_steps"] < cfg.ppo.num_epochs * cfg.ppo.num_mini_batches   # no step: no loss to log
         for key in ("surrogate", "value_function", "entropy"):
-            episodes.add(f"Loss/{key}", stats[key], 1)
+            episodes.add(f"Loss/{key}", stats[key] if stepped else 0.0, int(stepped))
         sums, counts = dict(zip(metric_keys, episodes.sums)), dict(zip(metric_keys, episodes.counts))
         for key, (flag, one) in stop.local_flags(device).items():
             sums[key], counts[key] = flag + (remote[key] if team else 0), one   # the rollout ranks' flags too
-        scalars = reduce_metrics(sums, counts)
+        # Phase times by declared ops: the slowest rank's collection; the update of the rank that waited least in it
+        scalars = reduce_metrics(sums, counts, {"Perf/collection_time": collection_time, "-learning": -learning_time})
+        collection_time, learning_time = scalars["Perf/collection_time"], -scalars.pop("-learning")
         returns = episodes.ended_returns() if cfg.log.episode_returns else []   # every rank's, on rank 0
         stop_signal, launcher_gone = (scalars.pop(key) > 0 for key in STOP_KEYS)
-        scalars.update({"Loss/learning_rate": stats["learning_rate"], "Policy/kl": stats["kl"],
+        scalars.update({"Loss/learning_rate": stats["learning_rate"], **({"Policy/kl": stats["kl"]} if stepped else {}),
                         "Policy/mean_noise_std": checked_noise_std(model, iteration + 1, stats["learning_rate"]),
                         "Perf/total_fps": learners * N * T / (collection_time + learning_time),
-                        "Perf/collection_time": collection_time, "Perf/learning_time": learning_time,
+                        "Perf/learning_time": learning_time,
                         "Train/nonfinite_skipped_steps": stats["skipped_steps"]})
         if team is not None:
             scalars["Perf/policy_lag"] = remote["lag"]

@@ -58,6 +58,11 @@ def use_group(group) -> None:
     _GROUP = group
 
 
+def rank() -> int:
+    """This process's rank among those taking part in this module's collectives (0 without a process group)."""
+    return torch_dist.get_rank(_GROUP) if torch_dist.is_available() and torch_dist.is_initialized() else 0
+
+
 def world_size() -> int:
     """Ranks taking part in this module's collectives (1 without a process group)."""
     return torch_dist.get_world_size(_GROUP) if torch_dist.is_available() and torch_dist.is_initialized() else 1

@@ -2,8 +2,9 @@
 
 None of these gathers samples: ranks exchange counts, sums and sums of squared deviations from a
 value every rank already shares (a running mean, or a global mean computed first), so the bytes are
-O(dim), independent of batch size and world size, and the result equals the statistic over the union
-of all ranks' samples (up to float64 summation order; merge_moments also up to its shift's conditioning: see there).
+O(dim), independent of batch size and world size (except reduce_metrics' maxima: 8 bytes per rank each), and
+the result equals the statistic over the union of all ranks' samples (up to float64 summation order;
+merge_moments also up to its shift's conditioning: see there).
 
 To copy this file into another project, take dist/comm.py and dist/plan.py with it (the imports are
 relative, so the package may have any name), as for dist/grad_sync.py. The sums of global_mean_std,
@@ -76,29 +77,38 @@ def merge_plan_row(dim: int, of: str) -> PlanRow:
     return PlanRow("normalizer", f"merge (n, mean, M2) of {of}", "all_reduce", "iteration", [(1 + 2 * dim) * 8])
 
 
-def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Count-weighted means over all ranks: key -> sum over ranks of sums[key] / sum of counts[key].
+def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor],
+                   maxima: dict[str, float] | None = None) -> dict[str, float]:
+    """Count-weighted means over all ranks: key -> sum over ranks of sums[key] / sum of counts[key]; and for each
+    key of `maxima` (this rank's value), the largest value over the ranks.
 
-    Crosses ranks: one all-reduce of 2K float64 numbers (K = number of keys), packed into one vector in sorted key
-    order, once per log step. Every rank must pass the same keys (the order they were inserted in does not matter):
+    Crosses ranks: one all-reduce of 2K + W*L float64 numbers (K = number of keys, L of maxima, W ranks), packed into
+    one vector in sorted key order, once per log step. The maxima ride in the same sum: each rank writes its values
+    into its own row of a [W, L] block and zeros elsewhere, so every summed entry is one rank's value, exactly. Every
+    rank must pass the same keys (the order they were inserted in does not matter):
     a key a rank has nothing for must still be there, with count 0. A key missing on one rank is not counted as 0:
     the ranks' vectors then differ in length, and the all-reduce fails or sums one key's values into another's.
     Keys with a zero total count are dropped (e.g. no episode finished anywhere).
     """
-    keys = sorted(sums)
-    if not keys:
+    keys, maxima = sorted(sums), maxima or {}
+    if not keys and not maxima:
         return {}
     values = [v for k in keys for v in (sums[k], counts[k])]
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
-    # Stacked where the metrics live, then moved once: no per-key device copies (host syncs on GPU).
-    packed = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
-    packed = packed.to(comm.device())
-    packed = comm.all_reduce(packed, "metrics").view(-1, 2)
-    return {k: s / c for k, (s, c) in zip(keys, packed.tolist()) if c > 0}
+    slots = torch.zeros(comm.world_size(), len(maxima), dtype=torch.float64, device=device)
+    slots[comm.rank()] = torch.tensor([float(maxima[k]) for k in sorted(maxima)], dtype=torch.float64)
+    # Packed where the metrics live, then moved once: no per-key device copies (host syncs on GPU).
+    packed = torch.cat([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(1) for v in values]
+                       + [slots.view(-1)])
+    packed = comm.all_reduce(packed.to(comm.device()), "metrics").tolist()   # the one host read
+    sums, counts, rows = packed[0:len(values):2], packed[1:len(values):2], packed[len(values):]
+    largest = {k: max(rows[j::len(maxima)]) for j, k in enumerate(sorted(maxima))}
+    return {**{k: s / c for k, s, c in zip(keys, sums, counts) if c > 0}, **largest}
 
 
-def metrics_plan_rows(num_keys: int) -> list[PlanRow]:
-    return [PlanRow("metrics", "count-weighted mean", "all_reduce", "iteration", [16 * num_keys])]
+def metrics_plan_rows(num_keys: int, num_maxima: int = 0) -> list[PlanRow]:
+    rule = "count-weighted mean" + (", max (a slot per rank)" if num_maxima else "")
+    return [PlanRow("metrics", rule, "all_reduce", "iteration", [16 * num_keys + 8 * comm.world_size() * num_maxima])]
 
 
 def sum_counts(sampler) -> None:

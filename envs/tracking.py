@@ -15,6 +15,10 @@ Observations: `policy` = joint pos/vel, previous action, reference joint positio
 and the reference velocity; `critic` adds privileged body positions, reference body positions and the
 episode phase. Reward: exp-kernels on joint and body-position error. Terminated when the mean body
 position error exceeds `fail_distance`; truncated when the motion clip or the time limit ends.
+
+Logged (extras["log"]): each step's mean over the envs, which the runner averages over the iteration's steps.
+`Episode/failures_per_step` is the share of envs that fail at a step, not the share of episodes that fail (that is
+about this times the mean episode length).
 """
 
 import torch
@@ -28,7 +32,7 @@ class Tracking:
     sim_dt, decimation = 0.005, 4
     future_steps = (1, 2, 5, 10)     # the first must be 1 (the next frame, see _observe)
     fail_distance = 0.15
-    log_keys = ("Episode/body_error", "Episode/reward_joint", "Episode/reward_body", "Episode/failure_rate")
+    log_keys = ("Episode/body_error", "Episode/reward_joint", "Episode/reward_body", "Episode/failures_per_step")
 
     def __init__(self, num_envs: int, device: torch.device, seed: int, base_seed: int,
                  episode_length_s: float = 10.0, num_motions: int = 64, uniform_floor: float = 0.2):
@@ -144,7 +148,7 @@ class Tracking:
         final_obs = self._observe(ref_q)                   # before the resets: what the time-out bootstrap values
         self.sampler.record(self.motion_ids, done, terminated)
         log = {"Episode/body_error": body_err.mean(), "Episode/reward_joint": reward_joint.mean(),
-               "Episode/reward_body": reward_body.mean(), "Episode/failure_rate": terminated.float().mean()}
+               "Episode/reward_body": reward_body.mean(), "Episode/failures_per_step": terminated.float().mean()}
         self._reset_envs(done)
         return self._observe(), reward, terminated, truncated, {"final_obs": final_obs, "log": log}
 

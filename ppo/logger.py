@@ -62,7 +62,7 @@ class RunLogger:
         skipped = int(scalars.get("Train/nonfinite_skipped_steps", 0))
         skipped = f"  skipped {skipped}/{self.steps_per_iteration}" if skipped else ""
         print(f"it {iteration + 1:>5}/{self.max_iterations}  {scalars['Perf/total_fps']:>9.0f} steps/s  "
-              f"reward {reward}  ep_len {length}  kl {scalars['Policy/kl']:.4f}  "
+              f"reward {reward}  ep_len {length}  kl {_fmt(scalars.get('Policy/kl'), 6, '.4f')}  "
               f"lr {scalars['Loss/learning_rate']:.1e}  ETA {eta / 60:5.1f} min{skipped}", flush=True)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ bucket when bucketed, KL sum and count riding in the last); the rules above act 
 values, so every rank makes the same decision.
 """
 
+import math
 import warnings
 
 import torch
@@ -224,7 +225,8 @@ class SyncFreeStep:
         group gets the exact LR back as a float (see the class docstring)."""
         *sums, taken, skipped, lr = torch.cat([self.sums, self.lr.reshape(1)]).tolist()
         self.optimizer.param_groups[0]["lr"] = lr
-        stats = {k: v / max(taken, 1) for k, v in zip(("surrogate", "value_function", "entropy", "kl"), sums)}
+        names = ("surrogate", "value_function", "entropy", "kl")
+        stats = {k: v / taken if taken else math.nan for k, v in zip(names, sums)}   # no step taken: no mean
         stats.update(learning_rate=lr, skipped_steps=skipped)
         return stats
 

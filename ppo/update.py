@@ -36,8 +36,8 @@ def normalize_advantages(storage, mode: str) -> None:
 
 
 def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Generator | None = None) -> dict[str, float]:
-    """Run the update in place on `model`/`optimizer`; return this rank's loss means, the global KL,
-    the final LR and the number of skipped (non-finite) steps.
+    """Run the update in place on `model`/`optimizer`; return this rank's loss means, the global KL (means over
+    the steps taken: NaN when every step was skipped), the final LR and the number of skipped (non-finite) steps.
 
     Crosses ranks (the module docstring's list, once per call): the advantage statistics when global, the
     gradient all-reduce(s) of each minibatch (KL riding in the last), then one merge per observation normalizer."""
@@ -86,7 +86,7 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
         normalizer.update(getattr(storage, storage_field).flatten(0, 1))
     if step is not None:
         return step.finish()
-    stats = {k: v / max(num_steps, 1) for k, v in totals.items()}
+    stats = {k: v / num_steps if num_steps else math.nan for k, v in totals.items()}   # no step taken: no mean
     stats.update(learning_rate=lr, skipped_steps=float(skipped))
     return stats
 

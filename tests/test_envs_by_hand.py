@@ -75,8 +75,8 @@ def test_tracking_reward_and_failure_flag_match_a_numpy_recomputation():
         np.testing.assert_allclose(reward.double().numpy(), want, rtol=0, atol=2e-5)
         clear = np.abs(body_err - 0.15) > 1e-4                  # float32 vs float64: skip the razor's edge
         assert np.array_equal(terminated.numpy()[clear], (body_err > 0.15)[clear])
-        # The log holds this step's means (failure_rate: the terminated share, not the done share).
-        assert extras["log"]["Episode/failure_rate"].item() == pytest.approx(float(terminated.float().mean()))
+        # The log holds this step's means (failures_per_step: the terminated share, not the done share).
+        assert extras["log"]["Episode/failures_per_step"].item() == pytest.approx(float(terminated.float().mean()))
         assert extras["log"]["Episode/body_error"].item() == pytest.approx(body_err.mean(), abs=1e-5)
         kernels = np.exp(-((q - ref) ** 2).mean(-1) / 0.05).mean(), np.exp(-body_err ** 2 / 0.005).mean()
         logged = extras["log"]["Episode/reward_joint"].item(), extras["log"]["Episode/reward_body"].item()
@@ -118,7 +118,7 @@ def test_tracking_time_limit_clip_end_and_failure_precedence():
     visits = np.bincount([ids[i] for i in range(6) if done[i]], minlength=4)
     assert env.sampler.local_counts[0].tolist() == visits.tolist()
     assert env.sampler.local_counts[1].tolist() == [0.0, 1.0, 0.0, 0.0]
-    assert extras["log"]["Episode/failure_rate"].item() == pytest.approx(1 / 6)     # terminated, not done (3/6)
+    assert extras["log"]["Episode/failures_per_step"].item() == pytest.approx(1 / 6)     # terminated, not done (3/6)
 
 
 def test_tracking_actions_are_clamped_to_5_before_the_pd_targets_and_the_observation():

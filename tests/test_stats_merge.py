@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from dist.stats import global_mean_std, merge_moments, reduce_metrics, sum_counts
+from dist import comm
+from dist.stats import global_mean_std, merge_moments, metrics_plan_rows, reduce_metrics, sum_counts
 from envs.motions import AdaptiveMotionSampler
 from ppo.normalizer import ObsNormalizer
 from tests.multirank import run_ranks
@@ -98,6 +99,29 @@ def test_reduce_metrics_pairs_keys_by_name_not_insertion_order_and_sums_in_float
     that float32 cannot hold stays exact: (2**24 + 1 + 2) / 2, not (2**24 + 2) / 2."""
     for out in run_ranks(reordered_metrics_body, world_size=2):
         assert out == {"big": (2.0**24 + 1 + 2.0) / (1 + 1), "small": (3.0 + 5.0) / (1 + 3)}
+
+
+def maxima_body(rank, world_size):
+    """Rank r's times: collection 1 + r (rank 2 the slowest), minus learning -(5 - r) (rank 2 waited least)."""
+    comm.reset_ledger()
+    out = reduce_metrics({"a": torch.tensor(float(rank))}, {"a": torch.tensor(1.0)},
+                         {"slowest": 1.0 + rank, "-learning": -(5.0 - rank)})
+    planned = metrics_plan_rows(1, num_maxima=2)[0]
+    return out, comm.ledger_snapshot(), (planned.calls, sum(planned.call_bytes))
+
+
+@pytest.mark.slow
+def test_reduce_metrics_maxima_are_the_largest_value_over_ranks_in_the_same_all_reduce():
+    """Declared op max beside the count-weighted means (mean of 0, 1, 2 = 1): each rank's value in its own slot, so
+    the result is one rank's value exactly, negative ones too (a minimum as the max of minus it); one all-reduce of
+    16 B per key + 8 B per rank per maximum, as the plan row says."""
+    for out, ledger, planned in run_ranks(maxima_body, world_size=3):
+        assert out == {"a": 1.0, "slowest": 3.0, "-learning": -3.0}
+        assert ledger == {"metrics": (1, 16 + 8 * 3 * 2)} and ledger["metrics"] == planned
+
+
+def test_reduce_metrics_maxima_of_one_process_are_its_own_values():
+    assert reduce_metrics({}, {}, {"t": -2.5}) == {"t": -2.5} and reduce_metrics({}, {}, {}) == {}
 
 
 class ZeroLocalFirstSampler:

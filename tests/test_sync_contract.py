@@ -229,3 +229,29 @@ def test_mean_rule_on_an_integer_buffer_is_a_start_up_error():
     with pytest.raises(ValueError, match=r"\['num_batches_tracked'\] are integer but declared `mean`"):
         resolve_buffer_policy(bn, {"running_*": "mean", "num_batches_tracked": "mean"})
     resolve_buffer_policy(bn, {"running_*": "mean", "num_batches_tracked": "broadcast"})
+
+
+def phase_times_body(rank, world_size, root):
+    """Rank 1's clock reads its collections 1000 s long (train.finished shifted on its collection ends only)."""
+    import itertools
+    import time
+    calls = itertools.count()
+    if rank == 1:
+        train.finished = lambda device: time.time() + (1000.0 if next(calls) % 2 == 0 else 0.0)
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 8, 8, 2
+    cfg.log.root, cfg.dist.device = root, "cpu"
+    _, scalars, _ = train.main(cfg)
+    return scalars
+
+
+@pytest.mark.slow
+def test_phase_times_are_the_slowest_collection_and_the_least_waiting_update(tmp_path):
+    """Perf/* by declared ops, not rank 0's clock: the collection time is the slowest rank's (rank 1's 1000 s), the
+    learning time the shortest update (rank 1's, which waited least: here rank 0's, whose clock is not shifted, is
+    the same real update) and total_fps uses both, on every rank."""
+    for scalars in run_ranks(phase_times_body, 2, args=(str(tmp_path),)):
+        assert 1000.0 < scalars["Perf/collection_time"] < 1000.0 + 60
+        assert 0.0 < scalars["Perf/learning_time"] < 60
+        steps = 2 * 8 * 8
+        assert scalars["Perf/total_fps"] == steps / (scalars["Perf/collection_time"] + scalars["Perf/learning_time"])

@@ -223,7 +223,8 @@ def test_a_restart_of_a_finished_run_is_done_on_every_rank_or_on_none(tmp_path, 
 
 def test_a_run_whose_every_update_step_is_skipped_says_so(tmp_path, capsys):
     """--ppo.entropy-coef 1e30 is within float32 (accepted) but squares to inf in the gradient norm: all 2 epochs x
-    2 minibatches = 4 steps of each iteration are skipped, and the console says it instead of training nothing."""
+    2 minibatches = 4 steps of each iteration are skipped, and the console says it instead of training nothing. No
+    step, no loss or KL: they are left out (`-` on the console), not logged as 0 (the policy's entropy is ~1.42)."""
     cfg = preset("cartpole")
     cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_epochs, cfg.ppo.num_mini_batches = 4, 8, 2, 2
     cfg.ppo.entropy_coef, cfg.max_iterations = 1e30, 2
@@ -233,3 +234,5 @@ def test_a_run_whose_every_update_step_is_skipped_says_so(tmp_path, capsys):
     assert scalars["Train/nonfinite_skipped_steps"] == 4
     assert out.count("[syncppo] warning: 4 of 4 update steps at iteration 1 had a non-finite gradient norm") == 1
     assert [line[-16:] for line in out.splitlines() if line.startswith("it ")] == ["min  skipped 4/4"] * 2
+    assert not [key for key in scalars if key.startswith("Loss/") and key != "Loss/learning_rate" or key == "Policy/kl"]
+    assert [line.split("kl")[1].split()[0] for line in out.splitlines() if line.startswith("it ")] == ["-"] * 2
