@@ -24,7 +24,7 @@ class EnvConfig:
     global_num_envs: int = 0
     """if > 0: a global env budget split evenly across ranks (replaces --env.num-envs; must divide)"""
     episode_length_s: float = 10.0
-    """cartpole/tracking: episode time limit in seconds; reaching it is a time-out (bootstrapped), not a termination"""
+    """cartpole/tracking: episode time limit in seconds (whole 0.02 s steps, rounded): a time-out, bootstrapped"""
     num_motions: int = 64
     """tracking only: reference motions in the procedurally generated motion library"""
     sampling_uniform_floor: float = 0.2
@@ -249,6 +249,12 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
                          f"std of one is nan), got {minibatch} = --env.num-envs{f' x {team}' if team > 1 else ''} x "
                          f"--ppo.num-steps / --ppo.num-mini-batches; use fewer minibatches or another "
                          f"--ppo.advantage-norm")
+    pooled = samples_per_rank * ((world_size - k if 0 < k < world_size else world_size) if cfg.ppo.advantage_norm ==
+                                 "global" else 1)
+    if cfg.ppo.advantage_norm in ("local", "global") and pooled < 2:   # (a - mean) / (0 + 1e-8): every advantage 0
+        raise UsageError(f"--ppo.advantage-norm {cfg.ppo.advantage_norm} normalizes over 1 transition, which it turns "
+                         "into 0 (no policy gradient); use more --env.num-envs or --ppo.num-steps, or another "
+                         "--ppo.advantage-norm")
     if not 0 < cfg.ppo.lr_min <= cfg.ppo.lr_max:
         raise UsageError(f"--ppo.lr-min {cfg.ppo.lr_min} must be positive and at most --ppo.lr-max {cfg.ppo.lr_max}")
     # the bounds clamp only the adaptive schedule: fixed and linear never read them

@@ -185,6 +185,18 @@ def check_writable_root(root: str, flag: str = "--log.root", write: bool = True)
     probe = _nearest_directory(root)
     if not os.path.isdir(probe):
         raise UsageError(f"{flag} {root!r}: {probe!r} is a file, not a directory; pick another {flag}")
+    # The names still to be made, and the whole path with a run directory's and a checkpoint's names (<= 64 bytes)
+    # below it, within the file system's limits: else the run directory's mkdir fails once everything is built.
+    name_max, path_max = os.pathconf(probe, "PC_NAME_MAX"), os.pathconf(probe, "PC_PATH_MAX")
+    long_name = next((n for n in os.path.relpath(os.path.abspath(root), probe).split(os.sep) if len(n.encode()) >
+                      name_max), None)
+    if long_name is not None:
+        raise UsageError(f"{flag}: the name {long_name[:16]!r}... ({len(long_name.encode())} bytes) is longer than the "
+                         f"file system takes ({name_max} bytes a name); use a shorter one")
+    length = len(os.path.abspath(root).encode())
+    if length + 64 >= path_max:
+        raise UsageError(f"{flag}: the path ({length} bytes, plus 64 for the run's directory and file names) is "
+                         f"longer than the file system takes ({path_max} bytes a path); use a shorter one")
     if not write:
         return
     refused = write_refusal(probe)

@@ -115,7 +115,9 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
                     kwargs.update(store=torch_dist.PrefixStore(f"syncppo/restart{restart}", store), rank=rank,
                                   world_size=world_size)
                 torch_dist.init_process_group(**kwargs)
-            except torch_dist.DistError as error:      # a store that timed out or could not be reached: no bug
+            except (torch_dist.DistError, RuntimeError) as error:   # a store or gloo's mesh that timed out: no bug
+                if not isinstance(error, torch_dist.DistError) and "connectFullMesh" not in str(error):
+                    raise
                 why = one_line(error).rstrip(".")
                 raise RunError(f"the {world_size} ranks did not all meet at {where} within --dist.timeout-s "
                                f"{timeout_s:g} ({why}); start every rank (torchrun --nnodes/--nproc-per-node), "

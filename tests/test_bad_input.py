@@ -183,6 +183,20 @@ def test_minibatch_advantage_norm_of_a_single_transition_is_refused():
     validate(cfg)
 
 
+def test_local_or_global_advantage_norm_over_a_single_transition_is_refused():
+    """One env, one step, one rank: (a - mean) / (0 + 1e-8) is 0 for the only advantage, so the run trained on
+    entropy alone (exit 0). Global pools every learner's: over 2 ranks there are 2 transitions, accepted."""
+    cfg = cfg_with(env__num_envs=1, ppo__num_steps=1, ppo__num_mini_batches=1)
+    for norm in ("local", "global"):
+        cfg.ppo.advantage_norm = norm
+        with pytest.raises(UsageError, match=rf"^--ppo.advantage-norm {norm} normalizes over 1 transition, which it "
+                                             r"turns into 0 \(no policy gradient\)"):
+            validate(cfg)
+    validate(cfg, world_size=2)
+    cfg.ppo.advantage_norm = "none"
+    validate(cfg)
+
+
 def test_lr_bounds_of_the_adaptive_schedule_do_not_cap_the_linear_or_fixed_rate():
     # mujoco (linear schedule) --ppo.learning-rate 0.02 was refused for exceeding --ppo.lr-max, which it never reads
     cfg = preset("mujoco")
@@ -207,6 +221,23 @@ def test_an_experiment_name_too_long_for_a_directory_fails_before_the_build(tmp_
     with pytest.raises(UsageError, match=r"--log.experiment is 300 bytes long; a directory name can have at most 255"):
         validate(cfg_with(log__experiment="x" * 300))
     validate(cfg_with(log__experiment="x" * 255))
+
+
+def test_a_log_root_too_long_for_the_file_system_fails_before_the_build(tmp_path):
+    """A --log.root name over NAME_MAX, or a path that leaves no room under PATH_MAX for the run's directory and file
+    names: the dry run passed and a real run built everything, then raised OSError (File name too long) from mkdir.
+    Nothing is created; a name at NAME_MAX is accepted."""
+    from dist.checkpoint import check_writable_root
+    name_max, path_max = os.pathconf(tmp_path, "PC_NAME_MAX"), os.pathconf(tmp_path, "PC_PATH_MAX")
+    with pytest.raises(UsageError, match=rf"^--log.root: the name 'eeeeeeeeeeeeeeee'... \({name_max + 1} bytes\) is "
+                                         rf"longer than the file system takes \({name_max} bytes a name\)"):
+        check_writable_root(str(tmp_path / "runs" / ("e" * (name_max + 1))))
+    deep = tmp_path.joinpath(*["d" * 200] * (path_max // 200))
+    with pytest.raises(UsageError, match=rf"^--log.root: the path \({len(str(deep))} bytes, plus 64 for the run's "
+                                         rf"directory and file names\) is longer than the file system takes"):
+        check_writable_root(str(deep))
+    check_writable_root(str(tmp_path / ("e" * name_max)))
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_resume_path_that_is_a_device_is_not_called_a_directory():

@@ -12,7 +12,7 @@ import torch
 import train
 import dist.setup
 from configs import preset, validate
-from dist.errors import UsageError
+from dist.errors import RunError, UsageError
 from tests.fake_isaaclab import Record, fake_modules
 from tests.forked_python import run_python
 
@@ -187,3 +187,24 @@ def test_under_torchrun_parse_errors_print_once_per_node_and_our_errors_reach_to
     ours = run("--env.num-envs", "0", LOCAL_RANK="1", TORCHELASTIC_ERROR_FILE=str(error_file))
     assert ours.returncode == 2 and ours.stderr == ""                  # said by local rank 0 only
     assert json.loads(error_file.read_text())["message"] == "error: --env.num-envs must be positive, got 0"
+
+
+@pytest.mark.parametrize("message, caught", [
+    ("Gloo connectFullMesh failed with [pair.h:311] Connect timeout [none]", True),
+    ("an unrelated RuntimeError", False)])
+def test_gloo_s_mesh_connect_timing_out_is_the_rendezvous_line_not_a_traceback(monkeypatch, message, caught):
+    """A rendezvous whose store answered but whose gloo mesh connect ran past --dist.timeout-s (0.001 s on one of two
+    ranks) raises a RuntimeError, not a DistError: it printed `unexpected RuntimeError` with a traceback beside the
+    other rank's line. Only that failure is turned into the line; any other RuntimeError stays a bug."""
+    for name in ("LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(name, value)
+
+    def fails(**kwargs):
+        raise RuntimeError(message)
+    monkeypatch.setattr(dist.setup.torch_dist, "init_process_group", fails)
+    with pytest.raises(RunError if caught else RuntimeError) as exc:
+        dist.setup.init_distributed("gloo", "cpu", 0.001)
+    assert (str(exc.value).startswith("the 2 ranks did not all meet at 127.0.0.1:29999 within --dist.timeout-s 0.001 "
+                                      f"({message}); start every rank") if caught else str(exc.value) == message)
