@@ -122,6 +122,19 @@ def corrupt_member(path: str) -> str:
     return f"{bad} does not match its CRC-32" if bad else ""
 
 
+# Settings every checkpoint has had since the first version: one missing is damage, not a setting newer than the
+# checkpoint (those take their earlier behaviour: configs/resume.py setting_before). A config without env.num_envs
+# resumed at the dataclass default (256 envs), and the resume's env-count check compared against that.
+FOUNDING_SETTINGS = (
+    *(f"env.{k}" for k in ("name", "num_envs", "episode_length_s", "num_motions", "sampling_uniform_floor")),
+    *(f"policy.{k}" for k in ("actor_hidden", "critic_hidden", "activation", "init_noise_std", "normalize_critic_obs",
+                              "normalize_actor_obs")),
+    *(f"ppo.{k}" for k in ("num_steps", "num_epochs", "num_mini_batches", "learning_rate", "schedule", "desired_kl",
+                           "lr_min", "lr_max", "gamma", "lam", "clip_param", "clip_value_loss", "value_loss_coef",
+                           "entropy_coef", "max_grad_norm", "advantage_norm")),
+    "max_iterations", "seed")
+
+
 def malformed_entry(state: dict) -> str:
     """What in the loaded dict has the wrong type or size for `ppo.restore` to use, or "" when all fits."""
     def plain_int(x):
@@ -147,6 +160,11 @@ def malformed_entry(state: dict) -> str:
                 ("env", "policy", "ppo", "dist", "log", "rollout")]
     if sections:
         return f"its config section {sections[0]!r} is not a dict"
+    config = state["config"]
+    lacking = [name for name in FOUNDING_SETTINGS if name.rpartition(".")[2] not in
+               (config.get(name.partition(".")[0], {}) if "." in name else config)]
+    if lacking:
+        return f"its config lacks {', '.join(lacking)}"
     if not plain_int(state["iteration"]) or state["iteration"] < 0:
         return f"its iteration is {state['iteration']!r}, not an integer >= 0"
     for name, seed in (("env_seed", state.get("env_seed", 0)), ("config's seed", state["config"].get("seed", 0))):

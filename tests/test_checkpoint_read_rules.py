@@ -2,15 +2,22 @@
 an all-zero exp_avg_sq, an empty float tensor), the first value past each bound is refused by name, a nan inside
 a tuple (Adam's betas) is found, and a truncated file, a directory and a non-archive each get their own words."""
 
+import dataclasses
 import math
 import struct
 
 import pytest
 import torch
 
+from configs import preset
 from dist.checkpoint import save_checkpoint
 from dist.checkpoint_read import load_checkpoint
 from dist.errors import UsageError
+
+
+def _config(**top) -> dict:
+    """A cartpole run's whole config (every setting a checkpoint has had since the first version), `top` replaced."""
+    return {**dataclasses.asdict(preset("cartpole")), **top}
 
 
 def _state(**changes) -> dict:
@@ -19,7 +26,7 @@ def _state(**changes) -> dict:
              "optimizer": {"param_groups": [{"params": [0], "lr": 1e-3, "betas": (0.9, 0.999)}],
                            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.tensor([0.1, -0.2]),
                                          "exp_avg_sq": torch.tensor([0.01, 0.04])}}},
-             "iteration": 2, "learning_rate": 1e-3, "env": {}, "config": {"env": {"name": "cartpole"}, "seed": 1},
+             "iteration": 2, "learning_rate": 1e-3, "env": {}, "config": _config(),
              "rng": [{"torch": torch.get_rng_state()}], "layout": [1, 0]}
     state.update(changes)
     return state
@@ -45,7 +52,7 @@ def _with_moments(**moments):
 
 @pytest.mark.parametrize("state", [
     _state(iteration=0),                                         # saved before the first update: "an integer >= 0"
-    _state(config={"env": {"name": "cartpole"}, "seed": 2**32 - 1}),      # the largest --seed
+    _state(config=_config(seed=2**32 - 1)),      # the largest --seed
     _state(env_seed=2**32 - 1),
     _with_moments(exp_avg_sq=torch.zeros(2)),                   # a parameter that never had a gradient: 0 is a square
     _state(model={"w": torch.tensor([0.5]), "empty": torch.zeros(0)}),     # a 0-element float tensor has no extremes
@@ -58,7 +65,7 @@ def test_values_a_healthy_run_saves_at_their_bounds_load(tmp_path, state):
 
 
 @pytest.mark.parametrize("state, what", [
-    (_state(config={"env": {"name": "cartpole"}, "seed": 2**32}),
+    (_state(config=_config(seed=2**32)),
      "is damaged (its config's seed is 4294967296, not an integer in [0, 2**32)); resume from another checkpoint"),
     (_state(env_seed=2**32), "is damaged (its env_seed is 4294967296, not an integer in [0, 2**32)); resume from "
                              "another checkpoint"),
@@ -83,6 +90,38 @@ def test_the_first_value_past_each_bound_is_refused_naming_it(tmp_path, state, w
     with pytest.raises(UsageError) as exc:
         load_checkpoint(path)
     assert str(exc.value) == f"--resume {path!r} {what}"
+
+
+def _config_without(*names) -> dict:
+    config = _config()
+    config["env"], config["ppo"] = dict(config["env"]), dict(config["ppo"])
+    for name in names:
+        section, _, key = name.rpartition(".")
+        del (config[section] if section else config)[key]
+    return config
+
+
+@pytest.mark.parametrize("config, lacking", [
+    (_config_without("env.num_envs"), "env.num_envs"),
+    (_config_without("ppo.num_steps", "seed"), "ppo.num_steps, seed"),
+    ({}, "env.name, env.num_envs, env.episode_length_s"),
+])
+def test_a_config_without_a_setting_every_checkpoint_has_had_is_damage(tmp_path, config, lacking):
+    """A setting newer than a checkpoint takes its earlier behaviour; one the first version already saved cannot be
+    missing from a checkpoint train.py wrote. Taken as newer, a config without env.num_envs resumed at the
+    dataclass default of 256 envs (not the run's), and the env-count check compared against that."""
+    path = _saved(tmp_path, _state(config=config))
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value).startswith(f"--resume {path!r} is damaged (its config lacks {lacking}")
+    assert str(exc.value).endswith("); resume from another checkpoint")
+
+
+def test_every_setting_a_checkpoint_must_have_is_a_setting_of_this_version():
+    """FOUNDING_SETTINGS names fields of today's Config (a renamed one would refuse every checkpoint)."""
+    from dist.checkpoint_read import FOUNDING_SETTINGS
+    config = _config()
+    assert all(n.rpartition(".")[2] in (config[n.partition(".")[0]] if "." in n else config) for n in FOUNDING_SETTINGS)
 
 
 def _philox(seed: int, offset: int) -> torch.Tensor:

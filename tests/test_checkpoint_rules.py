@@ -3,12 +3,14 @@
 round trips, and the replica check's plan rows."""
 
 import contextlib
+import dataclasses
 import io
 import os
 
 import pytest
 import torch
 
+from configs import preset
 from test_sync_common import bits_equal
 
 
@@ -17,7 +19,7 @@ from test_sync_common import bits_equal
 def _minimal_checkpoint(**changes) -> dict:
     """The smallest dict load_checkpoint accepts (what train.main saves, with empty model and env)."""
     state = {"model": {}, "optimizer": {"param_groups": [], "state": {}}, "iteration": 2, "learning_rate": 1e-3,
-             "env": {}, "config": {"env": {"name": "cartpole"}}, "rng": [{"torch": torch.get_rng_state()}],
+             "env": {}, "config": dataclasses.asdict(preset("cartpole")), "rng": [{"torch": torch.get_rng_state()}],
              "layout": [1, 0]}
     state.update(changes)
     return {k: v for k, v in state.items() if v is not _DROP}
@@ -108,7 +110,6 @@ def test_resume_auto_picks_the_run_whose_latest_checkpoint_was_written_last(tmp_
 # ----- resume: which checkpoints fit the config -----------------------------------------------------------------
 
 def _tracking_cfg(**changes):
-    from configs import preset
     cfg = preset("tracking")                 # actor/critic hidden (128, 128), 512 envs, 64 motions, 400 iterations
     for dotted, value in changes.items():
         section, name = dotted.split("__")
