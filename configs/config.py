@@ -262,9 +262,11 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
         raise UsageError(f"--ppo.learning-rate {cfg.ppo.learning_rate} is outside [--ppo.lr-min {cfg.ppo.lr_min}, "
                          f"--ppo.lr-max {cfg.ppo.lr_max}], the bounds of --ppo.schedule adaptive; pass a rate within "
                          f"them or widen them")
-    if not FLOAT32_TINY <= cfg.policy.init_noise_std * cfg.policy.init_noise_std <= FLOAT32_MAX:   # log_prob: / std**2
-        raise UsageError(f"--policy.init-noise-std {cfg.policy.init_noise_std}: the action variance (its square) is "
-                         f"0 or inf in float32; use a value in [{FLOAT32_TINY**0.5:.1e}, {FLOAT32_MAX**0.5:.1e}]")
+    # log_prob divides (action - mean)**2 by std**2: both must be finite, for draws up to 10 std away too
+    if not FLOAT32_TINY <= cfg.policy.init_noise_std * cfg.policy.init_noise_std <= FLOAT32_MAX / 100:
+        raise UsageError(f"--policy.init-noise-std {cfg.policy.init_noise_std}: the action variance (its square, or "
+                         f"that of a draw 10 std away) is 0 or inf in float32; use a value in "
+                         f"[{FLOAT32_TINY**0.5:.1e}, {(FLOAT32_MAX / 100)**0.5:.1e}]")
     for flag, value in {"--ppo.value-loss-coef": cfg.ppo.value_loss_coef,
                         "--ppo.entropy-coef": cfg.ppo.entropy_coef}.items():
         if value < 0:       # each its own error: blame_checkpoint blames the first flag of the message

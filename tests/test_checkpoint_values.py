@@ -361,7 +361,8 @@ def test_a_refused_setting_a_resume_keeps_names_each_other_flag_of_the_error_onc
     assert str(blame_checkpoint(UsageError(twice), kept, "c.pt")) == (
         f"{twice} (--env.num-envs is the checkpoint's run's, 'c.pt', which a resume keeps: change "
         f"--ppo.num-mini-batches)")
-    alone = "--policy.init-noise-std 1e-30: the action variance (its square) is 0 or inf in float32"
+    alone = "--policy.init-noise-std 1e-30: the action variance (its square, or that of a draw 10 std away) is 0 or " \
+        "inf in float32"
     blamed = str(blame_checkpoint(UsageError(alone), kept, "c.pt"))
     assert blamed == f"{alone} (--policy.init-noise-std is the checkpoint's run's, 'c.pt', which a resume keeps: " \
                      "start a new run to change it)"

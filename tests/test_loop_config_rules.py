@@ -57,7 +57,7 @@ def test_bounds_accepted_on_their_inclusive_side():
     validate(cfg_with(seed=0))                            # "[0, 2**32 - world size]"
     validate(cfg_with(dist__verify_every=0))              # "0 = only after loads"
     validate(cfg_with(policy__init_noise_std=2e-19))      # variance 4e-38, above float32's smallest normal 1.18e-38
-    validate(cfg_with(policy__init_noise_std=1e19))       # variance 1e38, below float32's largest 3.4e38
+    validate(cfg_with(policy__init_noise_std=1.8e18))     # a 10-std draw's squared deviation 3.24e38 < 3.4e38
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -65,8 +65,10 @@ def test_bounds_accepted_on_their_inclusive_side():
      r"^--log.experiment is 256 bytes long; a directory name can have at most 255: use a shorter name$"),
     ({"log__experiment": "é" * 128}, r"^--log.experiment is 256 bytes long"),       # bytes, not characters
     # the std fits float32 but its square, the variance log_prob divides by, does not
-    ({"policy__init_noise_std": 1e-20}, r"^--policy.init-noise-std 1e-20: the action variance \(its square\) is 0"),
-    ({"policy__init_noise_std": 1e20}, r"^--policy.init-noise-std 1e\+20: the action variance \(its square\) is 0"),
+    ({"policy__init_noise_std": 1e-20}, r"^--policy.init-noise-std 1e-20: the action variance \(its square, or "),
+    ({"policy__init_noise_std": 1.9e18}, r"^--policy.init-noise-std 1.9e\+18: the action variance \(its square, or "
+                                          r"that of a draw 10 std away\) is 0 or inf in float32; use a value in "
+                                          r"\[1.1e-19, 1.8e\+18\]$"),   # 1e19 trained nothing: every step skipped
     # each coefficient and hidden-size flag is named alone: blame_checkpoint blames the first flag of the message
     ({"ppo__entropy_coef": -0.01}, r"^--ppo.entropy-coef must be >= 0, got -0.01$"),
     ({"ppo__value_loss_coef": -1.0}, r"^--ppo.value-loss-coef must be >= 0, got -1.0$"),
