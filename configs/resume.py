@@ -97,8 +97,9 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
                 origin = typing.get_origin(field.type)
                 kind = ("one of " + ", ".join(map(str, typing.get_args(field.type))) if origin is typing.Literal
                         else field.type if origin is tuple else getattr(field.type, "__name__", field.type))
-                raise UsageError(f"the checkpoint's run has {as_flag(flag, theirs)}, which this version does not "
-                                 f"accept ({kind}); pass {flag} to choose")
+                shown = f"{flag} {theirs}" if isinstance(theirs, bool) else as_flag(flag, theirs)   # not a switch
+                raise UsageError(f"the checkpoint's run has {shown}, which this version does not accept ({kind}); "
+                                 f"pass {flag} to choose")
         if flag not in typed:
             setattr(owner, field.name, theirs)
             if ours != theirs:

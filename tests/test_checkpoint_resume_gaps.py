@@ -26,8 +26,9 @@ from tests.test_step_restore_rules import CPU, N, _built, _checkpoint, _roles, _
                                                   ("env", "episode_length_s", "--env.episode-length-s")])
 def test_a_saved_float_setting_that_is_a_bool_is_refused_naming_the_flag(section, field, flag):
     """JSON's true is not a number a float field takes (torch would clip at 1.0 without a word): refused as the
-    checkpoint's, naming the flag to pass; the same setting saved as an int or a float continues."""
-    with pytest.raises(UsageError, match=f"^the checkpoint's run has {flag}, which this version does not accept "
+    checkpoint's, naming the flag to pass and the value (shown as a switch, `--ppo.clip-param`, it went unsaid); the
+    same setting saved as an int or a float continues."""
+    with pytest.raises(UsageError, match=f"^the checkpoint's run has {flag} True, which this version does not accept "
                                          f"\\(float\\); pass {flag} to choose$"):
         continue_saved_config(preset("tracking"), {section: {field: True}}, frozenset())
     for value in (3, 0.25):
