@@ -168,7 +168,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     plan = [*agree_plan_rows(), *broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
             *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
             *sum_counts_plan_rows(sampler, cfg.dist.sampler_sync_every, cfg.log.save_every),
-            *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS), num_maxima=2),
+            *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS), num_maxima=2 + (team is not None)),
             *episode_returns_plan_rows(cfg.log.episode_returns, T, N),
             *(team.plan_rows() if team else []),
             *verify_plan_rows(cfg.dist.verify_every, checkpoint is not None),
@@ -242,8 +242,9 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         sums, counts = dict(zip(metric_keys, episodes.sums)), dict(zip(metric_keys, episodes.counts))
         for key, (flag, one) in stop.local_flags(device).items():
             sums[key], counts[key] = flag + (remote[key] if team else 0), one   # the rollout ranks' flags too
-        # Phase times by declared ops: the slowest rank's collection; the update of the rank that waited least in it
-        scalars = reduce_metrics(sums, counts, {"Perf/collection_time": collection_time, "-learning": -learning_time})
+        # Declared ops: the slowest rank's collection; the update of the rank that waited least in it; the stalest batch
+        maxima = {"Perf/collection_time": collection_time, "-learning": -learning_time}
+        scalars = reduce_metrics(sums, counts, maxima | ({"Perf/policy_lag": remote["lag"]} if team else {}))
         collection_time, learning_time = scalars["Perf/collection_time"], -scalars.pop("-learning")
         returns = episodes.ended_returns() if cfg.log.episode_returns else []   # every rank's, on rank 0
         stop_signal, launcher_gone = (scalars.pop(key) > 0 for key in STOP_KEYS)
@@ -252,8 +253,6 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
                         "Perf/total_fps": learners * N * T / (collection_time + learning_time),
                         "Perf/learning_time": learning_time,
                         "Train/nonfinite_skipped_steps": stats["skipped_steps"]})
-        if team is not None:
-            scalars["Perf/policy_lag"] = remote["lag"]
         ledger = comm.ledger_snapshot()           # one read, so what is counted meanwhile goes to the next iteration
         for purpose, (calls, nbytes) in ledger.items():
             before = ledger_before.get(purpose, (0, 0))
