@@ -85,7 +85,7 @@ def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor
     Crosses ranks: one all-reduce of 2K + W*L float64 numbers (K = number of keys, L of maxima, W ranks), packed into
     one vector in sorted key order, once per log step. The maxima ride in the same sum: each rank writes its values
     into its own row of a [W, L] block and zeros elsewhere, so every summed entry is one rank's value, exactly. Every
-    rank must pass the same keys (the order they were inserted in does not matter):
+    rank must pass the same keys, in `maxima` too (the order they were inserted in does not matter):
     a key a rank has nothing for must still be there, with count 0. A key missing on one rank is not counted as 0:
     the ranks' vectors then differ in length, and the all-reduce fails or sums one key's values into another's.
     Keys with a zero total count are dropped (e.g. no episode finished anywhere).
