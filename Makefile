@@ -8,7 +8,10 @@ LOGDIR  ?= runs
 PORT    ?= 6006
 # One rank per GPU when CUDA GPUs are visible, else 2 CPU ranks (gloo). Only `GPU N: ...` lines count: without a
 # GPU or a working driver, nvidia-smi -L prints one line of error ("No devices were found") on stdout.
-NPROC   ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); [ "$$n" -gt 0 ] && echo $$n || echo 2)
+# CUDA_VISIBLE_DEVICES, when set, caps the count at the devices it lists ("" or -1: none).
+NPROC   ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; then \
+	v=$$(printf '%s' "$$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '^[^-]'); [ "$$v" -lt "$$n" ] && n=$$v; fi; \
+	[ "$$n" -gt 0 ] && echo $$n || echo 2)
 # 2 cores here: one thread per rank keeps ranks from oversubscribing the CPU.
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
@@ -22,6 +25,9 @@ ISAACLAB_REF     ?= v3.0.0
 ISAACLAB_VENV    ?= .venv-isaaclab
 ISAACSIM         ?= 0
 ISAACSIM_VERSION ?= 6.2.0.0
+
+# Checks run before anything is built, which `make -j` (or MAKEFLAGS=-j) would not keep to.
+.NOTPARALLEL:
 
 .PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco gpu-wheels setup-mujoco setup-isaaclab export export-needs-ckpt train-settings tensorboard tensorboard-settings clean
 
@@ -45,13 +51,18 @@ $(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
 
 setup: $(VENV)/.dev  ## create .venv with everything the tests need
 
-train: train-settings $(VENV)/.runtime  ## train the default preset: NPROC ranks (2 on CPU), PRESET=tracking
-	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) train.py $(PRESET) $(ARGS)
+# Isaac Lab runs in its own environment (make setup-isaaclab), every other preset in .venv.
+ISAAC    = $(filter isaaclab,$(PRESET))
+train: train-settings $(if $(ISAAC),,$(VENV)/.runtime)  ## train the default preset: NPROC ranks (2 on CPU), PRESET=tracking
+	$(if $(ISAAC),$(call quote,$(ISAACLAB_VENV))/bin,$(BIN))/torchrun --standalone --nproc-per-node $(NPROC) train.py $(PRESET) $(value ARGS)
 
 # Before the prerequisites and torchrun (whose tracebacks would bury the cause): PRESET and NPROC as make passes them.
 train-settings:
-	@$(if $(filter-out $(PRESETS),$(PRESET))$(if $(PRESET),,none),echo $(call quote,error: PRESET=$(PRESET) is not \
-		a preset; use one of: $(PRESETS)) >&2; exit 2,true)
+	@$(if $(filter-out $(PRESETS),$(PRESET))$(filter-out 1,$(words $(PRESET))),echo $(call quote,error: \
+		PRESET=$(PRESET) is not a preset; use one of: $(PRESETS)) >&2; exit 2,true)
+	@$(if $(ISAAC),[ -x $(call quote,$(ISAACLAB_VENV))/bin/torchrun ] || { echo $(call quote,error: PRESET=isaaclab \
+		runs in $(ISAACLAB_VENV)/bin/torchrun; it is not there: make setup-isaaclab first (docs/simulators.md)) \
+		>&2; exit 2; },true)
 	@case $(call quote,$(NPROC)) in ''|*[!0-9]*|0*) \
 		echo $(call quote,error: NPROC=$(NPROC) must be a positive number of ranks) >&2; exit 2;; esac
 
@@ -63,21 +74,21 @@ test-fast: $(VENV)/.dev  ## run the quick subset (no slow multi-rank or learning
 
 bench: $(VENV)/.dev  ## training throughput vs RSL-RL (installs rsl-rl-lib into .venv), then bench-grad and bench-rollout (ARGS=--quick: all three)
 	$(BIN)/pip install -q rsl-rl-lib==5.5.1
-	$(BIN)/python bench/bench_train.py $(ARGS)
+	$(BIN)/python bench/bench_train.py $(value ARGS)
 	$(MAKE) bench-grad
 	$(MAKE) bench-rollout
 
 bench-grad: $(VENV)/.runtime  ## gradient sync: flat | bucketed vs DDP vs a raw all-reduce, 2 gloo ranks (ARGS=--quick)
-	$(BIN)/python bench/bench_grad_sync.py $(ARGS)
+	$(BIN)/python bench/bench_grad_sync.py $(value ARGS)
 
 bench-sync: $(VENV)/.dev  ## weight sync: patch vs bucket vs naive dist.send (~10 s on 2 cores; ARGS=--quick: ~3 s)
-	$(BIN)/python bench/bench_sync.py $(ARGS)
+	$(BIN)/python bench/bench_sync.py $(value ARGS)
 
 bench-rollout: $(VENV)/.dev  ## rollout ranks: colocated vs 1 + 1 sync/async, weight-sync bytes, learning (~1 h; ARGS=--quick)
-	$(BIN)/python bench/bench_rollout.py $(ARGS)
+	$(BIN)/python bench/bench_rollout.py $(value ARGS)
 
 bench-mujoco: setup-mujoco  ## mujoco preset vs CleanRL: 3 tasks x 3 seeds x {1,2} ranks, 1M steps (hours); ARGS="--tasks Hopper-v4 --jobs 2"
-	$(BIN)/python bench/bench_mujoco.py $(ARGS)
+	$(BIN)/python bench/bench_mujoco.py $(value ARGS)
 
 # What bench/gpu_check.sh needs beyond the GPU machine's own packages (it has torch, numpy, tensorboard,
 # onnx): tyro and rsl-rl-lib with their pure-Python needs, as Python 3.12 wheels to carry there (typing-extensions
@@ -93,17 +104,18 @@ setup-mujoco: $(VENV)/.runtime  ## gymnasium + MuJoCo into .venv for the gymnasi
 	$(BIN)/pip install -q "gymnasium[mujoco]>=1.4,<1.5" "mujoco>=4.0,<4.1"
 
 setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv-isaaclab; ISAACSIM=1 adds Isaac Sim
-	[ -d $(ISAACLAB_DIR) ] || git clone --branch $(ISAACLAB_REF) https://github.com/isaac-sim/IsaacLab.git $(ISAACLAB_DIR)
-	[ -x $(ISAACLAB_VENV)/bin/python ] || python3.12 -m venv $(ISAACLAB_VENV)
-	$(ISAACLAB_VENV)/bin/pip install -q --upgrade pip
-	if [ "$(ISAACSIM)" = 1 ]; then $(ISAACLAB_VENV)/bin/pip install "isaacsim[all,extscache]==$(ISAACSIM_VERSION)" \
-		--extra-index-url https://pypi.nvidia.com; fi
-	. $(CURDIR)/$(ISAACLAB_VENV)/bin/activate && cd $(ISAACLAB_DIR) && ./isaaclab.sh --install
-	$(ISAACLAB_VENV)/bin/pip install -q -r requirements.txt
+	[ -d $(call quote,$(ISAACLAB_DIR)) ] || git clone --branch $(ISAACLAB_REF) https://github.com/isaac-sim/IsaacLab.git \
+		$(call quote,$(ISAACLAB_DIR))
+	[ -x $(call quote,$(ISAACLAB_VENV))/bin/python ] || python3.12 -m venv $(call quote,$(ISAACLAB_VENV))
+	$(call quote,$(ISAACLAB_VENV))/bin/pip install -q --upgrade pip
+	if [ "$(ISAACSIM)" = 1 ]; then $(call quote,$(ISAACLAB_VENV))/bin/pip install \
+		"isaacsim[all,extscache]==$(ISAACSIM_VERSION)" --extra-index-url https://pypi.nvidia.com; fi
+	. $(call quote,$(abspath $(ISAACLAB_VENV)))/bin/activate && cd $(call quote,$(ISAACLAB_DIR)) && ./isaaclab.sh --install
+	$(call quote,$(ISAACLAB_VENV))/bin/pip install -q -r requirements.txt
 
 # Before the prerequisites: a missing CKPT is said before .venv is built.
 export: export-needs-ckpt $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.pt as TorchScript and torch.export (+ ONNX if onnx, onnxscript are installed)
-	$(BIN)/python -m ppo.export $(call quote,$(value CKPT)) $(ARGS)
+	$(BIN)/python -m ppo.export $(call quote,$(value CKPT)) $(value ARGS)
 
 export-needs-ckpt:
 	@$(if $(value CKPT),true,echo "error: make export needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2)

@@ -354,7 +354,9 @@ def check_finite(cfg: Config) -> None:
                                  f"([-2**63, 2**63 - 1]), got {value}")
 
 
-SIMULATOR_PACKAGES = {"gymnasium": ("gymnasium", "make setup-mujoco"), "isaaclab": ("isaaclab", "make setup-isaaclab")}
+SIMULATOR_PACKAGES = {"gymnasium": ("gymnasium", "`make setup-mujoco`"),
+                      "isaaclab": ("isaaclab", "`make setup-isaaclab`, then run in .venv-isaaclab "
+                                               "(`make train PRESET=isaaclab` does)")}
 
 
 def validate_device(cfg: Config, world_size: int, device_type: str) -> None:
@@ -375,7 +377,7 @@ def validate_simulator_env(cfg: Config) -> None:
         raise UsageError(f"--env.name {cfg.env.name} needs --env.task, a registered task id "
                          f"(e.g. Hopper-v4, Isaac-Velocity-Rough-G1)")
     if importlib.util.find_spec(package) is None:
-        raise UsageError(f"--env.name {cfg.env.name} needs the {package} package, which is not installed: `{setup}`")
+        raise UsageError(f"--env.name {cfg.env.name} needs the {package} package, which is not installed: {setup}")
     if cfg.env.name == "isaaclab" and cfg.dist.device == "cpu":
         raise UsageError("--env.name isaaclab simulates on GPUs (one per rank); it cannot run with --dist.device cpu: "
                          "use --dist.device cuda or auto")

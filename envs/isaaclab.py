@@ -29,7 +29,8 @@ import torch
 from envs.base import MissingSimulator
 from envs.gymnasium import import_task_module
 
-INSTALL_HINT = "make setup-isaaclab   (Isaac Lab 3.0 installed next to this repo, Python 3.12; see docs/simulators.md)"
+INSTALL_HINT = ("make setup-isaaclab   (Isaac Lab 3.0 next to this repo in .venv-isaaclab, Python 3.12: run there, as "
+                "make train PRESET=isaaclab does; see docs/simulators.md)")
 
 
 def simulation_device(device: torch.device) -> str:

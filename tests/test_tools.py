@@ -202,13 +202,59 @@ def test_export_names_the_tensor_that_does_not_fit_on_one_line(tmp_path):
     ("GPU 0: NVIDIA H200 (UUID: GPU-1)\nGPU 1: NVIDIA H200 (UUID: GPU-2)", 0, 2),
 ])
 def test_make_train_counts_gpus_not_lines_of_nvidia_smi(tmp_path, output, status, nproc):
+    assert f"--nproc-per-node {nproc} train.py" in _make_train_dry(tmp_path, output, status)
+
+
+def _make_train_dry(tmp_path, output, status, **environ) -> str:
+    """`make -n train`'s output with a fake nvidia-smi that prints `output` and exits `status`."""
     fake = tmp_path / "nvidia-smi"
     fake.write_text(f"#!/bin/sh\nprintf '%s\\n' \"{output}\"\nexit {status}\n")
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    env.pop("NPROC", None)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("NPROC", "CUDA_VISIBLE_DEVICES")}, **environ,
+           "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     result = subprocess.run(["make", "-n", "train"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert f"--nproc-per-node {nproc} train.py" in result.stdout, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("visible, nproc", [("0", 1), ("1,0", 2), ("", 2), ("-1", 2), ("GPU-1", 1)])
+def test_make_train_starts_a_rank_per_gpu_cuda_visible_devices_leaves_visible(tmp_path, visible, nproc):
+    """Two GPUs, CUDA_VISIBLE_DEVICES=0: one rank (it started 2, and dist.setup refused more ranks than visible
+    GPUs); none visible ("" or -1): the 2 CPU ranks (it started one gloo rank per hidden GPU)."""
+    two = "GPU 0: NVIDIA H200 (UUID: GPU-1)\nGPU 1: NVIDIA H200 (UUID: GPU-2)"
+    assert f"--nproc-per-node {nproc} train.py" in _make_train_dry(tmp_path, two, 0, CUDA_VISIBLE_DEVICES=visible)
+
+
+def test_make_passes_args_to_the_shell_as_typed(tmp_path):
+    """A `$` in ARGS reaches the shell (make read `$HOME` as its variable `$H` then `OME`: the run went elsewhere)."""
+    result = subprocess.run(["make", "-n", "train", "ARGS=--log.root /tmp/$HOME/x", "NPROC=1"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert "--log.root /tmp/$HOME/x" in result.stdout, result.stdout + result.stderr
+
+
+def test_make_train_with_the_isaaclab_preset_runs_in_its_environment(tmp_path):
+    """`make train PRESET=isaaclab` ran .venv's torchrun, where Isaac Lab is never installed (make setup-isaaclab puts
+    it in its own environment): it now runs that environment's torchrun, and says so when there is none yet."""
+    venv = tmp_path / "isaac env"
+    result = subprocess.run(["make", "train", "PRESET=isaaclab", f"ISAACLAB_VENV={venv}", "NPROC=1"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr.splitlines()[0]) == (2, f"error: PRESET=isaaclab runs in {venv}/bin/"
+                                                                     "torchrun; it is not there: make setup-isaaclab "
+                                                                     "first (docs/simulators.md)")
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "torchrun").write_text("#!/bin/sh\necho \"isaac torchrun $*\"\n")
+    (venv / "bin" / "torchrun").chmod(0o755)
+    result = subprocess.run(["make", "train", "PRESET=isaaclab", f"ISAACLAB_VENV={venv}", "NPROC=1",
+                             "VENV=/nonexistent", "ARGS=--env.task T"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert "isaac torchrun --standalone --nproc-per-node 1 train.py isaaclab --env.task T" in result.stdout, \
+        result.stdout + result.stderr
+
+
+def test_make_dash_j_still_checks_before_building(tmp_path):
+    """With -j the venv's prerequisites ran beside the checks: a mistyped PRESET started building .venv first."""
+    result = subprocess.run(["make", "-j2", "train", "PRESET=nope", f"VENV={tmp_path / 'fresh'}", "PY=false"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "venv" not in result.stdout and not (tmp_path / "fresh").exists()
 
 
 @pytest.mark.parametrize("setting, said", [
@@ -218,6 +264,7 @@ def test_make_train_counts_gpus_not_lines_of_nvidia_smi(tmp_path, output, status
     ("NPROC=0", "error: NPROC=0 must be a positive number of ranks"),      # torchrun: a bare AssertionError
     ("NPROC=abc", "error: NPROC=abc must be a positive number of ranks"),  # torchrun: a ValueError traceback
     ("NPROC=it's", "error: NPROC=it's must be a positive number of ranks"),
+    ("PRESET=cartpole tracking", "error: PRESET=cartpole tracking is not a preset"),   # each a preset: it launched
 ])
 def test_make_train_refuses_a_preset_or_rank_count_before_building_or_launching_anything(setting, said):
     """`PRESET='tracking; echo INJECTED' ARGS=--help` ran a whole training run, then the echo."""
