@@ -344,7 +344,7 @@ def check_finite(cfg: Config) -> None:
             in_float32 = prefix + f.name not in ("dist.timeout_s", "env.episode_length_s")   # seconds: own ranges
             if in_float32 and isinstance(value, float) and value and not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
                 flag = f"--{prefix}{f.name.replace('_', '-')}"     # the advice is the range validate() then takes
-                zero = "" if flag in POSITIVE_FLOATS else "0 or "
+                zero = "" if flag in (*POSITIVE_FLOATS, "--env.action-scale", "--env.action-clip") else "0 or "
                 top = 1 if flag in UNIT_INTERVAL else FLOAT32_MAX
                 raise UsageError(f"{flag} {value} is 0 or inf in float32, where it is used; use {zero}a magnitude in "
                                  f"[{FLOAT32_TINY:.1e}, {top:.1e}]")

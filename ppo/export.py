@@ -18,7 +18,6 @@ import copy
 import importlib.util
 import inspect
 import logging
-import math
 import os
 import sys
 import warnings
@@ -78,6 +77,9 @@ def load_policy(path: str) -> tuple[ActorCritic, dict]:
     return model.eval(), config
 
 
+FLOAT32 = torch.finfo(torch.float32)
+
+
 def deployment(config: dict, path: str) -> tuple[float, float | None, str | None]:
     """(--env.action-scale, --env.action-clip, --env.name) of the checkpoint's run: what the export's note tells a
     deployment to do to the actions, so checked before anything is written."""
@@ -86,11 +88,12 @@ def deployment(config: dict, path: str) -> tuple[float, float | None, str | None
         raise ValueError(f"CKPT {path!r}: its config's 'env' is a {type(env).__name__}, not a dict (damaged?)")
     scale, clip = env.get("action_scale", 1.0), env.get("action_clip")
 
-    def number(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-    if not (number(scale) and scale != 0) or not (clip is None or number(clip) and clip > 0):
+    def takes(x) -> bool:  # training's rule (configs/config.py): positive, and neither 0 nor inf in float32
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and FLOAT32.tiny <= x <= FLOAT32.max
+    if not takes(scale) or not (clip is None or takes(clip)):
         raise ValueError(f"CKPT {path!r}: its config's action scale {scale!r} or clip {clip!r} is not one a run takes "
-                         f"(a nonzero finite scale; a positive finite clip or None): damaged?")
+                         f"(a positive scale, a positive clip or None, each in [{FLOAT32.tiny:.1e}, "
+                         f"{FLOAT32.max:.1e}]): damaged?")
     return scale, clip, env.get("name")
 
 

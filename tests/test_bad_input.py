@@ -163,6 +163,15 @@ def test_the_float32_advice_is_a_range_the_flag_then_takes(changes, advice):
     assert (flag in POSITIVE_FLOATS) == (not advice.startswith("use 0"))
 
 
+@pytest.mark.parametrize("field", ["action_scale", "action_clip"])
+def test_the_float32_advice_for_the_action_scale_and_clip_offers_no_0(field):
+    """Both must be positive: the advice offered "0 or a magnitude", and 0 was then refused as not positive."""
+    cfg = preset("mujoco")
+    setattr(cfg.env, field, 1e-50)
+    with pytest.raises(UsageError, match=r"is 0 or inf in float32, where it is used; use a magnitude in \[1.2e-38, "):
+        validate(cfg)
+
+
 @pytest.mark.parametrize("flag", UNIT_INTERVAL)
 def test_every_unit_interval_flag_refuses_a_value_past_1_naming_itself(flag):
     field = flag[2:].replace(".", "__").replace("-", "_")

@@ -34,6 +34,11 @@ def test_an_output_name_held_by_a_directory_is_refused_before_any_file_is_writte
     ({"action_scale": "big"}, "its config's action scale 'big' or clip None"),
     ({"action_clip": -1.0}, "its config's action scale 1.0 or clip -1.0"),
     ({"action_clip": float("inf")}, "its config's action scale 1.0 or clip inf"),
+    # training's rule, not "nonzero and finite": the note told a deployment to flip its actions (scale -0.5)
+    ({"action_scale": -0.5}, r"its config's action scale -0.5 or clip None is not one a run takes \(a positive scale, "
+                             r"a positive clip or None, each in \[1.2e-38, 3.4e\+38\]\): damaged\?$"),
+    ({"action_scale": 1e39}, "its config's action scale 1e\\+39 or clip None"),      # inf in float32
+    ({"action_scale": 1e-50}, "its config's action scale 1e-50 or clip None"),       # 0 in float32
 ])
 def test_an_action_scale_or_clip_no_run_takes_is_refused_before_any_file_is_written(tmp_path, env, shown):
     """The note the export prints is what a deployment applies to the actions: a value no run takes is damage."""
