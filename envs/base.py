@@ -18,12 +18,20 @@
 - `extras["log"]` maps names to scalars (a 0-d tensor or a number), e.g. a mean over the envs; each value
   counts once, whatever the number of envs behind it: the runner averages the values over the steps of an
   iteration that logged the name, and across ranks. `log_keys` declares every name that can appear,
-  up front: the cross-rank metrics vector must have the same layout on every rank even when one
-  rank has not logged a key yet.
+  up front, the same names on every rank: the cross-rank metrics vector must have the same layout on every rank
+  even when one rank has not logged a key yet (nothing checks this across ranks: other names on one rank add its
+  values into other metrics). `Episode/return` and names under `Train/`, `Loss/`, `Policy/`, `Perf/`, `Comm/` and
+  `Control/` are the runner's own.
 - `sampler` is the env's adaptive sampler (counts summed across ranks by the runner), or None.
 - `state_dict()`/`load_state_dict()` carry sampler/curriculum state into checkpoints: tensors in (nested) dicts
   under str names without '/' (`{}` when there is none); rollout ranks send it as named tensors, their shapes and
-  dtypes agreed at start-up.
+  dtypes agreed at start-up. One rank's state is saved (rank 0's, or rollout rank 0's) and every rank loads it on
+  resume: state that differs by rank (a per-env curriculum) must be made global (summed, as the sampler's counts
+  are) or be re-derivable after a load.
+- `step` runs under `torch.inference_mode()` (the rollout's): a tensor made there is an inference
+  tensor, which the env's own code outside the rollout (`sampler.commit_global`, `load_state_dict`) cannot update
+  in place. Keep state in tensors made in `__init__` and update them in place; autograd inside `step` (a
+  differentiable model) needs `with torch.inference_mode(False), torch.enable_grad():` around it, on clones.
 """
 
 from typing import Protocol

@@ -28,6 +28,9 @@ def a_type(value) -> str:
     return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
+RUNNER_PREFIXES = ("Train/", "Loss/", "Policy/", "Perf/", "Comm/", "Control/")   # what train.py logs itself
+
+
 def check_built(env, name: str, num_envs: int) -> None:
     """The env's declared sizes, before anything is built from them."""
     missing = [what for what in ATTRIBUTES + METHODS if not hasattr(env, what)]
@@ -37,9 +40,9 @@ def check_built(env, name: str, num_envs: int) -> None:
     if not isinstance(env.generator, torch.Generator):
         fail(name, f"env.generator is {a_type(env.generator)}, not a torch.Generator (the env's RNG, seeded "
                    f"with the seed make_env passes; checkpoints save its state per rank)")
-    if env.num_envs != num_envs:
-        fail(name, f"env.num_envs is {env.num_envs}, but {num_envs} envs were asked for (make_env passes "
-                   f"--env.num-envs per rank; the env must build exactly that many)")
+    if not isinstance(env.num_envs, numbers.Integral) or isinstance(env.num_envs, bool) or env.num_envs != num_envs:
+        fail(name, f"env.num_envs is {env.num_envs!r}, but {num_envs} envs were asked for (make_env passes "
+                   f"--env.num-envs per rank; the env must build exactly that many, an int)")
     missing = [g for g in GROUPS if g not in env.obs_dims]
     if missing:
         fail(name, f"env.obs_dims has no {' or '.join(map(repr, missing))} group (it has {sorted(env.obs_dims)}); "
@@ -47,6 +50,18 @@ def check_built(env, name: str, num_envs: int) -> None:
     if isinstance(env.log_keys, str):      # ("Episode/x") is a str: its letters became metric names, a KeyError later
         fail(name, f"env.log_keys is the str {env.log_keys!r}, not a tuple of names; a tuple of one name needs its "
                    f"comma: ({env.log_keys!r},)")
+    # The runner's own metrics share the env's (sum, count) vector: a name twice, or one of the runner's, added the
+    # env's values into it (a reward of 1e6 logged as the episode reward).
+    taken = [k for i, k in enumerate(env.log_keys) if k in env.log_keys[:i] or k == "Episode/return"
+             or k.startswith(RUNNER_PREFIXES)]
+    if taken:
+        fail(name, f"env.log_keys names {taken[0]!r} twice or as one of the runner's metrics (its names: "
+                   f"Episode/return and those under {', '.join(RUNNER_PREFIXES)}); give the env's metric another name")
+    sampler = env.sampler
+    if sampler is not None and not (isinstance(getattr(sampler, "local_counts", None), torch.Tensor)
+                                    and callable(getattr(sampler, "commit_global", None))):
+        fail(name, f"env.sampler is {a_type(sampler)} without a tensor local_counts and a commit_global(summed) "
+                   f"method (the runner sums the counts over ranks; see envs/motions.py), or set it to None")
     # An empty action space or observation group (a Box of shape (0,), a group whose every term is left out) made
     # the model and its normalizers of width 0: a broadcast error inside the rollout, after the start-up lines.
     sizes = {"env.num_actions": env.num_actions, **{f"env.obs_dims[{g!r}]": env.obs_dims[g] for g in GROUPS}}

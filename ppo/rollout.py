@@ -136,9 +136,12 @@ def check_finite(batch: dict[str, torch.Tensor], env_name: str, rank: int, itera
         if bad.any():
             t, n, *feature = (int(i) for i in bad.nonzero()[0])
             where = f" feature {feature[0]}" if feature else ""
-            raise RunError(f"env {env_name!r} produced {data[bad][0].item()} in {what}{where} at step {t} (0-based) of "
-                           f"iteration {iteration} in env {n} on rank {rank}; stopped before it reached a normalizer "
-                           f"(fix the env or its config)")
+            # An observation is stored with the step that acts on it: the step before produced it (or a reset).
+            t -= field.endswith("obs")
+            at = f"at step {t} (0-based) of iteration {iteration}" if t >= 0 else \
+                f"before iteration {iteration} (at the last step of the one before, or a reset)"
+            raise RunError(f"env {env_name!r} produced {data[bad][0].item()} in {what}{where} {at} in env {n} on rank "
+                           f"{rank}; stopped before it reached a normalizer (fix the env or its config)")
 
 
 @torch.inference_mode()

@@ -254,9 +254,29 @@ def test_non_finite_observation_names_env_group_and_feature_before_the_normalize
     seen = []
     monkeypatch.setattr(ObsNormalizer, "update", lambda self, batch: seen.append(batch))
     with pytest.raises(RunError, match=r"env 'tracking' produced nan in observation group 'critic' feature 2 "
-                                       r"at step 4 \(0-based\) of iteration 2 in env 3 on rank 0"):  # env step 12
+                                       r"at step 3 \(0-based\) of iteration 2 in env 3 on rank 0"):  # env step 12
+        # the 12th step (1-based) is iteration 2's 4th, step 3 (0-based); its observation is stored with step 4
         train.main(cfg)
     assert len(seen) == 1            # iteration 1 was clean; iteration 2's NaN never reached a normalizer
+
+
+@pytest.mark.parametrize("field, t, said", [
+    ("critic_obs", 2, "in observation group 'critic' feature 1 at step 1 (0-based) of iteration 5"),
+    ("rewards", 1, "in reward at step 1 (0-based) of iteration 5"),      # the call that returned the obs above
+    ("actor_obs", 0, "in observation group 'policy' feature 1 before iteration 5 (at the last step of the one "
+                     "before, or a reset)"),
+])
+def test_a_non_finite_value_is_dated_by_the_step_that_returned_it(field, t, said):
+    """An observation is stored with the step that acts on it, one after the step that returned it: a NaN put into
+    the observation and the reward of one env call was dated step 2 for the one and step 1 for the other."""
+    from ppo.rollout import check_finite
+    batch = {"actor_obs": torch.zeros(3, 2, 4), "critic_obs": torch.zeros(3, 2, 4), "rewards": torch.zeros(3, 2),
+             "bootstrap": torch.zeros(3, 2)}
+    batch[field][(t, 1, 1) if field.endswith("obs") else (t, 1)] = float("nan")
+    with pytest.raises(RunError) as exc:
+        check_finite(batch, "x", 0, 5)
+    assert str(exc.value) == f"env 'x' produced nan {said} in env 1 on rank 0; stopped before it reached a " \
+                             f"normalizer (fix the env or its config)"
 
 
 def test_console_prints_a_dash_when_no_episode_ended(tmp_path, capsys):

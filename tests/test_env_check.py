@@ -34,6 +34,12 @@ class Broken(CartPole):
             del self.generator, self.log_keys
         if mistake == "generator_seed":
             self.generator = seed
+        if mistake == "num_envs_float":
+            self.num_envs = float(num_envs)                   # equal to 8, and a TypeError in torch.zeros later
+        if mistake in ("log_keys_runner", "log_keys_twice"):    # added into the runner's metric, or counted twice
+            self.log_keys = ("Episode/x", "Train/mean_reward" if mistake == "log_keys_runner" else "Episode/x")
+        if mistake == "sampler_object":
+            self.sampler = object()
         self.saved = {"state_list": {"counts": [1, 2]}, "state_float": {"sampler": {"floor": 0.1}},
                       "state_slash": {"sampler/counts": torch.zeros(2)}, "state_tuple": ()}.get(mistake)
 
@@ -127,6 +133,11 @@ MISTAKES = {
     "state_tuple": r"env.state_dict\(\) must be a dict of tensors \(\{\} when the env has no sampler or "
                    r"curriculum\), got tuple",
     "log_str": r"step\(\)'s extras\['log'\]\['Episode/x'\] must be a scalar .* got a str",
+    "num_envs_float": r"env.num_envs is 8.0, but 8 envs were asked for \(.* exactly that many, an int\)",
+    "log_keys_runner": r"env.log_keys names 'Train/mean_reward' twice or as one of the runner's metrics \(its names: "
+                       r"Episode/return and those under Train/, Loss/, Policy/, Perf/, Comm/, Control/\); give",
+    "log_keys_twice": r"env.log_keys names 'Episode/x' twice or as one of the runner's metrics",
+    "sampler_object": r"env.sampler is an object without a tensor local_counts and a commit_global\(summed\) method",
 }
 
 
