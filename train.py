@@ -45,7 +45,7 @@ from dist.setup import (init_distributed, keep_freed_host_memory, launch_int, la
                         seed_everything, shutdown)
 from dist.stats import metrics_plan_rows, reduce_metrics, sum_counts, sum_counts_plan_rows
 from dist.stop import STOP_KEYS, SecondInterrupt, StopRequests
-from dist.verify import verify_plan_rows, verify_replicas
+from dist.verify import names_plan_row, same_names_everywhere, verify_plan_rows, verify_replicas
 from envs import make_env
 from envs.base import MissingSimulator
 from ppo.actor_critic import build_actor_critic
@@ -164,11 +164,13 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         team.start(model, start_iteration)        # the rollout ranks' copies start from these weights
 
     T, learners = cfg.ppo.num_steps, roles.num_learners
-    metric_keys = TRAIN_KEYS + log_keys
+    metric_keys = TRAIN_KEYS + log_keys           # one layout everywhere, or the metrics all-reduce mixes them up
+    same_names_everywhere(metric_keys, "metrics", "the metric names differ", "every rank's env must declare the "
+                          "same log_keys (envs/base.py)")
     plan = [*agree_plan_rows(), *broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
             *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
             *sum_counts_plan_rows(sampler, cfg.dist.sampler_sync_every, cfg.log.save_every),
-            *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS), num_maxima=2 + (team is not None)),
+            names_plan_row("metrics"), *metrics_plan_rows(len(metric_keys) + len(STOP_KEYS), 2 + (team is not None)),
             *episode_returns_plan_rows(cfg.log.episode_returns, T, N),
             *(team.plan_rows() if team else []),
             *verify_plan_rows(cfg.dist.verify_every, checkpoint is not None),

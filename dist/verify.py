@@ -1,9 +1,12 @@
 """Cross-rank check that replicas really are identical: an exact, order-sensitive checksum."""
 
+from typing import Sequence
+
 import torch
 
 from . import comm
 from .checksum import checksum  # the one checksum, shared with sync/
+from .errors import RunError
 from .plan import PlanRow
 
 
@@ -14,17 +17,23 @@ def verify_replicas(module: torch.nn.Module, what: str = "parameters") -> None:
     Crosses ranks: one all-gather of a single int64 per rank. Called every --dist.verify-every
     iterations and after every checkpoint load.
     """
-    local = checksum(module.parameters()).reshape(1).to(comm.device())
-    gathered = comm.all_gather(local, "checksum").cpu().flatten()
-    sums = gathered.tolist()
+    same_everywhere(checksum(module.parameters()), "checksum", f"{what} diverged across ranks",
+                    "something updated some replicas without the others")
+
+
+def same_everywhere(local: torch.Tensor, purpose: str, what: str, why: str, error=RuntimeError) -> None:
+    """Raise `error` (`what`: rank(s) ... differ from rank(s) ... (checksums ...); `why`) when this 0-d int64 `local`
+    is not the same on every rank, naming the ranks that differ from the most (then lowest-ranked) agreeing ones.
+
+    Crosses ranks: one all-gather of a single int64 per rank, for `purpose`."""
+    sums = comm.all_gather(local.reshape(1).to(comm.device()), purpose).cpu().flatten().tolist()
     groups: dict[int, list[int]] = {}
     for rank, value in enumerate(sums):
         groups.setdefault(value, []).append(rank)
     if len(groups) > 1:
         agree = max(groups.values(), key=len)   # the first of the largest: ties go to rank 0's group
         diverged = [r for r in range(len(sums)) if r not in agree]
-        raise RuntimeError(f"{what} diverged across ranks: rank(s) {diverged} differ from rank(s) {agree} "
-                           f"(checksums {sums}); something updated some replicas without the others")
+        raise error(f"{what}: rank(s) {diverged} differ from rank(s) {agree} (checksums {sums}); {why}")
 
 
 def verify_plan_rows(every: int, after_load: bool) -> list[PlanRow]:
@@ -33,3 +42,14 @@ def verify_plan_rows(every: int, after_load: bool) -> list[PlanRow]:
     if after_load:
         rows.append(PlanRow("checksum", "verify after load", "all_gather", "setup", [8]))
     return rows
+
+
+def same_names_everywhere(names: Sequence[str], purpose: str, what: str, why: str) -> None:
+    """same_everywhere for a list of names (their UTF-8 bytes, one per line), as a RunError: e.g. the metric names,
+    which must line up in a packed all-reduce. Crosses ranks once: one all-gather of an int64 per rank."""
+    same_everywhere(checksum([torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8)]), purpose, what, why,
+                    RunError)
+
+
+def names_plan_row(purpose: str) -> PlanRow:
+    return PlanRow(purpose, "same names everywhere", "all_gather", "setup", [8])

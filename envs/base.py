@@ -19,9 +19,8 @@
   counts once, whatever the number of envs behind it: the runner averages the values over the steps of an
   iteration that logged the name, and across ranks. `log_keys` declares every name that can appear,
   up front, the same names on every rank: the cross-rank metrics vector must have the same layout on every rank
-  even when one rank has not logged a key yet (nothing checks this across ranks: other names on one rank add its
-  values into other metrics). `Episode/return` and names under `Train/`, `Loss/`, `Policy/`, `Perf/`, `Comm/` and
-  `Control/` are the runner's own.
+  even when one rank has not logged a key yet (the runner compares the names across ranks at start-up).
+  `Episode/return` and names under `Train/`, `Loss/`, `Policy/`, `Perf/`, `Comm/` and `Control/` are the runner's own.
 - `sampler` is the env's adaptive sampler (counts summed across ranks by the runner), or None.
 - `state_dict()`/`load_state_dict()` carry sampler/curriculum state into checkpoints: tensors in (nested) dicts
   under str names without '/' (`{}` when there is none); rollout ranks send it as named tensors, their shapes and

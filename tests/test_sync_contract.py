@@ -255,3 +255,35 @@ def test_phase_times_are_the_slowest_collection_and_the_least_waiting_update(tmp
         assert 0.0 < scalars["Perf/learning_time"] < 60
         steps = 2 * 8 * 8
         assert scalars["Perf/total_fps"] == steps / (scalars["Perf/collection_time"] + scalars["Perf/learning_time"])
+
+
+def other_log_keys_body(rank, world_size, root, keys):
+    """Cart-pole declaring `keys[rank]` as its log_keys (it logs none of them)."""
+    from dist.errors import RunError
+    make_env = train.make_env
+
+    def env_with_keys(*args, **kwargs):
+        env = make_env(*args, **kwargs)
+        env.log_keys = keys[rank]
+        return env
+    train.make_env = env_with_keys
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations, cfg.log.root = 8, 8, 1, root
+    try:
+        train.main(cfg)
+    except RunError as exc:
+        return str(exc)
+    return "trained"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keys", [((), ("Episode/x",)), (("Episode/a",), ("Episode/b",))],
+                         ids=["one-more", "as-many-other"])
+def test_ranks_whose_envs_declare_other_log_keys_stop_at_start_up(tmp_path, keys):
+    """The metrics all-reduce packs each rank's names in sorted order: as many other names added one rank's metric
+    into another's without a word (a custom env's success rate read 0.12 for 0.0), one more aborted the process in
+    gloo. Both are refused on every rank before the first iteration."""
+    for said in run_ranks(other_log_keys_body, 2, args=(str(tmp_path), keys)):
+        assert said.startswith("the metric names differ: rank(s) [1] differ from rank(s) [0] (checksums ") and \
+            said.endswith("); every rank's env must declare the same log_keys (envs/base.py)"), said
+    assert not list(tmp_path.rglob("events.out.*"))
