@@ -166,7 +166,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     T, learners = cfg.ppo.num_steps, roles.num_learners
     metric_keys = TRAIN_KEYS + log_keys           # one layout everywhere, or the metrics all-reduce mixes them up
     same_names_everywhere(metric_keys, "metrics", "the metric names differ", "every rank's env must declare the "
-                          "same log_keys (envs/base.py)")
+                          "same log_keys (envs/base.py)", RunError)
     plan = [*agree_plan_rows(), *broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
             *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
             *sum_counts_plan_rows(sampler, cfg.dist.sampler_sync_every, cfg.log.save_every),

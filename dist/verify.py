@@ -6,7 +6,6 @@ import torch
 
 from . import comm
 from .checksum import checksum  # the one checksum, shared with sync/
-from .errors import RunError
 from .plan import PlanRow
 
 
@@ -44,11 +43,11 @@ def verify_plan_rows(every: int, after_load: bool) -> list[PlanRow]:
     return rows
 
 
-def same_names_everywhere(names: Sequence[str], purpose: str, what: str, why: str) -> None:
-    """same_everywhere for a list of names (their UTF-8 bytes, one per line), as a RunError: e.g. the metric names,
-    which must line up in a packed all-reduce. Crosses ranks once: one all-gather of an int64 per rank."""
+def same_names_everywhere(names: Sequence[str], purpose: str, what: str, why: str, error=RuntimeError) -> None:
+    """same_everywhere for a list of names (their UTF-8 bytes, one per line): e.g. the metric names, which must line
+    up in a packed all-reduce. Crosses ranks once: one all-gather of an int64 per rank."""
     same_everywhere(checksum([torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8)]), purpose, what, why,
-                    RunError)
+                    error)
 
 
 def names_plan_row(purpose: str) -> PlanRow:
