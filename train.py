@@ -29,7 +29,7 @@ import tyro
 
 from configs import PRESETS, Config, resolve_num_envs, validate, validate_device
 from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, resolve_resume, resume_command,
-                            shared_env_seed)
+                            settings_digest, shared_env_seed)
 from configs.typed_flags import env_label, env_reads, experiment_dir, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
@@ -107,7 +107,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
 
     # ---- distributed set-up and roles; rollout ranks (--rollout.ranks) go their own way ------------
     info = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
-    agree_on_checkpoint(checkpoint, None if cfg.dry_run else cfg.log.root)   # each rank reads its own files
+    agree_on_checkpoint(checkpoint, None if cfg.dry_run else cfg.log.root, settings_digest(cfg))   # own files
     if done:          # said after the agreement: a rank that loaded another checkpoint must not be left waiting
         if rank == 0:
             print(f"[syncppo] {resume_path} already reached --max-iterations {cfg.max_iterations}: done", flush=True)

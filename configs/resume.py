@@ -19,9 +19,12 @@ import shlex
 import types
 import typing
 
+import torch
+
 from configs.config import FLOAT32_MAX
 from configs.typed_flags import env_reads, requirement
 from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
+from dist.checksum import checksum
 from dist.errors import UsageError
 from dist.setup import launch_int
 
@@ -44,6 +47,18 @@ MUST_MATCH = {
 LAUNCH = {"--resume", "--dry-run", "--env.name", "--env.launcher-args", "--log.root", "--log.experiment",
           "--ppo.capture-step", "--rollout.ranks"}
 LAUNCH_SECTIONS = ("dist",)
+
+
+# What may differ between nodes: each reads its own files (--log.root, --resume: checked as the checkpoint loaded) and
+# runs its own simulator launch; everything else decides what every rank computes or when it communicates.
+PER_NODE = {"--log.root", "--resume", "--env.launcher-args", "--dist.timeout-s"}
+
+
+def settings_digest(cfg) -> int:
+    """A checksum of every setting but PER_NODE's: equal on every rank of one run (dist.checkpoint compares them)."""
+    text = json.dumps([(flag, repr(getattr(owner, field.name))) for flag, owner, field, _ in settings(cfg)
+                       if flag not in PER_NODE])
+    return int(checksum([torch.tensor(list(text.encode()), dtype=torch.uint8)]))
 
 
 def settings(cfg):

@@ -250,9 +250,11 @@ def set_rng_states(saved: dict, env=None, shuffle: torch.Generator | None = None
         torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
 
 
-def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None) -> None:
-    """Refuse to start unless every rank loaded the same checkpoint, or none did; and say when some ranks do not see
-    `log_root` as rank 0 does (None: a dry run, which writes nothing there).
+def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None, settings: int = 0) -> None:
+    """Refuse to start unless every rank runs the same `settings` (a checksum of them) and loaded the same checkpoint,
+    or none did; and say when some ranks do not see `log_root` as rank 0 does (None: a dry run, which writes nothing
+    there). Nodes started with other flags trained on silently (another env count) or aborted in gloo at the first
+    collective whose sizes differ (another preset).
 
     Each rank resolves --resume (and an elastic restart its run directory) on its own filesystem: where
     nodes do not share one, a node that cannot see the run starts fresh while rank 0 resumes, and the
@@ -261,8 +263,8 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None) -> None:
     at --log.root (its nearest existing directory) for every rank to look for: a run that torchrun may restart
     stops now, and any other run is told that only rank 0's node holds its checkpoints.
     Crosses ranks once at start-up: a broadcast of rank 0's probe name (one int64; -1 when it could not make one,
-    and every rank stops) and an all-gather of 4 int64 per rank (loaded or not, iteration, checksum of the saved
-    weights, probe seen); see `agree_plan_rows`.
+    and every rank stops) and an all-gather of 5 int64 per rank (loaded or not, iteration, checksum of the saved
+    weights, probe seen, settings); see `agree_plan_rows`.
     """
     if comm.world_size() == 1:
         return
@@ -283,7 +285,8 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None) -> None:
         seen = int(nonce == 0 or os.path.isdir(_probe_path(log_root, nonce)))
         mine = [0, 0, 0] if checkpoint is None else \
             [1, checkpoint["iteration"], int(checksum([t for t in checkpoint["model"].values()]))]
-        rows = comm.all_gather(torch.tensor(mine + [seen], dtype=torch.int64).to(comm.device()), "resume").tolist()
+        rows = comm.all_gather(torch.tensor(mine + [seen, settings], dtype=torch.int64).to(comm.device()),
+                               "resume").tolist()
     finally:
         if probe:
             with contextlib.suppress(FileNotFoundError):
@@ -298,6 +301,11 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None) -> None:
         raise UsageError(f"ranks did not load the same checkpoint: {said}. Every rank reads --resume (and, after a "
                          f"restart, its run directory under --log.root) from its own filesystem: put them where "
                          f"every node sees the same files")
+    others = [rank for rank, row in enumerate(rows) if row[4] != rows[0][4]]
+    if others:
+        raise UsageError(f"rank(s) {others} run with other settings than rank 0 (a checksum of every flag but "
+                         "--log.root, --resume, --env.launcher-args and --dist.timeout-s): start every node with the "
+                         "same preset, flags and syncppo version")
     if not blind:
         return
     where = (f"--log.root {log_root!r} is not the same directory on every node: rank(s) {blind} do not see what "
@@ -337,7 +345,7 @@ def _make_probe(root: str) -> tuple[str, int]:
 
 def agree_plan_rows() -> list[PlanRow]:
     return [PlanRow("resume", "rank 0's --log.root probe", "broadcast", "setup", [8], all_ranks=True),
-            PlanRow("resume", "same checkpoint everywhere, probe seen", "all_gather", "setup", [32], all_ranks=True)]
+            PlanRow("resume", "same settings and checkpoint, probe seen", "all_gather", "setup", [40], all_ranks=True)]
 
 
 def gather_rng_states(states: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

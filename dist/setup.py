@@ -121,7 +121,8 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
                 why = one_line(error).rstrip(".")
                 raise RunError(f"the {world_size} ranks did not all meet at {where} within --dist.timeout-s "
                                f"{timeout_s:g} ({why}); start every rank (torchrun --nnodes/--nproc-per-node), "
-                               "check that rank 0's host and port are reachable, or raise --dist.timeout-s") from error
+                               "check that rank 0's host and port are reachable, or raise --dist.timeout-s; a "
+                               "rank that refused its input (another node's one line) never joins") from error
             finally:
                 notice.cancel()
     else:

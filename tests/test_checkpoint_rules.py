@@ -255,7 +255,7 @@ def test_ranks_that_loaded_another_checkpoint_or_none_stop_every_rank_at_start()
     same = run_ranks(agree_body, 3, args=([(4, 1.0), (4, 1.0), (4, 1.0)],))
     assert [said for said, _, _ in same] == ["ok"] * 3
     # the plan rows: 8-byte broadcast, 32-byte all-gather
-    assert all(ledger["resume"] == [2, 8 + 32] for _, ledger, _ in same)
+    assert all(ledger["resume"] == [2, 8 + 40] for _, ledger, _ in same)
     weights = int(checksum([torch.full((3,), 1.0)]))
     fresh = run_ranks(agree_body, 3, args=([(4, 1.0), None, (4, 2.0)],))
     other = int(checksum([torch.full((3,), 2.0)]))
@@ -300,7 +300,7 @@ def test_a_log_root_that_some_ranks_do_not_share_stops_a_restartable_run_and_war
     together = run_ranks(agree_body, 3, args=(fresh, (split[0],) * 3, 2))
     assert [(said, printed) for said, _, printed in together] == [("ok", "")] * 3
     dry = run_ranks(agree_body, 3, args=(fresh, (None, None, str(other)), 2))   # a dry run: no probe, no verdict
-    assert [(said, ledger["resume"]) for said, ledger, _ in dry] == [("ok", [2, 40])] * 3
+    assert [(said, ledger["resume"]) for said, ledger, _ in dry] == [("ok", [2, 8 + 40])] * 3
     assert sorted(os.listdir(shared)) == [] and sorted(os.listdir(other)) == []
     (tmp_path / "file").write_text("")      # rank 0's --log.root lies under a file: it cannot make its probe
     blocked = run_ranks(agree_body, 3, args=(fresh, (str(tmp_path / "file" / "runs"), split[1], split[2]), 0))
@@ -338,9 +338,9 @@ def test_the_agreement_spans_every_rank_after_an_earlier_run_in_the_same_process
     assert all(s.startswith("ranks did not load the same checkpoint: rank(s) [0] loaded iteration 4") for s in said)
 
 
-def test_agree_plan_rows_are_a_broadcast_of_one_int64_and_an_all_gather_of_four_at_setup():
+def test_agree_plan_rows_are_a_broadcast_of_one_int64_and_an_all_gather_of_five_at_setup():
     from dist.checkpoint import agree_plan_rows
     rows = agree_plan_rows()
     assert [(row.purpose, row.collective, row.cadence, row.call_bytes, row.all_ranks) for row in rows] == \
         [("resume", "broadcast", "setup", [8], True),            # before the learners' group exists: every rank
-         ("resume", "all_gather", "setup", [4 * 8], True)]
+         ("resume", "all_gather", "setup", [5 * 8], True)]

@@ -99,7 +99,8 @@ def test_a_rank_that_never_comes_is_one_line_naming_the_timeout_flag(tmp_path, c
                    f"--dist.timeout-s 0.5)\n")
     assert err.startswith(f"error: the 2 ranks did not all meet at 127.0.0.1:{port} within --dist.timeout-s 0.5 (")
     assert err.endswith("start every rank (torchrun --nnodes/--nproc-per-node), check that rank 0's host and port "
-                        "are reachable, or raise --dist.timeout-s\n") and "Traceback" not in err
+                        "are reachable, or raise --dist.timeout-s; a rank that refused its input (another node's one "
+                        "line) never joins\n") and "Traceback" not in err
     assert not os.path.exists(tmp_path / "cartpole")
 
 

@@ -287,3 +287,32 @@ def test_ranks_whose_envs_declare_other_log_keys_stop_at_start_up(tmp_path, keys
         assert said.startswith("the metric names differ: rank(s) [1] differ from rank(s) [0] (checksums ") and \
             said.endswith("); every rank's env must declare the same log_keys (envs/base.py)"), said
     assert not list(tmp_path.rglob("events.out.*"))
+
+
+def other_settings_body(rank, world_size, root, change):
+    """Cart-pole on every rank, rank 1 with `change` (field, value) of its config."""
+    from dist.errors import UsageError
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations, cfg.log.root = 8, 8, 1, f"{root}/{rank}"
+    if rank == 1:
+        section, field = change[0].split(".")
+        setattr(getattr(cfg, section), field, change[1])
+    try:
+        train.main(cfg)
+    except UsageError as exc:
+        return str(exc)
+    return "trained"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, said", [
+    (("env.num_envs", 16), "rank(s) [1] run with other settings than rank 0"),      # trained on silently
+    (("ppo.num_epochs", 3), "rank(s) [1] run with other settings than rank 0"),     # aborted in gloo
+    (("dist.timeout_s", 120.0), "trained"),           # per node, as --log.root (each rank has its own here)
+])
+def test_ranks_started_with_other_settings_stop_at_start_up(tmp_path, change, said):
+    """Nodes started with other flags: another env count trained to the end with unequal batches (and the start-up
+    line and config_0.json said rank 0's), another epoch count aborted the process in gloo (SIGABRT, no line).
+    Now every rank stops before anything is built, naming the ranks; what may differ per node does not stop it."""
+    for result in run_ranks(other_settings_body, 2, args=(str(tmp_path), change)):
+        assert result.startswith(said), result
