@@ -1,4 +1,5 @@
-"""Cross-rank check that replicas really are identical: an exact, order-sensitive checksum."""
+"""Cross-rank checks that what must be identical everywhere is: replicas, or a list of names (the metrics'), each by
+an exact, order-sensitive checksum."""
 
 from typing import Sequence
 
