@@ -9,8 +9,11 @@ PORT    ?= 6006
 # One rank per GPU when CUDA GPUs are visible, else 2 CPU ranks (gloo). Only `GPU N: ...` lines count: without a
 # GPU or a working driver, nvidia-smi -L prints one line of error ("No devices were found") on stdout.
 # CUDA_VISIBLE_DEVICES, when set, caps the count at the devices it lists ("" or -1: none).
-NPROC   ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; then \
-	v=$$(printf '%s' "$$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '^[^-]'); [ "$$v" -lt "$$n" ] && n=$$v; fi; \
+# (Passed in by value: before make 4.4 $(shell) does not see a variable set on make's command line.) CUDA stops at the
+# first entry that is not a device (-1).
+VISIBLE = v=$$(printf '%s' $(call quote,$(CUDA_VISIBLE_DEVICES)) | tr ',' '\n' | awk '/^-/ {exit} /./ {n++} END {print n + 0}')
+NPROC   ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); \
+	$(if $(filter-out undefined,$(origin CUDA_VISIBLE_DEVICES)),$(VISIBLE); [ "$$v" -lt "$$n" ] && n=$$v;) \
 	[ "$$n" -gt 0 ] && echo $$n || echo 2)
 # 2 cores here: one thread per rank keeps ranks from oversubscribing the CPU.
 export OMP_NUM_THREADS ?= 1
@@ -110,7 +113,7 @@ setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv
 	$(call quote,$(ISAACLAB_VENV))/bin/pip install -q --upgrade pip
 	if [ "$(ISAACSIM)" = 1 ]; then $(call quote,$(ISAACLAB_VENV))/bin/pip install \
 		"isaacsim[all,extscache]==$(ISAACSIM_VERSION)" --extra-index-url https://pypi.nvidia.com; fi
-	. $(call quote,$(abspath $(ISAACLAB_VENV)))/bin/activate && cd $(call quote,$(ISAACLAB_DIR)) && ./isaaclab.sh --install
+	. $(call quote,$(if $(filter /%,$(ISAACLAB_VENV)),$(ISAACLAB_VENV),$(CURDIR)/$(ISAACLAB_VENV)))/bin/activate && cd $(call quote,$(ISAACLAB_DIR)) && ./isaaclab.sh --install
 	$(call quote,$(ISAACLAB_VENV))/bin/pip install -q -r requirements.txt
 
 # Before the prerequisites: a missing CKPT is said before .venv is built.

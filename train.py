@@ -165,7 +165,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
 
     T, learners = cfg.ppo.num_steps, roles.num_learners
     metric_keys = TRAIN_KEYS + log_keys           # one layout everywhere, or the metrics all-reduce mixes them up
-    same_names_everywhere(metric_keys, "metrics", "the metric names differ", "every rank's env must declare the "
+    same_names_everywhere(sorted(metric_keys), "metrics", "the metric names differ", "every rank's env must declare the "
                           "same log_keys (envs/base.py)", RunError)
     plan = [*agree_plan_rows(), *broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
             *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
@@ -245,9 +245,9 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         for key, (flag, one) in stop.local_flags(device).items():
             sums[key], counts[key] = flag + (remote[key] if team else 0), one   # the rollout ranks' flags too
         # Declared ops: the slowest rank's collection; the update of the rank that waited least in it; the stalest batch
-        maxima = {"Perf/collection_time": collection_time, "-learning": -learning_time}
+        maxima = {"Perf/collection_time": collection_time, "Perf/learning_time": -learning_time}
         scalars = reduce_metrics(sums, counts, maxima | ({"Perf/policy_lag": remote["lag"]} if team else {}))
-        collection_time, learning_time = scalars["Perf/collection_time"], -scalars.pop("-learning")
+        collection_time, learning_time = scalars["Perf/collection_time"], -scalars["Perf/learning_time"]
         returns = episodes.ended_returns() if cfg.log.episode_returns else []   # every rank's, on rank 0
         stop_signal, launcher_gone = (scalars.pop(key) > 0 for key in STOP_KEYS)
         scalars.update({"Loss/learning_rate": stats["learning_rate"], **({"Policy/kl": stats["kl"]} if stepped else {}),

@@ -91,6 +91,8 @@ def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor
     Keys with a zero total count are dropped (e.g. no episode finished anywhere).
     """
     keys, maxima = sorted(sums), maxima or {}
+    if set(keys) & set(maxima):     # one name for two values: the max would replace the mean
+        raise ValueError(f"reduce_metrics: {sorted(set(keys) & set(maxima))} are both means and maxima")
     if not keys and not maxima:
         return {}
     values = [v for k in keys for v in (sums[k], counts[k])]

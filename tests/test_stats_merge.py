@@ -122,6 +122,8 @@ def test_reduce_metrics_maxima_are_the_largest_value_over_ranks_in_the_same_all_
 
 def test_reduce_metrics_maxima_of_one_process_are_its_own_values():
     assert reduce_metrics({}, {}, {"t": -2.5}) == {"t": -2.5} and reduce_metrics({}, {}, {}) == {}
+    with pytest.raises(ValueError, match=r"^reduce_metrics: \['t'\] are both means and maxima$"):
+        reduce_metrics({"t": torch.tensor(1.0)}, {"t": torch.tensor(1.0)}, {"t": 2.0})   # the max replaced the mean
 
 
 class ZeroLocalFirstSampler:

@@ -216,12 +216,34 @@ def _make_train_dry(tmp_path, output, status, **environ) -> str:
     return result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("visible, nproc", [("0", 1), ("1,0", 2), ("", 2), ("-1", 2), ("GPU-1", 1)])
+@pytest.mark.parametrize("visible, nproc", [("0", 1), ("1,0", 2), ("", 2), ("-1", 2), ("GPU-1", 1), ("1,-1,0", 1)])
 def test_make_train_starts_a_rank_per_gpu_cuda_visible_devices_leaves_visible(tmp_path, visible, nproc):
     """Two GPUs, CUDA_VISIBLE_DEVICES=0: one rank (it started 2, and dist.setup refused more ranks than visible
     GPUs); none visible ("" or -1): the 2 CPU ranks (it started one gloo rank per hidden GPU)."""
     two = "GPU 0: NVIDIA H200 (UUID: GPU-1)\nGPU 1: NVIDIA H200 (UUID: GPU-2)"
     assert f"--nproc-per-node {nproc} train.py" in _make_train_dry(tmp_path, two, 0, CUDA_VISIBLE_DEVICES=visible)
+
+
+def test_make_train_reads_cuda_visible_devices_given_to_make_too(tmp_path):
+    """Before make 4.4 `$(shell)` does not see a variable set on make's command line: `make train
+    CUDA_VISIBLE_DEVICES=1` started a rank per GPU (2) while torchrun's ranks saw one."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf 'GPU 0: a\\nGPU 1: b\\n'\n")
+    fake.chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("NPROC", "CUDA_VISIBLE_DEVICES")},
+           "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    result = subprocess.run(["make", "-n", "train", "CUDA_VISIBLE_DEVICES=1"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert "--nproc-per-node 1 train.py" in result.stdout, result.stdout + result.stderr
+
+
+def test_make_setup_isaaclab_quotes_a_venv_path_with_a_space():
+    """make's abspath splits on spaces: the activate line read `. '/opt/my /repo/venv'/bin/activate`."""
+    result = subprocess.run(["make", "-n", "setup-isaaclab", "ISAACLAB_VENV=/opt/my venv"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert ". '/opt/my venv'/bin/activate && " in result.stdout, result.stdout + result.stderr
+    result = subprocess.run(["make", "-n", "setup-isaaclab"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert f". '{REPO}/.venv-isaaclab'/bin/activate && " in result.stdout, result.stdout + result.stderr
 
 
 def test_make_passes_args_to_the_shell_as_typed(tmp_path):
