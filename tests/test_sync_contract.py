@@ -259,7 +259,6 @@ def test_phase_times_are_the_slowest_collection_and_the_least_waiting_update(tmp
 
 def other_log_keys_body(rank, world_size, root, keys):
     """Cart-pole declaring `keys[rank]` as its log_keys (it logs none of them)."""
-    from dist.errors import RunError
     make_env = train.make_env
 
     def env_with_keys(*args, **kwargs):
@@ -267,11 +266,21 @@ def other_log_keys_body(rank, world_size, root, keys):
         env.log_keys = keys[rank]
         return env
     train.make_env = env_with_keys
+    return one_cartpole_iteration(root)
+
+
+def one_cartpole_iteration(root: str, change=None) -> str:
+    """What one iteration of a small cartpole run ends with: "trained", or its one-line error. `change`: (field,
+    value) set in the config first."""
+    from dist.errors import RunError, UsageError
     cfg = preset("cartpole")
     cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations, cfg.log.root = 8, 8, 1, root
+    if change is not None:
+        section, field = change[0].split(".")
+        setattr(getattr(cfg, section), field, change[1])
     try:
         train.main(cfg)
-    except RunError as exc:
+    except (RunError, UsageError) as exc:
         return str(exc)
     return "trained"
 
@@ -296,17 +305,7 @@ def test_ranks_whose_envs_declare_other_log_keys_stop_at_start_up(tmp_path, keys
 
 def other_settings_body(rank, world_size, root, change):
     """Cart-pole on every rank, rank 1 with `change` (field, value) of its config."""
-    from dist.errors import UsageError
-    cfg = preset("cartpole")
-    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations, cfg.log.root = 8, 8, 1, f"{root}/{rank}"
-    if rank == 1:
-        section, field = change[0].split(".")
-        setattr(getattr(cfg, section), field, change[1])
-    try:
-        train.main(cfg)
-    except UsageError as exc:
-        return str(exc)
-    return "trained"
+    return one_cartpole_iteration(f"{root}/{rank}", change if rank == 1 else None)
 
 
 @pytest.mark.slow
