@@ -33,10 +33,11 @@ from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_
 from configs.typed_flags import env_label, env_reads, experiment_dir, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
-from dist.checkpoint import (agree_on_checkpoint, agree_plan_rows, check_writable_root, gather_rng_states,
-                             lock_run_dir, open_run_dir, release_run_dirs, rng_plan_row, rng_states, save_checkpoint)
+from dist.checkpoint import (agree_on_checkpoint, agree_plan_rows, gather_rng_states, lock_run_dir, open_run_dir,
+                             release_run_dirs, rng_plan_row, rng_states, save_checkpoint)
 from dist.checkpoint_read import load_checkpoint
-from dist.errors import RunError, UsageError, one_line, tell_torchrun
+from dist.log_root import check_writable_root
+from dist.errors import RunError, UsageError, one_line, out_of_memory, tell_torchrun
 from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows
 from dist.plan import format_plan
@@ -165,8 +166,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
 
     T, learners = cfg.ppo.num_steps, roles.num_learners
     metric_keys = TRAIN_KEYS + log_keys           # one layout everywhere, or the metrics all-reduce mixes them up
-    same_names_everywhere(sorted(metric_keys), "metrics", "the metric names differ", "every rank's env must declare the "
-                          "same log_keys (envs/base.py)", RunError)
+    same_names_everywhere(sorted(metric_keys), "metrics", "the metric names differ",
+                          "every rank's env must declare the same log_keys (envs/base.py)", RunError)
     plan = [*agree_plan_rows(), *broadcast_plan_rows(model), *update_plan_rows(model, grad_sync, cfg.ppo),
             *buffer_plan_rows(model, buffer_rules), *(reward_normalizer.plan_rows() if reward_normalizer else []),
             *sum_counts_plan_rows(sampler, cfg.dist.sampler_sync_every, cfg.log.save_every),
@@ -329,14 +330,6 @@ def first_on_node() -> bool:
     refuses it, and someone must say so)."""
     value = os.environ.get("LOCAL_RANK", "0")
     return not value.strip().isdecimal() or int(value) == 0
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """An allocation the device could not serve: CUDA's OutOfMemoryError, Python's MemoryError, or the RuntimeError
-    of torch's CPU allocator or of a size past 2**63 bytes (--env.num-envs 2**62): no type of their own, only words."""
-    oom = (torch.cuda.OutOfMemoryError, MemoryError)    # torch.OutOfMemoryError is its newer name: not in every torch
-    words = ("DefaultCPUAllocator: can't allocate", "Storage size calculation overflowed")
-    return isinstance(exc, oom) or any(w in str(exc) for w in words)
 
 
 def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:

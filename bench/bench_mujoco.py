@@ -38,7 +38,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from configs import preset  # noqa: E402
-from dist.checkpoint import check_writable_root  # noqa: E402
+from dist.log_root import check_writable_root  # noqa: E402
 from dist.errors import UsageError  # noqa: E402
 
 CLEANRL = {"HalfCheetah-v4": (1442.64, 46.03), "Walker2d-v4": (2287.95, 571.78), "Hopper-v4": (2382.86, 271.74)}

@@ -12,7 +12,6 @@ import glob
 import os
 import re
 import socket
-import tempfile
 import time
 import uuid
 
@@ -21,6 +20,7 @@ import torch
 from dist import comm
 from dist.checksum import checksum
 from dist.errors import RunError, UsageError
+from dist.log_root import make_probe, probe_path, write_refusal
 from dist.plan import PlanRow
 
 FORMAT = "syncppo-checkpoint-v1"
@@ -177,43 +177,6 @@ def open_run_dir(existing: str | None, experiment_dir: str, run_id: str | None) 
     return existing
 
 
-def check_writable_root(root: str, flag: str = "--log.root", write: bool = True) -> None:
-    """Fail before anything is built (or created) when `root` (`flag`: --log.root, a bench's --root) cannot hold
-    run directories, checked at its nearest existing ancestor; `write=False` asks only that it be a directory."""
-    if not root:     # an unset shell variable (--log.root "$DIR"): the runs went to the working directory, unsaid
-        raise UsageError(f"{flag} is empty; pass a directory ('.' for the current one)")
-    probe = _nearest_directory(root)
-    if not os.path.isdir(probe):
-        raise UsageError(f"{flag} {root!r}: {probe!r} is a file, not a directory; pick another {flag}")
-    # The names still to be made, and the whole path with a run directory's and a checkpoint's names (<= 64 bytes)
-    # below it, within the file system's limits: else the run directory's mkdir fails once everything is built.
-    name_max, path_max = os.pathconf(probe, "PC_NAME_MAX"), os.pathconf(probe, "PC_PATH_MAX")
-    long_name = next((n for n in os.path.relpath(os.path.abspath(root), probe).split(os.sep) if len(n.encode()) >
-                      name_max), None)
-    if long_name is not None:
-        raise UsageError(f"{flag}: the name {long_name[:16]!r}... ({len(long_name.encode())} bytes) is longer than the "
-                         f"file system takes ({name_max} bytes a name); use a shorter one")
-    length = len(os.path.normpath(root).encode())   # as the system calls get it: a relative root stays relative
-    if length + 64 >= path_max:
-        raise UsageError(f"{flag}: the path ({length} bytes, plus 64 for the run's directory and file names) is "
-                         f"longer than the file system takes ({path_max} bytes a path); use a shorter one")
-    if not write:
-        return
-    refused = write_refusal(probe)
-    if refused:
-        raise UsageError(f"{flag} {root!r}: {probe!r} is not writable ({refused}); pick a directory you can write to")
-
-
-def write_refusal(folder: str) -> str:
-    """Why the existing directory `folder` refuses new entries, "" when it takes them: a directory made there and
-    removed. os.access says yes to root where writes fail (/proc, NFS root_squash, an immutable directory)."""
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".syncppo-probe-", dir=folder))
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-    return ""
-
-
 def rng_states(env=None, shuffle: torch.Generator | None = None,
                device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """This process's RNG states: torch (action sampling on CPU), the env's generator, the minibatch shuffle,
@@ -271,7 +234,7 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None, settings:
     probe, failed = None, None
     if torch.distributed.get_rank() == 0 and log_root is not None:
         try:
-            probe = _make_probe(log_root)
+            probe = make_probe(log_root)
         except UsageError as error:
             failed = error   # raised after the broadcast below, which tells the other ranks to stop too
     try:
@@ -282,7 +245,7 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None, settings:
         if nonce == -1:
             raise UsageError("stopped at start-up: rank 0 could not create its probe directory in its --log.root "
                              "(rank 0's error says why)")
-        seen = int(nonce == 0 or os.path.isdir(_probe_path(log_root, nonce)))
+        seen = int(nonce == 0 or os.path.isdir(probe_path(log_root, nonce)))
         mine = [0, 0, 0] if checkpoint is None else \
             [1, checkpoint["iteration"], int(checksum([t for t in checkpoint["model"].values()]))]
         rows = comm.all_gather(torch.tensor(mine + [seen, settings], dtype=torch.int64).to(comm.device()),
@@ -317,30 +280,6 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None, settings:
         print(f"[syncppo] warning: {where}: only rank 0's node will hold this run's checkpoints; to --resume on "
               f"several nodes, copy the run directory to each, or put --log.root on a filesystem every node sees",
               flush=True)
-
-
-def _nearest_directory(root: str) -> str:
-    """`root`, or its nearest existing ancestor (a first run creates --log.root only once it is known good)."""
-    path = os.path.abspath(root)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def _probe_path(root: str, nonce: int) -> str:
-    return os.path.join(_nearest_directory(root), f".syncppo-probe-{nonce:016x}")
-
-
-def _make_probe(root: str) -> tuple[str, int]:
-    """Rank 0's probe directory for agree_on_checkpoint: (its path, the nonzero number that names it)."""
-    nonce = int.from_bytes(os.urandom(8), "little") >> 1 or 1
-    path = _probe_path(root, nonce)
-    try:
-        os.mkdir(path)
-    except OSError as exc:
-        raise UsageError(f"--log.root {root!r}: cannot create {path!r} ({exc.strerror}); pick a directory you can "
-                         f"write to") from None
-    return path, nonce
 
 
 def agree_plan_rows() -> list[PlanRow]:

@@ -5,13 +5,16 @@
 - `RunError`: training started and then met a condition outside the code (a write error, a
   non-finite observation, the launcher gone). The rank that met it prints one line and exits 1.
 
-Anything else is a bug: the runner prints its traceback, then one line, and exits 1.
+Anything else is a bug: the runner prints its traceback, then one line, and exits 1; except an allocation the device
+could not serve (`out_of_memory`), said as such, since the way out is a smaller size.
 """
 
 import contextlib
 import json
 import os
 import time
+
+import torch
 
 
 class UsageError(ValueError):
@@ -51,3 +54,11 @@ def tell_torchrun(message: str, after_peer: bool = False) -> None:
             with open(partial, "w") as f:
                 json.dump({"message": message, "timestamp": int(time.time()) + after_peer}, f)
             os.replace(partial, path)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """An allocation the device could not serve: CUDA's OutOfMemoryError, Python's MemoryError, or the RuntimeError
+    of torch's CPU allocator or of a size past 2**63 bytes (--env.num-envs 2**62): no type of their own, only words."""
+    oom = (torch.cuda.OutOfMemoryError, MemoryError)    # torch.OutOfMemoryError is its newer name: not in every torch
+    words = ("DefaultCPUAllocator: can't allocate", "Storage size calculation overflowed")
+    return isinstance(exc, oom) or any(w in str(exc) for w in words)

@@ -28,7 +28,7 @@ from torch import nn
 if __name__ == "__main__" and not __package__:  # `python ppo/export.py`: import from the repository, as -m does
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs.config import PolicyConfig  # noqa: E402
-from dist.checkpoint import write_refusal  # noqa: E402
+from dist.log_root import write_refusal  # noqa: E402
 from dist.checkpoint_read import read_checkpoint  # noqa: E402
 from dist.errors import one_line  # noqa: E402
 from ppo.actor_critic import ActorCritic, build_actor_critic  # noqa: E402

@@ -236,7 +236,7 @@ def test_a_log_root_too_long_for_the_file_system_fails_before_the_build(tmp_path
     """A --log.root name over NAME_MAX, or a path that leaves no room under PATH_MAX for the run's directory and file
     names: the dry run passed and a real run built everything, then raised OSError (File name too long) from mkdir.
     Nothing is created; a name at NAME_MAX is accepted."""
-    from dist.checkpoint import check_writable_root
+    from dist.log_root import check_writable_root
     name_max, path_max = os.pathconf(tmp_path, "PC_NAME_MAX"), os.pathconf(tmp_path, "PC_PATH_MAX")
     with pytest.raises(UsageError, match=rf"^--log.root: the name 'eeeeeeeeeeeeeeee'... \({name_max + 1} bytes\) is "
                                          rf"longer than the file system takes \({name_max} bytes a name\)"):

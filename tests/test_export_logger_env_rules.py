@@ -107,7 +107,7 @@ def test_without_out_the_files_go_next_to_the_checkpoint(tmp_path, monkeypatch, 
 
 def test_an_unwritable_out_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     # The tests run as root, for whom every folder is writable: the write probe is refused here instead.
-    from dist import checkpoint as write_check     # dist.checkpoint.write_refusal, export's probe
+    from dist import log_root as write_check       # dist.log_root.write_refusal, export's probe
     path = small_checkpoint(tmp_path / "model_3.pt")
     out = tmp_path / "read-only"
     out.mkdir()

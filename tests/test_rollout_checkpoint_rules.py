@@ -159,19 +159,19 @@ def test_the_run_directory_lock_never_waits_and_names_only_its_holder(tmp_path, 
 def test_a_root_that_is_only_read_is_checked_to_be_a_directory_and_never_written(tmp_path, monkeypatch):
     """check_writable_root(write=False) (a bench that only prints its table from --root) asks only that the root
     be a directory: no probe is made there, so a read-only results folder is fine; write=True probes and refuses."""
-    from dist import checkpoint
+    from dist import log_root
     from dist.errors import UsageError
 
     def read_only(prefix, dir):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(checkpoint.tempfile, "mkdtemp", read_only)
-    checkpoint.check_writable_root(str(tmp_path / "results"), "--root", write=False)
+    monkeypatch.setattr(log_root.tempfile, "mkdtemp", read_only)
+    log_root.check_writable_root(str(tmp_path / "results"), "--root", write=False)
     with pytest.raises(UsageError, match=r"^--root .*: .* is not writable \(Permission denied\)"):
-        checkpoint.check_writable_root(str(tmp_path / "results"), "--root")
+        log_root.check_writable_root(str(tmp_path / "results"), "--root")
     (tmp_path / "file").write_text("")
     with pytest.raises(UsageError, match=r"is a file, not a directory"):
-        checkpoint.check_writable_root(str(tmp_path / "file" / "results"), "--root", write=False)
+        log_root.check_writable_root(str(tmp_path / "file" / "results"), "--root", write=False)
 
 
 # ----- gather_rng_states on several ranks --------------------------------------------------------------------
