@@ -73,7 +73,7 @@ class FakeRLEnv(gymnasium.Env):
         self.reward_buf = torch.zeros(self.num_envs)
         self.reset_terminated = torch.zeros(self.num_envs, dtype=torch.bool)
         self.reset_time_outs = torch.zeros(self.num_envs, dtype=torch.bool)
-        self.extras, self.received_actions, self.extra_log = {}, [], {}
+        self.extras, self.received_actions, self.extra_log, self.full_resets = {}, [], {}, 0
 
     def _observe(self):
         progress = (self.episode_length_buf.float() / self.max_episode_length)[:, None]
@@ -85,6 +85,7 @@ class FakeRLEnv(gymnasium.Env):
                               **self.extra_log}
 
     def reset(self, seed=None, options=None):
+        self.full_resets += 1
         self._reset_idx(torch.arange(self.num_envs))
         return self._observe(), self.extras
 

@@ -116,6 +116,20 @@ def test_reset_spreads_episode_ends_deterministically(make):
     assert not torch.equal(other.unwrapped.episode_length_buf, lengths[0])
 
 
+def test_the_env_is_reset_once_before_training(make):
+    """The adapter resets at build to read sizes and metric names; the runner's reset() takes those observations.
+    A second full reset ran every reset event and curriculum term twice (RSL-RL's wrapper resets once)."""
+    env = make(num_envs=3)
+    sim = env.unwrapped
+    assert sim.full_resets == 1
+    built = sim._observe()["policy"]
+    obs, _ = env.reset()
+    assert sim.full_resets == 1 and torch.equal(obs["policy"], built)
+    env.step(torch.ones(3, 2))
+    obs, _ = env.reset()                                      # a later reset() is a real one
+    assert sim.full_resets == 2 and torch.equal(obs["policy"][:, :2], torch.zeros(3, 2))
+
+
 def test_failure_at_the_time_limit_is_a_failure(make):
     env = make(num_envs=2)
     env.reset()
