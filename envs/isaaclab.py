@@ -137,7 +137,13 @@ class IsaacLabEnv:
         # --env.*-obs-groups that does not fit) reached the runner's one line on stderr. `close` at exit ends it
         # with the process's status.
         self.env, self._runtime = None, contextlib.ExitStack()
-        self._runtime.enter_context(launch_simulation(env_cfg, launcher))
+        try:
+            self._runtime.enter_context(launch_simulation(env_cfg, launcher))
+        except SystemExit as exc:       # 3.0.0 logs why Isaac Sim (Kit) cannot start, then exits with status 1
+            raise MissingSimulator(f"--env.task {task}: Isaac Lab could not start the Isaac Sim (Kit) runtime that "
+                                   f"this task's physics or renderer needs (its error above, exit {exc.code}); "
+                                   f"install Isaac Sim there, or pick a kitless physics preset of the task "
+                                   f"(G1's: --env.task-overrides physics=newton_mjwarp)") from exc
         atexit.register(self.close)
         self.env = gym.make(name, cfg=env_cfg)
         self._describe(task, device, seed, actor_obs_groups, critic_obs_groups)

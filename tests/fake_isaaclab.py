@@ -8,7 +8,8 @@ envs/isaaclab.py uses, so that a test against the fake fails where the release w
   says `distributed`, puts the sim on cuda:LOCAL_RANK (as 3.0.0 does), starts a launcher and closes it
   with the block's exit status: 130 for KeyboardInterrupt, the code of a SystemExit, 1 for any other
   exception, else 0. A task config whose physics is Isaac Sim PhysX needs Kit; Kit's launcher ends the
-  process with that status when it closes (and also closes from its own atexit handler). Kitless
+  process with that status when it closes (and also closes from its own atexit handler); without Isaac Sim
+  installed (`Record.kit_installed`) it logs 3.0.0's error and raises SystemExit(1) before yielding. Kitless
   physics (Newton, the G1 task's default) starts no runtime.
 - `isaaclab_tasks.utils.parse_env_cfg(task_name, device=None, num_envs=None, use_fabric=None,
   overrides=())`, where an override `physics=NAME` picks one of the task's physics presets.
@@ -45,6 +46,7 @@ class Record:
 
     def __init__(self):
         self.launches, self.envs, self.runtime_open, self.finite_horizon = [], [], False, False
+        self.kit_installed = True
         self.entry_point = lambda cfg, **kw: FakeRLEnv(cfg, self, **kw)   # a test may build another env instead
 
 
@@ -175,6 +177,9 @@ def fake_modules(record: Record) -> dict[str, types.ModuleType]:
                   "compute_final_obs": cfg.compute_final_obs, "exit_code": None}
         record.launches.append(launch)
         kit = cfg.sim.physics == "isaacsim_physx"
+        if kit and not record.kit_installed:    # 3.0.0's _ensure_isaac_sim_available: logs its hint, then exits
+            print("[ERROR] Isaac Sim is not installed or not found on PYTHONPATH.", file=sys.stderr)
+            raise SystemExit(1)
         launcher = FakeKitLauncher(launch) if kit else FakeKitlessLauncher(launch)
         record.runtime_open = True
         exit_code = 0

@@ -217,6 +217,17 @@ def test_a_critic_group_no_input_uses_is_warned_of(make):
         make(actor_obs_groups=("policy", "critic"), critic_obs_groups=("policy",))
 
 
+def test_kit_physics_without_isaac_sim_is_one_line_naming_the_way_out(fake, capsys):
+    """3.0.0's launch_simulation logs its own hint and raises SystemExit(1) when a task needs Kit and Isaac Sim is
+    missing: that left the runner's one-line error and exit status 2 behind."""
+    fake.kit_installed = False
+    with pytest.raises(MissingSimulator, match=r"^--env.task Isaac-Velocity-Rough-G1: Isaac Lab could not start the "
+                       r"Isaac Sim \(Kit\) runtime .* exit 1\); .*--env.task-overrides physics=newton_mjwarp\)$"):
+        IsaacLabEnv(TASK, 4, torch.device("cpu"), 0, task_overrides=("physics=isaacsim_physx",))
+    assert "Isaac Sim is not installed" in capsys.readouterr().err
+    IsaacLabEnv(TASK, 4, torch.device("cpu"), 0).close()     # the kitless default starts without Isaac Sim
+
+
 def test_unknown_task_suggests_registered_ones(fake):
     # Isaac Lab 3.0 dropped the -v0 suffix of its task ids.
     with pytest.raises(ValueError, match="unknown --env.task 'Isaac-Velocity-Rough-G1-v0'.*did you mean: "
