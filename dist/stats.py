@@ -24,7 +24,8 @@ def global_mean_std(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Crosses ranks: two all-reduces per call (see `mean_std_plan_rows`), the runner calls it once per
     iteration for advantage normalization: (count, sum) in float64, then the sum of squared deviations
     from that global mean. Two passes cost one extra 8-byte message; one pass over (n, sum, sum of
-    squares) loses about log10(mean^2 / var) of float64's 16 digits to cancellation.
+    squares) loses about log10(mean^2 / var) of float64's 16 digits to cancellation. Over no element on any
+    rank both are nan (0 / 0): nothing is read back to refuse it (the runner refuses such a batch at start-up).
     """
     x64 = x.detach().double().flatten()
     # The count filled in on the device: torch.tensor(count, device=...) copies from the host, a device sync on a GPU.
@@ -52,6 +53,9 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor,
     With `count` 0, `mean` is only that shift: zeros make the first merge plain sums of squares, which
     lose about log10(mean^2 / var) digits when |mean| >> std; pass a rough mean that every rank shares
     instead (ppo/normalizer.py's set_first_shift uses rank 0's first observations).
+
+    A NaN or inf sample on any rank makes every rank's moments non-finite for good, and nothing here reads the
+    sums back to the host to refuse it: check the batch first (train.py's check_finite names the step and env).
     """
     shifted = batch.detach().to(torch.float64, copy=True).sub_(mean)   # one temporary, reused for the squares
     batch_count = shifted.new_full((1,), float(shifted.shape[0]))        # filled on the device (no host copy)
@@ -88,7 +92,7 @@ def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor
     rank must pass the same keys, in `maxima` too (the order they were inserted in does not matter):
     a key a rank has nothing for must still be there, with count 0. A key missing on one rank is not counted as 0:
     the ranks' vectors then differ in length, and the all-reduce fails or sums one key's values into another's.
-    Keys with a zero total count are dropped (e.g. no episode finished anywhere).
+    Keys with a zero total count are dropped (e.g. no episode finished anywhere). A NaN maximum on any rank is NaN.
     """
     keys, maxima = sorted(sums), maxima or {}
     if set(keys) & set(maxima):     # one name for two values: the max would replace the mean
@@ -104,7 +108,10 @@ def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor
                        + [slots.view(-1)])
     packed = comm.all_reduce(packed.to(comm.device()), "metrics").tolist()   # the one host read
     sums, counts, rows = packed[0:len(values):2], packed[1:len(values):2], packed[len(values):]
-    largest = {k: max(rows[j::len(maxima)]) for j, k in enumerate(sorted(maxima))}
+    largest = {}
+    for j, k in enumerate(sorted(maxima)):
+        column = rows[j::len(maxima)]     # a NaN wins wherever it is (Python's max keeps or drops it by its place)
+        largest[k] = float("nan") if any(v != v for v in column) else max(column)
     return {**{k: s / c for k, s, c in zip(keys, sums, counts) if c > 0}, **largest}
 
 

@@ -54,8 +54,11 @@ class ObsNormalizer(nn.Module):
         merged = merge_moments(self.count, self.mean64, self.m2, batch)
         for buffer, value in zip((self.count, self.mean64, self.m2), merged):
             buffer.copy_(value)        # in place: a state_dict() taken earlier holds these tensors, and stays live
-        self.mean.copy_(self.mean64)
-        self.std.copy_((self.m2 / self.count).sqrt())
+        # No sample on any rank yet (empty batches): keep the identity forward, not the shift and 0 / 0. On the device
+        # (torch.where), as everywhere in the merges: no host read.
+        seen = self.count > 0
+        self.mean.copy_(torch.where(seen, self.mean64, self.mean.double()))
+        self.std.copy_(torch.where(seen, (self.m2 / self.count.clamp(min=1.0)).sqrt(), self.std.double()))
 
     def plan_rows(self, of: str) -> list[PlanRow]:
         return [merge_plan_row(self.mean.numel(), of)]
@@ -101,12 +104,13 @@ class RewardNormalizer(nn.Module):
         Crosses ranks: one all-reduce of 3 float64 values (see merge_moments); call once per iteration,
         at the same point on every rank.
         """
-        seen = torch.cat(self._seen)[:, None]
+        # A rank that stepped no env since the last update still joins the all-reduce, with an empty batch.
+        seen = torch.cat(self._seen)[:, None] if self._seen else self.returns.new_zeros(0, 1)
         self._seen.clear()
         merged = merge_moments(self.count, self.mean64, self.m2, seen)
         for buffer, value in zip((self.count, self.mean64, self.m2), merged):
             buffer.copy_(value)
-        self.std.copy_((self.m2[0] / self.count).sqrt())
+        self.std.copy_(torch.where(self.count > 0, (self.m2[0] / self.count.clamp(min=1.0)).sqrt(), self.std.double()))
 
     def plan_rows(self) -> list[PlanRow]:
         return [merge_plan_row(1, "returns")]

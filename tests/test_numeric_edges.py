@@ -11,7 +11,7 @@ import train
 from dist.errors import RunError
 from dist.stats import merge_moments
 from ppo.gae import compute_gae
-from ppo.normalizer import RewardNormalizer
+from ppo.normalizer import ObsNormalizer, RewardNormalizer
 from ppo.update import checked_noise_std
 from tests.ppo_fixtures import make_model
 from tests.test_config_errors import cfg_with
@@ -36,6 +36,27 @@ def test_a_constant_feature_merged_away_from_its_shift_has_std_zero_not_nan():
             # Float64 cancellation of n identical squares leaves M2 / n within ~n * eps * d^2: std <= 1e-6 * |d|.
             assert std.item() <= reference.std() + 1e-6 * (abs(float(value)) + abs(shift))
             np.testing.assert_allclose(mean.item(), reference.mean(), rtol=1e-12)
+
+
+def test_normalizers_merging_no_sample_at_all_keep_their_identity_forward_then_learn_from_the_next():
+    """An update over empty batches on every rank (a copied normalizer, a rank with nothing this time) left std 0 / 0
+    = nan and the forward shifted by set_first_shift's mean; RewardNormalizer.update() without a step failed in
+    torch.cat. Both keep the identity forward, then the next update equals numpy over its batch."""
+    obs = ObsNormalizer(2)
+    obs.set_first_shift(torch.tensor([[5.0, -3.0], [7.0, -1.0]]))
+    obs.update(torch.zeros(0, 2))
+    x = torch.tensor([[1.0, 2.0]])
+    assert obs.count.item() == 0 and torch.equal(obs(x), ObsNormalizer(2)(x))
+    batch = torch.tensor([[6.0, -2.0], [8.0, -4.0], [4.0, 0.0]])
+    obs.update(batch)
+    assert torch.allclose(obs.mean, torch.tensor([6.0, -2.0])) and torch.allclose(obs.std, torch.tensor(
+        np.std(batch.numpy(), axis=0), dtype=torch.float32))
+    rewards = RewardNormalizer(num_envs=2, gamma=0.9, clip=10.0)
+    rewards.update()
+    assert rewards.count.item() == 0 and rewards.std.item() == 1.0
+    rewards(torch.tensor([1.0, 3.0]), torch.zeros(2))
+    rewards.update()
+    assert rewards.count.item() == 2 and rewards.std.item() == pytest.approx(1.0)   # returns 1 and 3: std 1
 
 
 def test_reward_normalizer_of_episodes_ending_every_step_with_one_reward_stays_finite():

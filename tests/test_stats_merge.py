@@ -1,5 +1,7 @@
 """Cross-rank statistics equal numpy over the union of all ranks' samples (unequal batch sizes)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -118,6 +120,20 @@ def test_reduce_metrics_maxima_are_the_largest_value_over_ranks_in_the_same_all_
     for out, ledger, planned in run_ranks(maxima_body, world_size=3):
         assert out == {"a": 1.0, "slowest": 3.0, "-learning": -3.0}
         assert ledger == {"metrics": (1, 16 + 8 * 3 * 2)} and ledger["metrics"] == planned
+
+
+def nan_maxima_body(rank, world_size):
+    """Maximum `nan_on_j` is NaN on rank j and the rank's number elsewhere; `finite` is the rank's number."""
+    values = {f"nan_on_{j}": float("nan") if j == rank else float(rank) for j in range(world_size)}
+    return reduce_metrics({}, {}, {**values, "finite": float(rank)})
+
+
+@pytest.mark.slow
+def test_a_nan_maximum_on_any_rank_is_nan_on_every_rank():
+    """Python's max over the ranks' slots kept or dropped a NaN by its place: NaN on rank 0 gave nan, on rank 1 the
+    max of the rest, on rank 2 the max of ranks 0-1 (rank 2's own value lost)."""
+    for out in run_ranks(nan_maxima_body, world_size=3):
+        assert out["finite"] == 2.0 and [math.isnan(out[f"nan_on_{j}"]) for j in range(3)] == [True] * 3
 
 
 def test_reduce_metrics_maxima_of_one_process_are_its_own_values():
