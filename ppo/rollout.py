@@ -160,11 +160,11 @@ def fill_storage(storage, batch: dict[str, torch.Tensor], model, reward_normaliz
         storage.log_probs = pi.log_prob(batch["actions"]).sum(-1)
         storage.values = model.value(batch["critic_obs"])
     dones = batch["dones"].bool()
-    for t in range(batch["rewards"].shape[0]):
-        reward = batch["rewards"][t]
-        if reward_normalizer is not None:
-            reward = reward_normalizer(reward, dones[t])
-        storage.rewards[t] = reward + batch["bootstrap"][t]
+    if reward_normalizer is None:
+        torch.add(batch["rewards"], batch["bootstrap"], out=storage.rewards)
+    else:     # step by step: the normalizer carries each env's running return from one step to the next
+        for t in range(batch["rewards"].shape[0]):
+            storage.rewards[t] = reward_normalizer(batch["rewards"][t], dones[t]) + batch["bootstrap"][t]
     storage.dones.copy_(dones)
     storage.advantages, storage.returns = compute_gae(storage.rewards, storage.values, storage.dones,
                                                       model.value(batch["last_critic_obs"]), gamma, lam)
