@@ -8,7 +8,9 @@ Every parameter's `.grad` is a view into a bucket buffer (no packing copy, ever)
   backward produces gradients; a tensor larger than the cap gets a bucket of its own). At the
   minibatch boundary each bucket's all-reduce is launched asynchronously, from a
   post-accumulate-grad hook, as soon as its last gradient is ready, so communication overlaps the
-  rest of backward. Buckets launch strictly in index order so every rank issues the same sequence.
+  rest of backward. Buckets launch strictly in index order so every rank issues the same sequence;
+  with unused="zero", any still incomplete launch as the armed backward ends (a collective issued before
+  synchronize() then pairs with the same one on every rank).
 
 A few `extras` scalars (e.g. the KL sum and count of the adaptive-LR rule) ride at the end of the
 last bucket to launch, saving a separate collective: they are summed, the gradients averaged. They
@@ -72,8 +74,10 @@ class _Bucket:
         self.work = None          # async all-reduce handle once launched
         offset = 0
         for p in params:
-            # Autograd accumulates into an existing .grad in place, so the view survives every backward.
-            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            # Autograd accumulates into an existing .grad in place, so the view survives every backward. It takes the
+            # parameter's own strides (a transposed one's too): the fused Adam steps a grad laid out otherwise
+            # element by element against the wrong weights.
+            p.grad = self.buffer.as_strided(p.size(), p.stride(), offset)
             offset += p.numel()
 
 
@@ -113,6 +117,18 @@ def _grad_ready(ref: weakref.ref, p: torch.Tensor) -> None:
         sync._on_grad_ready(p)
 
 
+def _dense(p: torch.Tensor) -> bool:
+    """Whether `p`'s elements fill exactly numel() consecutive slots in some order of its dimensions."""
+    if p.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted(zip(p.shape, p.stride()), key=lambda dim: dim[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _remove(hooks: list) -> None:
     for hook in hooks:
         hook.remove()
@@ -138,6 +154,11 @@ class GradSync:
         devices = {str(p.device) for p in self.params}
         if len(devices) != 1:
             raise ValueError(f"gradient buckets need every parameter on one device, got {sorted(devices)}")
+        for i, p in enumerate(self.params):
+            if not _dense(p):
+                raise ValueError(f"parameter #{i} of shape {tuple(p.shape)} has strides {p.stride()}, a view with gaps "
+                                 f"or overlaps: its gradient cannot be a slice of a bucket; make it a parameter of "
+                                 f"its own (.contiguous())")
         for previous in {id(o): o for p in self.params if (o := _served_by(p)) is not None}.values():
             previous.remove_hooks()
         self.mode, self.unused, self.num_extras = mode, unused, num_extras
@@ -195,7 +216,7 @@ class GradSync:
             self.buckets[-1].extras.copy_(extras.detach().reshape(-1))
         for b in self.buckets:
             b.pending, b.work = len(b.params), None
-        self._armed, self._next_launch = True, 0
+        self._armed, self._next_launch, self._end_queued = True, 0, False
         self._armed_received.clear()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -211,13 +232,20 @@ class GradSync:
                 # Bucketed: this bucket's all-reduce may already be in flight, so the second gradient
                 # would be added on this rank only. Flat raises too, so both modes mean the same thing.
                 raise RuntimeError("a second backward after arm(): arm() declares that exactly one more backward "
-                                   "(the minibatch's last micro-batch) follows before synchronize()")
+                                   "(the minibatch's last micro-batch) follows before synchronize() (a parameter "
+                                   "used inside and outside a reentrant torch.utils.checkpoint also gets two)")
             self._armed_received.add(id(p))
         self._received.add(id(p))
         if not (self._armed and self.mode == "bucketed"):
             return
         bucket = self._bucket_of[id(p)]
         bucket.pending -= 1
+        if self.unused == "zero" and not self._end_queued:
+            # A bucket with a parameter unused on this rank only would launch at synchronize() here but during
+            # backward elsewhere, pairing with another collective issued in between: launch the rest as the armed
+            # backward ends, as DDP does. (unused="error": synchronize() raises on that rank before launching.)
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._launch_ready, True))
         self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
@@ -258,13 +286,16 @@ class GradSync:
             if p.grad is None or p.grad.data_ptr() != self._grad_ptr[id(p)]:
                 raise RuntimeError(f"parameter #{i}'s .grad is no longer a view into its gradient bucket, so it would "
                                    f"not be synchronized: zero gradients with sync.zero_grad(), never with "
-                                   f"optimizer.zero_grad() or model.zero_grad() (they set grads to None)")
+                                   f"optimizer.zero_grad() or model.zero_grad() (they set grads to None); build the "
+                                   f"GradSync after casting or moving the model, and do not backward with "
+                                   f"create_graph=True (both replace the grads)")
         missing = [(i, p) for i, p in enumerate(self.params) if id(p) not in self._received]
         if missing and self.unused == "error":
             names = ", ".join(f"#{i} of shape {tuple(p.shape)}" for i, p in missing[:5])
             raise RuntimeError(f"{len(missing)} parameter(s) received no gradient this step ({names}); fix the "
                                f"loss, or average them as zero gradients: GradSync(..., unused=\"zero\"), "
-                               f"--dist.unused-params zero in train.py")
+                               f"--dist.unused-params zero in train.py (or they were replaced after the GradSync "
+                               f"was built, e.g. load_state_dict(assign=True): build it again)")
         self._launch_ready(force=True)      # flat: the one bucket; bucketed: only buckets with unused params
         world = comm.world_size()
         for b in self.buckets:

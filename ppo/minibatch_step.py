@@ -39,6 +39,9 @@ def backward_minibatch(model, batch: dict, grad_sync, cfg) -> tuple[torch.Tensor
     and count riding in the last. Micro-batches accumulate locally; only the last backward is armed.
     """
     q = cfg.num_micro_batches
+    if batch["actions"].shape[0] % q:   # unequal chunks weighted equally would bias the gradient, silently
+        raise ValueError(f"a minibatch of {batch['actions'].shape[0]} transitions does not split into {q} equal "
+                         f"micro-batches (--ppo.num-micro-batches)")
     grad_sync.zero_grad()
     kl_sum = batch["actions"].new_zeros(())
     terms_sum = batch["actions"].new_zeros(3)
