@@ -1,6 +1,7 @@
 """Reading a checkpoint back, every check in one path (--resume, export): a torch archive whose CRC-32s match,
-entries of the types this version writes, and no value a healthy run never saves (nan, inf, a negative Adam
-exp_avg_sq). Each failure is one UsageError naming the file and the way out. dist/checkpoint.py writes them."""
+entries of the types this version writes, and no value a healthy run never saves (nan, inf, a negative count,
+step, std or mean of squares). Each failure is one UsageError naming the file and the way out. dist/checkpoint.py
+writes them."""
 
 import math
 import os
@@ -18,9 +19,12 @@ REQUIRED_KEYS = ("format", "model", "optimizer", "iteration", "learning_rate", "
 def read_torch_file(path: str):
     """torch.load(weights_only=True) of a file meant to be a training checkpoint; ValueError says what the file is
     instead (torch's own message advises weights_only=False, which is neither safe nor the fix)."""
-    if not zipfile.is_zipfile(path):
+    try:
         with open(path, "rb") as f:
             started = f.read(4) == b"PK\x03\x04"       # a zip's first entry, without its closing directory
+    except OSError as exc:                  # is_zipfile below would take an unreadable file for one that is no zip
+        raise ValueError(f"cannot be read ({exc.strerror or exc}): check its permissions") from None
+    if not zipfile.is_zipfile(path):
         raise ValueError("a truncated or damaged checkpoint (its zip archive does not end); use another one"
                          if started else
                          "not a torch checkpoint (torch.save writes a zip archive; this file is not one): pass a "
@@ -153,14 +157,35 @@ def malformed_entry(state: dict) -> str:
         if not (plain_int(lr) or isinstance(lr, float) or isinstance(lr, torch.Tensor) and lr.is_floating_point()
                 and lr.numel() == 1):
             return f"its optimizer param group {i} has lr {lr!r}, not a number"
+        betas, decay = group.get("betas", (0.9, 0.999)), group.get("weight_decay", 0.0)
+
+        def in_range(x, high):     # nan and inf are nonfinite_entry's to name
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and (not math.isfinite(x) or 0 <= x < high)
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(in_range(b, 1) for b in betas)
+                and in_range(decay, math.inf)):
+            return f"its optimizer param group {i} has betas {betas!r} and weight_decay {decay!r}, not Adam's settings"
     for index, moments in optimizer["state"].items():
         if not isinstance(moments, dict):
             return f"its optimizer state for parameter {index!r} is a {type(moments).__name__}, not a dict"
+        step = moments.get("step")
+        if set(moments) != {"exp_avg", "exp_avg_sq", "step"} or not all(
+                isinstance(v, torch.Tensor) for v in moments.values()) or step.numel() != 1:
+            return (f"its optimizer state for parameter {index!r} is not Adam's (tensors exp_avg, exp_avg_sq and a "
+                    f"one-element step), got {sorted(map(str, moments))}")
+    indices = [index for group in optimizer["param_groups"] for index in group["params"]]
+    if optimizer["state"] and set(optimizer["state"]) != set(indices):
+        # Adam steps every parameter (GradSync hands each a gradient): a state for some is a damaged file, and the
+        # parameters without one would restart their moments silently.
+        return (f"its optimizer state covers parameters {sorted(optimizer['state'], key=str)}, its param groups "
+                f"{sorted(indices)} (every one after the first step, none before)")
     sections = [k for k, v in state["config"].items() if not isinstance(v, dict) and k in
                 ("env", "policy", "ppo", "dist", "log", "rollout")]
     if sections:
         return f"its config section {sections[0]!r} is not a dict"
     config = state["config"]
+    names = [k for k in config] + [k for v in config.values() if isinstance(v, dict) for k in v]
+    if not all(isinstance(name, str) for name in names):
+        return f"its config has a setting named {next(n for n in names if not isinstance(n, str))!r}, not a name"
     lacking = [name for name in FOUNDING_SETTINGS if name.rpartition(".")[2] not in
                (config.get(name.partition(".")[0], {}) if "." in name else config)]
     if lacking:
@@ -211,14 +236,19 @@ def fits_a_generator(name: str, state: torch.Tensor) -> bool:
 
 
 VALUED_ENTRIES = ("model", "optimizer", "reward_normalizer", "env", "learning_rate")
+# Saved values that are never negative, by their last name: Adam's, the normalizers' (dist/stats.py merge_moments)
+# and the motion sampler's (envs/motions.py).
+NON_NEGATIVE = {"exp_avg_sq": "a mean of squares", "step": "a step count", "count": "a count",
+                "m2": "a sum of squares", "std": "a standard deviation", "global_counts": "a count",
+                "local_counts": "a count"}
 
 
 def nonfinite_entry(state: dict) -> str:
     """The first value in VALUED_ENTRIES that a healthy run never saves, as "nan in its model['log_std']", or "":
     a nan or inf in a floating tensor or float (weights, normalizer statistics, Adam's moments, step counts and
-    LR, sampler counts), or a negative Adam exp_avg_sq (a mean of squares). A healthy run keeps them finite: the
-    update skips a step whose gradient norm is not finite and clips the others, and non-finite observations or
-    rewards stop the run before a normalizer sees them. Integer tensors (counters) are exempt, and RNG states
+    LR, sampler counts), or a negative value where NON_NEGATIVE names it (counts, steps, stds, M2, Adam's
+    exp_avg_sq). A healthy run keeps them finite: the update skips a step whose gradient norm is not finite and
+    clips the others, and non-finite observations or rewards stop the run before a normalizer sees them. Integer tensors (counters) are exempt, and RNG states
     (uint8) are not among the entries. One aminmax per tensor: a single pass that copies nothing (nan reaches both
     ends)."""
     for entry in VALUED_ENTRIES:
@@ -231,8 +261,9 @@ def nonfinite_entry(state: dict) -> str:
                 continue
             if not math.isfinite(low) or not math.isfinite(high):
                 return f"{'nan' if math.isnan(low) or math.isnan(high) else 'inf'} in its {where}"
-            if low < 0 and where.endswith("['exp_avg_sq']"):
-                return f"a negative value ({low:g}) in its {where}, a mean of squares"
+            what = NON_NEGATIVE.get(where.rpartition("[")[2].strip("']").rpartition(".")[2])
+            if low < 0 and what:
+                return f"a negative value ({low:g}) in its {where}, {what}"
     return ""
 
 
