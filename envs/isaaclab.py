@@ -20,6 +20,7 @@ import argparse
 import atexit
 import contextlib
 import difflib
+import inspect
 import shlex
 import sys
 import warnings
@@ -125,7 +126,13 @@ class IsaacLabEnv:
         launcher = launcher_namespace(add_launcher_args, launcher_args, sim_device, distributed)
         self.action_scale, self.action_clip = action_scale, action_clip
 
-        env_cfg = parse_env_cfg(name, device=sim_device, num_envs=num_envs, overrides=list(task_overrides))
+        # Overrides only when given: an isaaclab_tasks whose parse_env_cfg takes none still runs the task's defaults.
+        overrides = {"overrides": list(task_overrides)} if task_overrides else {}
+        if overrides and "overrides" not in inspect.signature(parse_env_cfg).parameters:
+            raise MissingSimulator(f"--env.task-overrides: this isaaclab_tasks' parse_env_cfg takes no overrides "
+                                   f"(signature {inspect.signature(parse_env_cfg)}); leave the flag out for the "
+                                   f"task's defaults, or {INSTALL_HINT}")
+        env_cfg = parse_env_cfg(name, device=sim_device, num_envs=num_envs, **overrides)
         env_cfg.seed = seed
         if not hasattr(env_cfg, "compute_final_obs"):
             raise ValueError("this Isaac Lab has no `compute_final_obs` env option (isaac-sim/IsaacLab#6219), so the "

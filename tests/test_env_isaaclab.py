@@ -228,6 +228,20 @@ def test_kit_physics_without_isaac_sim_is_one_line_naming_the_way_out(fake, caps
     IsaacLabEnv(TASK, 4, torch.device("cpu"), 0).close()     # the kitless default starts without Isaac Sim
 
 
+def test_a_parse_env_cfg_without_overrides_runs_the_defaults_and_refuses_overrides_in_one_line(fake, monkeypatch):
+    """An isaaclab_tasks whose parse_env_cfg has the older signature (task, device, num_envs, use_fabric): the task's
+    defaults still build; --env.task-overrides is one line naming the signature, not a TypeError traceback."""
+    utils = sys.modules["isaaclab_tasks.utils"]
+    newer = utils.parse_env_cfg
+    monkeypatch.setattr(utils, "parse_env_cfg", lambda task_name, device="cuda:0", num_envs=None, use_fabric=None:
+                        newer(task_name, device, num_envs, use_fabric))
+    IsaacLabEnv(TASK, 4, torch.device("cpu"), 0).close()
+    with pytest.raises(MissingSimulator, match=r"^--env.task-overrides: this isaaclab_tasks' parse_env_cfg takes no "
+                                               r"overrides \(signature \(task_name, device='cuda:0', num_envs=None, "
+                                               r"use_fabric=None\)\); leave the flag out"):
+        IsaacLabEnv(TASK, 4, torch.device("cpu"), 0, task_overrides=("physics=isaacsim_physx",))
+
+
 def test_unknown_task_suggests_registered_ones(fake):
     # Isaac Lab 3.0 dropped the -v0 suffix of its task ids.
     with pytest.raises(ValueError, match="unknown --env.task 'Isaac-Velocity-Rough-G1-v0'.*did you mean: "
