@@ -46,6 +46,15 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
         except (RuntimeError, ValueError, KeyError) as exc:
             raise UsageError(f"--resume {path!r}: its {key} does not fit this run (other env or --policy.* "
                              f"sizes?): {one_line(exc)}") from None
+    if stateful.get("model") is not None:
+        # Finite log_std whose exp is inf or 0 in float32 (past about +-88): every action would be nan, and the env
+        # blamed for it after a whole rollout.
+        std = stateful["model"].log_std.detach().exp()
+        if not (std.isfinite().all() and (std > 0).all()):
+            raise UsageError(f"--resume {path!r} has an action noise std of "
+                             f"{' to '.join(dict.fromkeys(f'{v:g}' for v in std.aminmax()))} (exp of its "
+                             f"model['log_std']), which no policy can act with: the file is damaged or its run "
+                             f"diverged; resume from an earlier model_<k>.pt")
     saved_layout = state.get("layout", [len(state["rng"]), 0])
     same_layout = saved_layout == [roles.num_learners, roles.num_rollouts]
     rng = state["rng"][roles.rank] if same_layout else {}

@@ -3,13 +3,17 @@ found by fuzzing real checkpoints: each is one UsageError naming the file and th
 traceback from the first optimizer step, a sampler draw, or a resume that silently carried it on."""
 
 import builtins
+import re
 
 import pytest
 import torch
 
+import train
 from dist.checkpoint_read import load_checkpoint
 from dist.errors import UsageError
 from tests.test_checkpoint_read_rules import _config, _saved, _state, _with_group, _with_moments
+from tests.test_checkpoint_values import SMALL, damaged, trained  # noqa: F401 (trained: a fixture)
+from tests.test_config_errors import cfg_with
 
 
 def _two_parameters(state: dict) -> dict:
@@ -85,3 +89,17 @@ def test_an_unreadable_file_says_so_instead_of_a_traceback(tmp_path, monkeypatch
     monkeypatch.setattr(builtins, "open", refusing)
     with pytest.raises(UsageError, match=r"cannot be read \(Permission denied\): check its permissions"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("log_std, shown", [(100.0, "inf"), (-200.0, "0")])
+def test_a_finite_log_std_no_policy_can_act_with_is_refused_before_the_run_starts(trained, tmp_path, log_std, shown):
+    """exp(100) is inf in float32 and exp(-200) is 0: the rollout's actions were nan and the env was blamed ("env
+    produced nan ... fix the env"), after a whole rollout. Now the resume refuses the file before the run directory
+    exists."""
+    path = damaged(trained, tmp_path, lambda state: state["model"]["log_std"].fill_(log_std))
+    root = tmp_path / "runs"
+    expected = (f"--resume {path!r} has an action noise std of {shown} (exp of its model['log_std']), which no policy "
+                f"can act with: the file is damaged or its run diverged; resume from an earlier model_<k>.pt")
+    with pytest.raises(UsageError, match=f"^{re.escape(expected)}$"):
+        train.main(cfg_with(max_iterations=2, resume=path, log__root=str(root), **SMALL))
+    assert not root.exists()
