@@ -81,7 +81,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     checkpoint = load_checkpoint(resume_path, run_dir) if resume_path else None
     changed, kept = [], []            # from the command line a resumed run continues its own settings
     if checkpoint is not None and typed is not None:
-        changed, kept = continue_saved_config(cfg, checkpoint["config"], typed)
+        changed, kept = continue_saved_config(cfg, checkpoint["config"], typed, resume_path)
     env_seed = shared_env_seed(cfg, checkpoint)
     try:              # the split, too, of an --env.global-num-envs a resume took from its checkpoint: blamed on it
         envs_scope = resolve_num_envs(cfg, world)

@@ -73,17 +73,18 @@ def settings(cfg):
             yield f"--{f.name.replace('_', '-')}", cfg, f, (f.name,)
 
 
-def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list[str], list[str]]:
+def continue_saved_config(cfg, saved: dict, typed: frozenset[str], checkpoint: str | None = None
+                          ) -> tuple[list[str], list[str]]:
     """Give `cfg` every setting of the checkpoint's run that the command line did not type (launch settings
     excepted), so that a resumed run continues as it was started, not with the preset's defaults; a field the
     checkpoint's version did not have takes what its run did (setting_before: the default, or BEFORE's). Returns the
     typed flags that change a setting, each as `FLAG VALUE (the checkpoint's run: FLAG VALUE)`, and the settings
     taken from the checkpoint that differ from what `cfg` had (the preset's), as `FLAG VALUE` (`(not read by this
     run)` added where this run leaves it unread), followed by the saved settings this version does not know (a newer
-    version's), which are dropped, so the start-up says so."""
+    version's), which are dropped, so the start-up says so. A refusal names the `checkpoint` file when given."""
     name = saved.get("env", {}).get("name")
     if name is not None and name != cfg.env.name:      # every other env setting would be the wrong env's
-        refuse_other_env(cfg.env.name, name)
+        refuse_other_env(cfg.env.name, name, checkpoint)
     changed, taken, kept = [], [], []
     # one setting in two fields; a typed --env.global-num-envs 0 sets no count (the per-rank one continues)
     env_count_typed = "--env.num-envs" in typed or ("--env.global-num-envs" in typed and cfg.env.global_num_envs != 0)
@@ -113,8 +114,9 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str]) -> tuple[list
                 kind = ("one of " + ", ".join(map(str, typing.get_args(field.type))) if origin is typing.Literal
                         else field.type if origin is tuple else getattr(field.type, "__name__", field.type))
                 shown = f"{flag} {theirs}" if isinstance(theirs, bool) else as_flag(flag, theirs)   # not a switch
-                raise UsageError(f"the checkpoint's run has {shown}, which this version does not accept ({kind}); "
-                                 f"pass {flag} to choose")
+                where = f"--resume {checkpoint!r}: " if checkpoint else ""
+                raise UsageError(f"{where}the checkpoint's run has {shown}, which this version does not accept "
+                                 f"({kind}); pass {flag} to choose")
         if flag not in typed:
             setattr(owner, field.name, theirs)
             if ours != theirs:
@@ -190,10 +192,11 @@ def blame_checkpoint(error: UsageError, kept: list[str], path: str) -> UsageErro
     return UsageError(f"{error} (the value of the checkpoint's run, {path!r}: pass {flag} to change it)")
 
 
-def refuse_other_env(ours: str, theirs: str):
+def refuse_other_env(ours: str, theirs: str, path: str | None = None):
     """--env.name is the preset's choice, never taken from a checkpoint: another env kind cannot continue."""
-    raise UsageError(f"--env.name {ours} does not match the checkpoint's --env.name {theirs}: resume it with the "
-                     f"preset it was trained with (train.py PRESET), or pass --env.name {theirs}")
+    where = f"--resume {path!r}: " if path else ""
+    raise UsageError(f"{where}--env.name {ours} does not match the checkpoint's --env.name {theirs}: resume it with "
+                     f"the preset it was trained with (train.py PRESET), or pass --env.name {theirs}")
 
 
 def fits_type(value, annotation) -> bool:
@@ -305,7 +308,7 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
                                  f"rank(s), the checkpoint {path!r} has {theirs} per rank; pass --env.global-num-envs "
                                  f"{theirs * (total // ours)} to resume it")
             if flag == "--env.name":
-                refuse_other_env(ours, theirs)
+                refuse_other_env(ours, theirs, path)
             hint = " per rank" if name == "num_envs" else ""      # a resume needs the same count per rank
             raise UsageError(f"{as_flag(flag, ours)} does not match the checkpoint's {as_flag(flag, theirs)}{hint} "
                              f"({path!r}); leave the flag out to keep the checkpoint's")

@@ -190,6 +190,8 @@ def malformed_entry(state: dict) -> str:
                (config.get(name.partition(".")[0], {}) if "." in name else config)]
     if lacking:
         return f"its config lacks {', '.join(lacking)}"
+    if not isinstance(config["env"]["name"], str):   # None skipped the check that the env is this run's
+        return f"its config's env.name is {config['env']['name']!r}, not an env's name"
     if not plain_int(state["iteration"]) or state["iteration"] < 0:
         return f"its iteration is {state['iteration']!r}, not an integer >= 0"
     for name, seed in (("env_seed", state.get("env_seed", 0)), ("config's seed", state["config"].get("seed", 0))):

@@ -103,3 +103,19 @@ def test_a_finite_log_std_no_policy_can_act_with_is_refused_before_the_run_start
     with pytest.raises(UsageError, match=f"^{re.escape(expected)}$"):
         train.main(cfg_with(max_iterations=2, resume=path, log__root=str(root), **SMALL))
     assert not root.exists()
+
+
+@pytest.mark.parametrize("typed", [frozenset(), None], ids=["command-line", "program-config"])
+def test_a_checkpoint_of_another_env_is_refused_naming_the_file(trained, tmp_path, typed):
+    """The refusal read `--env.name cartpole does not match the checkpoint's --env.name tracking` without saying
+    which file was passed (a --resume auto or a run directory picks it)."""
+    expected = f"--resume {trained!r}: --env.name cartpole does not match the checkpoint's --env.name tracking: "
+    with pytest.raises(UsageError, match=f"^{re.escape(expected)}"):
+        train.main(cfg_with(env__name="cartpole", resume=trained, log__root=str(tmp_path)), typed=typed)
+
+
+def test_a_saved_env_name_that_is_no_name_is_damage(trained, tmp_path):
+    """A None skipped the check that the checkpoint is this env's."""
+    path = damaged(trained, tmp_path, lambda state: state["config"]["env"].update(name=None))
+    with pytest.raises(UsageError, match=r"is damaged \(its config's env.name is None, not an env's name\)"):
+        load_checkpoint(path)
