@@ -19,7 +19,7 @@ from dist.plan import PlanRow
 from .config import WeightSyncConfig, check_config, is_int
 from .handshake import compare, describe, format_mismatch, named_dtype, sender_problems, tensors_of
 from .wire import (DENSE, FORMAT, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats,
-                   UnexpectedKind, check_kind, plan_buckets, recv_frame, recv_json, send_frame, send_json)
+                   UnexpectedKind, check_kind, lost_link, plan_buckets, recv_frame, recv_json, send_frame, send_json)
 
 
 class Link:
@@ -69,6 +69,8 @@ class Link:
         if not self.is_sender:
             sent = send_json(mine, self.src, self.group, self.device)
             reply, received = recv_json(self.src, self.group, self.device)
+            if reply is None:    # the sender goes on to init's next messages, which nothing here will take
+                raise lost_link("weight sync init: the sender's handshake reply arrived corrupted")
             if reply["error"]:
                 raise ValueError("weight sync init: " + reply["error"])
             mismatch = format_mismatch(reply.get("format"), FORMAT)
@@ -78,10 +80,15 @@ class Link:
             return reply["version"]
         keys, problems = sender_problems(tensors, keys, version, problems)
         metas = [recv_json(dst, self.group, self.device) for dst in self.dsts]
+        intact = [(dst, meta) for dst, (meta, _) in zip(self.dsts, metas) if meta is not None]
         for dst, (meta, _) in zip(self.dsts, metas):
+            if meta is None:     # still replied to below, with the refusal, so that the receiver does not wait
+                problems.append(f"receiver rank {dst}: its handshake document arrived corrupted; create the syncers "
+                                "again")
+                continue
             problems += [f"receiver rank {dst}: {p}" for p in compare(mine, meta)]
-            if any(meta[field] != metas[0][0][field] for field in ("keys", "shapes", "dtypes", "ties")):
-                problems.append(f"receiver rank {dst} differs from receiver rank {self.dsts[0]} in key order, shapes, "
+            if any(meta[field] != intact[0][1][field] for field in ("keys", "shapes", "dtypes", "ties")):
+                problems.append(f"receiver rank {dst} differs from receiver rank {intact[0][0]} in key order, shapes, "
                                 "dtypes or tied keys; one syncer serves identical receivers (use one per kind)")
         reply = {"error": "; ".join(problems) or None, "version": version if is_int(version) else 0, "format": FORMAT,
                  "keys": [k for k in mine["keys"] if k in keys]}
@@ -143,8 +150,8 @@ class Link:
         self.require(sender=self.is_sender)
         n = len(self.dsts) if self.is_sender else 1
         out, back = ("send", "recv") if self.is_sender else ("recv", "send")
-        rows = [PlanRow(SETUP, "handshake: metadata (JSON)", back, "setup", [b for m, _ in self._documents for b in (8, m)]),
-                PlanRow(SETUP, "handshake: reply (JSON)", out, "setup", [b for _, r in self._documents for b in (8, r)])]
+        rows = [PlanRow(SETUP, "handshake: metadata (JSON)", back, "setup", [b for m, _ in self._documents for b in (24, m)]),
+                PlanRow(SETUP, "handshake: reply (JSON)", out, "setup", [b for _, r in self._documents for b in (24, r)])]
         if bootstrap:
             rows.append(PlanRow(SETUP, "init bootstrap, whole tensors", out, "setup", bootstrap * n))
         rows += [PlanRow(SETUP, "start check: checksum per key", c, "setup", [8 * len(self._checked)] * n)

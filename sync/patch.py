@@ -73,9 +73,18 @@ class PatchSyncer(Link):
         version = self.agree(tensors)
         bootstrap = self._bootstrap_keys()
         with self.lock:
-            if bootstrap:
-                self.recv_whole(tensors, bootstrap, [self.dtypes[k] for k in self.keys],
-                                self.cfg.patch.init_sync.bucket_size, KIND_BUCKET, SETUP)
+            try:
+                if bootstrap:
+                    self.recv_whole(tensors, bootstrap, [self.dtypes[k] for k in self.keys],
+                                    self.cfg.patch.init_sync.bucket_size, KIND_BUCKET, SETUP)
+            except SyncIntegrityError as error:
+                if error.link_lost:
+                    raise
+                # The sender's init went on: still take part in its start check, then refuse updates until the
+                # resync() the error asks for (which needs the version: the receiver counts as initialized).
+                self.version, self._broken = version, f"the init bootstrap was refused: {error}"
+                self._verify_rest(tensors, bootstrap)
+                raise
             self._verify_rest(tensors, bootstrap)
             self._adopt_checksums(tensors)
             self.version = version

@@ -4,8 +4,8 @@ Every message goes through dist.comm's counted wrappers, under "weight_sync" (up
 "weight_sync_setup" (handshake, bootstrap, start checks, resync), so the ledger sees every byte.
 After init everything is a frame (patch, bucket, bootstrap and resync alike):
 
-    header   8 x int64: magic, kind, version, base version (-1 for whole tensors), rows,
-             payload bytes on the wire and raw, check (of the other words and the table)
+    header   9 x int64: magic, kind, version, base version (-1 for whole tensors), rows,
+             payload bytes on the wire and raw, check of those seven words, check of them and the table
     table    [rows, 4] int64: tensor ordinal, values sent, encoding, position symbols
     payload  one message per segment (a row's positions, then its values), widest dtype first so that
              each is an aligned view of one buffer; one message of all segments instead when they are small
@@ -13,8 +13,10 @@ After init everything is a frame (patch, bucket, bootstrap and resync alike):
              single zstd blob when compressed
     trailer  rows + 1 int64: each row's tensor checksum after the update, then a check of them all
 
-The sender computes the trailer while the payload is in flight. All sizes are in the header and table:
-a receiver refuses a malformed frame before allocating anything and can drain frames it does not want
+The sender computes the trailer while the payload is in flight. All sizes are in the header and table, and each
+is checked before a receive is sized by it (a table by the words' check, a payload by the table's): a receiver
+refuses a malformed or damaged frame before allocating anything (a receive of the wrong size ends the process in
+gloo) and can drain frames it does not want
 (queued updates before a resync). Nothing is pickled. The optional zstd transform of a patch payload
 (`patch.compression=zstd`) is at the end of this file.
 """
@@ -29,12 +31,13 @@ from dist import comm
 from dist.checksum import checksum
 
 MAGIC = 0x53594E43  # "SYNC": a receiver reading a stray message fails loudly instead of decoding garbage
-FORMAT = 2  # of frames and checksums (2: checksums over byte lanes): the handshake refuses a peer of another
+FORMAT = 3  # of frames and checksums (2: checksums over byte lanes; 3: the header words checked before the table is
+# received, and the handshake documents checksummed): the handshake refuses a peer of another
 KIND_BUCKET, KIND_PATCH, KIND_RESYNC = 1, 2, 3
 UPDATE, SETUP = "weight_sync", "weight_sync_setup"  # ledger purposes
 GAPS8, GAPS16, GAPS32, BITMAP, DENSE = range(5)  # how a row's positions travel (see patch.py)
 SYMBOL_DTYPES = {GAPS8: torch.uint8, GAPS16: torch.int16, GAPS32: torch.int32, BITMAP: torch.uint8}
-HEADER_BYTES, ROW_BYTES = 8 * 8, 4 * 8
+HEADER_BYTES, ROW_BYTES = 9 * 8, 4 * 8
 PACK_BYTES = 1 << 20
 PAYLOAD = (-2, -2)  # the key of a packed payload's one receive in Frame.works
 RESYNC_HINT = "call resync() on sender and receivers"
@@ -115,7 +118,8 @@ def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments
     payload = [p.to(device) for p in payload]
     wire = sum(p.numel() * p.element_size() for p in payload)
     words = torch.tensor([MAGIC, kind, version, base, len(table), wire, raw], dtype=torch.int64)
-    head = [torch.cat([words, checksum([words, table]).view(1)]).to(device)] + ([table.to(device)] if len(table) else [])
+    checks = torch.stack([checksum([words]), checksum([words, table])])
+    head = [torch.cat([words, checks]).to(device)] + ([table.to(device)] if len(table) else [])
     works = [comm.isend(t, purpose, dst, group) for t in head + payload for dst in dsts]
     try:
         after = sums() if len(table) else []
@@ -145,7 +149,7 @@ class Frame:
     base: int
     table: torch.Tensor  # [rows, 4] int64 on the host
     sizes: tuple  # payload bytes on the wire and raw
-    check: int
+    check: int  # of the words and the table
     payload: torch.Tensor  # the staged bytes (uint8): segments not received in place are views of it
     segments: list  # per row: (positions or None, values)
     works: dict  # pending receives: (row, 0 positions / 1 values), PAYLOAD (packed) or (-1, -1) (trailer) -> work
@@ -197,19 +201,21 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     absent or None: uncompressed). `staging`: [buffer] reused across frames (grown when too small), else a
     fresh buffer.
     """
-    head = comm.recv_then_count(torch.empty(8, dtype=torch.int64, device=device),
-                                lambda h: expect(int(h[1]))[0], src, group).cpu()
+    head = comm.recv_then_count(torch.empty(9, dtype=torch.int64, device=device), lambda h: _purpose(h, expect),
+                                src, group).cpu()
     magic, kind, version, base, rows, wire, raw = head[:7].tolist()
     if magic != MAGIC:
-        raise RuntimeError(f"weight sync: received a message without the sync header (magic {magic:#x}); "
-                           "sender and receiver are out of step or share the group with other traffic")
+        raise lost_link(f"weight sync: received a message without the sync header (magic {magic:#x}); sender and "
+                        "receiver are out of step, share the group with other traffic, or the header was corrupted")
+    if int(checksum([head[:7]])) != int(head[7]):   # before `rows` sizes the table's receive
+        raise lost_link(f"weight sync: frame header {head[:7].tolist()} failed its checksum (corrupted)")
     purpose, dtypes, into, *codec = expect(kind)
     decompress = codec[0] if codec else None
     if not 0 <= rows <= len(numels):
         raise lost_link(f"weight sync: frame header {head.tolist()} announces {rows} table rows")
     table = torch.zeros(rows, 4, dtype=torch.int64, device=device)
     frame = Frame(kind, version, base, (comm.recv(table, purpose, src, group) if rows else table).cpu(), (wire, raw),
-                  int(head[7]), None, [], {}, None)
+                  int(head[8]), None, [], {}, None)
     frame.check_header(link_lost=True)
     _check_table(frame.table, numels)
     specs, places = [], []  # (dtype, count) per segment; (row, part) per segment
@@ -256,6 +262,13 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
             frame.wait()  # a refused payload: still receive the trailer, so the stream stays in step for resync()
             raise
     return frame
+
+
+def _purpose(head: torch.Tensor, expect: Callable[[int], tuple]) -> str:
+    """The ledger purpose of a received header: its kind's, once its words pass their check (a damaged one is
+    counted as an update, and refused right after)."""
+    intact = int(head[0]) == MAGIC and int(checksum([head[:7].cpu()])) == int(head[7])
+    return expect(int(head[1]))[0] if intact else UPDATE
 
 
 class UnexpectedKind(RuntimeError):
@@ -312,19 +325,27 @@ def bucket_messages(nbytes: Sequence[int], bucket_size: int) -> list[int]:
 
 def send_json(obj, dst: int, group, device) -> int:
     """Send a small JSON document to `dst`; returns its length. Crosses ranks once per call, at init only (the
-    handshake of Link.agree): a length word (int64), then the UTF-8 bytes."""
-    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
-    comm.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), SETUP, dst, group)
-    comm.send(data, SETUP, dst, group)
+    handshake of Link.agree): three int64 words (the length, the document's checksum, a check of both), then the
+    UTF-8 bytes."""
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    words = torch.stack([torch.tensor(data.numel()), checksum([data])])
+    comm.send(torch.cat([words, checksum([words]).view(1)]).to(device), SETUP, dst, group)
+    comm.send(data.to(device), SETUP, dst, group)
     return data.numel()
 
 
 def recv_json(src: int, group, device) -> tuple[object, int]:
-    """Receive send_json's document from `src`; returns (it, length). Crosses ranks once per call, at init only
-    (the handshake of Link.agree): a length word (int64), then the UTF-8 bytes."""
-    length = comm.recv(torch.empty(1, dtype=torch.int64, device=device), SETUP, src, group)
-    data = comm.recv(torch.empty(int(length.item()), dtype=torch.uint8, device=device), SETUP, src, group)
-    return json.loads(bytes(data.cpu().tolist()).decode()), data.numel()
+    """Receive send_json's document from `src`; returns (it, length), or (None, length) when it arrived corrupted
+    (so that the sender can still reply with the refusal). Crosses ranks once per call, at init only (the handshake
+    of Link.agree): three int64 words, then the UTF-8 bytes. A corrupted length sizes no receive: the rest cannot be
+    drained, and that is raised."""
+    words = comm.recv(torch.empty(3, dtype=torch.int64, device=device), SETUP, src, group).cpu()
+    if int(checksum([words[:2]])) != int(words[2]):
+        raise lost_link(f"weight sync init: the handshake message from rank {src} failed its check (corrupted)")
+    data = comm.recv(torch.empty(int(words[0]), dtype=torch.uint8, device=device), SETUP, src, group).cpu()
+    if int(checksum([data])) != int(words[1]):
+        return None, data.numel()
+    return json.loads(bytes(data.tolist()).decode()), data.numel()
 
 
 # ----- optional lossless compression of a patch payload (host side; patch.compression=zstd) ----------------

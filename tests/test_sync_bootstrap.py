@@ -59,9 +59,9 @@ def test_frozen_parameters_bootstrap_and_resync_only_and_tied_weights_travel_onc
     sender_start = snapshot(TiedNet(seed=0).state_dict())
     # Bootstrap: the whole state_dict, the tied weight once, frozen layer included, no non-persistent buffer:
     # one frame of 4 rows (a 32-byte table row and an 8-byte checksum each, then the 8-byte trailer check).
-    assert bootstrap == (64 + 4 * 40 + 8 + EMBED + FROZEN + COUNT, EMBED + FROZEN + COUNT, 400 + 72 + 1)
+    assert bootstrap == (72 + 4 * 40 + 8 + EMBED + FROZEN + COUNT, EMBED + FROZEN + COUNT, 400 + 72 + 1)
     # Patch: tied weight (dense, once) and count; the frozen layer is not tracked. Two rows.
-    assert patch == (64 + 2 * 40 + 8 + EMBED + COUNT, EMBED + COUNT, 400 + 1)
+    assert patch == (72 + 2 * 40 + 8 + EMBED + COUNT, EMBED + COUNT, 400 + 1)
     assert resync == bootstrap[:2] + (473,)
     for at_start, after_patch, final, tied in receivers:
         assert bits_equal(at_start, sender_start)

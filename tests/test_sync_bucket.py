@@ -61,7 +61,7 @@ def test_bucket_load_instant_both_ways_to_two_receivers_exact_and_sized_by_hand(
         assert all(bits_equal(copy[i], history[i]) for copy in copies for i in range(3))
         # Three frames (see the plan test) of 2, 1 and 4 rows: header, a 32-byte table row and an 8-byte
         # checksum per tensor, and each frame's 8-byte trailer check.
-        assert stats == [(3 * (64 + 8) + 7 * 40 + sum(FP32_BYTES), sum(FP32_BYTES))] * 3
+        assert stats == [(3 * (72 + 8) + 7 * 40 + sum(FP32_BYTES), sum(FP32_BYTES))] * 3
 
 
 @pytest.mark.slow
@@ -72,7 +72,7 @@ def test_bucket_dtype_converts_floats_only():
     for step in range(3):
         assert bits_equal(received[step], converted(history[step], torch.bfloat16, torch.float32))
     bf16_bytes = sum(n // 2 for n in FP32_BYTES[:5]) + sum(FP32_BYTES[5:])  # 46762 bytes: one bucket
-    assert stats == [(64 + 8 + 7 * 40 + bf16_bytes, bf16_bytes)] * 3
+    assert stats == [(72 + 8 + 7 * 40 + bf16_bytes, bf16_bytes)] * 3
 
 
 @pytest.mark.slow
@@ -83,7 +83,7 @@ def test_bucket_to_a_bf16_receiver_sends_its_dtype():
     for step in range(3):
         assert bits_equal(received[step], converted(history[step], torch.bfloat16))
     bf16_bytes = sum(n // 2 for n in FP32_BYTES[:5]) + sum(FP32_BYTES[5:])
-    assert stats == [(64 + 8 + 7 * 40 + bf16_bytes, bf16_bytes)] * 3
+    assert stats == [(72 + 8 + 7 * 40 + bf16_bytes, bf16_bytes)] * 3
 
 
 def _frozen_equal_after_conversion(rank, world_size):

@@ -44,7 +44,7 @@ HANDSHAKES = [
     ("config", "config differs from the sender's, by field (sender, receiver): {'patch.verify_every': (100, 7)}"),
     ("not contiguous", "not_contiguous on the receiver: ['a']"),
     ("not a tensor", "not_tensors on the sender: ['note']"),  # on both sides: keys, shapes and dtypes agree
-    ("format", "wire format 1 on the receiver, 2 on the sender: run the same syncppo version on both sides"),
+    ("format", "wire format 1 on the receiver, 3 on the sender: run the same syncppo version on both sides"),
 ]
 # (keys the sender asks to sync, what both sides' error must say)
 SENDER_KEYS = [(["a", "nope"], "keys to sync not in the sender's state_dict: ['nope']"),
@@ -103,7 +103,7 @@ def _reply_of_an_older_sender(rank, world_size):
         return syncer.agree(_state())           # the handshake alone: the receiver stops there
     real = sync.link.recv_json
 
-    def older_reply(*args):  # what a sender before format 2 replies: it compared no format and names none
+    def older_reply(*args):  # what a sender before format 2 replied: it compared no format and named none
         reply, size = real(*args)
         return {k: v for k, v in reply.items() if k != "format"}, size
     sync.link.recv_json = older_reply
@@ -118,7 +118,7 @@ def test_a_receiver_refuses_the_reply_of_a_sender_on_an_older_wire_format():
     first frame then failed its header checksum as "corrupted". The reply carries the sender's format, and the
     receiver refuses one without it, naming both."""
     _, message = run_ranks(_reply_of_an_older_sender, 2)
-    assert message == ("weight sync init: wire format 2 on the receiver, None on the sender: run the same syncppo "
+    assert message == ("weight sync init: wire format 3 on the receiver, None on the sender: run the same syncppo "
                        "version on both sides")
 
 

@@ -62,7 +62,7 @@ def test_receiver_matches_sender_after_every_update(receiver_dtype):
             assert bits_equal(received[step], converted(history[step], receiver_dtype)), f"step {step}"
             assert stats[step].changed_elements == _changed_elements(before, history[step], receiver_dtype)
             if density == 0.0:
-                assert stats[step].wire_bytes == 64  # the header alone
+                assert stats[step].wire_bytes == 72  # the header alone
             before = history[step]
         # A dense step touches every tensor whole; a 0.1% step leaves the big matrices sparse.
         assert stats[DENSITIES.index(1.0)].sparse_tensors == 0
@@ -113,7 +113,7 @@ def _hand_sized(rank, world_size, receiver_dtype):
 def test_patch_bytes_and_encodings_by_hand(receiver_dtype):
     stats, (tables, vec) = run_ranks(_hand_sized, 2, args=(receiver_dtype,))
     v = receiver_dtype.itemsize
-    header, table_row = 64, 4 * 8
+    header, table_row = 72, 4 * 8
 
     def trailer(rows):  # each row's checksum after the update, then the trailer's own check
         return (rows + 1) * 8

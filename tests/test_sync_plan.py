@@ -52,5 +52,5 @@ def test_plan_equals_ledger_for_setup_and_syncs(mode, frozen, pack_bytes):
         # By hand: buckets of at most 50,000 bytes over make_state's 7 synced tensors + the empty one, fp32:
         # [scale, enc.bias] | [enc.weight (84,000 bytes)] | [conv.weight, dec.weight, mask, empty] (steps frozen);
         # a frame's payloads of at most 1 MiB travel as one message (148 + 4, then 1200 + 8000 + 6 bytes)
-        frames = [[64, 2 * 32, 152, 3 * 8], [64, 32, 84_000, 16], [64, 4 * 32, 9206, 5 * 8]]
+        frames = [[72, 2 * 32, 152, 3 * 8], [72, 32, 84_000, 16], [72, 4 * 32, 9206, 5 * 8]]
         assert sorted(receiver_update[0].call_bytes) == sorted(b for f in frames for b in f)

@@ -184,9 +184,11 @@ def _header_damaged_in_flight(rank, world_size):
     finally:
         sync.wire.comm.recv_then_count = real
     assert not state["w"].any()
-    # Only this test knows the rest of the frame: one packed payload (2 one-byte gaps, 2 float32 values) and
-    # the trailer (1 row checksum + its check). Received here so that the sender's sends complete.
-    for rest in (torch.empty(10, dtype=torch.uint8), torch.empty(2, dtype=torch.int64)):
+    # Only this test knows the rest of the frame: its table row (refused before it was received), one packed payload
+    # (2 one-byte gaps, 2 float32 values) and the trailer (1 row checksum + its check). Received here so that the
+    # sender's sends complete.
+    for rest in (torch.empty(1, 4, dtype=torch.int64), torch.empty(10, dtype=torch.uint8),
+                 torch.empty(2, dtype=torch.int64)):
         dist.recv(rest, src=0)
     return str(error.value)
 

@@ -298,10 +298,10 @@ def _bucket_plan_in_wire_dtype(rank, world_size):
 @pytest.mark.slow
 def test_bucket_plan_counts_floats_in_the_wire_dtype():
     """plan_rows() (checked against the ledger elsewhere only with bucket_dtype=None) must size floating tensors
-    in bucket_dtype: one frame of a 64-byte header, two 32-byte table rows, one packed payload of 10 bf16
+    in bucket_dtype: one frame of a 72-byte header, two 32-byte table rows, one packed payload of 10 bf16
     (20 bytes) and 3 int64 (24 bytes, ints keep their dtype), and a 24-byte trailer."""
     for rows in run_ranks(_bucket_plan_in_wire_dtype, 2):
-        assert rows == [[64, 64, 44, 24]]
+        assert rows == [[72, 64, 44, 24]]
 
 
 

@@ -35,7 +35,7 @@ def _frames_on_the_wire(rank, world_size):
         patch.sync(state, 5)
     else:
         patch.init_receiver(state)
-        received["patch"] = [_raw(8, torch.int64), _raw((2, 4), torch.int64), _raw(48, torch.uint8),
+        received["patch"] = [_raw(9, torch.int64), _raw((2, 4), torch.int64), _raw(48, torch.uint8),
                              _raw(3, torch.int64)]
     bucket = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
     state = {"a": torch.zeros(3), "m": torch.zeros(4, dtype=torch.bool)}
@@ -46,25 +46,27 @@ def _frames_on_the_wire(rank, world_size):
         bucket.sync(state, 3)
     else:
         bucket.init_receiver(state)
-        received["bucket"] = [_raw(8, torch.int64), _raw((2, 4), torch.int64), _raw(16, torch.uint8),
+        received["bucket"] = [_raw(9, torch.int64), _raw((2, 4), torch.int64), _raw(16, torch.uint8),
                               _raw(3, torch.int64)]
     return received
 
 
 def _expected_frame(words, table, payload_parts, after):
-    """Header (7 words and the check of words and table), table, packed payload bytes, trailer (each tensor's
-    checksum after the update, then the check of words and those checksums), from the reference checksum."""
+    """Header (7 words, the check of those words, the check of words and table), table, packed payload bytes,
+    trailer (each tensor's checksum after the update, then the check of words and those checksums), from the
+    reference checksum."""
     words_t, table_t = torch.tensor(words, dtype=torch.int64), torch.tensor(table, dtype=torch.int64)
     payload = torch.cat([p.reshape(-1).view(torch.uint8) for p in payload_parts])
     sums = [ref_tensor_checksum(t) for t in after]
     trailer = sums + [ref_checksum([words_t, torch.tensor(sums, dtype=torch.int64)])]
-    return [words + [ref_checksum([words_t, table_t])], table, payload.tolist(), trailer]
+    return [words + [ref_checksum([words_t]), ref_checksum([words_t, table_t])], table, payload.tolist(), trailer]
 
 
 @pytest.mark.slow
 def test_patch_and_bucket_frames_match_the_documented_wire_format_byte_by_byte():
     """The wire format of docs/weight_sync.md, checked on the bytes a real sender puts on the wire: header
-    words (magic, kind, version, base, rows, payload sizes, check over words and table), table rows (ordinal,
+    words (magic, kind, version, base, rows, payload sizes, check over the words, check over words and table),
+    table rows (ordinal,
     values, encoding, symbols), the packed payload widest dtype first, the trailer (checksums after the update,
     then a check bound to the header words). The round-trip tests cannot see a change made on both sides at
     once (a check that stops covering the table, a trailer no longer bound to its header's version, another
@@ -89,14 +91,15 @@ def test_patch_and_bucket_frames_match_the_documented_wire_format_byte_by_byte()
 
 def _send_words(words, table=None):
     table_t = torch.zeros(0, 4, dtype=torch.int64) if table is None else torch.tensor(table, dtype=torch.int64)
-    check_words = [MAGIC, *words[1:]]  # the receiver checks the header as it should have been (its own magic)
-    dist.send(torch.tensor(words + [ref_checksum([torch.tensor(check_words), table_t])], dtype=torch.int64), dst=1)
+    check_words = torch.tensor([MAGIC, *words[1:]])  # the receiver checks the header as it should have been
+    checks = [ref_checksum([check_words]), ref_checksum([check_words, table_t])]
+    dist.send(torch.tensor(words + checks, dtype=torch.int64), dst=1)
     if table is not None:
         dist.send(table_t, dst=1)
 
 
 MALFORMED = [  # (header words, table sent after it or None, the error, what its message says)
-    ([0x1234, 2, 1, 0, 0, 0, 0], None, RuntimeError, "without the sync header"),
+    ([0x1234, 2, 1, 0, 0, 0, 0], None, SyncIntegrityError, "without the sync header"),
     ([MAGIC, 2, 1, 0, 2**40, 0, 0], None, SyncIntegrityError, "announces 1099511627776 table rows"),
     ([MAGIC, 2, 1, 0, -1, 0, 0], None, SyncIntegrityError, "announces -1 table rows"),
     ([MAGIC, 2, 1, 0, 1, 20, 20], [[0, 4, DENSE, 0]], SyncIntegrityError, "payload sizes its table does not"),
@@ -159,12 +162,12 @@ def test_a_tie_in_size_goes_to_the_encoding_cheaper_to_apply(n, changed, dtype, 
 
 def test_small_segments_pack_into_one_message_up_to_exactly_pack_bytes():
     """docs: segments travel as one message when they are small, at most PACK_BYTES (1 MiB) in all; one byte more
-    and each is its own message. Header 64, table 32 per row, trailer 8 per row + 8."""
+    and each is its own message. Header 72, table 32 per row, trailer 8 per row + 8."""
     from sync.wire import frame_messages
     mib = 1 << 20
-    assert frame_messages(2, [mib - 16, 16]) == [64, 64, mib, 24]
-    assert frame_messages(2, [mib - 15, 16]) == [64, 64, mib - 15, 16, 24]
-    assert frame_messages(1, [mib + 1]) == [64, 32, mib + 1, 16]
+    assert frame_messages(2, [mib - 16, 16]) == [72, 64, mib, 24]
+    assert frame_messages(2, [mib - 15, 16]) == [72, 64, mib - 15, 16, 24]
+    assert frame_messages(1, [mib + 1]) == [72, 32, mib + 1, 16]
 
 
 def test_a_gap_of_exactly_one_escape_symbol_costs_an_escape():
@@ -278,7 +281,7 @@ def test_segments_of_exactly_pack_bytes_cross_as_one_message_and_one_byte_more_a
     mib = 1 << 20
     floats = (mib - 16) // 4
     sent, received = run_ranks(_round_trip_at_pack_bytes, 2, (extra,))
-    rows = 2 * 32                                     # header 64, table 32 per row, trailer 8 per row + 8
-    assert sent == ([64, rows, mib, 8 * 3] if not extra else [64, rows, mib - 16, 17, 8 * 3])
+    rows = 2 * 32                                     # header 72, table 32 per row, trailer 8 per row + 8
+    assert sent == ([72, rows, mib, 8 * 3] if not extra else [72, rows, mib - 16, 17, 8 * 3])
     assert torch.equal(received["a"], torch.arange(floats, dtype=torch.float32) * 0.5 - 7.0)
     assert received["m"].tolist() == [i % 3 == 0 for i in range(16 + extra)]

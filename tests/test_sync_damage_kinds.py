@@ -1,0 +1,130 @@
+"""Damage an adversarial audit of sync/ put in flight that the checks met too late or not at all: a header word that
+sizes the table's receive (a wrong size ended the receiver's process in gloo), the init handshake's documents (they
+carried no check), and a refused init bootstrap (neither side could resync)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sync.wire
+from dist import comm
+from multirank import run_ranks
+from sync import InitSyncConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from test_sync_common import bits_equal, snapshot
+
+
+def _rows_word_damaged(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    state = {"w": torch.zeros(100), "v": torch.zeros(100)}   # tiny: the frame's rest fits in the socket
+    if rank == 0:
+        syncer.init_sender(state)
+        state["w"][[3, 50]] = 1.0
+        state["v"][7] = 2.0
+        syncer.sync(state, 1)
+        return None
+    syncer.init_receiver(state)
+    real = comm.recv_then_count
+
+    def damaged(tensor, *args):
+        real(tensor, *args)[4] -= 1   # 2 table rows announced as 1: a receive too small for the table
+        return tensor
+
+    comm.recv_then_count = damaged
+    try:
+        with pytest.raises(SyncIntegrityError) as error:
+            syncer.apply(state)
+    finally:
+        comm.recv_then_count = real
+    assert not state["w"].any() and not state["v"].any()
+    # The rest of the frame, which only this test knows: 2 table rows, one packed payload (w: 2 one-byte gaps and 2
+    # float32 values; v: 1 gap and 1 value) and the trailer (2 checksums and their check).
+    for rest in (torch.empty(2, 4, dtype=torch.int64), torch.empty(15, dtype=torch.uint8),
+                 torch.empty(3, dtype=torch.int64)):
+        dist.recv(rest, src=0)
+    return str(error.value), error.value.link_lost
+
+
+@pytest.mark.slow
+def test_a_damaged_row_count_is_refused_before_it_sizes_the_table_s_receive():
+    """The table's receive was sized by the header's `rows` word before the header's check (which covered the table
+    too) could run: 2 rows announced as 1 ended the receiver's process (gloo: "op.preamble.length <= op.nbytes. 64
+    vs 32"). The header words now carry a check of their own, checked first."""
+    _, (message, link_lost) = run_ranks(_rows_word_damaged, 2, timeout=30)
+    assert link_lost is True
+    assert message.startswith("weight sync: frame header [1398361667, 2, 1, 0, 1, 15, 15] failed its checksum "
+                              "(corrupted); the rest of this frame is still queued")
+
+
+def _receiver_document_damaged(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
+    state = {"w": torch.zeros(10), "frozen": torch.ones(3)}
+    if rank == 1:
+        with pytest.raises(ValueError) as error:
+            syncer.init_receiver(state)
+        return str(error.value)
+    real = comm.recv
+
+    def damaged(tensor, *args):
+        real(tensor, *args)
+        if tensor.dtype == torch.uint8:    # the receiver's JSON: one byte of a key name changed
+            tensor[tensor.tolist().index(ord("w"))] = ord("x")
+        return tensor
+
+    comm.recv = damaged
+    try:
+        with pytest.raises(ValueError) as error:
+            syncer.init_sender(state, keys=["w"])
+    finally:
+        comm.recv = real
+    return str(error.value)
+
+
+@pytest.mark.slow
+def test_a_damaged_handshake_document_is_refused_on_both_sides():
+    """A byte of a key name changed in the receiver's handshake document: the sides disagreed on which keys are
+    synced and init deadlocked (bucket) or every patch was refused (patch). The document carries a checksum now;
+    the sender replies with the refusal, so that both sides raise it."""
+    for message in run_ranks(_receiver_document_damaged, 2, timeout=30):
+        assert message == ("weight sync init: receiver rank 1: its handshake document arrived corrupted; create the "
+                           "syncers again")
+
+
+def _bootstrap_refused_then_resync(rank, world_size):
+    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(init_sync=InitSyncConfig(prefixes=("w",))))
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    state = {"w": torch.arange(6.0), "b": torch.ones(2)}   # b: outside the bootstrap, checked at the start instead
+    if rank == 0:
+        syncer.init_sender(state)       # returns: the sender does not know (the receiver's caller tells it)
+        state["w"][0] = 9.0
+        syncer.sync(state, 1)
+        syncer.resync(state, 2)
+        state["w"][2] = -1.0
+        syncer.sync(state, 3)
+        return snapshot(state)
+    model = {"w": torch.zeros(6), "b": torch.ones(2)}
+    real = sync.wire.Frame.sums
+
+    def damaged(frame):
+        frame.wait().trailer[0] += 1     # the bootstrap frame's trailer, damaged on the way
+        return real(frame)
+
+    sync.wire.Frame.sums = damaged
+    try:
+        with pytest.raises(SyncIntegrityError) as error:
+            syncer.init_receiver(model)
+    finally:
+        sync.wire.Frame.sums = real
+    assert error.value.model_written and not error.value.link_lost
+    with pytest.raises(SyncIntegrityError, match="needs resync\\(\\) after: the init bootstrap was refused"):
+        syncer.apply(model)             # patch 1: received whole, refused
+    assert syncer.resync(model) == 2 and syncer.apply(model) == 3
+    return model
+
+
+@pytest.mark.slow
+def test_a_refused_init_bootstrap_is_recovered_by_resync():
+    """A bootstrap frame the receiver refused left it uninitialized, so its resync() raised "call init first", while
+    the sender's init had returned (and with init_sync.prefixes waited for a start check the receiver never sent).
+    The receiver now still takes part in the start check, refuses updates until resync(), and resync() recovers."""
+    sender, receiver = run_ranks(_bootstrap_refused_then_resync, 2, timeout=30)
+    assert bits_equal(receiver, sender)
