@@ -51,6 +51,13 @@ class ConcatStorage(RolloutStorage):
         self.world_size, self.generators = world_size, [torch.Generator().manual_seed(s) for s in seeds]
 
     def minibatches(self, num_mini_batches, generator=None, unit="trajectory"):
+        if unit == "transition":    # rank r's flat row t * N + n is row t * W * N + r * N + n of the union
+            size = T * N // num_mini_batches
+            local = [torch.randperm(T * N, generator=g) for g in self.generators]
+            perms = [p // N * N * self.world_size + r * N + p % N for r, p in enumerate(local)]
+            for i in range(num_mini_batches):
+                yield self.data.flatten(0, 1)[torch.cat([p[i * size:(i + 1) * size] for p in perms])]
+            return
         size = N // num_mini_batches
         perms = [torch.randperm(N, generator=g) + r * N for r, g in enumerate(self.generators)]
         for i in range(num_mini_batches):

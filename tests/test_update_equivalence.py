@@ -51,6 +51,23 @@ def test_whole_ppo_update_on_w_ranks_equals_one_process_on_concatenated_data(wor
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world_size, micro, mode", [(2, 2, "bucketed"), (3, 1, "flat")])
+def test_minibatches_of_transitions_on_w_ranks_equal_one_process_on_concatenated_data(world_size, micro, mode):
+    """--ppo.minibatch-unit transition (the isaaclab preset's): each rank shuffles its own T * N transitions; one
+    process over the union of each minibatch takes the same steps."""
+    unit = {"minibatch_unit": "transition"}
+    results = run_ranks(distributed_update, world_size, args=(unit, micro, mode))
+    ref_state, ref_stats = single_process_update(world_size, unit)
+    trajectory_state, _ = single_process_update(world_size, {})
+    assert max((trajectory_state[k] - ref_state[k]).abs().max().item() for k in ref_state) > 1e-4   # not trivial
+    for state, stats in results:
+        for key, ref in ref_state.items():
+            torch.testing.assert_close(state[key], ref, rtol=1e-4, atol=1e-5, msg=f"{key} differs")
+        assert stats["learning_rate"] == pytest.approx(ref_stats["learning_rate"], rel=1e-6)
+        assert stats["kl"] == pytest.approx(ref_stats["kl"], rel=1e-3)
+
+
+@pytest.mark.slow
 def test_local_advantage_normalization_differs_from_global():
     """Guards the test above against passing trivially: with per-rank normalization the result changes."""
     results = run_ranks(distributed_update, 2, args=({"advantage_norm": "local"}, 1))
