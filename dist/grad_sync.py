@@ -9,8 +9,8 @@ Every parameter's `.grad` is a view into a bucket buffer (no packing copy, ever)
   minibatch boundary each bucket's all-reduce is launched asynchronously, from a
   post-accumulate-grad hook, as soon as its last gradient is ready, so communication overlaps the
   rest of backward. Buckets launch strictly in index order so every rank issues the same sequence;
-  with unused="zero", any still incomplete launch as the armed backward ends (a collective issued before
-  synchronize() then pairs with the same one on every rank).
+  with unused="zero" all of them launch at `synchronize()` (no overlap: a parameter unused on one rank only
+  would leave its bucket to launch there later than elsewhere, out of step with any collective in between).
 
 A few `extras` scalars (e.g. the KL sum and count of the adaptive-LR rule) ride at the end of the
 last bucket to launch, saving a separate collective: they are summed, the gradients averaged. They
@@ -220,7 +220,7 @@ class GradSync:
             self.buckets[-1].extras.copy_(extras.detach().reshape(-1))
         for b in self.buckets:
             b.pending, b.work = len(b.params), None
-        self._armed, self._next_launch, self._end_queued = True, 0, False
+        self._armed, self._next_launch = True, 0
         self._armed_received.clear()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -240,16 +240,14 @@ class GradSync:
                                    "used inside and outside a reentrant torch.utils.checkpoint also gets two)")
             self._armed_received.add(id(p))
         self._received.add(id(p))
-        if not (self._armed and self.mode == "bucketed"):
+        # unused="zero": every bucket launches at synchronize(), as flat's does. A bucket holding a parameter unused on
+        # one rank only would launch there at synchronize() but during backward elsewhere, and pair with another
+        # collective issued in between. (An end-of-backward callback, DDP's way, fires early under reentrant
+        # checkpointing: at the end of the inner backward, before the outer parameters' gradients.)
+        if not (self._armed and self.mode == "bucketed" and self.unused == "error"):
             return
         bucket = self._bucket_of[id(p)]
         bucket.pending -= 1
-        if self.unused == "zero" and not self._end_queued:
-            # A bucket with a parameter unused on this rank only would launch at synchronize() here but during
-            # backward elsewhere, pairing with another collective issued in between: launch the rest as the armed
-            # backward ends, as DDP does. (unused="error": synchronize() raises on that rank before launching.)
-            self._end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._launch_ready, True))
         self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
