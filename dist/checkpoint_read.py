@@ -250,9 +250,9 @@ def nonfinite_entry(state: dict) -> str:
     a nan or inf in a floating tensor or float (weights, normalizer statistics, Adam's moments, step counts and
     LR, sampler counts), or a negative value where NON_NEGATIVE names it (counts, steps, stds, M2, Adam's
     exp_avg_sq). A healthy run keeps them finite: the update skips a step whose gradient norm is not finite and
-    clips the others, and non-finite observations or rewards stop the run before a normalizer sees them. Integer tensors (counters) are exempt, and RNG states
-    (uint8) are not among the entries. One aminmax per tensor: a single pass that copies nothing (nan reaches both
-    ends)."""
+    clips the others, and non-finite observations or rewards stop the run before a normalizer sees them. Integer
+    tensors (counters) are exempt, and RNG states (uint8) are not among the entries. One aminmax per tensor: a single
+    pass that copies nothing (nan reaches both ends)."""
     for entry in VALUED_ENTRIES:
         for where, value in _numbers(state.get(entry), entry):
             if isinstance(value, float):

@@ -146,11 +146,11 @@ class IsaacLabEnv:
         self.env, self._runtime = None, contextlib.ExitStack()
         try:
             self._runtime.enter_context(launch_simulation(env_cfg, launcher))
-        except SystemExit as exc:       # 3.0.0 logs why Isaac Sim (Kit) cannot start, then exits with status 1
+        except SystemExit as exc:       # 3.0.0 logs why Isaac Sim (Kit) cannot start (e.g. not installed), then exits
             raise MissingSimulator(f"--env.task {task}: Isaac Lab could not start the Isaac Sim (Kit) runtime that "
-                                   f"this task's physics or renderer needs (its error above, exit {exc.code}); "
-                                   f"install Isaac Sim there, or pick a kitless physics preset of the task "
-                                   f"(G1's: --env.task-overrides physics=newton_mjwarp)") from exc
+                                   f"this task's physics or renderer needs (its error above, exit {exc.code or 1}); "
+                                   f"if Isaac Sim is not installed there, install it or pick a kitless physics preset "
+                                   f"of the task (G1's: --env.task-overrides physics=newton_mjwarp)") from exc
         atexit.register(self.close)
         self.env = gym.make(name, cfg=env_cfg)
         self._describe(task, device, seed, actor_obs_groups, critic_obs_groups)

@@ -2,7 +2,7 @@
 receivers must agree on for the wire format to line up, and the reasons a receiver cannot take the sender's
 updates. Nothing here crosses ranks (Link.agree sends the document)."""
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -87,6 +87,22 @@ def compare(sender: dict, receiver: dict) -> list[str]:
                             "(only floating dtypes may differ)")
     if sorted(receiver["ties"]) != sorted(sender["ties"]):
         problems.append(f"tied keys differ: sender {sender['ties']}, receiver {receiver['ties']}")
+    return problems
+
+
+def receiver_problems(sender: dict, receivers: list, ranks: Sequence[int]) -> list[str]:
+    """Why the receivers' documents (None: one that arrived corrupted) cannot take the sender's updates, by rank: each
+    against the sender's, and each against the first intact one (one syncer serves identical receivers)."""
+    intact = [(rank, meta) for rank, meta in zip(ranks, receivers) if meta is not None]
+    problems = []
+    for rank, meta in zip(ranks, receivers):
+        if meta is None:     # still replied to, with the refusal, so that the receiver does not wait
+            problems.append(f"receiver rank {rank}: its handshake document arrived corrupted; create the syncers again")
+            continue
+        problems += [f"receiver rank {rank}: {p}" for p in compare(sender, meta)]
+        if any(meta[field] != intact[0][1][field] for field in ("keys", "shapes", "dtypes", "ties")):
+            problems.append(f"receiver rank {rank} differs from receiver rank {intact[0][0]} in key order, shapes, "
+                            "dtypes or tied keys; one syncer serves identical receivers (use one per kind)")
     return problems
 
 

@@ -17,9 +17,10 @@ from dist import comm
 from dist.checksum import tensor_checksum
 from dist.plan import PlanRow
 from .config import WeightSyncConfig, check_config, is_int
-from .handshake import compare, describe, format_mismatch, named_dtype, sender_problems, tensors_of
-from .wire import (DENSE, FORMAT, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats,
-                   UnexpectedKind, check_kind, lost_link, plan_buckets, recv_frame, recv_json, send_frame, send_json)
+from .handshake import describe, format_mismatch, named_dtype, receiver_problems, sender_problems, tensors_of
+from .wire import (DENSE, FORMAT, JSON_HEAD_BYTES, KIND_RESYNC, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError,
+                   SyncStats, UnexpectedKind, check_kind, lost_link, plan_buckets, recv_frame, recv_json, send_frame,
+                   send_json)
 
 
 class Link:
@@ -79,20 +80,19 @@ class Link:
             self._adopt(mine, reply["keys"], [(sent, received)])
             return reply["version"]
         keys, problems = sender_problems(tensors, keys, version, problems)
-        metas = [recv_json(dst, self.group, self.device) for dst in self.dsts]
-        intact = [(dst, meta) for dst, (meta, _) in zip(self.dsts, metas) if meta is not None]
-        for dst, (meta, _) in zip(self.dsts, metas):
-            if meta is None:     # still replied to below, with the refusal, so that the receiver does not wait
-                problems.append(f"receiver rank {dst}: its handshake document arrived corrupted; create the syncers "
-                                "again")
-                continue
-            problems += [f"receiver rank {dst}: {p}" for p in compare(mine, meta)]
-            if any(meta[field] != intact[0][1][field] for field in ("keys", "shapes", "dtypes", "ties")):
-                problems.append(f"receiver rank {dst} differs from receiver rank {intact[0][0]} in key order, shapes, "
-                                "dtypes or tied keys; one syncer serves identical receivers (use one per kind)")
+        metas, lost = [], []
+        for dst in self.dsts:
+            try:
+                metas.append(recv_json(dst, self.group, self.device))
+            except SyncIntegrityError as error:   # its length word was damaged: the others still get the reply
+                if not error.link_lost:
+                    raise
+                metas.append((None, 0))
+                lost.append(dst)      # still sending its document, which nothing can take in: no reply either
+        problems += receiver_problems(mine, [meta for meta, _ in metas], self.dsts)
         reply = {"error": "; ".join(problems) or None, "version": version if is_int(version) else 0, "format": FORMAT,
                  "keys": [k for k in mine["keys"] if k in keys]}
-        replied = [send_json(reply, dst, self.group, self.device) for dst in self.dsts]
+        replied = [send_json(reply, dst, self.group, self.device) for dst in self.dsts if dst not in lost]
         if problems:
             raise ValueError("weight sync init: " + "; ".join(problems))
         self._adopt(metas[0][0], reply["keys"], [(n, r) for (_, n), r in zip(metas, replied)])
@@ -150,8 +150,10 @@ class Link:
         self.require(sender=self.is_sender)
         n = len(self.dsts) if self.is_sender else 1
         out, back = ("send", "recv") if self.is_sender else ("recv", "send")
-        rows = [PlanRow(SETUP, "handshake: metadata (JSON)", back, "setup", [b for m, _ in self._documents for b in (24, m)]),
-                PlanRow(SETUP, "handshake: reply (JSON)", out, "setup", [b for _, r in self._documents for b in (24, r)])]
+        metadata = [b for m, _ in self._documents for b in (JSON_HEAD_BYTES, m)]
+        replies = [b for _, r in self._documents for b in (JSON_HEAD_BYTES, r)]
+        rows = [PlanRow(SETUP, "handshake: metadata (JSON)", back, "setup", metadata),
+                PlanRow(SETUP, "handshake: reply (JSON)", out, "setup", replies)]
         if bootstrap:
             rows.append(PlanRow(SETUP, "init bootstrap, whole tensors", out, "setup", bootstrap * n))
         rows += [PlanRow(SETUP, "start check: checksum per key", c, "setup", [8 * len(self._checked)] * n)
@@ -267,19 +269,21 @@ class Link:
             expected = [ordinals[i] for i in members]
             if frame.table[:, 0].tolist() != expected or version not in (None, frame.version):
                 frame.wait()  # its receives are posted: take them in, or the link stalls and resync() cannot drain it
-                raise SyncIntegrityError(
+                at = '' if version is None else f' at version {version}'
+                failure = SyncIntegrityError(
                     f"weight sync: bucket {index} of {len(plan)} at version {frame.version} carries tensors "
-                    f"{frame.table[:, 0].tolist()}, expected {expected}{'' if version is None else f' at version {version}'}; "
-                    "sender and receiver disagree on the bucket plan", model_written=staged is None)
-            got = [tensor_checksum(frame.row(r)[1]) for r in range(len(members))]  # each as soon as it arrived
-            try:
-                sums = frame.sums()
-            except SyncIntegrityError as error:  # a refused trailer: values may already be in the model
-                failure = SyncIntegrityError(str(error), model_written=staged is None)
+                    f"{frame.table[:, 0].tolist()}, expected {expected}{at}; sender and receiver disagree on the "
+                    "bucket plan", model_written=staged is None)
             else:
-                failure = None if (torch.stack(got).tolist() if got else []) == sums else SyncIntegrityError(
-                    f"weight sync: bucket {index} at version {frame.version} does not match its checksums "
-                    f"(corrupted on the way); {RESYNC_HINT}", model_written=staged is None)
+                got = [tensor_checksum(frame.row(r)[1]) for r in range(len(members))]  # each as soon as it arrived
+                try:
+                    sums = frame.sums()
+                except SyncIntegrityError as error:  # a refused trailer: values may already be in the model
+                    failure = SyncIntegrityError(str(error), model_written=staged is None)
+                else:
+                    failure = None if (torch.stack(got).tolist() if got else []) == sums else SyncIntegrityError(
+                        f"weight sync: bucket {index} at version {frame.version} does not match its checksums "
+                        f"(corrupted on the way); {RESYNC_HINT}", model_written=staged is None)
             if failure is not None:
                 # The rest of this update is queued behind it: take it in now (unwritten), so that the next frame
                 # starts a new update (a later resync could not tell the rest of a refused resync from its own).

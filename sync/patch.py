@@ -83,7 +83,10 @@ class PatchSyncer(Link):
                 # The sender's init went on: still take part in its start check, then refuse updates until the
                 # resync() the error asks for (which needs the version: the receiver counts as initialized).
                 self.version, self._broken = version, f"the init bootstrap was refused: {error}"
-                self._verify_rest(tensors, bootstrap)
+                try:
+                    self._verify_rest(tensors, bootstrap)
+                except SyncIntegrityError as rest:
+                    raise error from rest
                 raise
             self._verify_rest(tensors, bootstrap)
             self._adopt_checksums(tensors)

@@ -38,6 +38,7 @@ UPDATE, SETUP = "weight_sync", "weight_sync_setup"  # ledger purposes
 GAPS8, GAPS16, GAPS32, BITMAP, DENSE = range(5)  # how a row's positions travel (see patch.py)
 SYMBOL_DTYPES = {GAPS8: torch.uint8, GAPS16: torch.int16, GAPS32: torch.int32, BITMAP: torch.uint8}
 HEADER_BYTES, ROW_BYTES = 9 * 8, 4 * 8
+JSON_HEAD_BYTES = 3 * 8  # a handshake document's length, its checksum and a check of both
 PACK_BYTES = 1 << 20
 PAYLOAD = (-2, -2)  # the key of a packed payload's one receive in Frame.works
 RESYNC_HINT = "call resync() on sender and receivers"
@@ -339,7 +340,7 @@ def recv_json(src: int, group, device) -> tuple[object, int]:
     (so that the sender can still reply with the refusal). Crosses ranks once per call, at init only (the handshake
     of Link.agree): three int64 words, then the UTF-8 bytes. A corrupted length sizes no receive: the rest cannot be
     drained, and that is raised."""
-    words = comm.recv(torch.empty(3, dtype=torch.int64, device=device), SETUP, src, group).cpu()
+    words = comm.recv(torch.empty(JSON_HEAD_BYTES // 8, dtype=torch.int64, device=device), SETUP, src, group).cpu()
     if int(checksum([words[:2]])) != int(words[2]):
         raise lost_link(f"weight sync init: the handshake message from rank {src} failed its check (corrupted)")
     data = comm.recv(torch.empty(int(words[0]), dtype=torch.uint8, device=device), SETUP, src, group).cpu()

@@ -18,7 +18,8 @@ from tests.test_config_errors import cfg_with
 
 def _two_parameters(state: dict) -> dict:
     """Adam's state for parameters 0 and 1 (groups list both), then `state` entries keyed as given replace it."""
-    moments = {"step": torch.tensor(3.0), "exp_avg": torch.tensor([0.1, -0.2]), "exp_avg_sq": torch.tensor([0.01, 0.04])}
+    moments = {"step": torch.tensor(3.0), "exp_avg": torch.tensor([0.1, -0.2]),
+               "exp_avg_sq": torch.tensor([0.01, 0.04])}
     base = _state(model={"w": torch.tensor([0.5, -1.0]), "v": torch.tensor([2.0, 1.0])})
     base["optimizer"] = {"param_groups": [{"params": [0, 1], "lr": 1e-3, "betas": (0.9, 0.999)}],
                          "state": {k: dict(moments) for k in state}}
