@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist.checkpoint_read import read_checkpoint  # noqa: E402
 from dist.errors import UsageError  # noqa: E402
 from sync import BucketConfig, PatchConfig, WeightSyncConfig, make_weight_syncer  # noqa: E402
-from sync.patch import _bits as as_bits  # noqa: E402
+from sync.encodings import _bits as as_bits  # noqa: E402
 
 BUCKET_SIZE = 128 * 2**20
 

@@ -143,6 +143,9 @@ def malformed_entry(state: dict) -> str:
     """What in the loaded dict has the wrong type or size for `ppo.restore` to use, or "" when all fits."""
     def plain_int(x):
         return isinstance(x, int) and not isinstance(x, bool)
+
+    def in_range(x, high):     # a number in [0, high); nan and inf are nonfinite_entry's to name
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and (not math.isfinite(x) or 0 <= x < high)
     for key in ("model", "optimizer", "env", "config"):
         if not isinstance(state[key], dict):
             return f"its {key!r} is a {type(state[key]).__name__}, not a dict"
@@ -158,9 +161,6 @@ def malformed_entry(state: dict) -> str:
                 and lr.numel() == 1):
             return f"its optimizer param group {i} has lr {lr!r}, not a number"
         betas, decay = group.get("betas", (0.9, 0.999)), group.get("weight_decay", 0.0)
-
-        def in_range(x, high):     # nan and inf are nonfinite_entry's to name
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and (not math.isfinite(x) or 0 <= x < high)
         if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(in_range(b, 1) for b in betas)
                 and in_range(decay, math.inf)):
             return f"its optimizer param group {i} has betas {betas!r} and weight_decay {decay!r}, not Adam's settings"

@@ -11,7 +11,8 @@ Versions must increase from init's (default 0), so with `it` counting iterations
 
 patch.py and bucket.py each read top to bottom as their algorithm; link.py is what both share (roles,
 handshake, checks, whole tensors, resync, non-blocking apply), handshake.py the tensors read from a model and the
-init document both sides compare, and wire.py what travels (frames, JSON).
+init document both sides compare, encodings.py how patch.py writes a changed tensor's positions, and wire.py
+what travels (frames, JSON).
 """
 
 from .bucket import BucketSyncer

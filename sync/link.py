@@ -80,15 +80,10 @@ class Link:
             self._adopt(mine, reply["keys"], [(sent, received)])
             return reply["version"]
         keys, problems = sender_problems(tensors, keys, version, problems)
-        metas, lost = [], []
-        for dst in self.dsts:
-            try:
-                metas.append(recv_json(dst, self.group, self.device))
-            except SyncIntegrityError as error:   # its length word was damaged: the others still get the reply
-                if not error.link_lost:
-                    raise
-                metas.append((None, 0))
-                lost.append(dst)      # still sending its document, which nothing can take in: no reply either
+        metas = [recv_json(dst, self.group, self.device) for dst in self.dsts]
+        # A damaged length word (-1): that receiver still sends its document, which nothing can take in, so it gets
+        # no reply; the others get the refusal.
+        lost = [dst for dst, (_, length) in zip(self.dsts, metas) if length < 0]
         problems += receiver_problems(mine, [meta for meta, _ in metas], self.dsts)
         reply = {"error": "; ".join(problems) or None, "version": version if is_int(version) else 0, "format": FORMAT,
                  "keys": [k for k in mine["keys"] if k in keys]}

@@ -202,8 +202,8 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     absent or None: uncompressed). `staging`: [buffer] reused across frames (grown when too small), else a
     fresh buffer.
     """
-    head = comm.recv_then_count(torch.empty(9, dtype=torch.int64, device=device), lambda h: _purpose(h, expect),
-                                src, group).cpu()
+    head = comm.recv_then_count(torch.empty(9, dtype=torch.int64, device=device), lambda h: expect(int(h[1]))[0],
+                                src, group).cpu()    # a damaged kind is counted under some purpose, then refused
     magic, kind, version, base, rows, wire, raw = head[:7].tolist()
     if magic != MAGIC:
         raise lost_link(f"weight sync: received a message without the sync header (magic {magic:#x}); sender and "
@@ -263,13 +263,6 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
             frame.wait()  # a refused payload: still receive the trailer, so the stream stays in step for resync()
             raise
     return frame
-
-
-def _purpose(head: torch.Tensor, expect: Callable[[int], tuple]) -> str:
-    """The ledger purpose of a received header: its kind's, once its words pass their check (a damaged one is
-    counted as an update, and refused right after)."""
-    intact = int(head[0]) == MAGIC and int(checksum([head[:7].cpu()])) == int(head[7])
-    return expect(int(head[1]))[0] if intact else UPDATE
 
 
 class UnexpectedKind(RuntimeError):
@@ -337,12 +330,12 @@ def send_json(obj, dst: int, group, device) -> int:
 
 def recv_json(src: int, group, device) -> tuple[object, int]:
     """Receive send_json's document from `src`; returns (it, length), or (None, length) when it arrived corrupted
-    (so that the sender can still reply with the refusal). Crosses ranks once per call, at init only (the handshake
-    of Link.agree): three int64 words, then the UTF-8 bytes. A corrupted length sizes no receive: the rest cannot be
-    drained, and that is raised."""
+    (so that the sender can still reply with the refusal), or (None, -1) when its length word did: that sizes no
+    receive, so the document stays queued and the link is lost. Crosses ranks once per call, at init only (the
+    handshake of Link.agree): three int64 words, then the UTF-8 bytes."""
     words = comm.recv(torch.empty(JSON_HEAD_BYTES // 8, dtype=torch.int64, device=device), SETUP, src, group).cpu()
     if int(checksum([words[:2]])) != int(words[2]):
-        raise lost_link(f"weight sync init: the handshake message from rank {src} failed its check (corrupted)")
+        return None, -1
     data = comm.recv(torch.empty(int(words[0]), dtype=torch.uint8, device=device), SETUP, src, group).cpu()
     if int(checksum([data])) != int(words[1]):
         return None, data.numel()

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from sync.patch import _bits as as_bits
+from sync.encodings import _bits as as_bits
 
 
 def make_state(seed: int, float_dtype=torch.float32) -> dict:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from multirank import run_ranks
 from sync import BucketConfig, WeightSyncConfig, make_weight_syncer
-from sync.patch import GAPS16, _encode
+from sync.encodings import GAPS16, _encode
 from test_sync_common import bits_equal, snapshot
 
 # What ProcessGroupNCCL can send or receive point to point: it hands the tensor to torch::cuda::nccl::send/recv,

@@ -4,7 +4,9 @@ sender commits its snapshot only after a send went through."""
 import pytest
 import torch
 
+import sync.encodings
 import sync.patch
+import sync.wire
 from multirank import run_ranks
 from sync import PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
 from test_sync_common import bits_equal, make_state, random_update, snapshot
@@ -140,7 +142,7 @@ def _position_past_the_end(rank, world_size):
 
     syncer.init_receiver(state)
     update = syncer.recv_update()
-    assert update.table[0, 2].item() in sync.patch.GAP_DTYPES
+    assert update.table[0, 2].item() in sync.encodings.GAP_DTYPES
     update.segments[0][0][-1] = 100          # the last gap: position 995 -> 1090, past the end of 1000
     with pytest.raises(SyncIntegrityError, match="positions outside their tensors"):
         syncer.apply_update(state, update)   # refused before any read or write (not an IndexError)
@@ -169,7 +171,7 @@ def _extra_position_in_a_sparse_tensor(rank, world_size):
     syncer.init_receiver(state)
     update = syncer.recv_update()
     # Gaps 10, 489, 489; 1-byte symbols: 10 | 255 234 | 255 234 (5 bytes + 12 < 2-byte gaps 6 + 12).
-    assert update.table.tolist() == [[0, 3, sync.patch.GAPS8, 5]]
+    assert update.table.tolist() == [[0, 3, sync.wire.GAPS8, 5]]
     assert update.segments[0][0].tolist() == [10, 255, 234, 255, 234]
     update.segments[0][0][1] = 0             # the first escape becomes a change: positions 10, 11, 246, 736
     with pytest.raises(SyncIntegrityError, match="a wrong number of changes"):
@@ -200,7 +202,7 @@ def _corrupted_after_writing(rank, world_size):
     syncer.init_receiver(state)
     update = syncer.recv_update()
     # Bitmap 8 bytes + 16 values of 4 bytes = 72, under 1-byte gaps (16 + 64) and dense (256).
-    assert update.table.tolist() == [[0, 16, sync.patch.BITMAP, 8]]
+    assert update.table.tolist() == [[0, 16, sync.wire.BITMAP, 8]]
     update.segments[0][1][0] = 2.0           # a wrong value at position 0
     with pytest.raises(SyncIntegrityError) as caught:
         syncer.apply_update(state, update)

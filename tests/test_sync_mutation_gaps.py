@@ -8,7 +8,7 @@ from torch import nn
 
 from multirank import run_ranks
 from sync import PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer, trainable_keys
-from sync.patch import _decode
+from sync.encodings import _decode
 from sync.wire import BITMAP, DENSE, GAPS8
 from test_sync_common import bits_equal, snapshot, sync_once
 from test_sync_resync import _zstd_queued_then_resync

@@ -10,7 +10,7 @@ import torch
 
 from multirank import run_ranks
 from sync import PatchConfig, WeightSyncConfig, make_weight_syncer
-from sync.patch import BITMAP, DENSE, GAPS8, _bits as as_bits
+from sync.encodings import BITMAP, DENSE, GAPS8, _bits as as_bits
 from test_sync_common import (DEVICE, bits_equal, cast_floats, converted, make_state, on_device, random_update_via_host,
                               snapshot)
 

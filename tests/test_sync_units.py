@@ -10,12 +10,12 @@ from torch import nn
 
 from dist.checksum import ROW, P, checksum, tensor_checksum, update_checksum, weights
 from sync import SyncIntegrityError, trainable_keys
-from sync.patch import BITMAP, DENSE, GAP_DTYPES, _bits, _changes, _decode, _encode
+from sync.encodings import BITMAP, DENSE, GAP_DTYPES, _bits, _changes, _decode, _encode
 from sync.wire import GAPS8, GAPS16, GAPS32, _check_table, layout, zstd_compress, zstd_decompress
 
 
 def _numpy_sizes(positions: np.ndarray, n: int, v: int) -> dict:
-    """Exact payload bytes of every encoding, computed independently of sync/patch.py."""
+    """Exact payload bytes of every encoding, computed independently of sync/encodings.py."""
     gaps = np.diff(np.concatenate([[-1], positions])) - 1
     sizes = {DENSE: n * v, BITMAP: math.ceil(n / 8) + len(positions) * v}
     for code, width in zip(GAP_DTYPES, (1, 2, 4)):
@@ -194,7 +194,7 @@ def test_trainable_keys_leave_out_frozen_parameters_only():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int64])
 def test_device_kernels_match_the_host_kernels(monkeypatch, density, dtype):
     """The torch code that GPUs run (mask, positions, bit packing) gives the host's numpy results bit for bit."""
-    import sync.patch as patch
+    import sync.encodings as patch
     g = torch.Generator().manual_seed(3)
     n = 100_003
     old = (torch.rand(n, generator=g) < 0.5) if dtype == torch.bool else torch.randn(n, generator=g).to(dtype)

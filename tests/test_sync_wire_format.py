@@ -148,10 +148,10 @@ def test_frames_with_a_consistent_check_but_impossible_contents_are_refused_befo
     (9, range(7), torch.uint8, DENSE),        # dense 9 = bitmap 2 (9 bits: a padded second byte) + 7: dense
 ], ids=["dense over bitmap", "bitmap over gaps", "dense over a padded bitmap"])
 def test_a_tie_in_size_goes_to_the_encoding_cheaper_to_apply(n, changed, dtype, expected):
-    """sync/patch.py: each tensor travels in the smallest encoding "by exact size"; on a tie, the one cheaper
+    """sync/encodings.py: each tensor travels in the smallest encoding "by exact size"; on a tie, the one cheaper
     to apply (dense before a bitmap before gaps). Sizes here are equal by hand (see the ids); the choice shows
     in the table row and in SyncStats' sparse/dense counts."""
-    from sync.patch import _encode
+    from sync.encodings import _encode
     current = torch.ones(n, dtype=dtype)
     mask = torch.zeros(n, dtype=torch.bool)
     mask[list(changed)] = True
@@ -174,7 +174,7 @@ def test_a_gap_of_exactly_one_escape_symbol_costs_an_escape():
     """A gap equal to the escape symbol (255 in 1-byte gaps) cannot travel as itself: it is an escape then a 0,
     so 1-byte gaps cost 2 symbols + 4 value bytes = 6 bytes, the same as one 2-byte gap, and the tie goes to
     2-byte gaps; the chosen encoding's bytes are the size it was chosen by, and its positions decode back."""
-    from sync.patch import _decode, _encode
+    from sync.encodings import _decode, _encode
     mask = torch.zeros(1000, dtype=torch.bool)
     mask[255] = True                                  # the gap before it: 255
     encoding, parts, _ = _encode(torch.ones(1000), mask, 1)
@@ -194,7 +194,7 @@ def test_symbol_streams_a_sender_never_produces_are_flagged():
     tensor (and whose count matches its row) is refused: a gap stream that ends in an escape symbol (255 in
     1-byte gaps: "skip 255 more" with no change after it), and a bitmap with a bit set in the padding past the
     tensor's last element. Well-formed streams of the same lengths are not flagged."""
-    from sync.patch import _decode
+    from sync.encodings import _decode
     index, flags = _decode(torch.tensor([3, 255], dtype=torch.uint8), GAPS8, 1000)
     assert index.tolist() == [3] and any(bool(f) for f in flags)
     index, flags = _decode(torch.tensor([3, 254], dtype=torch.uint8), GAPS8, 1000)
