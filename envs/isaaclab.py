@@ -216,6 +216,13 @@ class IsaacLabEnv:
         # out at the same step and the rollouts see synchronized resets.
         self.unwrapped.episode_length_buf.copy_(torch.randint(
             0, self.max_episode_length, (self.num_envs,), generator=self.generator, device=self.device))
+        # The reset's observations predate the spread: terms that read episode time (phase, time left) would show
+        # step 0 to the first action. RSL-RL's runner fetches them again after the spread, through the wrapper's
+        # get_observations, which is this (no history update: the reset already filled history terms).
+        if hasattr(self.unwrapped, "observation_manager"):
+            obs = self.unwrapped.observation_manager.compute()
+        else:       # a DirectRLEnv task has no manager
+            obs = self.unwrapped._get_observations()
         return self._groups(obs), {"log": {}}
 
     def step(self, actions: torch.Tensor):

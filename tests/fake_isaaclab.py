@@ -19,8 +19,10 @@ envs/isaaclab.py uses, so that a test against the fake fails where the release w
 The env follows 3.0.0's ManagerBasedRLEnv where the adapter relies on it: `reset() -> (obs_dict,
 extras)`, `step() -> (obs_dict, rew, terminated, truncated, extras)` with same-step autoreset, reward and
 flag buffers reused in place, `extras["final_obs"]` refreshed only on steps that reset some env (and only
-with `compute_final_obs`), `extras["log"]` kept between resets. It simulates on the CPU: `install` and the
-tests replace `envs.isaaclab.simulation_device`, so the adapter asks for "cuda:<rank>" while running here.
+with `compute_final_obs`), `extras["log"]` kept between resets, `observation_manager.compute()` observing the
+current state (the policy group's last column is episode progress, so a stale observation shows). It simulates
+on the CPU: `install` and the tests replace `envs.isaaclab.simulation_device`, so the adapter asks for
+"cuda:<rank>" while running here.
 """
 
 import argparse
@@ -59,6 +61,17 @@ class FakeEnvCfg:
         self.is_finite_horizon = finite_horizon
 
 
+class FakeObservationManager:
+    """3.0.0's ObservationManager as far as the adapter uses it: `compute()` returns every group's observation
+    from the env's current state (episode time included), without updating history terms by default."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def compute(self, update_history: bool = False):
+        return self.env._observe()      # looked up per call: a test may replace _observe
+
+
 class FakeRLEnv(gymnasium.Env):
     """A point mass moved by actions: policy obs (x, y, episode progress), critic obs a 2-step history."""
 
@@ -76,6 +89,7 @@ class FakeRLEnv(gymnasium.Env):
         self.reset_terminated = torch.zeros(self.num_envs, dtype=torch.bool)
         self.reset_time_outs = torch.zeros(self.num_envs, dtype=torch.bool)
         self.extras, self.received_actions, self.extra_log, self.full_resets = {}, [], {}, 0
+        self.observation_manager = FakeObservationManager(self)
 
     def _observe(self):
         progress = (self.episode_length_buf.float() / self.max_episode_length)[:, None]

@@ -116,6 +116,17 @@ def test_reset_spreads_episode_ends_deterministically(make):
     assert not torch.equal(other.unwrapped.episode_length_buf, lengths[0])
 
 
+def test_the_first_observation_shows_the_spread_episode_lengths(make):
+    """The first observation must be taken after the episode lengths are spread, as RSL-RL's runner fetches it
+    again after setting episode_length_buf: a time-dependent term (the fake's progress column) read step 0."""
+    env = make(num_envs=32, seed=5)
+    obs, _ = env.reset()
+    lengths = env.unwrapped.episode_length_buf
+    assert len(lengths.unique()) > 1
+    assert torch.equal(obs["policy"][:, 2], lengths.float() / MAX_EPISODE_LENGTH)
+    assert torch.equal(obs["policy"][:, :2], torch.zeros(32, 2)) and env.unwrapped.full_resets == 1
+
+
 def test_the_env_is_reset_once_before_training(make):
     """The adapter resets at build to read sizes and metric names; the runner's reset() takes those observations.
     A second full reset ran every reset event and curriculum term twice (RSL-RL's wrapper resets once)."""
@@ -124,7 +135,7 @@ def test_the_env_is_reset_once_before_training(make):
     assert sim.full_resets == 1
     built = sim._observe()["policy"]
     obs, _ = env.reset()
-    assert sim.full_resets == 1 and torch.equal(obs["policy"], built)
+    assert sim.full_resets == 1 and torch.equal(obs["policy"][:, :2], built[:, :2])
     env.step(torch.ones(3, 2))
     obs, _ = env.reset()                                      # a later reset() is a real one
     assert sim.full_resets == 2 and torch.equal(obs["policy"][:, :2], torch.zeros(3, 2))
