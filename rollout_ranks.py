@@ -309,5 +309,15 @@ def unpack_team_states(states: torch.Tensor, spec: dict) -> tuple[list[dict], di
     for i in range(states.numel() // per):
         flat = from_bytes(states[i * per:(i + 1) * per], spec["state_layout"])
         out.append({"rng": {k[4:]: v for k, v in flat.items() if k.startswith("rng/")},
-                    "env": unflatten_state({k[4:]: v for k, v in flat.items() if k.startswith("env/")})})
-    return [o["rng"] for o in out], out[0]["env"]
+                    "env": {k[4:]: v for k, v in flat.items() if k.startswith("env/")}})
+    # Refused, not silently replaced by the first's: every rollout rank loads the one kept on resume (envs/base.py).
+    def other(j: int, key: str) -> bool:      # by bits: a NaN that every rank holds is the same state
+        return not torch.equal(*(out[i]["env"][key].reshape(-1).view(torch.uint8) for i in (0, j)))
+    keys = [k for k in out[0]["env"] if any(other(j, k) for j in range(1, len(out)))]
+    if keys:
+        ranks = [j for j in range(len(out)) if any(other(j, k) for k in keys)]
+        raise RunError(f"env.state_dict() differs across rollout ranks in {', '.join(map(repr, keys))} (nested names "
+                       f"joined by '/'): rollout rank(s) {ranks} hold other values than rollout rank 0, whose state a "
+                       f"checkpoint keeps; every rank loads that one on resume: make it the same everywhere (summed "
+                       f"across ranks, as the sampler's counts are) or re-derivable after a load (envs/base.py)")
+    return [o["rng"] for o in out], unflatten_state(out[0]["env"])

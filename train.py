@@ -33,8 +33,8 @@ from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_
 from configs.typed_flags import env_label, env_reads, experiment_dir, typed_flags
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
-from dist.checkpoint import (agree_on_checkpoint, agree_plan_rows, gather_rng_states, lock_run_dir, open_run_dir,
-                             release_run_dirs, rng_plan_row, rng_states, save_checkpoint)
+from dist.checkpoint import (agree_on_checkpoint, agree_plan_rows, checkpoint_plan_rows, gather_save_states,
+                             lock_run_dir, open_run_dir, release_run_dirs, rng_states, save_checkpoint)
 from dist.checkpoint_read import load_checkpoint
 from dist.log_root import check_writable_root
 from dist.errors import RunError, UsageError, one_line, out_of_memory, tell_torchrun
@@ -175,7 +175,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             *episode_returns_plan_rows(cfg.log.episode_returns, T, N),
             *(team.plan_rows() if team else []),
             *verify_plan_rows(cfg.dist.verify_every, checkpoint is not None),
-            rng_plan_row(rng_states(env, shuffle, device), cfg.log.save_every)]
+            *checkpoint_plan_rows(rng_states(env, shuffle, device), cfg.log.save_every, env is not None)]
     if is_main:
         backend = info.backend if world > 1 else "none (one process: --dist.backend and --dist.timeout-s do not apply)"
         print(f"[syncppo] world size {world}, backend {backend}, device {device} (one per rank); {envs_scope}\n"
@@ -285,9 +285,9 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         if save:
             if sampler is not None:
                 sum_counts(sampler)
-            rngs = gather_rng_states(rng_states(env, shuffle, device))
+            rngs, env_state = gather_save_states(env, shuffle, device)     # env_state: the same on every rank
             if is_main:
-                extra = {"env": env.state_dict(), "layout": [world, 0]} if team is None else \
+                extra = {"env": env_state, "layout": [world, 0]} if team is None else \
                     team_checkpoint(team_states, team.spec, roles)
                 path = os.path.join(run_dir, f"model_{iteration + 1}.pt")
                 save_checkpoint(path, {**{k: v.state_dict() for k, v in stateful.items() if v is not None},

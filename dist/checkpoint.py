@@ -306,6 +306,55 @@ def gather_rng_states(states: dict[str, torch.Tensor]) -> list[dict[str, torch.T
     return out
 
 
+def gather_save_states(env, shuffle: torch.Generator, device: torch.device) -> tuple[list[dict], dict | None]:
+    """What a save takes from every rank: (every rank's RNG states on rank 0, [] elsewhere; the env's state, checked
+    to be the same on every rank, or None without an env). Crosses ranks as `same_env_state`, then
+    `gather_rng_states` do, once per save."""
+    state = env.state_dict() if env is not None else None
+    if state is not None:
+        same_env_state(state)
+    return gather_rng_states(rng_states(env, shuffle, device)), state
+
+
+def same_env_state(state: dict) -> None:
+    """Refuse, naming the entries and the ranks, an env state (`env.state_dict()`) that is not the same on every rank:
+    a checkpoint keeps rank 0's and every rank loads it on resume (envs/base.py), so state that differs by rank (a
+    per-env curriculum) was silently replaced by rank 0's. Called at every save, before rank 0 writes.
+
+    Crosses ranks at every save: one all-gather of 2 int64 per rank (checksums of the state's names, shapes and
+    dtypes and of its values); only when the values differ, one more of an int64 per entry, to name those that
+    differ (every rank raises: they all see the same rows). See `checkpoint_plan_rows`."""
+    flat = flatten_state(state)
+    names = "\n".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in flat.items())
+    mine = [checksum([torch.tensor(list(names.encode()), dtype=torch.uint8)]),
+            checksum([v.detach().cpu() for v in flat.values()])]
+    rows = comm.all_gather(torch.stack(mine).to(comm.device()), "env_state").cpu().tolist()
+    why = ("a checkpoint keeps one rank's env state and every rank loads it on resume: make it the same everywhere "
+           "(summed across ranks, as the sampler's counts are) or re-derivable after a load (envs/base.py)")
+    if any(row[0] != rows[0][0] for row in rows):
+        raise RunError(f"env.state_dict() has other entries, shapes or dtypes on rank(s) "
+                       f"{[r for r, row in enumerate(rows) if row[0] != rows[0][0]]} than on rank 0 (this rank's: "
+                       f"{', '.join(flat) or 'none'}); {why}")
+    if all(row[1] == rows[0][1] for row in rows):
+        return
+    each = torch.stack([checksum([v.detach().cpu()]) for v in flat.values()])
+    by_rank = comm.all_gather(each.to(comm.device()), "env_state").cpu()
+    keys = [k for i, k in enumerate(flat) if bool((by_rank[:, i] != by_rank[0, i]).any())]
+    ranks = [r for r in range(len(rows)) if rows[r][1] != rows[0][1]]
+    raise RunError(f"env.state_dict() differs across ranks in {', '.join(map(repr, keys))} (nested names joined by "
+                   f"'/'): rank(s) {ranks} hold other values than rank 0, whose state a checkpoint keeps; {why}")
+
+
+def checkpoint_plan_rows(states: dict[str, torch.Tensor], save_every: int, env_state: bool) -> list[PlanRow]:
+    """The rows of a save: `rng_plan_row`, and with `env_state` (this rank's env is checkpointed) `same_env_state`'s
+    all-gather (its second one runs only on the way to an error)."""
+    rows = [rng_plan_row(states, save_every)]
+    if env_state:
+        rows.append(PlanRow("env_state", "env state the same on every rank", "all_gather", "checkpoint", [16],
+                            every=save_every))
+    return rows
+
+
 def rng_plan_row(states: dict[str, torch.Tensor], save_every: int) -> PlanRow:
     return PlanRow("checkpoint", "RNG states of every rank to rank 0", "gather", "checkpoint",
                    [sum(s.numel() for s in states.values())], every=save_every)

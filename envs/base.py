@@ -26,7 +26,8 @@
   under str names without '/' (`{}` when there is none); rollout ranks send it as named tensors, their shapes and
   dtypes agreed at start-up. One rank's state is saved (rank 0's, or rollout rank 0's) and every rank loads it on
   resume: state that differs by rank (a per-env curriculum) must be made global (summed, as the sampler's counts
-  are) or be re-derivable after a load.
+  are) or be re-derivable after a load (and left out of `state_dict()`). Every save checks this: state that
+  differs by rank stops the run with an error naming its entries, before anything is written.
 - `step` runs under `torch.inference_mode()` (the rollout's): a tensor made there is an inference
   tensor, which the env's own code outside the rollout (`sampler.commit_global`, `load_state_dict`) cannot update
   in place. Keep state in tensors made in `__init__` and update them in place; autograd inside `step` (a

