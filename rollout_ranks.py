@@ -119,8 +119,11 @@ class LearnerTeam:
         dist/batches.py), once per iteration."""
         try:
             batches = self.receiver.take()
-        except comm.CollectiveError:
-            self.weights.check()    # a failed weight-serving thread is the cause: its rollout rank waits for weights
+        except comm.CollectiveError as error:
+            # The rank whose batch did not come is named. Its weight-serving thread's failure, if any, is the cause
+            # (that rank waits for weights); another thread's is not: a healthy rollout rank that waits for the
+            # decision this learner cannot make without the stalled rank's batch times out in its thread as well.
+            self.weights.check(getattr(error, "peer", -1))
             raise
         flags = torch.stack([b.pop("flags") for b in batches])
         versions, signal, gone = flags[:, 0], flags[:, 1].max().item(), flags[:, 2].max().item()

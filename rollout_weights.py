@@ -40,7 +40,8 @@ class WeightServer:
         self.group, self.timeout_s = group, timeout_s
         self.closing = False          # set at exit after a failure: the threads stop serving
         self.syncers = {dst: make_weight_syncer(sync, rank, [dst], group) for dst in rollouts}
-        self.state, self.version, self.failure = None, -1, None
+        self.state, self.version = None, -1
+        self.failures: dict[int, Exception] = {}     # by rollout rank, in the order they failed
         self.published = threading.Condition()
         self.threads = [threading.Thread(target=self.serve, args=(dst,), name=f"weights-to-rank-{dst}", daemon=True)
                         for dst in rollouts]
@@ -94,11 +95,12 @@ class WeightServer:
         except Exception as exc:  # noqa: BLE001 - re-raised on the learner's main thread by check()
             if self.closing or not torch.distributed.is_initialized():
                 return        # the learner already failed and tore the groups down; its error is already reported
-            self.failure = exc
+            self.failures.setdefault(dst, exc)
             if isinstance(exc, comm.CollectiveError):
-                # Its rollout rank died or stalled: the main thread's wait for that rank's batch fails too (within
-                # --dist.timeout-s), and the learner says it in its one line, this failure when check() finds it
-                # first. A line from here as well was a second one for the same failure.
+                # Its rollout rank died or stalled, or waits on the learner, itself stuck on another rollout rank
+                # (this thread's receive of the next request then times out too): the main thread's wait for the
+                # batch that did not come names the rank at fault, with this failure when it is that rank's
+                # (check(dst)). A line from here as well was a second one for the same failure.
                 return
             # Anything else (a bug): the rollout rank waits for these weights, and the main thread for its next
             # batch, in receives that nothing else ends before --dist.timeout-s. End the process now, as a failed
@@ -110,9 +112,11 @@ class WeightServer:
             sys.stdout.flush()
             os._exit(1)
 
-    def check(self) -> None:
-        if self.failure is not None:
-            raise self.failure
+    def check(self, dst: int | None = None) -> None:
+        """Raise the failure of the thread serving rollout rank `dst` (default: the first thread that failed)."""
+        failure = self.failures.get(dst) if dst is not None else next(iter(self.failures.values()), None)
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
         for thread in self.threads:

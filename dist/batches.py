@@ -92,13 +92,22 @@ def setup_plan_row(sizes: list[int], collective: str) -> PlanRow:
                    [b for size in sizes for b in (8, size)])
 
 
+# A learner waits for every rollout rank of its team (and the other learners) before it decides, publishes weights or
+# exits: a rollout rank that sees it stall or die cannot tell whether the learner or one of those ranks is at fault.
+LEARNER_WAITS = "or a rank it waits for (another rollout rank of its team or another learner)"
+
+
 @contextlib.contextmanager
 def naming(peer: int, role: str = "rollout"):
-    """A failed message names the peer rank (it died or stalled), not only the purpose."""
+    """A failed message names the peer rank (it died or stalled), not only the purpose; the error's `peer` says which
+    (a learner prefers it to what its weight-serving threads met meanwhile)."""
     try:
         yield
     except comm.CollectiveError as exc:
-        raise comm.CollectiveError(f"{role} rank {peer} died or stalled: {exc}") from exc
+        also = f", {LEARNER_WAITS}" if role == "learner" else ""
+        error = comm.CollectiveError(f"{role} rank {peer} died or stalled{also}: {exc}")
+        error.peer = peer
+        raise error from exc
 
 
 class BatchSender:

@@ -183,7 +183,7 @@ def test_a_failure_releases_what_the_frames_of_its_whole_chain_hold(monkeypatch)
         teams.append(weakref.ref(team))
         try:
             raise comm.CollectiveError("recv for 'weight_request' failed: injected") from ConnectionResetError()
-        except comm.CollectiveError as exc:      # as the serving thread keeps it (WeightServer.failure)
+        except comm.CollectiveError as exc:      # as the serving thread keeps it (WeightServer.failures)
             failure = exc
         try:
             receive(team)

@@ -181,7 +181,7 @@ def test_a_message_failing_after_the_learner_abandoned_its_team_is_not_reported(
         server.abandon()
         thread.join(GUARD_S)
         assert not thread.is_alive()
-        assert (capsys.readouterr().err, server.failure, exits) == ("", None, [])
+        assert (capsys.readouterr().err, server.failures, exits) == ("", {}, [])
     finally:
         atexit.unregister(server.abandon)
 

@@ -80,12 +80,15 @@ def test_batches_of_two_rollout_ranks_join_into_the_batch_of_all_their_envs():
 
 # ----- naming: a failed message names the peer ----------------------------------------------------------------
 
-@pytest.mark.parametrize("peer, role, who", [(3, "learner", "learner rank 3"), (2, "rollout", "rollout rank 2")])
+@pytest.mark.parametrize("peer, role, who", [
+    (3, "learner", "learner rank 3 died or stalled, or a rank it waits for (another rollout rank of its team or "
+                   "another learner)"),
+    (2, "rollout", "rollout rank 2 died or stalled")])
 def test_a_failed_message_names_the_peer_and_its_role(peer, role, who):
     with pytest.raises(comm.CollectiveError) as exc:
         with naming(peer, role):
             raise comm.CollectiveError("batches: recv timed out")
-    assert str(exc.value) == f"{who} died or stalled: batches: recv timed out"
+    assert str(exc.value) == f"{who}: batches: recv timed out" and exc.value.peer == peer
 
 
 def test_a_receive_the_learner_cannot_even_post_names_the_rollout_rank(monkeypatch):
