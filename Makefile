@@ -75,8 +75,7 @@ test: $(VENV)/.dev  ## run the whole test suite
 test-fast: $(VENV)/.dev  ## run the quick subset (no slow multi-rank or learning tests)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-bench: $(VENV)/.dev  ## training throughput vs RSL-RL (installs rsl-rl-lib into .venv), then bench-grad and bench-rollout (ARGS=--quick: all three)
-	$(BIN)/pip install -q rsl-rl-lib==5.5.1
+bench: $(VENV)/.dev  ## training throughput vs RSL-RL (rsl-rl-lib, from requirements-dev.txt), then bench-grad and bench-rollout (ARGS=--quick: all three)
 	$(BIN)/python bench/bench_train.py $(value ARGS)
 	$(MAKE) bench-grad
 	$(MAKE) bench-rollout

@@ -56,7 +56,7 @@ def test_bench_train_warm_up_holds_the_capture_and_leaves_rounds():
 def test_bench_train_iterations_follow_the_device_and_quick(monkeypatch, flags, iterations):
     bench_train = load_bench("bench_train")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # the flags' checks, not CUDA itself
-    monkeypatch.setitem(sys.modules, "rsl_rl", types.ModuleType("rsl_rl"))   # make test installs no RSL-RL
+    monkeypatch.setitem(sys.modules, "rsl_rl", types.ModuleType("rsl_rl"))   # no RSL-RL run: the flags only
 
     def launch(cfg, tmp, shapes, device):
         raise Launched((cfg.max_iterations, device.type))

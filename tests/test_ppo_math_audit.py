@@ -1,15 +1,15 @@
-"""RSL-RL 5.5.1's own code as the oracle for syncppo's GAE, KL and loss (skipped where rsl-rl-lib is not installed)."""
+"""RSL-RL 5.5.1's own code as the oracle for syncppo's GAE, KL and loss
+(rsl-rl-lib, from requirements-dev.txt)."""
 
 from types import SimpleNamespace
 
 import pytest
+import rsl_rl.algorithms.ppo as ppo_module
+import rsl_rl.modules.distribution as distribution
 import torch
 
 from ppo.gae import compute_gae
 from ppo.loss import gaussian_kl, ppo_loss
-
-ppo_module = pytest.importorskip("rsl_rl.algorithms.ppo")
-distribution = pytest.importorskip("rsl_rl.modules.distribution")
 
 
 class _FixedCritic:
