@@ -5,9 +5,10 @@ difficulty (frequency and amplitude). Frames are evaluated analytically, so any 
 the library costs a few KB. It is generated from the *base* seed so every rank has the same motions
 and sampler counts refer to the same thing on every rank.
 
-`AdaptiveMotionSampler`: SONIC-style adaptive sampling. Per motion it counts episodes started
-(visits) and episodes that ended in a tracking failure (failures). The sampling probability mixes
-a uniform floor with each motion's share of the total failure rate:
+`AdaptiveMotionSampler`: SONIC-style adaptive sampling. Per motion it counts episodes that ended
+(visits: counted at the end, so a checkpoint holds no half-run episode) and those of them that ended in a tracking
+failure (failures). The sampling probability mixes a uniform floor with each motion's share of the total
+failure rate:
 
     rate_m = (failures_m + 1) / (visits_m + 2)          # Laplace-smoothed failure rate
     p_m    = floor / M + (1 - floor) * rate_m / sum(rate)
