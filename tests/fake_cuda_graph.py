@@ -7,7 +7,8 @@ What a real capture does, and this stand-in does at the level of aten ops (a Tor
   was and fills every floating tensor made inside with NaN (a real one is uninitialized until the first replay).
 - A host read inside the block (`.item()`, `bool(t)`, `nonzero`, a boolean mask) fails the capture; here it raises.
 - `g.replay()` launches the recorded kernels again on the same memory: the stand-in runs the recorded ops again on
-  the recorded tensors, writing each result where the captured op wrote it. No Python of the block runs.
+  the recorded tensors, writing each result where the captured op wrote it, and waits for each collective it issues
+  (as the recorded stream dependencies make a GPU's later kernels do). No Python of the block runs.
 So a step that is right eagerly but leans on Python state at run time, or on something made inside the capture that
 a replay makes again (Adam creating its moments, zero-filled), differs here as on a GPU. Not modelled: streams
 (the stand-ins below only let the code that waits on them run), memory pools, concurrency with other threads.
@@ -39,6 +40,10 @@ class CUDAGraph:
                 for new, out in zip(tree_flatten(func(*args, **kwargs))[0], outs):
                     if isinstance(out, torch.Tensor) and _storage(new) != _storage(out):
                         out.copy_(new)      # a fresh result: into the memory the captured op's result has
+                    elif isinstance(new, torch.ScriptObject) and hasattr(new, "wait"):
+                        # A collective's work (gloo runs it on its own threads): the block's work.wait() is no op the
+                        # recorder sees, yet a real graph orders the kernels after it behind the collective.
+                        new.wait()
         self.replays += 1
 
 
