@@ -4,10 +4,13 @@ replay issues the step's all-reduces itself, so this is where a stand-in that di
 then stepped with a gradient half summed, the ranks apart."""
 
 import contextlib
+import glob
+import os
 
 import pytest
 import torch
 
+import train
 from dist.grad_sync import GradSync
 from ppo import minibatch_step
 from ppo.storage import RolloutStorage
@@ -15,6 +18,7 @@ from ppo.update import ppo_update
 from tests import fake_cuda_graph
 from tests.multirank import run_ranks
 from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
+from tests.test_train import small_tracking
 
 
 def _updates(rank, world_size, capture, grad_sync, overrides, nan_env=None):
@@ -62,3 +66,45 @@ def test_two_ranks_captured_and_replayed_train_exactly_as_the_host_path(grad_syn
     for key in dev[0][0]:
         assert torch.equal(dev[0][0][key], dev[1][0][key]), key
     assert [s["skipped_steps"] for s in dev[0][1]] == [3.0 if nan_env is not None else 0.0] * 3
+
+
+def _train(rank, world_size, cfg):
+    """train.main on this rank, the sync-free step (when configured) recorded and replayed. Crosses ranks: train.main's."""
+    torch.cuda.CUDAGraph, torch.cuda.graph = fake_cuda_graph.CUDAGraph, fake_cuda_graph.graph
+    torch.cuda.Stream = torch.cuda.current_stream = fake_cuda_graph.Stream
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    built = minibatch_step.SyncFreeStep.__init__
+
+    def captured_on_cpu(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        self.capture = True
+    minibatch_step.SyncFreeStep.__init__ = captured_on_cpu
+    cfg.dist.device = "cpu"
+    model, scalars, _ = train.main(cfg)
+    return {k: v.clone() for k, v in model.state_dict().items()}, {k: v for k, v in scalars.items() if "Perf/" not in k}
+
+
+def _cfg(root, capture, schedule, **overrides):
+    cfg = small_tracking(root, iterations=4, **overrides)
+    cfg.ppo.capture_step, cfg.ppo.schedule, cfg.dist.grad_sync, cfg.dist.bucket_mb = capture, schedule, "bucketed", 0.004
+    return cfg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["adaptive", "linear"])
+def test_two_ranks_train_main_captured_equals_the_host_path_and_a_checkpoint_resumes_in_either(tmp_path, schedule):
+    """4 iterations of train.main on 2 ranks, bucketed, in each path; then each path's checkpoint at 2 resumed in the
+    other, against the host path's own resume (the saved LR, Adam moments and step counts carry over alike)."""
+    runs, ckpts = {}, {}
+    for capture in (False, True):
+        runs[capture] = run_ranks(_train, 2, args=(_cfg(tmp_path / str(capture), capture, schedule),))
+        (ckpts[capture],) = glob.glob(os.path.join(tmp_path, str(capture), "tracking", "*", "model_2.pt"))
+    for saved, resumed in ((False, False), (False, True), (True, False)):
+        cfg = _cfg(tmp_path / f"{saved}{resumed}", resumed, schedule, resume=ckpts[saved])
+        runs[saved, resumed] = run_ranks(_train, 2, args=(cfg,))
+    for host, other in ((runs[False], runs[True]), (runs[False, False], runs[False, True]),
+                        (runs[False, False], runs[True, False])):
+        for (h_state, h_scalars), (d_state, d_scalars) in zip(host, other):
+            for key in h_state:
+                assert torch.equal(h_state[key], d_state[key]), key
+            assert d_scalars == h_scalars
