@@ -69,7 +69,8 @@ def test_two_ranks_captured_and_replayed_train_exactly_as_the_host_path(grad_syn
 
 
 def _train(rank, world_size, cfg):
-    """train.main on this rank, the sync-free step (when configured) recorded and replayed. Crosses ranks: train.main's."""
+    """train.main on this rank, the sync-free step (when configured) recorded and replayed.
+    Crosses ranks: train.main's collectives."""
     torch.cuda.CUDAGraph, torch.cuda.graph = fake_cuda_graph.CUDAGraph, fake_cuda_graph.graph
     torch.cuda.Stream = torch.cuda.current_stream = fake_cuda_graph.Stream
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
@@ -86,7 +87,8 @@ def _train(rank, world_size, cfg):
 
 def _cfg(root, capture, schedule, **overrides):
     cfg = small_tracking(root, iterations=4, **overrides)
-    cfg.ppo.capture_step, cfg.ppo.schedule, cfg.dist.grad_sync, cfg.dist.bucket_mb = capture, schedule, "bucketed", 0.004
+    cfg.ppo.capture_step, cfg.ppo.schedule = capture, schedule
+    cfg.dist.grad_sync, cfg.dist.bucket_mb = "bucketed", 0.004     # several buckets
     return cfg
 
 
