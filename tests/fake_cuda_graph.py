@@ -8,7 +8,9 @@ What a real capture does, and this stand-in does at the level of aten ops (a Tor
 - A host read inside the block (`.item()`, `bool(t)`, `nonzero`, a boolean mask) fails the capture; here it raises.
 - `g.replay()` launches the recorded kernels again on the same memory: the stand-in runs the recorded ops again on
   the recorded tensors, writing each result where the captured op wrote it, and waits for each collective it issues
-  (as the recorded stream dependencies make a GPU's later kernels do). No Python of the block runs.
+  (as the recorded stream dependencies make a GPU's later kernels do). No Python of the block runs. Like a GPU's, it
+  holds the memory made before the capture by address only: a tensor replaced after the capture (not written in
+  place) and held by nothing else makes a replay raise, where a GPU's would work on the freed memory.
 So a step that is right eagerly but leans on Python state at run time, or on something made inside the capture that
 a replay makes again (Adam creating its moments, zero-filled), differs here as on a GPU. Not modelled: streams
 (the stand-ins below only let the code that waits on them run), memory pools, concurrency with other threads.
@@ -17,8 +19,9 @@ a replay makes again (Adam creating its moments, zero-filled), differs here as o
 import contextlib
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
 HOST_READS = {aten._local_scalar_dense, aten.is_nonzero, aten.equal, aten.nonzero, aten.masked_select}
@@ -26,6 +29,23 @@ HOST_READS = {aten._local_scalar_dense, aten.is_nonzero, aten.equal, aten.nonzer
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+class _ByAddress:
+    """A tensor made before the capture, as a GPU's graph holds it: its memory's address, which keeps nothing alive."""
+
+    def __init__(self, t: torch.Tensor):
+        self.storage = StorageWeakRef(t.untyped_storage())
+        self.view = t.dtype, t.storage_offset(), t.size(), t.stride()
+
+    def get(self) -> torch.Tensor:
+        storage = torch.UntypedStorage._new_with_weak_ptr(self.storage.cdata)
+        dtype, offset, size, stride = self.view
+        if storage is None:
+            raise RuntimeError(f"a replay reads or writes a {dtype} tensor of shape {tuple(size)} whose memory was "
+                               f"freed after capture (the tensor replaced, not written in place): a GPU's replay "
+                               f"would work on whatever reuses that memory")
+        return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
 
 
 class CUDAGraph:
@@ -37,6 +57,8 @@ class CUDAGraph:
     def replay(self) -> None:
         with torch.no_grad():
             for func, args, kwargs, outs in self.ops:
+                leaves, spec = tree_flatten((args, kwargs, outs))
+                args, kwargs, outs = tree_unflatten([x.get() if isinstance(x, _ByAddress) else x for x in leaves], spec)
                 for new, out in zip(tree_flatten(func(*args, **kwargs))[0], outs):
                     if isinstance(out, torch.Tensor) and _storage(new) != _storage(out):
                         out.copy_(new)      # a fresh result: into the memory the captured op's result has
@@ -87,6 +109,13 @@ def graph(cuda_graph: CUDAGraph, pool=None, stream=None, capture_error_mode: str
         for t in recorder.born:
             if t.is_floating_point():
                 t.detach().fill_(float("nan"))
+    # The graph's own memory (born inside: a GPU's graph keeps its pool) stays held, as does no memory at all.
+    by_address = {id(x): _ByAddress(x) for op in cuda_graph.ops for x in tree_flatten(op[1:])[0]
+                  if isinstance(x, torch.Tensor) and _storage(x) not in recorder.born_storages
+                  and x.untyped_storage().nbytes()}
+    for i, (func, *rest) in enumerate(cuda_graph.ops):
+        leaves, spec = tree_flatten(rest)
+        cuda_graph.ops[i] = (func, *tree_unflatten([by_address.get(id(x), x) for x in leaves], spec))
 
 
 class Stream:

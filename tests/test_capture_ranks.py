@@ -18,6 +18,7 @@ from ppo.update import ppo_update
 from tests import fake_cuda_graph
 from tests.multirank import run_ranks
 from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
+from tests.test_minibatch_step import run_update
 from tests.test_train import small_tracking
 
 
@@ -110,3 +111,20 @@ def test_two_ranks_train_main_captured_equals_the_host_path_and_a_checkpoint_res
             for key in h_state:
                 assert torch.equal(h_state[key], d_state[key]), key
             assert d_scalars == h_scalars
+
+
+def test_a_step_that_replaced_its_lr_tensor_between_updates_is_refused_by_the_stand_in(monkeypatch):
+    """The bug class a GPU's graph punishes and equal numbers hide: were begin() to make a new LR tensor each update
+    instead of writing the one the graph steps with, the adaptive rule's recorded copy_ would keep the old tensor in
+    step, so the stand-in's replays would match the host path bit for bit, while a GPU's replay would read and write
+    the old tensor's freed memory. The stand-in holds memory by address, as a GPU's graph does, and raises."""
+    fake_cuda_graph.install(monkeypatch)
+    begin = minibatch_step.SyncFreeStep.begin
+
+    def begin_with_a_new_lr_tensor(self):
+        begin(self)
+        self.opt_lr = minibatch_step.lr_tensor(float(self.lr), self.lr.device)
+        self.optimizer.param_groups[0]["lr"] = self.opt_lr
+    monkeypatch.setattr(minibatch_step.SyncFreeStep, "begin", begin_with_a_new_lr_tensor)
+    with pytest.raises(RuntimeError, match="freed after capture"):
+        run_update(True, iterations=2, graph=True)

@@ -32,3 +32,20 @@ def test_recording_runs_the_python_once_and_leaves_memory_as_it_was_and_a_replay
 def test_a_host_read_inside_the_recording_raises(read):
     with pytest.raises(RuntimeError, match="host read"), fake_cuda_graph.graph(fake_cuda_graph.CUDAGraph()):
         read(torch.arange(4.0))
+
+
+def test_a_replay_raises_on_memory_made_before_the_capture_and_freed_since():
+    """A GPU's graph holds the tensors made before its capture by address: one replaced after the capture (rather than
+    written in place) is freed, and a replay would work on whatever reuses the memory. The stand-in raises, where
+    holding the old tensor would only read stale values: equal ones pass unnoticed."""
+    w, lr = torch.ones(3), torch.tensor(0.5)
+    graph = fake_cuda_graph.CUDAGraph()
+    with fake_cuda_graph.graph(graph):
+        w.sub_(lr * 2.0)
+    graph.replay()
+    lr.fill_(0.25)                                  # in place: the graph reads it
+    graph.replay()
+    assert torch.equal(w, torch.full((3,), -0.5))
+    lr = torch.tensor(0.25)                         # replaced, the same value: the old memory is freed
+    with pytest.raises(RuntimeError, match="freed after capture"):
+        graph.replay()
