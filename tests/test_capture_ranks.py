@@ -75,14 +75,16 @@ def _train(rank, world_size, cfg):
     torch.cuda.CUDAGraph, torch.cuda.graph = fake_cuda_graph.CUDAGraph, fake_cuda_graph.graph
     torch.cuda.Stream = torch.cuda.current_stream = fake_cuda_graph.Stream
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    built = minibatch_step.SyncFreeStep.__init__
+    built, steps = minibatch_step.SyncFreeStep.__init__, []
 
     def captured_on_cpu(self, *args, **kwargs):
         built(self, *args, **kwargs)
         self.capture = True
+        steps.append(self)
     minibatch_step.SyncFreeStep.__init__ = captured_on_cpu
     cfg.dist.device = "cpu"
     model, scalars, _ = train.main(cfg)
+    assert [s.graph.replays > 0 for s in steps] == ([True] if cfg.ppo.capture_step else [])
     return {k: v.clone() for k, v in model.state_dict().items()}, {k: v for k, v in scalars.items() if "Perf/" not in k}
 
 
