@@ -1,7 +1,10 @@
 """What must not pile up in a long-lived process: a run, a model or a GradSync that is done with is freed, weights and
-gradient buckets included, however many come and go (a sweep calling train.main, a bench, this suite)."""
+gradient buckets included, however many come and go (a sweep calling train.main, a bench, this suite); and a run
+holds no more after many iterations than after a few."""
 
 import gc
+import os
+import threading
 import weakref
 
 import pytest
@@ -9,7 +12,9 @@ import torch
 from torch import nn
 
 import train
+from dist import comm
 from dist.grad_sync import GradSync
+from ppo.logger import RunLogger
 from tests.test_train import small_tracking
 
 
@@ -83,3 +88,35 @@ def test_train_main_called_again_and_again_in_one_process_keeps_no_model_of_a_fi
         del model
         gc.collect()
     assert [r() is None for r in gone] == [True] * len(gone)
+
+
+def live_state() -> dict:
+    """What a process holds that could pile up: tensors (and their bytes), tensors still in an autograd graph,
+    threads, open files, ledger purposes."""
+    gc.collect()
+    # type(o), not isinstance: isinstance reads __class__, which warns on torch's lazy deprecated attributes
+    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "in a graph": sum(t.grad_fn is not None for t in tensors), "threads": threading.active_count(),
+            "fds": len(os.listdir("/proc/self/fd")), "purposes": len(comm.LEDGER)}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_a_long_run_holds_as_much_after_many_iterations_as_after_a_few(tmp_path, monkeypatch):
+    """Per-iteration state (episode returns, normalizer batches, ledger entries, losses kept with their graphs,
+    writer threads, files) is replaced, not accumulated: researchers run tens of thousands of iterations. Every
+    per-iteration feature on (returns, reward normalization, verification); saves only at the end, so what the
+    first save caches (RNG layouts, checksum tables) is not counted as growth."""
+    cfg = small_tracking(tmp_path, iterations=45)
+    cfg.log.save_every, cfg.log.episode_returns, cfg.ppo.normalize_rewards = 1000, True, True
+    cfg.dist.verify_every = cfg.dist.sampler_sync_every = 1
+    seen, log = {}, RunLogger.log
+
+    def logged(self, scalars, step, returns=()):
+        log(self, scalars, step, returns)
+        if step in (15, 45):
+            seen[step] = live_state()
+    monkeypatch.setattr(RunLogger, "log", logged)
+    train.main(cfg)
+    assert seen[15]["in a graph"] == 0
+    assert seen[45] == seen[15]
