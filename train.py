@@ -160,7 +160,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         normalizer.set_first_shift(first[storage_field].to(device))   # rank 0's shift wins in the broadcast
     broadcast_module(model)                       # same start everywhere (after a load too)
     if checkpoint is not None:
-        verify_replicas(model, "parameters after checkpoint load")
+        verify_replicas(model, "parameters after checkpoint load", buffer_rules)
     if team is not None:
         team.start(model, start_iteration)        # the rollout ranks' copies start from these weights
 
@@ -235,7 +235,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         if sampler is not None and (iteration + 1) % cfg.dist.sampler_sync_every == 0:
             sum_counts(sampler)
         if cfg.dist.verify_every and (iteration + 1) % cfg.dist.verify_every == 0:
-            verify_replicas(model)
+            verify_replicas(model, buffer_rules=buffer_rules)
         learning_time = finished(device) - t1
 
         # ---- metrics + the stop flags: one packed all-reduce of (sum, count) pairs; rank 0 writes --

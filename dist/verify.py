@@ -10,15 +10,31 @@ from .checksum import checksum  # the one checksum, shared with sync/
 from .plan import PlanRow
 
 
-def verify_replicas(module: torch.nn.Module, what: str = "parameters") -> None:
-    """Raise, naming the ranks that differ from the most (then lowest-ranked) of the ranks that agree, if parameters
-    are not bit-identical everywhere: with rank 0 alone against two others, rank 0 is the one named.
+class _Diverged(RuntimeError):
+    pass
+
+
+def verify_replicas(module: torch.nn.Module, what: str = "parameters", buffer_rules: dict[str, str] | None = None
+                    ) -> None:
+    """Raise, naming the ranks that differ from the most (then lowest-ranked) of the ranks that agree, and the tensors
+    that differ, if parameters (and the buffers `buffer_rules` declares `broadcast`, `mean` or `merge`: they must be
+    equal everywhere too, e.g. the normalizers' statistics) are not bit-identical everywhere: with rank 0 alone against
+    two others, rank 0 is the one named. `local` buffers differ by design and are not checked.
 
     Crosses ranks: one all-gather of a single int64 per rank. Called every --dist.verify-every
-    iterations and after every checkpoint load.
+    iterations and after every checkpoint load. Only when that finds a divergence (every rank sees it, so all
+    take this path), one more all-gather of an int64 per checked tensor, to name them before the run stops.
     """
-    same_everywhere(checksum(module.parameters()), "checksum", f"{what} diverged across ranks",
-                    "something updated some replicas without the others")
+    rules = buffer_rules or {}
+    checked = [(n, b) for n, b in module.named_buffers() if rules.get(n, "local") != "local"]
+    named = [*module.named_parameters(), *checked]
+    try:
+        same_everywhere(checksum([t.detach() for _, t in named]), "checksum", f"{what} diverged across ranks",
+                        "something updated some replicas without the others", _Diverged)
+    except _Diverged as exc:
+        per = comm.all_gather(torch.stack([checksum([t.detach()]) for _, t in named]).to(comm.device()), "checksum")
+        differ = [n for i, (n, _) in enumerate(named) if not bool((per[:, i] == per[0, i]).all())]
+        raise RuntimeError(f"{exc}; tensors that differ: {differ}") from None
 
 
 def same_everywhere(local: torch.Tensor, purpose: str, what: str, why: str, error=RuntimeError) -> None:

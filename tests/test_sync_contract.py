@@ -149,7 +149,7 @@ def local_buffer_body(rank, world_size):
 
 @pytest.mark.slow
 def test_buffers_a_rule_leaves_different_on_each_rank_are_not_a_divergence():
-    """verify_replicas checks the parameters, which every rank must hold bit for bit; a `local` buffer (a per-env
+    """verify_replicas checks the parameters (and, given the rules, the non-local buffers); a `local` buffer (a per-env
     running return) differs across ranks by design and must not stop the run as a diverged replica."""
     assert run_ranks(local_buffer_body, 2) == ["no error", "no error"]
 
@@ -180,7 +180,8 @@ def test_a_change_to_the_last_parameter_on_a_middle_rank_names_that_rank_alone_w
     assert ref0 == ref2 != ref1
     for got, _ in results:
         assert got == (f"parameters diverged across ranks: rank(s) [1] differ from rank(s) [0, 2] (checksums "
-                       f"{[ref0, ref1, ref2]}); something updated some replicas without the others")
+                       f"{[ref0, ref1, ref2]}); something updated some replicas without the others; "
+                       f"tensors that differ: ['1.bias']")
 
 
 def sampler_body(rank, world_size):
@@ -320,3 +321,30 @@ def test_ranks_started_with_other_settings_stop_at_start_up(tmp_path, change, sa
     Now every rank stops before anything is built, naming the ranks; what may differ per node does not stop it."""
     for result in run_ranks(other_settings_body, 2, args=(str(tmp_path), change)):
         assert result.startswith(said), result
+
+
+def merge_buffer_body(rank, world_size):
+    """Equal parameters; the `merge` buffer stats.count differs (its owner's merge went wrong on one rank), then only
+    the `local` per_env does."""
+    torch.manual_seed(0)
+    m = WithBuffers(rank)
+    rules = resolve_buffer_policy(m, m.BUFFER_POLICY)
+    sync_buffers(m, rules)
+    messages = []
+    for _ in range(2):
+        try:
+            verify_replicas(m, buffer_rules=rules)
+            messages.append("no error")
+        except RuntimeError as e:
+            messages.append(str(e))
+        m.stats.count.fill_(7.0)                   # now only the local buffer differs
+    return messages
+
+
+@pytest.mark.slow
+def test_a_diverged_merge_buffer_is_detected_naming_it_and_a_local_one_is_not():
+    """The normalizers' statistics (`merge`) must be equal on every rank like the parameters; verify_replicas given
+    the buffer rules checks them and names the tensor, and still leaves `local` buffers alone."""
+    for first, second in run_ranks(merge_buffer_body, 2):
+        assert "rank(s) [1] differ from rank(s) [0]" in first and first.endswith("tensors that differ: ['stats.count']")
+        assert second == "no error"
