@@ -284,16 +284,35 @@ def test_broadcast_module_gives_every_rank_rank_0_s_tensors_in_one_call_per_dtyp
             assert state[name].dtype == value.dtype and torch.equal(state[name], value), name
         assert requires_grad == [True, True]
         # float32: 4 + 3 + 1 elements x 4 bytes; float64: 2 x 8; int64: 2 x 8
-        assert ledger == {"params": (3, 32 + 16 + 16)}
+        assert ledger == {"shapes": (1, 8), "params": (3, 32 + 16 + 16)}   # the layout checksum, then the tensors
 
 
 def test_broadcast_plan_row_is_one_setup_call_per_dtype_by_hand():
-    (row,) = broadcast_plan_rows(Mixed(0))
+    (layout, row) = broadcast_plan_rows(Mixed(0))
+    assert layout == PlanRow("shapes", "same names everywhere", "all_gather", "setup", [8])
     assert (row.purpose, row.rule, row.collective, row.cadence, row.rounds) == \
         ("params", "broadcast from rank 0", "broadcast", "setup", 1)
     assert sorted(row.call_bytes) == [16, 16, 32]          # the calls' order follows the dtypes' first appearance
-    assert broadcast_plan_rows(nn.Linear(3, 2)) == [PlanRow("params", "broadcast from rank 0", "broadcast", "setup",
+    assert broadcast_plan_rows(nn.Linear(3, 2))[1:] == [PlanRow("params", "broadcast from rank 0", "broadcast", "setup",
                                                             [(6 + 2) * 4])]
+
+
+def layout_body(rank, world_size):
+    m = nn.Linear(3 + rank, 2)          # e.g. an env that reports another observation size on rank 1
+    try:
+        broadcast_module(m)
+    except RuntimeError as e:
+        return str(e)
+    return f"no error, weight {tuple(m.weight.shape)}"
+
+
+@pytest.mark.slow
+def test_ranks_with_other_parameter_shapes_stop_before_the_broadcast_naming_the_ranks_and_their_layouts():
+    """gloo broadcasts rank 0's 8 floats into rank 1's 10 without an error: the shapes must be compared first."""
+    first, second = run_ranks(layout_body, 2)
+    for message, shape in ((first, "(2, 3)"), (second, "(2, 4)")):
+        assert "(name, shape, dtype) differ: rank(s) [1] differ from rank(s) [0]" in message, message
+        assert f"weight {shape} torch.float32" in message
 
 
 # ---- dist/buffers.py -------------------------------------------------------------------------------------
