@@ -348,3 +348,31 @@ def test_a_diverged_merge_buffer_is_detected_naming_it_and_a_local_one_is_not():
     for first, second in run_ranks(merge_buffer_body, 2):
         assert "rank(s) [1] differ from rank(s) [0]" in first and first.endswith("tensors that differ: ['stats.count']")
         assert second == "no error"
+
+
+def combo_body(rank, world_size, root, name, flags, iterations):
+    """A short run of preset `name` with `flags` ({"section.field": value}); this rank's ledger and the plan's."""
+    cfg = preset(name)
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 8, 4, iterations
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
+    cfg.log.root, cfg.log.print_every, cfg.dist.device = root, 100, "cpu"
+    for key, value in flags.items():
+        section, field = key.split(".")
+        setattr(getattr(cfg, section), field, value)
+    comm.reset_ledger()
+    _, _, plan = train.main(cfg)
+    return {k: list(v) for k, v in comm.LEDGER.items()}, expected_ledger(plan, iterations, final_iteration=iterations)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, flags", [
+    ("cartpole", {"ppo.normalize_rewards": True, "log.episode_returns": True, "ppo.advantage_norm": "local",
+                  "dist.verify_every": 1, "log.save_every": 1, "dist.grad_sync": "flat"}),
+    ("cartpole", {"policy.normalize_actor_obs": True, "policy.normalize_critic_obs": False,
+                  "ppo.advantage_norm": "minibatch", "dist.grad_sync": "bucketed", "dist.verify_every": 3}),
+    ("tracking", {"ppo.normalize_rewards": True, "policy.normalize_actor_obs": True, "ppo.advantage_norm": "none",
+                  "log.episode_returns": True, "dist.verify_every": 2, "log.save_every": 3}),
+])
+def test_ledger_equals_the_plan_for_other_flag_combinations(tmp_path, name, flags):
+    for ledger, expected in run_ranks(combo_body, 2, args=(str(tmp_path), name, flags, 3)):
+        assert ledger == expected
