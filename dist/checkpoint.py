@@ -22,6 +22,7 @@ from dist.checksum import checksum
 from dist.errors import RunError, UsageError
 from dist.log_root import make_probe, probe_path, write_refusal
 from dist.plan import PlanRow
+from dist.verify import differing_tensors, names_checksum
 
 FORMAT = "syncppo-checkpoint-v1"
 _CHECKPOINT = re.compile(r"model_(\d+)\.pt$")
@@ -325,8 +326,7 @@ def same_env_state(state: dict) -> None:
     dtypes and of its values); only when the values differ, one more of an int64 per entry, to name those that
     differ (every rank raises: they all see the same rows). See `checkpoint_plan_rows`."""
     flat = flatten_state(state)
-    names = "\n".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in flat.items())
-    mine = [checksum([torch.tensor(list(names.encode()), dtype=torch.uint8)]),
+    mine = [names_checksum([f"{k} {list(v.shape)} {v.dtype}" for k, v in flat.items()]),
             checksum([v.detach().cpu() for v in flat.values()])]
     rows = comm.all_gather(torch.stack(mine).to(comm.device()), "env_state").cpu().tolist()
     why = ("a checkpoint keeps one rank's env state and every rank loads it on resume: make it the same everywhere "
@@ -337,9 +337,7 @@ def same_env_state(state: dict) -> None:
                        f"{', '.join(flat) or 'none'}); {why}")
     if all(row[1] == rows[0][1] for row in rows):
         return
-    each = torch.stack([checksum([v.detach().cpu()]) for v in flat.values()])
-    by_rank = comm.all_gather(each.to(comm.device()), "env_state").cpu()
-    keys = [k for i, k in enumerate(flat) if bool((by_rank[:, i] != by_rank[0, i]).any())]
+    keys = differing_tensors([(k, v.cpu()) for k, v in flat.items()], "env_state")
     ranks = [r for r in range(len(rows)) if rows[r][1] != rows[0][1]]
     raise RunError(f"env.state_dict() differs across ranks in {', '.join(map(repr, keys))} (nested names joined by "
                    f"'/'): rank(s) {ranks} hold other values than rank 0, whose state a checkpoint keeps; {why}")

@@ -32,9 +32,15 @@ def verify_replicas(module: torch.nn.Module, what: str = "parameters", buffer_ru
         same_everywhere(checksum([t.detach() for _, t in named]), "checksum", f"{what} diverged across ranks",
                         "something updated some replicas without the others", _Diverged)
     except _Diverged as exc:
-        per = comm.all_gather(torch.stack([checksum([t.detach()]) for _, t in named]).to(comm.device()), "checksum")
-        differ = [n for i, (n, _) in enumerate(named) if not bool((per[:, i] == per[0, i]).all())]
-        raise RuntimeError(f"{exc}; tensors that differ: {differ}") from None
+        raise RuntimeError(f"{exc}; tensors that differ: {differing_tensors(named, 'checksum')}") from None
+
+
+def differing_tensors(named: Sequence[tuple[str, torch.Tensor]], purpose: str) -> list[str]:
+    """The names of the tensors whose checksum differs from rank 0's on some rank, for an error that a cheaper check
+    (one checksum of them all) already found. Crosses ranks once: one all-gather of an int64 per tensor, for
+    `purpose`; every rank must call it (they all saw the difference)."""
+    per = comm.all_gather(torch.stack([checksum([t.detach()]) for _, t in named]).to(comm.device()), purpose).cpu()
+    return [n for i, (n, _) in enumerate(named) if bool((per[:, i] != per[0, i]).any())]
 
 
 def same_everywhere(local: torch.Tensor, purpose: str, what: str, why: str, error=RuntimeError) -> None:
@@ -63,8 +69,12 @@ def verify_plan_rows(every: int, after_load: bool) -> list[PlanRow]:
 def same_names_everywhere(names: Sequence[str], purpose: str, what: str, why: str, error=RuntimeError) -> None:
     """same_everywhere for a list of names (their UTF-8 bytes, one per line): e.g. the metric names, which must line
     up in a packed all-reduce. Crosses ranks once: one all-gather of an int64 per rank."""
-    same_everywhere(checksum([torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8)]), purpose, what, why,
-                    error)
+    same_everywhere(names_checksum(names), purpose, what, why, error)
+
+
+def names_checksum(names: Sequence[str]) -> torch.Tensor:
+    """The checksum of a list of names: their UTF-8 bytes, one per line."""
+    return checksum([torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8)])
 
 
 def names_plan_row(purpose: str) -> PlanRow:
