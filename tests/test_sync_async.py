@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from multirank import run_ranks
 from sync import BucketConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
-from test_sync_common import bits_equal, make_state, random_update, snapshot
+from test_sync_common import bits_equal, damaged_receives, drain, make_state, random_update, snapshot
 
 UPDATES, TENSORS, SIZE = 12, 8, 50_000
 
@@ -278,8 +278,6 @@ def test_a_resync_drops_a_non_blocking_receive_that_was_refused(cfg):
 
 
 def _non_blocking_apply_loses_the_link(rank, world_size):
-    from dist import comm
-
     syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
     state = {"w": torch.zeros(100)}   # tiny: the frame's queued rest fits in the socket, so the sender returns
     if rank == 0:
@@ -289,30 +287,23 @@ def _non_blocking_apply_loses_the_link(rank, world_size):
         syncer.sync(state, 1)
         return None
     syncer.init_receiver(state)
-    real, damaged = comm.recv_then_count, []
+    damaged = []
 
-    def damaged_header(tensor, *args):
-        real(tensor, *args)
+    def version_flipped(header):
         if not damaged:
-            tensor[2] += 1                         # the version word, flipped before the header's own check
+            header[2] += 1                         # the version word, flipped before the header's own check
             damaged.append(True)
-        return tensor
 
-    comm.recv_then_count = damaged_header
-    try:
+    with damaged_receives("recv_then_count", version_flipped):
         assert syncer.apply(state, blocking=False) == 0
         dist.barrier()
         with pytest.raises(SyncIntegrityError) as error:
             syncer.resync(state)
-    finally:
-        comm.recv_then_count = real
     assert not state["w"].any() and syncer.version == 0
     # The rest of the frame (its one table row, refused before it was received, then one packed payload of 2 one-byte
     # gaps and 2 float32 values, then the trailer of 1 row checksum and its check), received here so that the
     # sender's sends complete.
-    for rest in (torch.empty(1, 4, dtype=torch.int64), torch.empty(10, dtype=torch.uint8),
-                 torch.empty(2, dtype=torch.int64)):
-        dist.recv(rest, src=0)
+    drain(0, torch.empty(1, 4, dtype=torch.int64), torch.empty(10, dtype=torch.uint8), torch.empty(2, dtype=torch.int64))
     return str(error.value), error.value.link_lost
 
 

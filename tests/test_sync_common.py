@@ -1,9 +1,13 @@
 """Shared helpers for the sync/ tests (no tests here): states to sync, random updates, bitwise equality."""
 
+import contextlib
 import os
 
+import pytest
 import torch
+import torch.distributed as dist
 
+from dist import comm
 from sync.encodings import _bits as as_bits
 
 
@@ -88,3 +92,25 @@ def sync_once(syncer, rank: int, state: dict, change, keys=None) -> dict:
         syncer.init_receiver(state)
         assert syncer.apply(state) == 1
     return snapshot(state)
+
+
+@contextlib.contextmanager
+def damaged_receives(name: str, damage):
+    """Inside the block, dist.comm's receive `name` (recv or recv_then_count) calls `damage(tensor)` on every tensor
+    it received: damage in flight, after the transport and before the syncer's checks."""
+    real = getattr(comm, name)
+
+    def receive(tensor, *args):
+        real(tensor, *args)
+        damage(tensor)
+        return tensor
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(comm, name, receive)
+        yield
+
+
+def drain(src: int, *rest: torch.Tensor) -> None:
+    """Receive, unchecked, the rest of a frame that a receiver refused before taking it in (sizes only the test
+    knows), so that the sender's sends complete and the ranks can end."""
+    for tensor in rest:
+        dist.recv(tensor, src=src)

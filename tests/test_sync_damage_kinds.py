@@ -4,13 +4,11 @@ carried no check), and a refused init bootstrap (neither side could resync)."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import sync.wire
-from dist import comm
 from multirank import run_ranks
 from sync import InitSyncConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
-from test_sync_common import bits_equal, snapshot
+from test_sync_common import bits_equal, damaged_receives, drain, snapshot
 
 
 def _rows_word_damaged(rank, world_size):
@@ -23,24 +21,16 @@ def _rows_word_damaged(rank, world_size):
         syncer.sync(state, 1)
         return None
     syncer.init_receiver(state)
-    real = comm.recv_then_count
 
-    def damaged(tensor, *args):
-        real(tensor, *args)[4] -= 1   # 2 table rows announced as 1: a receive too small for the table
-        return tensor
+    def two_rows_as_one(header):
+        header[4] -= 1   # 2 table rows announced as 1: a receive too small for the table
 
-    comm.recv_then_count = damaged
-    try:
-        with pytest.raises(SyncIntegrityError) as error:
-            syncer.apply(state)
-    finally:
-        comm.recv_then_count = real
+    with damaged_receives("recv_then_count", two_rows_as_one), pytest.raises(SyncIntegrityError) as error:
+        syncer.apply(state)
     assert not state["w"].any() and not state["v"].any()
-    # The rest of the frame, which only this test knows: 2 table rows, one packed payload (w: 2 one-byte gaps and 2
-    # float32 values; v: 1 gap and 1 value) and the trailer (2 checksums and their check).
-    for rest in (torch.empty(2, 4, dtype=torch.int64), torch.empty(15, dtype=torch.uint8),
-                 torch.empty(3, dtype=torch.int64)):
-        dist.recv(rest, src=0)
+    # The rest of the frame: 2 table rows, one packed payload (w: 2 one-byte gaps and 2 float32 values; v: 1 gap and
+    # 1 value) and the trailer (2 checksums and their check).
+    drain(0, torch.empty(2, 4, dtype=torch.int64), torch.empty(15, dtype=torch.uint8), torch.empty(3, dtype=torch.int64))
     return str(error.value), error.value.link_lost
 
 
@@ -62,20 +52,13 @@ def _receiver_document_damaged(rank, world_size):
         with pytest.raises(ValueError) as error:
             syncer.init_receiver(state)
         return str(error.value)
-    real = comm.recv
 
-    def damaged(tensor, *args):
-        real(tensor, *args)
+    def key_renamed(tensor):
         if tensor.dtype == torch.uint8:    # the receiver's JSON: one byte of a key name changed
             tensor[tensor.tolist().index(ord("w"))] = ord("x")
-        return tensor
 
-    comm.recv = damaged
-    try:
-        with pytest.raises(ValueError) as error:
-            syncer.init_sender(state, keys=["w"])
-    finally:
-        comm.recv = real
+    with damaged_receives("recv", key_renamed), pytest.raises(ValueError) as error:
+        syncer.init_sender(state, keys=["w"])
     return str(error.value)
 
 
@@ -137,24 +120,18 @@ def _length_word_damaged(rank, world_size):
         with pytest.raises(ValueError) as error:
             syncer.init_receiver(state)
         return str(error.value)
-    real, seen = comm.recv, []
+    seen = []
 
-    def damaged(tensor, *args):
-        real(tensor, *args)
+    def length_changed(tensor):
         if tensor.dtype == torch.int64 and tensor.numel() == 3 and not seen:   # receiver 1's length word
             seen.append(int(tensor[0]))
             tensor[0] += 1
-        return tensor
 
-    comm.recv = damaged
-    try:
-        with pytest.raises(ValueError) as error:
-            syncer.init_sender(state)
-    finally:
-        comm.recv = real
+    with damaged_receives("recv", length_changed), pytest.raises(ValueError) as error:
+        syncer.init_sender(state)
     # Receiver 1's link is lost: its document is still queued, of a length only this test knows. Taken in here and
     # answered by hand, so that its process ends (in a run it waits for the group's timeout).
-    dist.recv(torch.empty(seen[0], dtype=torch.uint8), src=1)
+    drain(1, torch.empty(seen[0], dtype=torch.uint8))
     sync.wire.send_json({"error": "lost"}, 1, None, "cpu")
     return str(error.value)
 

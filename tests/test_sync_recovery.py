@@ -10,7 +10,7 @@ import sync.wire
 from dist import comm
 from multirank import run_ranks
 from sync import SyncIntegrityError, WeightSyncConfig, make_weight_syncer
-from test_sync_common import bits_equal, make_state, random_update, snapshot
+from test_sync_common import bits_equal, damaged_receives, drain, make_state, random_update, snapshot
 
 
 def _queued_then_resync(rank, world_size, mode):
@@ -171,25 +171,17 @@ def _header_damaged_in_flight(rank, world_size):
         syncer.sync(state, 1)
         return None
     syncer.init_receiver(state)
-    real = sync.wire.comm.recv_then_count
 
-    def damaged(tensor, *args):
-        real(tensor, *args)[2] += 1   # the version word, flipped before the header's own check
-        return tensor
+    def version_flipped(header):
+        header[2] += 1   # the version word, flipped before the header's own check
 
-    sync.wire.comm.recv_then_count = damaged
-    try:
-        with pytest.raises(SyncIntegrityError, match="failed its checksum") as error:
-            syncer.apply(state)
-    finally:
-        sync.wire.comm.recv_then_count = real
+    with damaged_receives("recv_then_count", version_flipped), \
+            pytest.raises(SyncIntegrityError, match="failed its checksum") as error:
+        syncer.apply(state)
     assert not state["w"].any()
-    # Only this test knows the rest of the frame: its table row (refused before it was received), one packed payload
-    # (2 one-byte gaps, 2 float32 values) and the trailer (1 row checksum + its check). Received here so that the
-    # sender's sends complete.
-    for rest in (torch.empty(1, 4, dtype=torch.int64), torch.empty(10, dtype=torch.uint8),
-                 torch.empty(2, dtype=torch.int64)):
-        dist.recv(rest, src=0)
+    # The rest of the frame: its table row (refused before it was received), one packed payload (2 one-byte gaps, 2
+    # float32 values) and the trailer (1 row checksum + its check).
+    drain(0, torch.empty(1, 4, dtype=torch.int64), torch.empty(10, dtype=torch.uint8), torch.empty(2, dtype=torch.int64))
     return str(error.value)
 
 
