@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import difflib
 import inspect
+import numbers
 import shlex
 import sys
 import warnings
@@ -256,8 +257,14 @@ class IsaacLabEnv:
         """One logged value as a 0-d tensor. A task's own code may log a per-env tensor (RSL-RL's logger takes its
         mean) or None: that is named, not a reshape error from inside torch."""
         try:
-            tensor = torch.as_tensor(value, dtype=torch.float32, device=self.device)
-        except (TypeError, ValueError, RuntimeError):
+            if isinstance(value, numbers.Real):
+                # Filled in on the device: Isaac Lab logs some metrics as Python numbers (.item()s) and keeps them
+                # between resets, and torch.as_tensor(number, device=cuda) copies from the host, a device sync per
+                # such metric at every step. Through float64, so rounded to float32 (inf on overflow) as as_tensor does.
+                tensor = torch.full((), float(value), dtype=torch.float64, device=self.device).to(torch.float32)
+            else:
+                tensor = torch.as_tensor(value, dtype=torch.float32, device=self.device)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
             tensor = None
         if tensor is None or tensor.numel() != 1:
             what = type(value).__name__ if tensor is None else f"a tensor of shape {list(tensor.shape)}"

@@ -210,6 +210,24 @@ def test_episode_log_becomes_scalar_tensors_and_late_keys_warn(make):
         env.step(torch.zeros(4, 2))
 
 
+def test_a_number_the_task_logs_reaches_the_device_without_a_copy_from_the_host(make):
+    """Isaac Lab logs some metrics as Python numbers (`.item()`: termination counts, command metrics) and keeps them in
+    extras["log"] between resets, so the adapter converts them at every step. torch.as_tensor(number, device=cuda) is a
+    blocking host-to-device copy (aten::lift_fresh), a device sync per such metric and step on a GPU; the number is
+    filled in on the device instead, with the same float32 value."""
+    env = make()
+    env.reset()
+    env.unwrapped.episode_length_buf[:] = 0                  # no env ends in the profiled step (nothing resets)
+    with torch.profiler.profile() as prof:
+        _, _, _, _, extras = env.step(torch.zeros(4, 2))     # extras["log"]: the build's reset's, a number among them
+    assert "aten::lift_fresh" not in {e.name for e in prof.events()}
+    value = extras["log"]["Metrics/constant"]
+    assert value.dtype == torch.float32 and value.shape == () and value.device == env.device and value.item() == 0.5
+    for number in (0.1, 3, True, 1e39, float("nan")):        # rounded to float32 as torch.as_tensor rounds it
+        filled, expected = env._scalar("Metrics/constant", number), torch.as_tensor(number, dtype=torch.float32)
+        assert torch.equal(filled.view(torch.int32), expected.view(torch.int32))    # bit for bit (NaN too)
+
+
 def test_observation_group_errors_name_the_flag(make):
     with pytest.raises(ValueError, match=r"--env.critic-obs-groups: this task has no observation group 'privileged'; "
                                          r"it has \['critic', 'policy'\]"):
