@@ -108,12 +108,10 @@ class Link:
 
     def once_per_tie(self, keys: Sequence[str]) -> list[str]:
         """Keep only the first of several keys that are one tensor (tied weights travel once)."""
-        seen, unique = set(), []
+        first: dict = {}  # tensor (its tie group, else its key) -> its first key
         for key in keys:
-            if self._tie_of.get(key, key) not in seen:
-                seen.add(self._tie_of.get(key, key))
-                unique.append(key)
-        return unique
+            first.setdefault(self._tie_of.get(key, key), key)
+        return list(first.values())
 
     def verify_same_start(self, tensors: dict, keys: list[str], why: str) -> None:
         """Updates assume the receivers hold the sender's weights for `keys` (never sent by updates, or not
