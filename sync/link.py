@@ -173,14 +173,14 @@ class Link:
         """The state_dict `model` (sender: a state_dict or module) with the keys and shapes (receiver: and
         dtypes) of init; a KeyError lists missing and unexpected keys."""
         tensors = tensors_of(model)
-        expected = list(self.sender_shapes) if self.is_sender else self.keys
-        missing, unexpected = [k for k in expected if k not in tensors], [k for k in tensors if k not in set(expected)]
+        shapes = self.sender_shapes if self.is_sender else self.shapes  # the receiver's: by its keys, in order
+        missing, unexpected = [k for k in shapes if k not in tensors], [k for k in tensors if k not in shapes]
         if missing or unexpected:
             what = "sender state_dict keys differ from init_sender" if self.is_sender else \
                 "receiver model keys differ from init_receiver"
             raise KeyError(f"weight sync: {what}: missing {missing}, unexpected {unexpected}")
-        bad = [k for k, t in tensors.items() if tuple(t.shape) != (self.sender_shapes[k] if self.is_sender else self.shapes[k])
-               or not self.is_sender and t.dtype != self.dtypes[k]]
+        bad = [k for k, t in tensors.items()
+               if tuple(t.shape) != shapes[k] or not self.is_sender and t.dtype != self.dtypes[k]]
         if bad:
             raise ValueError(f"weight sync: shape or dtype changed since init for {bad}")
         scattered = [k for k, t in tensors.items() if not self.is_sender and not t.is_contiguous()]
