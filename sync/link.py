@@ -340,7 +340,7 @@ class Link:
 
     def resync_whole(self, state_dict_or_model, version: Optional[int], keys: Sequence[str], bucket_size: int,
                      update_dtypes: Sequence[torch.dtype], update_decompress: Optional[Callable] = None,
-                     written: Optional[Callable[[dict], None]] = None) -> None:
+                     written: Callable[[dict], None] = lambda tensors: None) -> None:
         """Both strategies' resync: the sender sends `keys` whole in the receivers' dtypes and both continue
         from `version`; a receiver first takes in the receive of a non-blocking apply still under way (an update
         is dropped; a resync's first frame starts this resync), then drops the updates still queued for it (any
@@ -357,8 +357,7 @@ class Link:
                                  f"{version!r}")
             self.stats = self.send_whole(tensors, keys, receiver, bucket_size, version, KIND_RESYNC, SETUP)
             self.version = version
-            if written is not None:
-                written(tensors)
+            written(tensors)
             return
         first = None
         if self._inflight is not None:
@@ -376,8 +375,7 @@ class Link:
         def write() -> int:
             version = self.recv_whole(tensors, keys, receiver, bucket_size, KIND_RESYNC, SETUP, drop=update_dtypes,
                                       drop_decompress=update_decompress, first=first)
-            if written is not None:
-                written(tensors)
+            written(tensors)
             return version
         self.write_update(write, resync=True)
 
