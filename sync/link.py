@@ -72,11 +72,9 @@ class Link:
             reply, received = recv_json(self.src, self.group, self.device)
             if reply is None:    # the sender goes on to init's next messages, which nothing here will take
                 raise lost_link("weight sync init: the sender's handshake reply arrived corrupted")
-            if reply["error"]:
-                raise ValueError("weight sync init: " + reply["error"])
-            mismatch = format_mismatch(reply.get("format"), FORMAT)
-            if mismatch:
-                raise ValueError("weight sync init: " + mismatch)
+            refusal = reply["error"] or format_mismatch(reply.get("format"), FORMAT)  # the sender's reasons first
+            if refusal:
+                raise ValueError("weight sync init: " + refusal)
             self._adopt(mine, reply["keys"], [(sent, received)])
             return reply["version"]
         keys, problems = sender_problems(tensors, keys, version, problems)
