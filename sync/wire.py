@@ -114,8 +114,7 @@ def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments
     # to_nccl_data_type, torch/csrc/cuda/nccl.cpp, refuses them), while gloo moves bytes whatever the dtype.
     payload = [segments[i].reshape(-1).view(torch.uint8) for i in order if segments[i].numel()]
     if (compress is not None and payload) or _packed([p.numel() for p in payload]):
-        payload = [torch.cat(payload)]
-        payload = [compress(payload[0])] if compress is not None else payload
+        payload = [torch.cat(payload) if compress is None else compress(torch.cat(payload))]
     payload = [p.to(device) for p in payload]
     wire = sum(p.numel() * p.element_size() for p in payload)
     words = torch.tensor([MAGIC, kind, version, base, len(table), wire, raw], dtype=torch.int64)
