@@ -102,8 +102,7 @@ class PatchSyncer(Link):
     def _take_snapshot(self, state: dict) -> None:
         # Pinned for the copies to and from weights on a GPU only: pinning opens a CUDA context (on GPU 0).
         pinned = self.cfg.patch.snapshot_device == "cpu" and any(state[k].is_cuda for k in self.synced)
-        self.snapshot, self.checksums = {}, {}
-        for key in self.synced:
+        for key in self.synced:  # every entry replaced (a resync's too): the keys never change after init
             value = state[key].detach().to(self.dtypes[key])
             copy = torch.empty(value.shape, dtype=value.dtype, device=self.cfg.patch.snapshot_device, pin_memory=pinned)
             self.snapshot[key] = copy.copy_(value)
