@@ -23,12 +23,12 @@ import torch
 from dist.checksum import tensor_checksum, update_checksum
 from dist.plan import PlanRow
 from .config import WeightSyncConfig, under_prefix
-from .encodings import GAP_DTYPES, _changes, _decode, _differ, _encode
+from .encodings import _changes, _decode, _differ, _encode
 from .handshake import tensors_of
 from .link import Link
-from .wire import (BITMAP, DENSE, KIND_BUCKET, KIND_PATCH, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError,
-                   SyncStats, bucket_messages, check_kind, frame_messages, recv_frame, require_zstd, send_frame,
-                   zstd_compress, zstd_decompress, zstd_discard)
+from .wire import (DENSE, KIND_BUCKET, KIND_PATCH, RESYNC_HINT, SETUP, UPDATE, Frame, SyncIntegrityError, SyncStats,
+                   bucket_messages, check_kind, frame_messages, recv_frame, require_zstd, send_frame, zstd_compress,
+                   zstd_decompress, zstd_discard)
 
 INCREMENTAL_BELOW = 1 / 64  # update a checksum below, rescan above: crossovers ~1/110 (int8), ~1/25 (float64)
 
