@@ -137,7 +137,7 @@ def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments
         works += [comm.isend(trailer, purpose, dst, group) for dst in dsts]
     for work in works:
         work.wait()
-    return HEADER_BYTES + (len(table) * ROW_BYTES + wire + (len(table) + 1) * 8 if len(table) else 0), raw, after
+    return sum(frame_messages(len(table), [wire])), raw, after  # header, table, `wire` payload bytes, trailer
 
 
 @dataclass
