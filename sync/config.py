@@ -124,8 +124,7 @@ def config_fields(cfg: WeightSyncConfig) -> dict:
     """Every field of `cfg` by dotted name (`patch.verify_every`), as JSON gives it back: what the handshake compares,
     so that a difference names its field."""
     fields, todo = {}, list(json.loads(json.dumps(asdict(cfg))).items())
-    while todo:
-        name, value = todo.pop(0)
+    for name, value in todo:  # a section's fields, appended, are visited after the fields before them, as before
         if isinstance(value, dict):
             todo += [(f"{name}.{k}", v) for k, v in value.items()]
         else:
