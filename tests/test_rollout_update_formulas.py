@@ -225,14 +225,15 @@ def test_episode_stats_accumulate_sums_and_counts_in_float64():
 
 def test_local_and_none_advantage_normalization():
     """"local": (A - mean) / (population std + 1e-8) over this rank's rollout (the same statistic the
-    "global" mode computes over all ranks, so 1 rank of "global" == "local"); "none" leaves A untouched."""
-    for mode in ("local", "global", "none"):
+    "global" mode computes over all ranks, so 1 rank of "global" == "local"); "none" leaves A untouched, and so
+    does "minibatch" (ppo_update normalizes each minibatch's gathered copy; the storage keeps the raw ones)."""
+    for mode in ("local", "global", "none", "minibatch"):
         s = RolloutStorage(3, 4, {"policy": 1, "critic": 1}, 1, torch.device("cpu"))
         adv = torch.randn(3, 4, generator=torch.Generator().manual_seed(5)) * 3 + 2
         s.advantages = adv
         normalize_advantages(s, mode)
         a = adv.double().numpy()
-        expected = a if mode == "none" else (a - a.mean()) / (a.std() + 1e-8)
+        expected = a if mode in ("none", "minibatch") else (a - a.mean()) / (a.std() + 1e-8)
         np.testing.assert_allclose(s.advantages.numpy(), expected, rtol=1e-6, atol=1e-6, err_msg=mode)
 
 
