@@ -54,3 +54,19 @@ def test_clip_only_scales_down_and_equals_torch_clip_grad_norm(mode, max_norm_ov
     total = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
     n = unclipped_norm.item()
     assert torch.isclose(total, torch.tensor(n * min(1.0, max_norm / (n + 1e-6))), rtol=1e-5)
+
+
+@pytest.mark.parametrize("strides", [(4, 4, 1), (4, 100, 1)])
+def test_a_parameter_with_a_size_1_dimension_is_dense_whatever_that_dimension_s_stride(strides):
+    """A size-1 dimension's stride never addresses a second element: a contiguous [3, 1, 4] parameter (strides
+    (4, 4, 1)) and one with any stride there fill 12 consecutive slots, so GradSync takes them, and their
+    gradient is autograd's."""
+    p = torch.nn.Parameter(torch.empty_strided((3, 1, 4), strides).copy_(torch.randn(3, 1, 4)))
+    w = torch.randn(3, 1, 4)
+    sync = GradSync([p])
+    sync.zero_grad()
+    sync.arm()
+    (p * w).sum().backward()
+    sync.synchronize()
+    assert p.grad.stride() == strides
+    torch.testing.assert_close(p.grad, w)
