@@ -72,3 +72,10 @@ def test_ppo_loss_refuses_a_b_1_tensor_in_any_one_of_its_seven_inputs(position):
     inputs[position] = torch.zeros(4, 1)
     with pytest.raises(ValueError, match=r"shape \[B\].*\(4, 1\)"):
         ppo_loss(*inputs, 0.2, True, 0.5, 0.01)
+
+
+def test_ppo_loss_refuses_seven_inputs_all_of_shape_b_1():
+    """The docstring promises [B] inputs; seven [B, 1] tensors agree in shape with each other but are not [B]."""
+    inputs = [torch.zeros(4, 1) for _ in range(7)]
+    with pytest.raises(ValueError, match=r"shape \[B\]"):
+        ppo_loss(*inputs, 0.2, True, 0.5, 0.01)
