@@ -139,6 +139,19 @@ def test_tracking_sampler_state_is_a_copy_both_ways():
 
 
 
+def test_tracking_saved_local_counts_do_not_grow_with_the_env():
+    """The saved local counts are a copy too: episodes recorded after the save (before any sync, which would zero
+    the live counts and so hide an alias) are not in the state that was saved."""
+    a = Tracking(16, "cpu", 0, base_seed=0, num_motions=8)
+    a.sampler.record(torch.tensor([1, 3]), torch.tensor([True, True]), torch.tensor([True, False]))
+    saved = a.state_dict()["sampler"]
+    a.sampler.record(torch.arange(8), torch.ones(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool))
+    want = [[0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    assert saved["local_counts"].tolist() == want
+    assert saved["global_counts"].tolist() == [[0.0] * 8, [0.0] * 8]
+    assert a.sampler.local_counts.tolist() == [[1.0, 2.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]
+
+
 def test_tracking_observations_hold_the_reference_frames_they_name():
     """Policy obs = [q, 0.1 qd, last action, reference q at the future frames, 0.1 reference qd at the next frame],
     the critic's adds body positions and the phase; final_obs is taken before the resets. Checked against the
