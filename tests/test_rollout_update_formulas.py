@@ -175,6 +175,53 @@ def test_collect_rollout_records_pre_step_observations_dones_and_time_out_bootst
     assert stats.sums[i["Train/mean_episode_length"]].item() == 2 + 2 + 3
 
 
+class BothFlagsEnv(CountingEnv):
+    """CountingEnv, but env 1's time-out on its 3rd step is also flagged terminated (a failure on the last step)."""
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, extras = super().step(actions)
+        return obs, reward, terminated | truncated, truncated, extras
+
+
+def test_collect_rollout_takes_a_step_flagged_terminated_and_truncated_as_a_termination():
+    """envs/base.py: an env that sets both flags for a step is taken as terminated: the episode ends (done) and is
+    not bootstrapped, so every bootstrap term is 0 although env 1's value before its reset is not."""
+    torch.manual_seed(0)
+    model = ActorCritic(2, 3, 1, (8,), (8,), init_noise_std=0.6, normalize_critic_obs=False)
+    env = BothFlagsEnv()
+    obs, _ = env.reset()
+    stats = EpisodeStats(2, TRAIN_KEYS + ("Episode/x",), torch.device("cpu"))
+    batch, _ = collect_rollout(model, env, obs, 4, 0.9, True, stats)
+    with torch.no_grad():
+        assert model.value(torch.tensor([[3.0, 1.0, 9.0]]))[0].item() != 0      # what a bootstrap would have added
+    assert batch["dones"].tolist() == [[False, False], [True, False], [False, True], [True, False]]
+    assert torch.equal(batch["bootstrap"], torch.zeros(4, 2))
+
+
+def test_episode_stats_count_each_log_key_once_per_step_that_logs_it():
+    """Each env log value counts once for its own key, whatever else the step logs: key a on 3 steps (1, 2, 3),
+    key b on the middle one only (5): a = (6, 3), b = (5, 1), not a count per key logged beside it."""
+    stats = EpisodeStats(1, TRAIN_KEYS + ("Episode/a", "Episode/b"), torch.device("cpu"))
+    no = torch.tensor([False])
+    stats.step(torch.ones(1), no, {"Episode/a": torch.tensor(1.0)}, False)
+    stats.step(torch.ones(1), no, {"Episode/a": torch.tensor(2.0), "Episode/b": torch.tensor(5.0)}, False)
+    stats.step(torch.ones(1), no, {"Episode/a": 3.0}, False)
+    i = stats.index
+    assert (stats.sums[i["Episode/a"]].item(), stats.counts[i["Episode/a"]].item()) == (6.0, 3.0)
+    assert (stats.sums[i["Episode/b"]].item(), stats.counts[i["Episode/b"]].item()) == (5.0, 1.0)
+
+
+def test_episode_stats_returns_add_negative_rewards_as_they_are():
+    """Returns are plain sums of the raw rewards, negative ones included: env 0 gets -1 then 0.5 (return -0.5),
+    env 1 gets -2 then -3 (return -5), both ending at the 2nd step."""
+    stats = EpisodeStats(2, TRAIN_KEYS, torch.device("cpu"))
+    stats.step(torch.tensor([-1.0, -2.0]), torch.tensor([False, False]), {}, True)
+    stats.step(torch.tensor([0.5, -3.0]), torch.tensor([True, True]), {}, True)
+    i = stats.index
+    assert stats.sums[i["Train/mean_reward"]].item() == -0.5 - 5.0 and stats.counts[i["Train/mean_reward"]].item() == 2
+    assert stats.ended[1].tolist() == [-0.5, -5.0]
+
+
 def test_episode_stats_sum_each_finished_episode_once_and_count_log_entries():
     """Train/mean_reward and Train/mean_episode_length are (sum, count) over the episodes that ended this
     iteration, each episode's return and length restarting at its reset; env log values count once per step."""
