@@ -122,9 +122,12 @@ def test_a_gpu_storage_queues_each_epochs_permutation_from_pinned_memory(monkeyp
 
 
 @pytest.mark.parametrize("count, unit, message", [(0, "trajectory", "num_mini_batches must be an integer >= 1"),
+                                                  (True, "trajectory", "num_mini_batches must be an integer >= 1"),
+                                                  (2.0, "transition", "num_mini_batches must be an integer >= 1"),
                                                   (2, "trajectories", "unit must be 'trajectory' or 'transition'")])
 def test_minibatches_refuse_a_bad_count_or_unit(count, unit, message):
-    """A copied-out storage refuses what the CLI would: 0 minibatches (was a ZeroDivisionError) and a misspelt unit
-    (was silently the transition unit)."""
+    """A copied-out storage refuses what the CLI would: 0 minibatches (was a ZeroDivisionError), a bool (True is an
+    int to Python, and would pass as 1 minibatch) or a float count, and a misspelt unit (was silently the transition
+    unit)."""
     with pytest.raises(ValueError, match=message):
         next(filled_storage(2, 10).minibatches(count, unit=unit))
