@@ -315,6 +315,27 @@ def test_ranks_with_other_parameter_shapes_stop_before_the_broadcast_naming_the_
         assert f"weight {shape} torch.float32" in message
 
 
+def buffer_layout_body(rank, world_size):
+    m = nn.Linear(3, 2)                 # the same parameters everywhere; a normalizer of another size on rank 1
+    m.register_buffer("obs_mean", torch.zeros(3 + rank, dtype=torch.float64))
+    try:
+        broadcast_module(m)
+    except RuntimeError as e:
+        return str(e)
+    return f"no error, obs_mean {tuple(m.obs_mean.shape)}"
+
+
+@pytest.mark.slow
+def test_ranks_whose_buffers_alone_differ_in_shape_stop_before_the_broadcast():
+    """The layout compared before the broadcast covers the buffers too (normalizer statistics are buffers): with equal
+    parameters, a buffer of another size on rank 1 must stop every rank, naming it, not be filled by gloo from rank
+    0's smaller tensor."""
+    first, second = run_ranks(buffer_layout_body, 2)
+    for message, shape in ((first, "(3,)"), (second, "(4,)")):
+        assert "(name, shape, dtype) differ: rank(s) [1] differ from rank(s) [0]" in message, message
+        assert f"obs_mean {shape} torch.float64" in message, message
+
+
 # ---- dist/buffers.py -------------------------------------------------------------------------------------
 
 class Rules(nn.Module):
