@@ -54,3 +54,16 @@ def test_the_start_up_broadcast_keeps_every_bit_and_dtype_of_float64_and_int64_t
     after = _state(m)
     for name, value in before.items():
         assert after[name].dtype == value.dtype and torch.equal(after[name], value), name
+
+
+def test_names_checksum_separates_the_names_so_a_shifted_boundary_differs():
+    """Ranks compare lists of names (metric keys packed into one all-reduce, a model's layout) by one checksum of
+    their UTF-8 bytes, one name per line: ["ab", "c"] and ["a", "bc"] are different lists and must not agree, and
+    the checksum is that of the bytes b"ab\\nc"."""
+    from dist.checksum import checksum
+    from dist.verify import names_checksum
+
+    assert names_checksum(["ab", "c"]) != names_checksum(["a", "bc"])
+    assert names_checksum(["loss", "kl"]) != names_checksum(["los", "skl"])
+    assert torch.equal(names_checksum(["ab", "c"]),
+                       checksum([torch.tensor([0x61, 0x62, 0x0A, 0x63], dtype=torch.uint8)]))
