@@ -52,6 +52,8 @@ DIVERGED = ": the file is damaged or its run diverged; resume from an earlier mo
     (_with_group(betas="x"), "is damaged (its optimizer param group 0 has betas 'x' and weight_decay 0.0, not "
                              "Adam's settings)"),
     (_with_group(betas=(2.0, -1.0)), "is damaged (its optimizer param group 0 has betas (2.0, -1.0)"),
+    # a beta of exactly 1: Adam's bias correction 1 - beta ** step is 0, and the first step divides by it (nan)
+    (_with_group(betas=(0.9, 1.0)), "is damaged (its optimizer param group 0 has betas (0.9, 1.0)"),
     (_with_group(weight_decay="x"), "is damaged (its optimizer param group 0 has betas (0.9, 0.999) and "
                                     "weight_decay 'x'"),
     (_state(config=_config_with_key(5)), "is damaged (its config has a setting named 5, not a name)"),
@@ -64,7 +66,7 @@ DIVERGED = ": the file is damaged or its run diverged; resume from an earlier mo
     (_state(env={"sampler": {"global_counts": torch.tensor([3.0, -5.0], dtype=torch.float64)}}),
      "has a negative value (-5) in its env['sampler']['global_counts'], a count" + DIVERGED),
 ], ids=["moment-missing", "moment-a-float", "two-element-step", "state-for-some", "string-index", "betas-a-string",
-        "betas-out-of-range", "weight-decay-a-string", "config-key-not-a-name", "negative-step", "negative-count",
+        "betas-out-of-range", "beta-of-one", "weight-decay-a-string", "config-key-not-a-name", "negative-step", "negative-count",
         "negative-m2", "negative-sampler-count"])
 def test_state_no_healthy_run_saves_is_refused_naming_it(tmp_path, state, what):
     path = _saved(tmp_path, state)
