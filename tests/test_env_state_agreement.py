@@ -87,3 +87,23 @@ def test_rollout_ranks_whose_env_states_differ_are_refused_by_learner_0_naming_t
     with pytest.raises(RunError, match=r"^env.state_dict\(\) differs across rollout ranks in 'curriculum/level' "
                                        r"\(nested names joined by '/'\): rollout rank\(s\) \[2\] hold other values"):
         unpack_team_states(torch.cat([same, same, other]), spec)
+
+
+def same_env_state_body(rank, world_size):
+    from dist.checkpoint import same_env_state
+    state = {"sampler": {"counts": torch.zeros(2 + rank)}, "steps": torch.zeros(2)}   # rank 1: 3 counts, not 2
+    try:
+        same_env_state(state)
+    except RunError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_an_env_state_whose_entries_differ_in_shape_by_rank_is_named_as_a_layout_difference():
+    """A per-rank env state of another shape (a sampler sized by the rank's own env count) is refused by the first
+    check, of names, shapes and dtypes, naming rank 1 and this rank's entries: not compared value by value as if
+    the entries lined up."""
+    for message in run_ranks(same_env_state_body, 2, timeout=60):
+        assert message.startswith("env.state_dict() has other entries, shapes or dtypes on rank(s) [1] than on "
+                                  "rank 0 (this rank's: sampler/counts, steps)"), message
