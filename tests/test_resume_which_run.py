@@ -152,3 +152,16 @@ def test_a_damaged_newest_checkpoint_of_a_run_continued_in_place_says_how_to_con
     assert f"resumed {os.path.join(run_dir, 'model_1.pt')} at iteration 1" in capsys.readouterr().out
     assert glob.glob(str(tmp_path / "tracking" / "*")) == [run_dir]                            # in place
     assert sorted(p.name for p in Path(run_dir).glob("model_*.pt")) == ["model_1.pt", "model_2.pt", "model_3.pt"]
+
+
+def test_a_newest_checkpoint_gone_before_it_is_read_gets_no_advice_to_move_it(tmp_path):
+    """load_checkpoint adds "move it out of that directory" to an error about the run's newest checkpoint only while
+    the file is there: one deleted between the listing and the read (another process pruning old saves) says it does
+    not exist, and nothing more."""
+    from dist.checkpoint_read import load_checkpoint
+    from dist.errors import UsageError
+    path = str(tmp_path / "model_7.pt")
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path, run_dir=str(tmp_path))
+    assert str(exc.value) == (f"--resume {path!r} does not exist; pass an existing model_<iteration>.pt file, a run "
+                              f"directory, or auto")
