@@ -66,8 +66,8 @@ DIVERGED = ": the file is damaged or its run diverged; resume from an earlier mo
     (_state(env={"sampler": {"global_counts": torch.tensor([3.0, -5.0], dtype=torch.float64)}}),
      "has a negative value (-5) in its env['sampler']['global_counts'], a count" + DIVERGED),
 ], ids=["moment-missing", "moment-a-float", "two-element-step", "state-for-some", "string-index", "betas-a-string",
-        "betas-out-of-range", "beta-of-one", "weight-decay-a-string", "config-key-not-a-name", "negative-step", "negative-count",
-        "negative-m2", "negative-sampler-count"])
+        "betas-out-of-range", "beta-of-one", "weight-decay-a-string", "config-key-not-a-name", "negative-step",
+        "negative-count", "negative-m2", "negative-sampler-count"])
 def test_state_no_healthy_run_saves_is_refused_naming_it(tmp_path, state, what):
     path = _saved(tmp_path, state)
     with pytest.raises(UsageError) as exc:

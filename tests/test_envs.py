@@ -149,7 +149,8 @@ def test_tracking_saved_local_counts_do_not_grow_with_the_env():
     want = [[0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
     assert saved["local_counts"].tolist() == want
     assert saved["global_counts"].tolist() == [[0.0] * 8, [0.0] * 8]
-    assert a.sampler.local_counts.tolist() == [[1.0, 2.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]
+    assert a.sampler.local_counts.tolist() == [[1.0, 2.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0],
+                                               [1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]
 
 
 def test_tracking_observations_hold_the_reference_frames_they_name():

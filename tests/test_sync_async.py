@@ -303,7 +303,8 @@ def _non_blocking_apply_loses_the_link(rank, world_size):
     # The rest of the frame (its one table row, refused before it was received, then one packed payload of 2 one-byte
     # gaps and 2 float32 values, then the trailer of 1 row checksum and its check), received here so that the
     # sender's sends complete.
-    drain(0, torch.empty(1, 4, dtype=torch.int64), torch.empty(10, dtype=torch.uint8), torch.empty(2, dtype=torch.int64))
+    drain(0, torch.empty(1, 4, dtype=torch.int64), torch.empty(10, dtype=torch.uint8),
+          torch.empty(2, dtype=torch.int64))
     return str(error.value), error.value.link_lost
 
 

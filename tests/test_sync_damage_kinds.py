@@ -30,7 +30,8 @@ def _rows_word_damaged(rank, world_size):
     assert not state["w"].any() and not state["v"].any()
     # The rest of the frame: 2 table rows, one packed payload (w: 2 one-byte gaps and 2 float32 values; v: 1 gap and
     # 1 value) and the trailer (2 checksums and their check).
-    drain(0, torch.empty(2, 4, dtype=torch.int64), torch.empty(15, dtype=torch.uint8), torch.empty(3, dtype=torch.int64))
+    drain(0, torch.empty(2, 4, dtype=torch.int64), torch.empty(15, dtype=torch.uint8),
+          torch.empty(3, dtype=torch.int64))
     return str(error.value), error.value.link_lost
 
 

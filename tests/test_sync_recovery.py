@@ -181,7 +181,8 @@ def _header_damaged_in_flight(rank, world_size):
     assert not state["w"].any()
     # The rest of the frame: its table row (refused before it was received), one packed payload (2 one-byte gaps, 2
     # float32 values) and the trailer (1 row checksum + its check).
-    drain(0, torch.empty(1, 4, dtype=torch.int64), torch.empty(10, dtype=torch.uint8), torch.empty(2, dtype=torch.int64))
+    drain(0, torch.empty(1, 4, dtype=torch.int64), torch.empty(10, dtype=torch.uint8),
+          torch.empty(2, dtype=torch.int64))
     return str(error.value)
 
 
