@@ -8,6 +8,7 @@ import re
 import struct
 import zipfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,6 +148,16 @@ def test_floats_outside_float32_name_the_flag(changes, flag):
         validate(cfg_with(**changes))
 
 
+def test_float32_s_smallest_normal_and_largest_finite_are_taken_exactly_and_a_half_below_is_not():
+    tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)   # 2**-126, (2 - 2**-23) * 2**127
+    assert tiny == 2.0**-126 and big == (2 - 2.0**-23) * 2.0**127
+    validate(cfg_with(ppo__entropy_coef=tiny, ppo__value_loss_coef=big))       # both ends of the range: taken
+    with pytest.raises(UsageError, match=r"^--ppo\.entropy-coef .* is 0 or inf in float32"):
+        validate(cfg_with(ppo__entropy_coef=tiny / 2))                           # subnormal in float32
+    with pytest.raises(UsageError, match=r"^--ppo\.value-loss-coef .* is 0 or inf in float32"):
+        validate(cfg_with(ppo__value_loss_coef=big * (1 + 2.0**-40)))           # past float32's largest
+
+
 @pytest.mark.parametrize("changes, advice", [
     ({"ppo__learning_rate": 1e-45, "ppo__schedule": "fixed"}, "use a magnitude in [1.2e-38, 3.4e+38]"),   # offered 0
     ({"ppo__adam_eps": 1e-45}, "use a magnitude in [1.2e-38, 3.4e+38]"),
@@ -204,6 +215,17 @@ def test_local_or_global_advantage_norm_over_a_single_transition_is_refused():
     validate(cfg, world_size=2)
     cfg.ppo.advantage_norm = "none"
     validate(cfg)
+
+
+def test_global_advantage_norm_pools_the_learners_transitions_not_the_rollout_ranks_ones():
+    """With rollout ranks only the learners normalize: 1 learner + 1 rollout rank of 1 env x 1 step pools 1
+    transition (refused), not 2; 1 learner + 2 rollout ranks pools 2 x 1 = 2 (accepted)."""
+    cfg = cfg_with(env__num_envs=1, ppo__num_steps=1, ppo__num_mini_batches=1, ppo__advantage_norm="global",
+                   dist__device="cpu", rollout__ranks=1)
+    with pytest.raises(UsageError, match=r"^--ppo.advantage-norm global normalizes over 1 transition"):
+        validate(cfg, world_size=2)
+    cfg.rollout.ranks = 2
+    validate(cfg, world_size=3)
 
 
 def test_lr_bounds_of_the_adaptive_schedule_do_not_cap_the_linear_or_fixed_rate():
