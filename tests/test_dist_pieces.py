@@ -328,3 +328,25 @@ def test_plan_occurrences_and_expected_ledger_by_hand():
     assert one_learner in format_plan(rows, 2, 1).splitlines()[0]         # 1 learner + 1 rollout rank
     assert "all_gather (all ranks)" in format_plan([everyone], 2, 1) and "(all ranks)" not in format_plan([everyone], 2)
     assert "collective" not in format_plan(rows, 3, 2).splitlines()[0]       # 2 learners: they do
+
+
+def test_a_resumed_run_s_plan_counts_the_multiples_of_every_in_its_own_iterations():
+    """From checkpoint iteration 6, 10 more iterations are 7..16: an `every 4` row runs after 8, 12 and 16 (3 times,
+    not 10 // 4 = 2); from 3, one iteration is iteration 4 (once, not 1 // 4 = 0). A checkpoint row the same, plus
+    the final save when the last iteration (17) is no multiple of 4."""
+    from dist.plan import PlanRow, expected_ledger
+    every = PlanRow("c", "r", "send", "every", [5], every=4)
+    saves = PlanRow("d", "r", "all_gather", "checkpoint", [7], every=4)
+    assert [every.occurrences(10, start=6), every.occurrences(1, start=3), every.occurrences(3, start=4)] == [3, 1, 0]
+    assert expected_ledger([every, saves], 10, final_iteration=16, start=6) == {"c": [3, 15], "d": [3, 21]}
+    assert expected_ledger([every, saves], 11, final_iteration=17, start=6) == {"c": [3, 15], "d": [4, 28]}
+
+
+def test_a_gather_is_a_collective_that_a_one_member_group_does_not_run():
+    """gather runs in the group like the other collectives: with collectives=False (one learner) it drops out, as
+    all_reduce does, while a send stays."""
+    from dist.plan import PlanRow, expected_ledger
+    rows = [PlanRow("checkpoint", "r", "gather", "setup", [16]), PlanRow("metrics", "r", "all_reduce", "setup", [8]),
+            PlanRow("batches", "r", "send", "setup", [4])]
+    assert expected_ledger(rows, 1, collectives=False) == {"batches": [1, 4]}
+    assert expected_ledger(rows, 1) == {"checkpoint": [1, 16], "metrics": [1, 8], "batches": [1, 4]}
