@@ -353,3 +353,16 @@ def test_collectives_run_in_the_group_use_group_set():
         assert first.tolist() == [pair] and gathered.flatten().tolist() == [pair, pair + 1], rank
         assert (to_first.flatten().tolist() if rank == pair else to_first) == \
             ([pair, pair + 1] if rank == pair else None)
+
+
+def test_rank_and_world_size_are_those_of_the_group_in_use(monkeypatch):
+    """dist.stats places each rank's maxima at slot comm.rank() of a tensor of comm.world_size() slots: in a learners'
+    group of 2 inside a world of 4, global rank 3 is the group's rank 1 (slot 3 would be out of range)."""
+    learners = object()
+    monkeypatch.setattr(comm, "_GROUP", None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1 if group is learners else 3)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2 if group is learners else 4)
+    assert (comm.rank(), comm.world_size()) == (3, 4)
+    comm.use_group(learners)
+    assert (comm.rank(), comm.world_size()) == (1, 2)
