@@ -217,6 +217,18 @@ def test_local_or_global_advantage_norm_over_a_single_transition_is_refused():
     validate(cfg)
 
 
+@pytest.mark.parametrize("changes, said", [
+    ({"ppo__gamma": float("nan")}, "--ppo.gamma must be a finite number, got nan"),
+    ({"ppo__entropy_coef": float("inf")}, "--ppo.entropy-coef must be a finite number, got inf"),
+    ({"env__episode_length_s": float("nan")}, "--env.episode-length-s must be a finite number, got nan"),
+    ({"dist__timeout_s": float("-inf")}, "--dist.timeout-s must be a finite number, got -inf"),
+])
+def test_a_nan_or_infinite_float_is_refused_as_not_finite_naming_the_flag(changes, said):
+    """Not as "0 or inf in float32" (a nan is neither), nor "must be positive": the value is no number at all."""
+    with pytest.raises(UsageError, match="^" + re.escape(said) + "$"):
+        validate(cfg_with(**changes))
+
+
 def test_global_advantage_norm_pools_the_learners_transitions_not_the_rollout_ranks_ones():
     """With rollout ranks only the learners normalize: 1 learner + 1 rollout rank of 1 env x 1 step pools 1
     transition (refused), not 2; 1 learner + 2 rollout ranks pools 2 x 1 = 2 (accepted)."""
