@@ -302,6 +302,23 @@ def test_weights_of_another_version_than_announced_are_refused(monkeypatch):
     """The reply and the update must agree: weights of version 4 announced as 5 would be trained on as 5."""
     with pytest.raises(RunError, match=r"^the learner announced weights version 5 but sent version 4$"):
         ask(monkeypatch, 5, 4, 3, 5)
+    # newer than announced is refused too: the batch would carry version 5 for weights of version 6
+    with pytest.raises(RunError, match=r"^the learner announced weights version 5 but sent version 6$"):
+        ask(monkeypatch, 5, 6, 3, 5)
+
+
+def test_check_of_one_rollout_rank_raises_only_its_own_thread_failure(monkeypatch):
+    """check(dst) is the cause of dst's stall only when dst's serving thread failed: another rank's failure (a healthy
+    rank timing out behind the stalled one) is not raised for dst; check() raises the first failure."""
+    monkeypatch.setattr(rollout_weights, "make_weight_syncer", lambda cfg, rank, dsts, group: None)
+    server = WeightServer(WeightSyncConfig(type="bucket"), 0, [1, 2, 3], None, 1.0)
+    first, second = comm.CollectiveError("rank 2 stalled"), comm.CollectiveError("rank 3 timed out")
+    server.failures = {2: first, 3: second}
+    server.check(1)                                   # rank 1's thread did not fail: nothing to raise
+    for dst, failure in ((2, first), (3, second), (None, first)):
+        with pytest.raises(comm.CollectiveError) as raised:
+            server.check(dst)
+        assert raised.value is failure, dst
 
 
 @pytest.mark.parametrize("hint", [RESYNC_HINT, LINK_LOST], ids=["resync", "link-lost"])
