@@ -3,6 +3,7 @@ against single envs stepped by hand, then a short real training run."""
 
 import glob
 import os
+import re
 import sys
 
 import gymnasium
@@ -96,6 +97,10 @@ def test_actions_are_scaled_clipped_then_held_inside_the_bounds():
     actions = torch.tensor([[0.5], [1.2], [-1.7], [-0.3]])
     # x2, then clip to [-3, 3], then Pendulum's torque bounds [-2, 2]
     assert torch.equal(env.env_actions(actions), torch.tensor([[1.0], [2.0], [-2.0], [-0.6]]))
+    # a clip inside the bounds is what holds: x1, then clip to [-1.5, 1.5] (Pendulum's [-2, 2] no longer binds)
+    env = GymnasiumEnv("Pendulum-v1", 1, torch.device("cpu"), seed=0, action_scale=1.0, action_clip=1.5)
+    actions = torch.tensor([[1.8], [-1.9], [0.7], [2.5]])
+    assert torch.equal(env.env_actions(actions), torch.tensor([[1.5], [-1.5], [0.7], [1.5]]))
 
 
 def test_sub_envs_get_distinct_seeds_and_a_seed_replays_exactly():
@@ -160,6 +165,42 @@ def test_bad_tasks_are_refused_by_name():
         GymnasiumEnv("Hopper-v3", 1, torch.device("cpu"), seed=0)          # gymnasium's ImportError, no mujoco hint
     with pytest.raises(ValueError, match="CartPole-v1: needs a 1-D continuous"):
         GymnasiumEnv("CartPole-v1", 1, torch.device("cpu"), seed=0)
+
+
+
+def spaced(action_space, observation_space):
+    """An env class with these spaces, whose observations have the declared shape."""
+    class Spaced(gymnasium.Env):
+        def reset(self, seed=None, options=None):
+            super().reset(seed=seed)
+            return np.zeros(observation_space.shape, dtype=np.float32), {}
+
+        def step(self, action):
+            return np.zeros(observation_space.shape, dtype=np.float32), 0.0, False, False, {}
+    Spaced.action_space, Spaced.observation_space = action_space, observation_space
+    return Spaced
+
+
+BOX2 = gymnasium.spaces.Box(-1.0, 1.0, (2,))
+
+
+@pytest.mark.parametrize("action_space, observation_space, steps, said", [
+    (gymnasium.spaces.Box(-1, 1, (2,), dtype=np.int64), BOX2, 5, "needs a 1-D continuous (Box) action space"),
+    (BOX2, gymnasium.spaces.Box(-1.0, 1.0, (2, 2)), 5, "needs a 1-D Box observation space"),
+    (BOX2, BOX2, None, "has no time limit (max_episode_steps); PPO rollouts need one")],
+    ids=["integer-actions", "2d-observation", "no-time-limit"])
+def test_spaces_and_tasks_without_a_time_limit_are_refused_by_name(monkeypatch, action_space, observation_space, steps,
+                                                                  said):
+    """An integer Box is discrete (actions would be cast), a 2-D observation is no [num_envs, width] input, and a task
+    without max_episode_steps never times out: each is one ValueError while built."""
+    monkeypatch.setitem(gymnasium.registry, "Spaced-v0", gymnasium.envs.registration.EnvSpec(
+        "Spaced-v0", entry_point=spaced(action_space, observation_space), max_episode_steps=steps))
+    with pytest.raises(ValueError, match=re.escape(f"--env.task Spaced-v0: {said}")):
+        GymnasiumEnv("Spaced-v0", 2, torch.device("cpu"), seed=0)
+    if steps is not None:           # the same spaces otherwise fine build: the refusal is the space's
+        ok = gymnasium.envs.registration.EnvSpec("Spaced-v0", entry_point=spaced(BOX2, BOX2), max_episode_steps=steps)
+        monkeypatch.setitem(gymnasium.registry, "Spaced-v0", ok)
+        assert GymnasiumEnv("Spaced-v0", 2, torch.device("cpu"), seed=0).obs_dims == {"policy": 2, "critic": 2}
 
 
 LAB_ROBOTS = """

@@ -188,3 +188,26 @@ def test_an_observation_a_wrapper_reshapes_is_probed_against_the_env_s_own_space
     obs, _ = env.reset()
     assert env.obs_dims == {"policy": 2, "critic": 2}
     assert torch.equal(obs["policy"], torch.tensor([[0.0, 0.25]] * 2))
+
+
+class WrongShape(gymnasium.Env):
+    """Declares 3 observation features but returns 2."""
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (3,))
+    action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,))
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, dtype=np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, dtype=np.float32), 0.0, False, False, {}
+
+
+def test_an_observation_of_another_shape_than_declared_is_named_while_built(monkeypatch):
+    """Else the vector env's first reset fails inside numpy ("Output array is the wrong shape")."""
+    monkeypatch.setitem(gymnasium.registry, "WrongShape-v0", gymnasium.envs.registration.EnvSpec(
+        "WrongShape-v0", entry_point=WrongShape, max_episode_steps=5))
+    with pytest.raises(ValueError, match=r"^--env.task WrongShape-v0: reset\(\)'s observation has shape \(2,\), but "
+                                         r"the env declares observation_space Box\(-1.0, 1.0, \(3,\), float32\); "
+                                         r"make the two agree$"):
+        GymnasiumEnv("WrongShape-v0", 2, torch.device("cpu"), seed=0)
