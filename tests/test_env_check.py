@@ -36,6 +36,8 @@ class Broken(CartPole):
             self.generator = seed
         if mistake == "num_envs_float":
             self.num_envs = float(num_envs)                   # equal to 8, and a TypeError in torch.zeros later
+        if mistake == "log_keys_return":                        # the runner's own episode-return metric
+            self.log_keys = ("Episode/return",)
         if mistake in ("log_keys_runner", "log_keys_twice"):    # added into the runner's metric, or counted twice
             self.log_keys = ("Episode/x", "Train/mean_reward" if mistake == "log_keys_runner" else "Episode/x")
         if mistake == "sampler_object":
@@ -137,6 +139,7 @@ MISTAKES = {
     "log_keys_runner": r"env.log_keys names 'Train/mean_reward' twice or as one of the runner's metrics \(its names: "
                        r"Episode/return and those under Train/, Loss/, Policy/, Perf/, Comm/, Control/\); give",
     "log_keys_twice": r"env.log_keys names 'Episode/x' twice or as one of the runner's metrics",
+    "log_keys_return": r"env.log_keys names 'Episode/return' twice or as one of the runner's metrics",
     "sampler_object": r"env.sampler is an object without a tensor local_counts and a commit_global\(summed\) method",
 }
 
@@ -384,3 +387,14 @@ def test_a_non_finite_reset_observation_is_named_at_its_first_env_and_feature():
     obs["policy"][5, 0], obs["policy"][2, 3], obs["policy"][2, 1] = torch.nan, torch.inf, -torch.inf
     with pytest.raises(RunError, match=r"^env 'mine': reset\(\)'s obs\['policy'\] holds -inf at env 2 feature 1;"):
         check_reset(env, (obs, extras), "mine", torch.device("cpu"))
+
+
+def test_a_bool_num_envs_is_refused_though_it_equals_the_number_asked_for():
+    """True == 1: one env asked for, and an env whose num_envs is True passed the size comparison."""
+    from ppo.env_check import check_built
+    env = CartPole(1, "cpu", 0)
+    check_built(env, "mine", 1)
+    env.num_envs = True
+    with pytest.raises(RunError, match=r"^env 'mine': env.num_envs is True, but 1 envs were asked for"):
+        check_built(env, "mine", 1)
+
