@@ -87,6 +87,10 @@ def test_rollout_ranks_whose_env_states_differ_are_refused_by_learner_0_naming_t
     with pytest.raises(RunError, match=r"^env.state_dict\(\) differs across rollout ranks in 'curriculum/level' "
                                        r"\(nested names joined by '/'\): rollout rank\(s\) \[2\] hold other values"):
         unpack_team_states(torch.cat([same, same, other]), spec)
+    for blobs in ([same, other], [same, other, same]):          # rollout rank 1 is compared too
+        with pytest.raises(RunError, match=r"^env.state_dict\(\) differs across rollout ranks in 'curriculum/level' "
+                                           r"\(nested names joined by '/'\): rollout rank\(s\) \[1\] hold other"):
+            unpack_team_states(torch.cat(blobs), spec)
 
 
 def same_env_state_body(rank, world_size):
