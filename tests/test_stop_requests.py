@@ -54,6 +54,18 @@ def test_a_ctrl_c_more_than_a_second_after_the_first_interrupts_however_many_cam
     interrupted(on_signal, signal.SIGINT)         # 1.5 s after the first, 0.75 s after the previous
 
 
+def test_sigterms_alone_never_interrupt_and_the_first_signal_names_the_stop(monkeypatch, handlers):
+    """Only a Ctrl-C opens the one-second window: repeated SIGTERMs (a scheduler asking again) finish the iteration,
+    and a Ctrl-C 0.5 s after a SIGTERM is a first Ctrl-C. The stop keeps the name of the signal that came first."""
+    clock(monkeypatch, 10.0, 12.0, 12.5)
+    stop = StopRequests(watch_launcher=False)
+    on_signal = functools.partial(stop._on_signal, frame=None)
+    not_interrupted(on_signal, signal.SIGTERM)
+    not_interrupted(on_signal, signal.SIGTERM)    # 2 s after the first SIGTERM
+    not_interrupted(on_signal, signal.SIGINT)     # 2.5 s after the first SIGTERM, the first Ctrl-C
+    assert stop.signal_name == "SIGTERM"
+
+
 def test_signals_raised_in_this_process_reach_the_handlers(handlers):
     """Installing the handlers is what keeps a SIGTERM from killing the rank before its checkpoint and a Ctrl-C from
     interrupting the iteration; each handler is checked before its signal is raised, so a missing one fails the
