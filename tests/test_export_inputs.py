@@ -1,7 +1,6 @@
 """What `make export` / `python -m ppo.export` does with inputs that are not a checkpoint it can deploy: one line,
 `error: ...`, status 2, before any file is written; and the Makefile passes CKPT to it as one word, as typed."""
 
-import numpy as np
 import os
 import subprocess
 
@@ -94,7 +93,7 @@ def test_make_export_without_ckpt_says_so_before_building_anything(tmp_path):
 def test_deployment_takes_float32_max_and_refuses_a_boolean_scale_or_clip():
     """Training's rule: a bool is not a number of the config, and float32's largest finite value is still taken."""
     from ppo.export import deployment
-    big = float(np.finfo(np.float32).max)
+    big = float(torch.finfo(torch.float32).max)
     assert deployment({"env": {"action_scale": big, "action_clip": big, "name": "x"}}, "m.pt") == (big, big, "x")
     for env in ({"action_scale": True}, {"action_clip": True}):
         with pytest.raises(ValueError, match="not one a run takes"):
