@@ -11,6 +11,7 @@ import torch
 import train
 from configs import preset, resolve_num_envs, validate
 from dist.errors import RunError, UsageError
+from dist.log_root import check_writable_root
 from ppo.logger import RunLogger
 from ppo.normalizer import ObsNormalizer
 from tests.forked_python import run_python
@@ -387,10 +388,7 @@ def test_an_experiment_folder_that_cannot_take_a_run_fails_before_the_env_is_bui
 
 def test_log_root_path_limit_counts_64_bytes_for_the_run_and_refuses_at_path_max(tmp_path):
     """PATH_MAX counts the terminating NUL: a root of PATH_MAX - 64 bytes is refused, one byte shorter is taken."""
-    import os as _os
-    from dist.errors import UsageError
-    from dist.log_root import check_writable_root
-    path_max = _os.pathconf(str(tmp_path), "PC_PATH_MAX")
+    path_max = os.pathconf(str(tmp_path), "PC_PATH_MAX")
 
     def root_of(length):
         parts, left = [str(tmp_path)], length - len(str(tmp_path))
