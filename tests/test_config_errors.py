@@ -11,7 +11,6 @@ import torch
 import train
 from configs import preset, resolve_num_envs, validate
 from dist.errors import RunError, UsageError
-from dist.log_root import check_writable_root
 from ppo.logger import RunLogger
 from ppo.normalizer import ObsNormalizer
 from tests.forked_python import run_python
@@ -384,20 +383,3 @@ def test_an_experiment_folder_that_cannot_take_a_run_fails_before_the_env_is_bui
             train.main(cfg_with(log__root=str(tmp_path)))
     assert sorted(os.listdir(tmp_path)) == ["tracking"]
     assert blocker == "file" or os.listdir(experiment) == []
-
-
-def test_log_root_path_limit_counts_64_bytes_for_the_run_and_refuses_at_path_max(tmp_path):
-    """PATH_MAX counts the terminating NUL: a root of PATH_MAX - 64 bytes is refused, one byte shorter is taken."""
-    path_max = os.pathconf(str(tmp_path), "PC_PATH_MAX")
-
-    def root_of(length):
-        parts, left = [str(tmp_path)], length - len(str(tmp_path))
-        while left > 0:
-            n = min(200, left - 1) if left > 1 else 1
-            parts.append("d" * n)
-            left -= n + 1
-        return "/".join(parts)
-    assert len(root_of(path_max - 64)) == path_max - 64 and len(root_of(path_max - 65)) == path_max - 65
-    check_writable_root(root_of(path_max - 65), write=False)
-    with pytest.raises(UsageError, match="longer than the file system takes"):
-        check_writable_root(root_of(path_max - 64), write=False)

@@ -31,6 +31,8 @@ import torch
 import rollout_ranks
 import rollout_weights
 import train
+from dist.errors import UsageError
+from dist.log_root import check_writable_root
 from dist.stop import STOP_KEYS
 from tests.multirank import run_ranks
 from tests.test_faults import tb_steps
@@ -294,3 +296,20 @@ def test_a_signal_to_one_rank_of_two_stops_both_after_that_iteration(tmp_path):
     on to --max-iterations; the torchrun signal test caught that only by waiting out its time limit."""
     run_ranks(stop_on_one_rank_body, 2, args=(small_tracking(tmp_path, iterations=4),))
     assert checkpoints(tmp_path) == ["model_1.pt"]
+
+
+def test_log_root_path_limit_counts_64_bytes_for_the_run_and_refuses_at_path_max(tmp_path):
+    """PATH_MAX counts the terminating NUL: a root of PATH_MAX - 64 bytes is refused, one byte shorter is taken."""
+    path_max = os.pathconf(str(tmp_path), "PC_PATH_MAX")
+
+    def root_of(length):
+        parts, left = [str(tmp_path)], length - len(str(tmp_path))
+        while left > 0:
+            n = min(200, left - 1) if left > 1 else 1
+            parts.append("d" * n)
+            left -= n + 1
+        return "/".join(parts)
+    assert len(root_of(path_max - 64)) == path_max - 64 and len(root_of(path_max - 65)) == path_max - 65
+    check_writable_root(root_of(path_max - 65), write=False)
+    with pytest.raises(UsageError, match="longer than the file system takes"):
+        check_writable_root(root_of(path_max - 64), write=False)
