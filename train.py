@@ -147,8 +147,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     buffer_rules = resolve_buffer_policy(model, model.BUFFER_POLICY)
     reward_normalizer = (RewardNormalizer(N, cfg.ppo.gamma, cfg.ppo.reward_clip).to(device)
                          if cfg.ppo.normalize_rewards else None)
-    if reward_normalizer is not None:
-        resolve_buffer_policy(reward_normalizer, reward_normalizer.BUFFER_POLICY)   # all merge/local
+    also_verified = ([(reward_normalizer, resolve_buffer_policy(reward_normalizer, reward_normalizer.BUFFER_POLICY))]
+                     if reward_normalizer is not None else [])   # its merged return statistics, beside the model's
     storage = RolloutStorage(cfg.ppo.num_steps, N, obs_dims, num_actions, device)
     shuffle = torch.Generator().manual_seed(cfg.seed + rank)
     stateful = {"model": model, "optimizer": optimizer, "env": env, "reward_normalizer": reward_normalizer}
@@ -160,7 +160,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         normalizer.set_first_shift(first[storage_field].to(device))   # rank 0's shift wins in the broadcast
     broadcast_module(model)                       # same start everywhere (after a load too)
     if checkpoint is not None:
-        verify_replicas(model, "parameters after checkpoint load", buffer_rules)
+        verify_replicas(model, "parameters after checkpoint load", buffer_rules, also_verified)
     if team is not None:
         team.start(model, start_iteration)        # the rollout ranks' copies start from these weights
 
@@ -235,7 +235,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         if sampler is not None and (iteration + 1) % cfg.dist.sampler_sync_every == 0:
             sum_counts(sampler)
         if cfg.dist.verify_every and (iteration + 1) % cfg.dist.verify_every == 0:
-            verify_replicas(model, buffer_rules=buffer_rules)
+            verify_replicas(model, buffer_rules=buffer_rules, also=also_verified)
         learning_time = finished(device) - t1
 
         # ---- metrics + the stop flags: one packed all-reduce of (sum, count) pairs; rank 0 writes --

@@ -14,25 +14,33 @@ class _Diverged(RuntimeError):
     pass
 
 
-def verify_replicas(module: torch.nn.Module, what: str = "parameters", buffer_rules: dict[str, str] | None = None
-                    ) -> None:
+def verify_replicas(module: torch.nn.Module, what: str = "parameters", buffer_rules: dict[str, str] | None = None,
+                    also: Sequence[tuple[torch.nn.Module, dict[str, str]]] = ()) -> None:
     """Raise, naming the ranks that differ from the most (then lowest-ranked) of the ranks that agree, and the tensors
     that differ, if parameters (and the buffers `buffer_rules` declares `broadcast`, `mean` or `merge`: they must be
     equal everywhere too, e.g. the normalizers' statistics) are not bit-identical everywhere: with rank 0 alone against
-    two others, rank 0 is the one named. `local` buffers differ by design and are not checked.
+    two others, rank 0 is the one named. `local` buffers differ by design and are not checked. `also`: more (module,
+    buffer rules) pairs checked alike in the same checksum, their tensors named `ClassName.name` (e.g. the reward
+    normalizer, which is not part of the model).
 
     Crosses ranks: one all-gather of a single int64 per rank. Called every --dist.verify-every
     iterations and after every checkpoint load. Only when that finds a divergence (every rank sees it, so all
     take this path), one more all-gather of an int64 per checked tensor, to name them before the run stops.
     """
-    rules = buffer_rules or {}
-    checked = [(n, b) for n, b in module.named_buffers() if rules.get(n, "local") != "local"]
-    named = [*module.named_parameters(), *checked]
+    named = _checked(module, buffer_rules or {}, "")
+    for other, rules in also:
+        named += _checked(other, rules, f"{type(other).__name__}.")
     try:
         same_everywhere(checksum([t.detach() for _, t in named]), "checksum", f"{what} diverged across ranks",
                         "something updated some replicas without the others", _Diverged)
     except _Diverged as exc:
         raise RuntimeError(f"{exc}; tensors that differ: {differing_tensors(named, 'checksum')}") from None
+
+
+def _checked(module: torch.nn.Module, rules: dict[str, str], prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the parameters and the buffers whose rule is not `local`, names prefixed."""
+    buffers = [(n, b) for n, b in module.named_buffers() if rules.get(n, "local") != "local"]
+    return [(prefix + n, t) for n, t in [*module.named_parameters(), *buffers]]
 
 
 def differing_tensors(named: Sequence[tuple[str, torch.Tensor]], purpose: str) -> list[str]:
