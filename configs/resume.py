@@ -55,10 +55,26 @@ PER_NODE = {"--log.root", "--resume", "--env.launcher-args", "--dist.timeout-s"}
 
 
 def settings_digest(cfg) -> int:
-    """A checksum of every setting but PER_NODE's: equal on every rank of one run (dist.checkpoint compares them)."""
+    """A checksum of every setting but PER_NODE's, and of the code (source_digest): equal on every rank of one run
+    (dist.checkpoint compares them)."""
     text = json.dumps([(flag, repr(getattr(owner, field.name))) for flag, owner, field, _ in settings(cfg)
-                       if flag not in PER_NODE])
+                       if flag not in PER_NODE] + [source_digest()])
     return int(checksum([torch.tensor(list(text.encode()), dtype=torch.uint8)]))
+
+
+def source_digest(root: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) -> int:
+    """A checksum of the code a run executes: every .py file at `root` and one folder down (tests/ and bench/
+    excepted), by relative path and content. A node holding another version of syncppo (a copy not updated) would
+    otherwise train on, or abort at the first collective whose sizes its code changed."""
+    paths = sorted(p for p in glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "*", "*.py"))
+                   if os.path.relpath(p, root).split(os.sep)[0] not in ("tests", "bench"))
+    data = b"".join(os.path.relpath(p, root).encode() + b"\0" + _read(p) + b"\0" for p in paths)
+    return int(checksum([torch.frombuffer(bytearray(data), dtype=torch.uint8)]))
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def settings(cfg):

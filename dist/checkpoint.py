@@ -268,8 +268,8 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None, settings:
     others = [rank for rank, row in enumerate(rows) if row[4] != rows[0][4]]
     if others:
         raise UsageError(f"rank(s) {others} run with other settings than rank 0 (a checksum of every flag but "
-                         "--log.root, --resume, --env.launcher-args and --dist.timeout-s): start every node with the "
-                         "same preset, flags and syncppo version")
+                         "--log.root, --resume, --env.launcher-args and --dist.timeout-s, and of syncppo's .py files): "
+                         "start every node with the same preset, flags and syncppo version")
     if not blind:
         return
     where = (f"--log.root {log_root!r} is not the same directory on every node: rank(s) {blind} do not see what "

@@ -1,0 +1,70 @@
+"""Every rank of a run must execute the same syncppo code: the settings checksum the ranks compare at start-up covers
+the .py files a run executes (configs.resume.source_digest), so a node holding a stale copy stops at start-up."""
+
+import functools
+import os
+import shutil
+
+import pytest
+
+from configs import resume
+from tests.multirank import run_ranks
+from tests.test_sync_contract import one_cartpole_iteration
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_tree(root, files: dict[str, bytes]) -> str:
+    for relative, data in files.items():
+        path = os.path.join(root, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    return str(root)
+
+
+TREE = {"train.py": b"print(1)\n", "ppo/loss.py": b"x = 1\n", "dist/comm.py": b"y = 2\n", "README.md": b"# r\n"}
+
+
+def test_source_digest_follows_the_executed_code_and_nothing_else(tmp_path):
+    base = resume.source_digest(make_tree(tmp_path / "a", TREE))
+    assert resume.source_digest(make_tree(tmp_path / "b", TREE)) == base          # content, not where it lies
+    changed = {
+        "one byte of a package file": {**TREE, "ppo/loss.py": b"x = 2\n"},
+        "one byte of a top-level file": {**TREE, "train.py": b"print(2)\n"},
+        "a file renamed": {k.replace("comm", "comms"): v for k, v in TREE.items()},
+        "a file added": {**TREE, "envs/new_env.py": b""},
+        "a file removed": {k: v for k, v in TREE.items() if k != "dist/comm.py"},
+        "bytes moved across the boundary of two files": {**TREE, "dist/comm.py": b"y = 2\n\n", "ppo/loss.py": b"x = 1"},
+    }
+    for name, files in changed.items():
+        assert resume.source_digest(make_tree(tmp_path / name.replace(" ", "_"), files)) != base, name
+    unexecuted = {**TREE, "tests/test_x.py": b"z\n", "bench/bench_x.py": b"w\n", "README.md": b"# other\n",
+                  "ppo/deeper/more.py": b"v\n"}
+    assert resume.source_digest(make_tree(tmp_path / "u", unexecuted)) == base      # tests, benches, docs
+
+
+def stale_copy_body(rank, world_size, root, copy):
+    """Cart-pole on every rank; rank 1 executes `copy` (a copy of this repository, or one with ppo/loss.py edited)
+    for its checksum of the code."""
+    if rank == 1:
+        resume.source_digest = functools.partial(resume.source_digest, copy)
+    return one_cartpole_iteration(f"{root}/{rank}")
+
+
+def copy_repo(to, edit: bool) -> str:
+    shutil.copytree(REPO, to, ignore=shutil.ignore_patterns(".venv", ".git", "tests", "bench", "runs", "__pycache__"))
+    if edit:
+        with open(os.path.join(to, "ppo", "loss.py"), "a") as f:
+            f.write("# edited on one node only\n")
+    return str(to)
+
+
+@pytest.mark.slow
+def test_a_rank_running_other_code_stops_at_start_up_on_every_rank(tmp_path):
+    same = run_ranks(stale_copy_body, 2, args=(str(tmp_path / "same"), copy_repo(tmp_path / "copy", edit=False)))
+    assert same == ["trained", "trained"]            # an identical copy elsewhere on disk is the same code
+    stale = run_ranks(stale_copy_body, 2, args=(str(tmp_path / "stale"), copy_repo(tmp_path / "edited", edit=True)))
+    for said in stale:
+        assert said.startswith("rank(s) [1] run with other settings than rank 0 (a checksum of every flag but ") \
+            and "and of syncppo's .py files" in said, said
