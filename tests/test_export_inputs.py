@@ -98,3 +98,32 @@ def test_deployment_takes_float32_max_and_refuses_a_boolean_scale_or_clip():
     for env in ({"action_scale": True}, {"action_clip": True}):
         with pytest.raises(ValueError, match="not one a run takes"):
             deployment({"env": env}, "m.pt")
+
+
+def test_a_fifo_at_an_output_name_is_refused_before_any_file_is_written(tmp_path):
+    """A FIFO where STEM.policy.pt goes is not a regular file: writing the export into it would block on a pipe
+    nobody reads (or scatter it), so it is refused as a folder of that name is. A reader thread drains the pipe in
+    case the check lets it through, so a regression fails instead of hanging."""
+    import threading
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    out = tmp_path / "out"
+    out.mkdir()
+    fifo = out / "model_3.policy.pt"
+    os.mkfifo(fifo)
+    drained = []
+    reader = threading.Thread(target=lambda: drained.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    try:
+        with pytest.raises(ValueError, match=rf"^'{out}/model_3\.policy\.pt' is a directory or not a regular file, "
+                                             r"where the export writes a file; move it, or pass --out with another"):
+            export.export(path, str(out))
+    finally:
+        for _ in range(200):      # release the reader: an empty write end (ENXIO until the reader has opened it)
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+            reader.join(timeout=0.05)
+            if not reader.is_alive():
+                break
+    assert os.listdir(out) == ["model_3.policy.pt"] and drained == [b""]
