@@ -3,6 +3,7 @@
 
 import os
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -104,7 +105,6 @@ def test_a_fifo_at_an_output_name_is_refused_before_any_file_is_written(tmp_path
     """A FIFO where STEM.policy.pt goes is not a regular file: writing the export into it would block on a pipe
     nobody reads (or scatter it), so it is refused as a folder of that name is. A reader thread drains the pipe in
     case the check lets it through, so a regression fails instead of hanging."""
-    import threading
     path = small_checkpoint(tmp_path / "model_3.pt", False)
     out = tmp_path / "out"
     out.mkdir()
