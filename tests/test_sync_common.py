@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import sync.wire
 from dist import comm
+from sync import WeightSyncConfig, make_weight_syncer
 from sync.encodings import _bits as as_bits
 
 
@@ -114,3 +116,33 @@ def drain(src: int, *rest: torch.Tensor) -> None:
     knows), so that the sender's sends complete and the ranks can end."""
     for tensor in rest:
         dist.recv(tensor, src=src)
+
+
+@contextlib.contextmanager
+def damaged_frames(damage):
+    """Inside the block, every received frame goes through `damage(frame)` before its trailer's checksums are read
+    (sync.wire.Frame.sums): damage to values or trailer that arrived, found by the syncer's own checks."""
+    real = sync.wire.Frame.sums
+
+    def sums(frame):
+        damage(frame)
+        return real(frame)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sync.wire.Frame, "sums", sums)
+        yield
+
+
+def small_patch_sent(rank: int):
+    """A patch syncer from rank 0 to rank 1 over w and v (100 zeros each; tiny: a frame's rest fits in the socket).
+    Rank 0 inits, changes w[3], w[50] to 1 and v[7] to 2, sends patch 1 and returns None; rank 1 inits and returns
+    (syncer, state) for the test to receive that patch its way."""
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    state = {"w": torch.zeros(100), "v": torch.zeros(100)}
+    if rank == 0:
+        syncer.init_sender(state)
+        state["w"][[3, 50]] = 1.0
+        state["v"][7] = 2.0
+        syncer.sync(state, 1)
+        return None
+    syncer.init_receiver(state)
+    return syncer, state

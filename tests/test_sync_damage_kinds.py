@@ -8,19 +8,13 @@ import torch
 import sync.wire
 from multirank import run_ranks
 from sync import InitSyncConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
-from test_sync_common import bits_equal, damaged_receives, drain, snapshot
+from test_sync_common import bits_equal, damaged_frames, damaged_receives, drain, small_patch_sent, snapshot
 
 
 def _rows_word_damaged(rank, world_size):
-    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
-    state = {"w": torch.zeros(100), "v": torch.zeros(100)}   # tiny: the frame's rest fits in the socket
     if rank == 0:
-        syncer.init_sender(state)
-        state["w"][[3, 50]] = 1.0
-        state["v"][7] = 2.0
-        syncer.sync(state, 1)
-        return None
-    syncer.init_receiver(state)
+        return small_patch_sent(rank)
+    syncer, state = small_patch_sent(rank)
 
     def two_rows_as_one(header):
         header[4] -= 1   # 2 table rows announced as 1: a receive too small for the table
@@ -86,18 +80,12 @@ def _bootstrap_refused_then_resync(rank, world_size):
         syncer.sync(state, 3)
         return snapshot(state)
     model = {"w": torch.zeros(6), "b": torch.ones(2)}
-    real = sync.wire.Frame.sums
 
     def damaged(frame):
         frame.wait().trailer[0] += 1     # the bootstrap frame's trailer, damaged on the way
-        return real(frame)
 
-    sync.wire.Frame.sums = damaged
-    try:
-        with pytest.raises(SyncIntegrityError) as error:
-            syncer.init_receiver(model)
-    finally:
-        sync.wire.Frame.sums = real
+    with damaged_frames(damaged), pytest.raises(SyncIntegrityError) as error:
+        syncer.init_receiver(model)
     assert error.value.model_written and not error.value.link_lost
     with pytest.raises(SyncIntegrityError, match="needs resync\\(\\) after: the init bootstrap was refused"):
         syncer.apply(model)             # patch 1: received whole, refused

@@ -9,19 +9,13 @@ import torch
 from multirank import run_ranks
 from sync import SyncIntegrityError, WeightSyncConfig, make_weight_syncer
 from sync.wire import LINK_LOST
-from test_sync_common import damaged_receives, drain
+from test_sync_common import damaged_receives, drain, small_patch_sent
 
 
 def _table_damaged(rank, world_size):
-    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
-    state = {"w": torch.zeros(100), "v": torch.zeros(100)}   # tiny: the frame's rest fits in the socket
     if rank == 0:
-        syncer.init_sender(state)
-        state["w"][[3, 50]] = 1.0
-        state["v"][7] = 2.0
-        syncer.sync(state, 1)
-        return None
-    syncer.init_receiver(state)
+        return small_patch_sent(rank)
+    syncer, state = small_patch_sent(rank)
 
     def table_word_changed(tensor):
         if tensor.dim() == 2 and tensor.shape[1] == 4:   # the table, [rows, 4]; its header words left intact

@@ -11,7 +11,7 @@ from multirank import run_ranks
 from sync import InitSyncConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer, wire
 from sync.encodings import _decode, _encode
 from sync.wire import BITMAP, GAPS8
-from test_sync_common import bits_equal, snapshot
+from test_sync_common import bits_equal, damaged_frames, snapshot
 from test_sync_plan import SYNCS, _plan_and_ledger
 
 
@@ -169,7 +169,6 @@ def test_an_init_bootstrap_that_lost_the_link_leaves_the_receiver_uninitialized(
 # ----- patch: the start check leaves out what the bootstrap carried ------------------------------------------------
 
 def _bootstrap_values_damaged_then_resync(rank, world_size):
-    import sync.wire
     cfg = WeightSyncConfig(type="patch", patch=PatchConfig(init_sync=InitSyncConfig(prefixes=("w",))))
     syncer = make_weight_syncer(cfg, src=0, dsts=[1])
     if rank == 0:
@@ -179,20 +178,14 @@ def _bootstrap_values_damaged_then_resync(rank, world_size):
         syncer.resync(state, 1)
         return snapshot(state)
     model = {"w": torch.zeros(6), "b": torch.ones(2)}
-    real = sync.wire.Frame.sums
 
     def damaged(frame):
         frame.wait()
         frame.row(0)[1][3] += 100.0   # the value landed in the model, then found wrong by the trailer's check
         frame.trailer[0] += 1
-        return real(frame)
 
-    sync.wire.Frame.sums = damaged
-    try:
-        with pytest.raises(SyncIntegrityError) as error:
-            syncer.init_receiver(model)
-    finally:
-        sync.wire.Frame.sums = real
+    with damaged_frames(damaged), pytest.raises(SyncIntegrityError) as error:
+        syncer.init_receiver(model)
     assert error.value.model_written and not error.value.link_lost and model["w"][3] == 103.0
     assert syncer.resync(model) == 1
     return model
