@@ -73,8 +73,13 @@ def source_digest(root: str = os.path.dirname(os.path.dirname(os.path.abspath(__
 
 
 def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    """The file's bytes; for one that cannot be read (a dangling link, no permission: a file the run cannot import
+    either, or one it never imports), why, so that start-up does not fail on it and ranks still compare it."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        return f"unreadable ({type(exc).__name__})".encode()
 
 
 def settings(cfg):

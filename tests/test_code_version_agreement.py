@@ -44,6 +44,19 @@ def test_source_digest_follows_the_executed_code_and_nothing_else(tmp_path):
     assert resume.source_digest(make_tree(tmp_path / "u", unexecuted)) == base      # tests, benches, docs
 
 
+def test_a_python_file_that_cannot_be_read_is_compared_not_fatal(tmp_path):
+    """A dangling link named *.py (say, to an unmounted disk) does not stop start-up with an OSError: it counts as
+    unreadable, the same on every node where it dangles, and differs from a node where the file is there."""
+    base = resume.source_digest(make_tree(tmp_path / "a", TREE))
+    dangling = []
+    for name in ("b", "c"):
+        root = make_tree(tmp_path / name, TREE)
+        os.symlink(tmp_path / "nowhere.py", os.path.join(root, "envs_link.py"))
+        dangling.append(resume.source_digest(root))
+    readable = make_tree(tmp_path / "d", {**TREE, "envs_link.py": b""})
+    assert dangling[0] == dangling[1] != base and dangling[0] != resume.source_digest(readable)
+
+
 def stale_copy_body(rank, world_size, root, copy):
     """Cart-pole on every rank; rank 1 executes `copy` (a copy of this repository, or one with ppo/loss.py edited)
     for its checksum of the code."""
