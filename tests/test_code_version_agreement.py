@@ -2,6 +2,7 @@
 the .py files a run executes (configs.resume.source_digest), so a node holding a stale copy stops at start-up."""
 
 import functools
+import glob
 import os
 import shutil
 
@@ -66,7 +67,12 @@ def stale_copy_body(rank, world_size, root, copy):
 
 
 def copy_repo(to, edit: bool) -> str:
-    shutil.copytree(REPO, to, ignore=shutil.ignore_patterns(".venv", ".git", "tests", "bench", "runs", "__pycache__"))
+    """A copy of the repository's .py files at its top and one folder down (what source_digest reads; not the rest,
+    which can be large: virtual environments, runs)."""
+    for path in glob.glob(os.path.join(REPO, "*.py")) + glob.glob(os.path.join(REPO, "*", "*.py")):
+        target = os.path.join(to, os.path.relpath(path, REPO))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copyfile(path, target)
     if edit:
         with open(os.path.join(to, "ppo", "loss.py"), "a") as f:
             f.write("# edited on one node only\n")
