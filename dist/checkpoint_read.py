@@ -139,6 +139,9 @@ FOUNDING_SETTINGS = (
     "max_iterations", "seed")
 
 
+ADAM_VARIANTS = ("amsgrad", "maximize", "differentiable", "decoupled_weight_decay")   # False in every file written
+
+
 def malformed_entry(state: dict) -> str:
     """What in the loaded dict has the wrong type or size for `ppo.restore` to use, or "" when all fits."""
     def plain_int(x):
@@ -164,6 +167,11 @@ def malformed_entry(state: dict) -> str:
         if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(in_range(b, 1) for b in betas)
                 and in_range(decay, math.inf)):
             return f"its optimizer param group {i} has betas {betas!r} and weight_decay {decay!r}, not Adam's settings"
+        # Loaded as saved (saved_state_for replaces only the implementation and eps): amsgrad would fail the first
+        # step (no max_exp_avg_sq), maximize would make Adam ascend the loss silently.
+        variants = {k: group[k] for k in ADAM_VARIANTS if group.get(k, False) is not False}
+        if variants:
+            return f"its optimizer param group {i} has {variants}, which the Adam syncppo builds never has"
     for index, moments in optimizer["state"].items():
         if not isinstance(moments, dict):
             return f"its optimizer state for parameter {index!r} is a {type(moments).__name__}, not a dict"

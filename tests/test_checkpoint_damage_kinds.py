@@ -56,6 +56,11 @@ DIVERGED = ": the file is damaged or its run diverged; resume from an earlier mo
     (_with_group(betas=(0.9, 1.0)), "is damaged (its optimizer param group 0 has betas (0.9, 1.0)"),
     (_with_group(weight_decay="x"), "is damaged (its optimizer param group 0 has betas (0.9, 0.999) and "
                                     "weight_decay 'x'"),
+    # loaded as saved: amsgrad fails the first step (no max_exp_avg_sq moment), maximize ascends the loss silently
+    (_with_group(amsgrad=True), "is damaged (its optimizer param group 0 has {'amsgrad': True}, which the Adam "
+                                "syncppo builds never has)"),
+    (_with_group(maximize=True, differentiable=None), "is damaged (its optimizer param group 0 has {'maximize': "
+                                                      "True, 'differentiable': None}"),
     (_state(config=_config_with_key(5)), "is damaged (its config has a setting named 5, not a name)"),
     (_with_moments(step=torch.tensor(-5.0)),
      "has a negative value (-5) in its optimizer['state'][0]['step'], a step count" + DIVERGED),
@@ -66,7 +71,8 @@ DIVERGED = ": the file is damaged or its run diverged; resume from an earlier mo
     (_state(env={"sampler": {"global_counts": torch.tensor([3.0, -5.0], dtype=torch.float64)}}),
      "has a negative value (-5) in its env['sampler']['global_counts'], a count" + DIVERGED),
 ], ids=["moment-missing", "moment-a-float", "two-element-step", "state-for-some", "string-index", "betas-a-string",
-        "betas-out-of-range", "beta-of-one", "weight-decay-a-string", "config-key-not-a-name", "negative-step",
+        "betas-out-of-range", "beta-of-one", "weight-decay-a-string", "amsgrad", "maximize",
+        "config-key-not-a-name", "negative-step",
         "negative-count", "negative-m2", "negative-sampler-count"])
 def test_state_no_healthy_run_saves_is_refused_naming_it(tmp_path, state, what):
     path = _saved(tmp_path, state)
