@@ -134,6 +134,25 @@ def test_the_noise_std_read_after_an_update_refuses_a_policy_it_left_unusable():
         checked_noise_std(model, 1, 1e4)
 
 
+@pytest.mark.parametrize("broken, named", [
+    (("actor.0.bias", "actor.2.weight", "critic.0.bias"), "actor.0.bias, actor.2.weight, critic.0.bias"),
+    (("actor.0.bias", "actor.2.weight", "critic.0.bias", "critic.4.bias"),
+     "actor.0.bias, actor.2.weight, critic.0.bias and 1 more"),
+    (("log_std", "actor.0.bias", "actor.2.weight", "critic.0.bias", "critic.4.bias"),
+     "log_std, actor.0.bias, actor.2.weight and 2 more")])
+def test_an_unusable_policy_names_its_first_three_broken_weights_in_model_order_and_counts_the_rest(broken, named):
+    """Three names at most, in the model's parameter order, then "and N more": one line whatever the model's size.
+    (Kills listing two names, and counting the rest only from five broken weights.)"""
+    model = make_model()
+    with torch.no_grad():
+        for name in broken:
+            dict(model.named_parameters())[name].view(-1)[0] = float("nan")
+    with pytest.raises(RunError) as exc:
+        checked_noise_std(model, 2, 1e-3)
+    assert str(exc.value).startswith(f"the update of iteration 2 left the policy unusable: non-finite weights in "
+                                     f"{named}, at LR 0.001; ")
+
+
 def test_a_learning_rate_that_blows_the_policy_up_stops_the_run_at_that_update_and_saves_nothing(tmp_path):
     """A fixed LR of 1e4: Adam's first steps move log_std by about 1e4, so exp() is inf and every action nan;
     the run used to go on, every step skipped, and save that policy (or blame the env for the nan it was fed)."""
