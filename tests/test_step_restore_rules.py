@@ -332,11 +332,14 @@ def test_only_rank_0_says_that_a_new_seed_restarts_the_rng_streams(capsys):
      "the LR continues at 0.0005: the checkpoint's adaptive schedule left it at 0.0003, outside this run's "
      "[--ppo.lr-min 0.0005, --ppo.lr-max 0.01] (its run started at 0.001; another --ppo.learning-rate restarts "
      "the schedule from that)"),
+    ({"ppo": {"learning_rate": 1e-4}}, {"ppo__learning_rate": 1e-4, "ppo__lr_max": 3e-4}, None,
+     "the LR continues at 0.0003, where the checkpoint's adaptive schedule left it (its run started at 0.0001; "
+     "another --ppo.learning-rate restarts the schedule from that)"),
     ({"max_iterations": 8, "ppo": {"schedule": "linear"}}, {"ppo__learning_rate": 1e-3, "ppo__schedule": "linear"},
      7.5e-4, "the linear LR continues (from --ppo.learning-rate 0.001 to 0 at --max-iterations 8): iteration 3 runs "
              "at LR 0.00075")],
     ids=["linear-new-lr-same-end", "fixed-to-adaptive", "no-schedule-saved", "no-config-saved", "lr-max-narrowed",
-         "lr-min-raised", "linear-no-lr-saved"])
+         "lr-min-raised", "lr-on-lr-max", "linear-no-lr-saved"])
 def test_resumed_lr_by_hand_where_only_the_lr_or_the_schedule_changed_or_the_config_is_older(saved_run, changes, lr,
                                                                                               line):
     """resumed_lr at iteration 2 of a run to --max-iterations 8, restoring LR 3e-4, by hand (docs/fault_tolerance.md,
@@ -348,7 +351,8 @@ def test_resumed_lr_by_hand_where_only_the_lr_or_the_schedule_changed_or_the_con
     neither formats the missing LR. An adapted LR outside narrower bounds of this run (3e-4 against an --ppo.lr-max
     of 2e-4 on a run that started at 1e-4, or an --ppo.lr-min of 5e-4; bounds that still hold --ppo.learning-rate,
     as validation requires) continues clamped to them from the first step, not from the first adaptive step, and the
-    line says from what."""
+    line says from what; one on a bound (3e-4 against an --ppo.lr-max of 3e-4) is inside them and continues as it
+    was."""
     got, said = resumed_lr(_run(max_iterations=8, **changes), saved_run, 3e-4, 2)
     assert (got is None) == (lr is None) and (lr is None or got == pytest.approx(lr, rel=1e-12))
     assert said == line
