@@ -7,11 +7,18 @@ beside it (both, after the start-up broadcast); the periodic check covering the 
 least waiting update (the reduced learning time), not its own clock's.
 """
 
+import fcntl
+import glob
+import os
+import re
+
+import numpy as np
 import pytest
 import torch
 
 import train
 from configs import preset
+from dist.errors import UsageError
 from ppo.normalizer import ObsNormalizer, RewardNormalizer
 from tests.multirank import run_ranks
 from tests.test_train import small_tracking
@@ -108,3 +115,79 @@ def test_every_rank_logs_the_least_waiting_update_not_its_own(tmp_path):
         assert 0.0 < scalars["Perf/learning_time"] < 60
         assert scalars["Perf/total_fps"] == 2 * 8 * 8 / (scalars["Perf/collection_time"] + scalars["Perf/learning_time"])
     assert logged[0]["Perf/learning_time"] == logged[1]["Perf/learning_time"]
+
+
+class Joined(Exception):
+    """Raised in place of joining the process group: carries the device main() asked for."""
+
+
+def test_rollout_ranks_take_auto_as_cpu_where_cuda_exists(tmp_path, monkeypatch):
+    """Mutant: --dist.device auto left as it is with --rollout.ranks. Where torch sees a GPU, auto would mean cuda;
+    with rollout ranks main() joins the process group on cpu (docs/rollout_ranks.md) and checks the device as cpu."""
+    monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    checked = []
+    validate_device = train.validate_device
+    monkeypatch.setattr(train, "validate_device", lambda cfg, world, kind: checked.append(kind) or
+                        validate_device(cfg, world, kind))
+
+    def join(backend, device, timeout_s):
+        raise Joined(device)
+    monkeypatch.setattr(train, "init_distributed", join)
+    cfg = preset("cartpole")
+    cfg.rollout.ranks, cfg.log.root = 1, str(tmp_path)
+    assert cfg.dist.device == "auto"
+    with pytest.raises(Joined) as joined:
+        train.main(cfg)
+    assert joined.value.args == ("cpu",) and checked == ["cpu"]
+
+
+def test_a_live_run_s_directory_is_refused_before_the_process_group_forms(tmp_path, monkeypatch):
+    """Mutant: the early lock of a run continued in place dropped (the run directory is then locked only when it is
+    opened for writing, after the process group, the env and the model exist). While another open file holds the
+    lock, `--resume auto` is refused naming the directory as in use, and no process group was joined."""
+    train.main(small_tracking(tmp_path, iterations=1))
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "tracking", "*"))
+
+    def join(*args):
+        raise AssertionError("the process group was joined before the refusal")
+    monkeypatch.setattr(train, "init_distributed", join)
+    cfg = small_tracking(tmp_path, iterations=2)
+    cfg.resume = "auto"
+    with open(os.path.join(run_dir, ".lock"), "a+") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)   # another run's, through another open file
+        with pytest.raises(UsageError, match=f"^run directory {re.escape(run_dir)} is in use by another run"):
+            train.main(cfg)
+
+
+def test_the_first_merge_of_far_off_observations_keeps_their_spread(tmp_path, monkeypatch):
+    """Mutant: the critic normalizer's first merge left unshifted (set_first_shift not called with the reset
+    observations). Critic observations moved 1e6 away (float32 keeps steps of 1/16 there) merge as plain sums of
+    squares of about 1e12 each: their variance then loses digits. With the shift, the statistics after the first
+    iteration equal numpy's float64 mean and variance of the very batch that was merged, to 1e-9."""
+    make_env, merged = train.make_env, []
+
+    def far_off_env(*args, **kwargs):
+        env = make_env(*args, **kwargs)
+        reset, step = env.reset, env.step
+
+        def moved(obs):
+            return {**obs, "critic": obs["critic"] + 1e6}
+        env.reset = lambda: (lambda obs, extras: (moved(obs), extras))(*reset())
+        env.step = lambda actions: (lambda obs, *rest: (moved(obs), *rest))(*step(actions))
+        return env
+    update = ObsNormalizer.update
+
+    def recorded(self, batch):
+        merged.append(batch.detach().double().numpy().copy())
+        update(self, batch)
+    monkeypatch.setattr(train, "make_env", far_off_env)
+    monkeypatch.setattr(ObsNormalizer, "update", recorded)
+    model = train.main(small_tracking(tmp_path, iterations=1))[0]
+    (batch,) = merged                                   # tracking normalizes the critic's observations only
+    assert batch.shape == (16 * 8, model.critic_normalizer.mean64.numel()) and batch.mean() > 1e6 - 100
+    stats = model.critic_normalizer
+    assert stats.count.item() == len(batch)
+    np.testing.assert_allclose(stats.mean64.numpy(), batch.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(stats.m2.numpy() / len(batch), batch.var(0), rtol=1e-9, atol=1e-9)
