@@ -23,6 +23,11 @@ def reward_stats_body(rank, world_size, root, broken_rank):
         RewardNormalizer.update = broken_update
     cfg = small_tracking(root, iterations=2)
     cfg.ppo.normalize_rewards, cfg.dist.verify_every, cfg.dist.device = True, 1, "cpu"
+    return trained_or_error(cfg)
+
+
+def trained_or_error(cfg) -> str:
+    """Train `cfg` on this rank: "trained", or the message of the RuntimeError it stopped with."""
     try:
         train.main(cfg)
     except RuntimeError as exc:

@@ -232,13 +232,14 @@ def test_mean_rule_on_an_integer_buffer_is_a_start_up_error():
     resolve_buffer_policy(bn, {"running_*": "mean", "num_batches_tracked": "broadcast"})
 
 
-def phase_times_body(rank, world_size, root):
-    """Rank 1's clock reads its collections 1000 s long (train.finished shifted on its collection ends only)."""
+def phase_times_body(rank, world_size, root, slow="collection"):
+    """Rank 1's clock reads its collections (or, `slow` "update", its updates) 1000 s long: train.finished shifted
+    on that phase's ends only."""
     import itertools
     import time
-    calls = itertools.count()
+    calls, ends = itertools.count(), 0 if slow == "collection" else 1
     if rank == 1:
-        train.finished = lambda device: time.time() + (1000.0 if next(calls) % 2 == 0 else 0.0)
+        train.finished = lambda device: time.time() + (1000.0 if next(calls) % 2 == ends else 0.0)
     cfg = preset("cartpole")
     cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 8, 8, 2
     cfg.log.root, cfg.dist.device = root, "cpu"
