@@ -2,17 +2,17 @@
 each test here fails on a plausible change of train.py that every other test let through. Expected values come from
 the docs and by hand, never from the code under test.
 
-54 hand-made mutants; 50 run, each alone, against the 62 test files that start train.py (slow ones included),
-43 killed by them; the 8 survivors are pinned below (one test kills two). Not run, argued equivalent for what a test
-can observe: the saved env state read from the env instead of the gathered one (identical on every rank after the
-sampler sum); glibc's freed-memory setting skipped (page faults only); SIGINT left to its handler while the interpreter
-finalizes, and the failure's frames not cleared (both only change how a process ends, racy to provoke).
+53 hand-made mutants, each run alone against the 62 test files that mention train (slow ones included): 42 killed
+by them; 9 survivors pinned below (one test kills two); 2 equivalent: the saved env state read from the env instead of
+the gathered one (gather_save_states refuses env states that differ by rank, so rank 0's is that one), and glibc's
+freed-memory setting skipped (page faults only, no value changes).
 
 Pinned here: the replica check after a checkpoint load covering the model's merged buffers and the reward normalizer
 beside it (after the start-up broadcast); the periodic check covering the merged buffers; every rank logging the least
 waiting update (the reduced learning time), not its own clock's; rollout ranks joining on cpu where CUDA exists; a live
 run's directory refused before the process group forms; the first merge of observations far from 0 conditioned by the
-reset observations; the signal handlers given back when a run ends.
+reset observations; the signal handlers given back when a run ends; a typed --env.task that cart-pole does not read
+refused as such by --resume auto, not as a missing checkpoint of that task.
 """
 
 import fcntl
