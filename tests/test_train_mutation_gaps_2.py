@@ -1,6 +1,6 @@
-"""Gaps a second mutation audit of train.py found (the lines changed since the first, tests/test_train_mutation_gaps.py):
-each test here fails on a plausible change of train.py that every other test let through. Expected values come from
-the docs and by hand, never from the code under test.
+"""Gaps a second mutation audit of train.py found (the lines changed since the first audit,
+tests/test_train_mutation_gaps.py): each test here fails on a plausible change of train.py that every other test let
+through. Expected values come from the docs and by hand, never from the code under test.
 
 53 hand-made mutants, each run alone against the 62 test files that mention train (slow ones included): 42 killed
 by them; 9 survivors pinned below (one test kills two); 2 equivalent: the saved env state read from the env instead of
@@ -103,7 +103,8 @@ def test_every_rank_logs_the_least_waiting_update_not_its_own(tmp_path):
     logged = run_ranks(phase_times_body, 2, args=(str(tmp_path), "update"))
     for scalars in logged:
         assert 0.0 < scalars["Perf/learning_time"] < 60
-        assert scalars["Perf/total_fps"] == 2 * 8 * 8 / (scalars["Perf/collection_time"] + scalars["Perf/learning_time"])
+        both = scalars["Perf/collection_time"] + scalars["Perf/learning_time"]
+        assert scalars["Perf/total_fps"] == 2 * 8 * 8 / both
     assert logged[0]["Perf/learning_time"] == logged[1]["Perf/learning_time"]
 
 
