@@ -29,7 +29,7 @@ import torch
 from envs import CartPole, Tracking
 from envs.gymnasium import GymnasiumEnv
 from envs.motions import MotionLibrary
-from tests.test_envs_by_hand import numpy_substep, reference
+from tests.test_envs_by_hand import _Toy, numpy_substep, reference
 
 CHAIN = SimpleNamespace(num_joints=6, link_length=0.25, link_mass=0.5, gravity=9.81, sim_dt=0.005,
                         kp=40.0, kd=2.0, joint_damping=0.1)        # the docstring's chain, written out
@@ -126,14 +126,7 @@ def test_a_gymnasium_reward_is_float32():
     assert reward.dtype == torch.float32 and reward.shape == (2,)
 
 
-class _Toy(gymnasium.Env):
-    action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,))
-    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (1,))
-
-    def reset(self, seed=None, options=None):
-        super().reset(seed=seed)
-        return self.observation_space.sample(), {}
-
+class _UintReward(_Toy):
     def step(self, action):
         return self.observation_space.sample(), np.uint8(1), False, False, {}
 
@@ -150,7 +143,7 @@ def _register(monkeypatch, name, cls):
 def test_an_unsigned_integer_reward_is_one_number(monkeypatch):
     """Mutant: the probe step accepting float and signed int rewards only. A np.uint8 reward is one number (the
     vector env's float array takes it): the env is built and steps, its reward 1.0."""
-    _register(monkeypatch, "UintReward-v0", _Toy)
+    _register(monkeypatch, "UintReward-v0", _UintReward)
     env = GymnasiumEnv("UintReward-v0", 2, torch.device("cpu"), seed=0)
     env.reset()
     _, reward, _, _, _ = env.step(torch.zeros(2, 1))
