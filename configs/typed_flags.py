@@ -72,7 +72,7 @@ def requirement(cfg, flag: str) -> str | None:
 def in_experiment_dir(cfg) -> bool:
     """Whether the run directory --resume names lies in --log.root/--log.experiment (where the stop message's command,
     which repeats the run's own flags, points)."""
-    parent = os.path.dirname(os.path.abspath(cfg.resume.rstrip("/")))
+    parent = os.path.dirname(os.path.abspath(cfg.resume))  # abspath drops a trailing slash
     return os.path.realpath(parent) == os.path.realpath(experiment_dir(cfg))
 
 

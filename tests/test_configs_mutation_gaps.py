@@ -16,9 +16,10 @@ returning three items; a complex number logged by the env.
 
 Equivalent: the defaults of num-envs, num-steps, num-epochs, learning-rate (every preset sets them), episode-length-s
 and num-motions (every preset that reads them sets them); bools let into the int64 check (True and False fit);
-in_experiment_dir without rstrip("/") (os.path.abspath drops a trailing slash already); --dry-run out of LAUNCH (a
-dry run writes no checkpoint, so a checkpoint's run never had it); check_resume_fits without `theirs is not None`
-(no MUST_MATCH field is Optional; a missing one goes through setting_before: only a hand-edited null differs).
+in_experiment_dir without rstrip("/") (os.path.abspath drops a trailing slash already: removed since); --dry-run out
+of LAUNCH (a dry run writes no checkpoint, so a checkpoint's run never had it); check_resume_fits without `theirs is
+not None` (no MUST_MATCH field is Optional; a missing one goes through setting_before: only a hand-edited null
+differs).
 Not worth a test: step_checker checking every step in full and a falsy non-None sampler skipped (only an env that
 breaks the protocol tells); defaults that are cadence or cost with no documented value (verify-every 100,
 sampler-sync-every 10, bucket-mb 25, save-every 50, mujoco's print-every 10) and undocumented tuning (tracking's
