@@ -1,0 +1,61 @@
+"""Gaps a hand mutation audit of ppo/rollout.py, ppo/update.py and ppo/restore.py found: each test here fails on a
+plausible change of that code which every other test let through. Expectations are written by hand from the docs.
+
+AUDIT_SUMMARY
+
+Every mutant was run alone against the fast tests of the files that exercise its module, and each survivor against
+the slow (gloo) tests that reach its code as well.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dist.checkpoint import rng_states
+from dist.errors import RunError
+from ppo.restore import restore
+from ppo.update import checked_noise_std
+from tests.ppo_fixtures import make_model
+from tests.test_step_restore_rules import CPU, _built, _checkpoint, _run
+
+# ---- ppo/update.py ---------------------------------------------------------------------------------------------
+
+
+def test_an_unusable_policy_names_lr_max_as_the_adaptive_runs_fix():
+    """Under --ppo.schedule adaptive the LR moves on its own between --ppo.lr-min and --ppo.lr-max: a step too large
+    comes from the LR having climbed to lr-max, so the error names --ppo.lr-max (lowering --ppo.learning-rate, where
+    the adaptive schedule only starts, fixes nothing; lr-min is the floor, not the ceiling).
+    Mutant: the error's advice names --ppo.lr-min for the adaptive schedule."""
+    model = make_model()
+    with torch.no_grad():
+        model.log_std[0] = 1e4                # exp() is inf in float32
+    with pytest.raises(RunError) as exc:
+        checked_noise_std(model, 3, 0.01)
+    message = str(exc.value)
+    assert "lower --ppo.learning-rate (adaptive: --ppo.lr-max) or the loss weights" in message, message
+    assert "lr-min" not in message
+
+
+# ---- ppo/restore.py --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("learners, rollouts, seeds", [
+    (2, 0, "RNG streams restart from --seed + rank; everything else"),
+    (1, 2, "RNG streams restart from their seeds (--seed + rank on a learner, --seed + j on rollout rank L + j of L "
+           "learners); everything else")])
+def test_a_layout_change_names_the_seeds_of_the_layout_it_resumes_on(capsys, learners, rollouts, seeds):
+    """Resumed on another layout, every RNG stream restarts from its seed, and the line says which: --seed + rank
+    when every rank is a learner (however many), and a rollout rank's own seed as well when the run has rollout ranks
+    (however few learners). The choice follows the rollout ranks, not the number of learners.
+    Mutant: the rollout ranks' seeds named when there is more than one learner instead of when there are rollout
+    ranks."""
+    saved = _checkpoint(_built(), [rng_states()], layout=[3, 1])          # a layout neither run has
+    before = torch.get_rng_state()
+    try:
+        restore(saved, "c.pt", _built(), None, SimpleNamespace(rank=0, num_learners=learners, num_rollouts=rollouts),
+                CPU, _run())
+    finally:
+        torch.set_rng_state(before)
+    out = capsys.readouterr().out
+    assert f"resuming a checkpoint of 3 learner(s) + 1 rollout rank(s) on {learners} + {rollouts}: {seeds} is " \
+           f"restored" in out, out
