@@ -59,3 +59,28 @@ def test_a_layout_change_names_the_seeds_of_the_layout_it_resumes_on(capsys, lea
     out = capsys.readouterr().out
     assert f"resuming a checkpoint of 3 learner(s) + 1 rollout rank(s) on {learners} + {rollouts}: {seeds} is " \
            f"restored" in out, out
+
+
+@pytest.mark.parametrize("case", ["restored", "another-seed", "states-misfit", "another-layout"])
+def test_only_rank_0_says_how_a_resume_went(capsys, case):
+    """Every rank restores the same file, and rank 0 alone prints (the start-up lines are the run's, said once): on
+    rank 1 of 2 learners nothing is printed, whether the RNG streams were restored, restart from another --seed,
+    restart because the saved states do not fit, or restart on another layout; rank 0 prints the resumed line.
+    Mutant: the resumed line (and the LR line with it), the "do not fit" line or the other-layout line printed on
+    every rank."""
+    fitting = rng_states(None, None, CPU)
+    rngs = [fitting, {"torch": torch.zeros(16, dtype=torch.uint8)} if case == "states-misfit" else fitting]
+    layout = [1, 1] if case == "another-layout" else [2, 0]
+    saved = _checkpoint(_built(), rngs, layout=layout, config={"seed": 5 if case == "another-seed" else 1,
+                                                               "ppo": {"learning_rate": 1e-3}})
+    before = torch.get_rng_state()
+    try:
+        for rank in (1, 0):
+            restore(saved, "c.pt", _built(), None, SimpleNamespace(rank=rank, num_learners=2, num_rollouts=0), CPU,
+                    _run(ppo__learning_rate=2e-3))
+            out = capsys.readouterr().out
+            if rank == 1:
+                assert out == ""
+    finally:
+        torch.set_rng_state(before)
+    assert "[syncppo] resumed c.pt at iteration 2\n" in out and "LR" in out, out
