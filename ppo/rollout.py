@@ -126,8 +126,8 @@ def check_finite(batch: dict[str, torch.Tensor], env_name: str, rank: int, itera
     fields = ("actor_obs", "critic_obs", "rewards", "bootstrap")
     # The extremes are finite exactly when every value is (min and max propagate NaN): one pass over each
     # field, where isfinite().all() takes four and allocates (3 ms of a 512-env rollout's 135 ms).
-    extremes = [torch.stack(torch.aminmax(batch[f])) for f in fields if batch[f].numel()]
-    if not extremes or torch.isfinite(torch.cat(extremes)).all():
+    extremes = [torch.stack(torch.aminmax(batch[f])) for f in fields]
+    if torch.isfinite(torch.cat(extremes)).all():
         return
     for field, what in (("actor_obs", "observation group 'policy'"), ("critic_obs", "observation group 'critic'"),
                         ("rewards", "reward"), ("bootstrap", "time-out bootstrap value of extras['final_obs']")):

@@ -15,7 +15,7 @@ Equivalent (no test can tell them apart):
 - rollout.keep allocating every field as float32: only dones changes (to 0/1 floats), and both readers convert it
   (fill_storage's `.bool()`, dist/batches.Layout.pack's copy_ into its bool slot);
 - check_finite without the `numel()` filter, or without `not extremes`: an empty field never reaches it (validate
-  refuses 0 envs and 0 steps, ppo/env_check.py an observation group of width 0), so the guard is dead code;
+  refuses 0 envs and 0 steps, ppo/env_check.py an observation group of width 0): dead code, removed since;
 - collect_rollout cloning the values it stores (model.value returns a fresh tensor, and keep copies it);
 - update: the adaptive LR set on param_groups[0] only (one group: build_optimizer; also listed by
   tests/test_update_step_rules.py), counting a step before optimizer.step() instead of after;
