@@ -116,10 +116,11 @@ def test_synchronize_after_a_takeover_of_parameter_0_names_it_and_the_fix():
     synchronize() names parameter #0, what happened and the fix.
     Mutant: the index off by one; the check skipping parameter #0; the message without the fix."""
     sync, first, _ = armed_two_layers()
-    GradSync([first.weight])
+    successor = GradSync([first.weight])     # kept: a freed one would serve nothing
     with pytest.raises(RuntimeError) as exc:
         sync.synchronize()
     assert str(exc.value) == f"parameter #0 {NOT_SERVED}"
+    assert successor.params == [first.weight]
 
 
 def test_synchronize_after_remove_hooks_is_refused_although_the_gradient_views_are_intact():
