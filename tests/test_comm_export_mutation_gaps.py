@@ -15,7 +15,7 @@ from dist import comm, log_root
 from dist.errors import UsageError
 from ppo import export
 from tests.test_cli_comm_rules import STALLED, _Failing
-from tests.test_export_logger_env_rules import small_checkpoint
+from tests.test_export_logger_env_rules import small_checkpoint, torchscript_only  # noqa: F401 (a fixture)
 
 CLOSED = "a peer rank died (its connection closed)"
 REFUSED = "the backend refused or failed it"
@@ -154,19 +154,25 @@ def deep_relative(length: int, letter: str = "d") -> str:
 def test_the_path_limit_takes_a_relative_root_as_given_and_counts_its_bytes(tmp_path, monkeypatch):
     """The system calls get a relative root relative to the working directory: one of PATH_MAX - 65 bytes is taken
     wherever the test runs (its absolute form is longer). A root of 'é' names of PATH_MAX - 64 bytes, about half as
-    many characters, is refused, its size said in bytes.
-    Mutant: `os.path.abspath(root)` for `os.path.normpath(root)`; `len(...)` of the characters, not the bytes."""
+    many characters, is refused, its size said in bytes. Each root's first folder exists: its nearest existing
+    directory is that folder, absolute.
+    Mutant: `os.path.abspath(root)` for `os.path.normpath(root)`; `len(...)` of the characters, not the bytes;
+    nearest_directory without `os.path.abspath` (a relative answer)."""
     monkeypatch.chdir(tmp_path)
     path_max = os.pathconf(tmp_path, "PC_PATH_MAX")
     taken, accented = deep_relative(path_max - 65), deep_relative(path_max - 64, "é")
     assert (len(taken.encode()), len(accented.encode())) == (path_max - 65, path_max - 64)
+    firsts = sorted({taken.split("/")[0], accented.split("/")[0]})
+    for first in firsts:
+        os.mkdir(first)
+    assert log_root.nearest_directory(taken) == str(tmp_path / ("d" * 200))
     log_root.check_writable_root(taken, write=False)
     with pytest.raises(UsageError) as caught:
         log_root.check_writable_root(accented, write=False)
     assert str(caught.value) == (f"--log.root: the path ({path_max - 64} bytes, plus 64 for the run's directory and "
                                  f"file names) is longer than the file system takes ({path_max} bytes a path); use a "
                                  f"shorter one")
-    assert os.listdir(tmp_path) == []
+    assert sorted(os.listdir(tmp_path)) == firsts
 
 
 def test_a_refusal_without_a_strerror_still_refuses(tmp_path, monkeypatch):
@@ -208,3 +214,124 @@ def test_a_probe_that_cannot_be_made_names_the_root_the_probe_and_why(tmp_path, 
     probe = str(tmp_path / "file" / ".syncppo-probe-0000000000000001")
     assert str(caught.value) == (f"--log.root {root!r}: cannot create {probe!r} (Not a directory); pick a directory "
                                  f"you can write to")
+
+
+# ---- ppo/export.py -----------------------------------------------------------------------------------------------
+
+def test_a_checkpoint_that_is_a_string_is_not_a_train_py_checkpoint(tmp_path):
+    """A torch file holding a str that happens to contain the words "model" and "config" passes `in` tests: only the
+    dict check turns it into the one-line refusal instead of a TypeError traceback (string indices).
+    Mutant: `usable` without `not isinstance(state, dict)`."""
+    path = str(tmp_path / "model_1.pt")
+    torch.save("model and config", path)
+    with pytest.raises(ValueError) as caught:
+        export.export(path, str(tmp_path / "out"))
+    assert str(caught.value) == (f"CKPT {path!r} is not a train.py checkpoint (it needs 'model' and 'config' "
+                                 f"entries)")
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("policy config a list", "AttributeError: 'list' object has no attribute 'items'"),
+    ("first layer one-dimensional", "IndexError: tuple index out of range"),
+])
+def test_a_model_or_policy_config_of_the_wrong_kind_is_one_line(tmp_path, damage, said):
+    """A 'policy' config that is a list (no .items()), or an actor's first weight with one dimension (no input
+    size): the export says the checkpoint does not fit, naming the error, instead of a traceback.
+    Mutant: AttributeError or IndexError left out of load_policy's `except`."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    state = torch.load(path, weights_only=True)
+    if damage == "policy config a list":
+        state["config"]["policy"] = [8, 8]
+    else:
+        state["model"]["actor.0.weight"] = torch.zeros(8)
+    torch.save(state, path)
+    with pytest.raises(ValueError) as caught:
+        export.export(path, str(tmp_path / "out"))
+    assert str(caught.value) == (f"CKPT {path!r}: its model or policy config does not fit this version's "
+                                 f"actor-critic (damaged, or saved by another version?): {said}")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_config_without_env_settings_exports_with_nothing_to_note(tmp_path, capsys, torchscript_only):
+    """A config with no 'env' section (the env's settings are optional to export) means scale 1 and no clip: the
+    policy is written and no note about actions printed.
+    Mutant: `config["env"]` for `config.get("env", {})`."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    state = torch.load(path, weights_only=True)
+    del state["config"]["env"]
+    torch.save(state, path)
+    written = export.export(path, str(tmp_path / "out"))
+    assert written == {"torchscript": str(tmp_path / "out" / "model_3.policy.pt"),
+                       "torch.export": str(tmp_path / "out" / "model_3.policy.pt2")}
+    assert "note:" not in capsys.readouterr().out
+
+
+def test_each_file_written_is_printed_with_its_format(tmp_path, capsys, torchscript_only):
+    """After the summary line, one line per file: its format and where it went (what a user copies to the robot).
+    Mutant: the loop printing `[export] {fmt}: {file}` left out."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    export.export(path, str(tmp_path / "out"))
+    out = capsys.readouterr().out
+    assert (f"[export] torchscript: {tmp_path}/out/model_3.policy.pt\n"
+            f"[export] torch.export: {tmp_path}/out/model_3.policy.pt2\n") in out
+
+
+def test_a_dangling_symlink_at_an_output_name_is_refused_and_its_target_not_made(tmp_path):
+    """A symbolic link to nowhere where STEM.policy.pt goes is not a regular file: written through, the export would
+    land wherever the link points. It is refused as a folder of that name is, before anything is written.
+    Mutant: `os.path.exists` for `os.path.lexists` (a dangling link does not exist)."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model_3.policy.pt").symlink_to(tmp_path / "elsewhere.pt")
+    with pytest.raises(ValueError) as caught:
+        export.export(path, str(out))
+    assert str(caught.value) == (f"{str(out / 'model_3.policy.pt')!r} is a directory or not a regular file, where the "
+                                 f"export writes a file; move it, or pass --out with another folder")
+    assert os.listdir(out) == ["model_3.policy.pt"] and not os.path.lexists(tmp_path / "elsewhere.pt")
+
+
+def test_an_out_below_a_file_is_one_line(tmp_path):
+    """--out notes.txt/exported: makedirs fails with NotADirectoryError (not FileExistsError, as for --out notes.txt),
+    said as the same one-line refusal with the system's reason.
+    Mutant: `except FileExistsError` for `except OSError` around makedirs."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    (tmp_path / "notes.txt").write_text("hello")
+    out = str(tmp_path / "notes.txt" / "exported")
+    with pytest.raises(ValueError) as caught:
+        export.export(path, out)
+    assert str(caught.value) == f"--out {out!r} cannot be an output folder (Not a directory)"
+
+
+def test_the_onnx_exporter_s_log_level_is_given_back(tmp_path):
+    """The export quiets the ONNX exporter's registration logger while it runs, then restores the level it found:
+    a program that exports and then debugs the exporter gets its own setting back.
+    Mutant: the `finally` without `registration.setLevel(level)`."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    before = registration.level
+    registration.setLevel(logging.DEBUG)
+    try:
+        written = export.export(small_checkpoint(tmp_path / "model_3.pt", False), str(tmp_path / "out"))
+        assert "onnx" in written and registration.level == logging.DEBUG
+    finally:
+        registration.setLevel(before)
+
+
+@pytest.mark.parametrize("absent, said", [({"onnx"}, "onnx"), ({"onnx", "onnxscript"}, "onnx, onnxscript")])
+def test_onnx_missing_names_each_package_not_installed(monkeypatch, absent, said):
+    """ONNX needs both onnx and onnxscript: either one absent is said by name, with the pip line.
+    Mutant: only onnxscript looked for."""
+    real = export.importlib.util.find_spec
+    monkeypatch.setattr(export.importlib.util, "find_spec", lambda name, *a: None if name in absent else real(name, *a))
+    assert export.onnx_missing() == f"not installed: {said} (pip install onnx onnxscript)"
+
+
+def test_an_exporter_without_the_dynamo_option_is_not_called(monkeypatch):
+    """export() passes dynamo=True: a torch.onnx.export without that parameter (nor the other two) is named as
+    lacking each of the three, in the order export() passes them.
+    Mutant: "dynamo" left out of EXPORTER_OPTIONS."""
+    def old_exporter(model, args, f=None, export_params=True, verbose=False, input_names=None, output_names=None):
+        raise AssertionError("called")
+    monkeypatch.setattr(torch.onnx, "export", old_exporter)
+    assert export.onnx_missing() == (f"torch {torch.__version__}'s torch.onnx.export has no dynamo, dynamic_shapes, "
+                                     f"external_data (torch 2.5 or later)")
