@@ -189,7 +189,8 @@ def test_a_refusal_without_a_strerror_still_refuses(tmp_path, monkeypatch):
                                  f"pick a directory you can write to")
 
 
-@pytest.mark.parametrize("drawn, nonce", [(b"\xff" * 8, 2 ** 63 - 1), (b"\x00" * 8, 1), (b"\x02" + b"\x00" * 7, 1)])
+@pytest.mark.parametrize("drawn, nonce", [(b"\xff" * 8, 2 ** 63 - 1), (b"\x00" * 8, 1), (b"\x02" + b"\x00" * 7, 1)],
+                         ids=["all-ones", "zero", "two"])
 def test_the_probe_is_named_by_a_positive_int64_in_the_nearest_existing_directory(tmp_path, monkeypatch, drawn,
                                                                                   nonce):
     """Rank 0 broadcasts the probe's number as one int64, and 0 means "no probe" (a dry run): the 8 random bytes
