@@ -336,3 +336,12 @@ def test_an_exporter_without_the_dynamo_option_is_not_called(monkeypatch):
     monkeypatch.setattr(torch.onnx, "export", old_exporter)
     assert export.onnx_missing() == (f"torch {torch.__version__}'s torch.onnx.export has no dynamo, dynamic_shapes, "
                                      f"external_data (torch 2.5 or later)")
+
+
+def test_a_device_given_as_the_checkpoint_is_not_a_regular_file():
+    """/dev/null exists and is no directory, but no regular file either: refused as such before it is opened (the
+    FIFO test of test_export_inputs.py blocks forever on this mutant instead of failing; a device reads as empty).
+    Mutant: the `not os.path.isfile(path)` check left out."""
+    with pytest.raises(ValueError) as caught:
+        export.export("/dev/null")
+    assert str(caught.value) == "CKPT '/dev/null' is not a regular file; pass a model_<iteration>.pt file"
