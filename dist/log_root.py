@@ -23,7 +23,7 @@ def check_writable_root(root: str, flag: str = "--log.root", write: bool = True)
     if long_name is not None:
         raise UsageError(f"{flag}: the name {long_name[:16]!r}... ({len(long_name.encode())} bytes) is longer than the "
                          f"file system takes ({name_max} bytes a name); use a shorter one")
-    length = len(os.path.normpath(root).encode())   # as the system calls get it: a relative root stays relative
+    length = len(root.encode())   # as typed, as the system calls get it ('./' parts count; a relative root stays so)
     if length + 64 >= path_max:
         raise UsageError(f"{flag}: the path ({length} bytes, plus 64 for the run's directory and file names) is "
                          f"longer than the file system takes ({path_max} bytes a path); use a shorter one")

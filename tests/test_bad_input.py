@@ -269,7 +269,7 @@ def test_an_experiment_name_too_long_for_a_directory_fails_before_the_build(tmp_
 def test_a_log_root_too_long_for_the_file_system_fails_before_the_build(tmp_path):
     """A --log.root name over NAME_MAX, or a path that leaves no room under PATH_MAX for the run's directory and file
     names: the dry run passed and a real run built everything, then raised OSError (File name too long) from mkdir.
-    Nothing is created; a name at NAME_MAX is accepted."""
+    The path is measured as typed ('./' parts too). Nothing is created; a name at NAME_MAX is accepted."""
     from dist.log_root import check_writable_root
     name_max, path_max = os.pathconf(tmp_path, "PC_NAME_MAX"), os.pathconf(tmp_path, "PC_PATH_MAX")
     with pytest.raises(UsageError, match=rf"^--log.root: the name 'eeeeeeeeeeeeeeee'... \({name_max + 1} bytes\) is "
@@ -279,6 +279,9 @@ def test_a_log_root_too_long_for_the_file_system_fails_before_the_build(tmp_path
     with pytest.raises(UsageError, match=rf"^--log.root: the path \({len(str(deep))} bytes, plus 64 for the run's "
                                          rf"directory and file names\) is longer than the file system takes"):
         check_writable_root(str(deep))
+    dotted = "./" * (path_max // 2) + "runs"    # 'runs' once normalized, but the system calls get every './'
+    with pytest.raises(UsageError, match=rf"^--log.root: the path \({len(dotted)} bytes, plus 64"):
+        check_writable_root(dotted, write=False)
     check_writable_root(str(tmp_path / ("e" * name_max)))
     assert os.listdir(tmp_path) == []
 
