@@ -61,8 +61,21 @@ def test_an_exported_program_passed_back_is_named_as_one_and_a_pipe_is_not_a_reg
             export.export(file, str(tmp_path / "again"))
     pipe = tmp_path / "model_4.pt"
     os.mkfifo(pipe)
-    with pytest.raises(ValueError, match=r"is not a regular file; pass a model_<iteration>\.pt file$"):
-        export.export(str(pipe))                           # said "no such checkpoint file"
+    stop = threading.Event()
+
+    def empty_writes():     # a regression that opens the pipe (each time) reads its end and fails instead of hanging
+        while not stop.is_set():
+            os.close(os.open(pipe, os.O_WRONLY))
+    writer = threading.Thread(target=empty_writes, daemon=True)
+    writer.start()
+    try:
+        with pytest.raises(ValueError, match=r"is not a regular file; pass a model_<iteration>\.pt file$"):
+            export.export(str(pipe))                       # said "no such checkpoint file"
+    finally:
+        stop.set()
+        release = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)   # a reader, so that the writer's last open returns
+        writer.join()
+        os.close(release)
     (tmp_path / "model_5.pt").symlink_to(tmp_path / "gone.pt")
     with pytest.raises(ValueError, match=r"no such checkpoint file \(a symbolic link whose target does not exist\)$"):
         export.export(str(tmp_path / "model_5.pt"))
