@@ -1,23 +1,26 @@
 """Gaps found by a mutation audit of the lines changed since each module's earlier audit: dist/batches.py and
 dist/buffers.py since af08ece, ppo/normalizer.py and ppo/gae.py since 16bfdf4, ppo/minibatch_step.py and ppo/logger.py
-since 0296cbd, rollout_ranks.py and rollout_weights.py since c3632bc, dist/checkpoint_read.py since 53e1af3. 95
-hand-made mutants of those lines, 78 killed by the earlier tests; each test below fails on one that they let through.
+since 0296cbd, rollout_ranks.py and rollout_weights.py since c3632bc, dist/checkpoint_read.py since 53e1af3. 112
+hand-made mutants of those lines, 85 killed by the earlier tests; each test below fails on one that they let through.
 Expected values are written by hand or computed here from the definition (GAE: a per-step float loop).
 
-Pinned: a batch layout accepting uint32 or uint64 fields, its refusal without the float64 fix; a named collective
-error without the original as its cause; GAE not bit-identical to the per-step recursion (delta's terms reordered,
-gamma * lam grouped otherwise); RunLogger wrapping threading.excepthook again for each logger (the guard dropped or
-the marker False); the console's kl column 5 wide when no KL was logged; the learner raising the first weight-serving
-failure instead of that of the rank whose batch did not come; a serving thread's failure kept under another key than
-its rollout rank; an optimizer group with decoupled_weight_decay=True accepted.
+Pinned (16): a batch layout accepting uint32 or uint64 fields, its refusal without the float64 fix, refusing int8,
+uint8, int16, float16 or bfloat16 fields (float32 holds them exactly); a named collective error without the original as
+its cause; GAE not bit-identical to the per-step recursion (delta's terms reordered, gamma * lam grouped otherwise);
+RunLogger wrapping threading.excepthook again for each logger (the guard dropped or the marker False); the console's
+kl column 5 wide when no KL was logged; the learner raising the first weight-serving failure instead of that of the
+rank whose batch did not come; a serving thread's failure kept under another key than its rollout rank; an optimizer
+group with decoupled_weight_decay=True accepted; a 0-dim env-state entry compared without flattening it first.
 
-Equivalent or not worth a test: RewardNormalizer.update's std without the clamp of its count (torch.where picks the
-old std wherever count is 0, the 0 / 0 is never chosen); its count-0 fallback replaced by ones (std starts at 1 and
-changes only where count > 0, which never goes back to 0); GAE's advantages from zeros_like instead of empty_like
-(every row is written); failures[dst] = exc instead of setdefault (a serving thread returns after its first failure,
-so it records at most one); receive's getattr default None instead of -1 (every CollectiveError out of
-BatchReceiver.take comes through naming(), which sets `peer`); the full-disk message without "(if any)" (wording only:
-the fix it names, free space or another --log.root, stays)."""
+Equivalent (8): RewardNormalizer.update's std without the clamp of its count (torch.where picks the old std wherever
+count is 0, the 0 / 0 is never chosen); its count-0 fallback replaced by ones (std starts at 1 and changes only where
+count > 0, which never goes back to 0); ObsNormalizer's `count > 0` as `count >= 1` (counts are whole numbers); GAE's
+advantages from zeros_like instead of empty_like (every row is written); not_done as dones.logical_not() (0 and 1 are
+exact either way); failures[dst] = exc instead of setdefault (a serving thread returns after its first failure, so it
+records at most one); receive's getattr default None instead of -1 (every CollectiveError out of BatchReceiver.take
+comes through naming(), which sets `peer`); check's `dst is not None` as `dst` (a rollout rank is never rank 0, a
+learner's). Not worth a test (3): the full-disk message without "(if any)" (twice) and the per-rank env-state message
+saying "file" for "checkpoint": wording only, the fix each names stays."""
 
 import atexit
 import threading
@@ -29,11 +32,12 @@ import torch
 import rollout_weights
 from dist import comm
 from dist.batches import Layout, naming
+from dist.checkpoint import to_bytes
 from dist.checkpoint_read import load_checkpoint
-from dist.errors import UsageError
+from dist.errors import RunError, UsageError
 from ppo.gae import compute_gae
 from ppo.logger import RunLogger
-from rollout_ranks import LearnerTeam
+from rollout_ranks import LearnerTeam, unpack_team_states
 from rollout_weights import WeightServer
 from sync import WeightSyncConfig
 from tests.test_checkpoint_read_rules import _saved, _with_group
@@ -177,3 +181,39 @@ def test_an_optimizer_group_with_decoupled_weight_decay_is_refused(tmp_path):
     assert str(exc.value) == (f"--resume {path!r} is damaged (its optimizer param group 0 has "
                               f"{{'decoupled_weight_decay': True}}, which the Adam syncppo builds never has); resume "
                               f"from another checkpoint")
+
+
+def test_a_batch_layout_carries_narrow_integers_and_half_floats_exactly():
+    """float32 holds every int8, uint8 and int16 value and every float16 and bfloat16 one: such fields are accepted
+    and come back bit for bit, in their own dtype (extremes and a subnormal float16 included).
+
+    Mutant: int16, int8 and uint8, or float16 and bfloat16, added to the refused dtypes."""
+    sent = {"a": torch.tensor([-128, 127, 0], dtype=torch.int8), "b": torch.tensor([0, 255], dtype=torch.uint8),
+            "c": torch.tensor([-32768, 32767, -1], dtype=torch.int16),
+            "d": torch.tensor([65504.0, 2.0**-24, -0.5], dtype=torch.float16),
+            "e": torch.tensor([3.0e38, -2.0**-126, 1.0 + 2.0**-7], dtype=torch.bfloat16)}
+    layout = Layout({name: (tuple(t.shape), t.dtype) for name, t in sent.items()})
+    buffers = layout.buffers("cpu")
+    layout.pack(sent, buffers)
+    back = layout.unpack(buffers)
+    assert buffers[torch.float32].numel() == 14 and buffers[torch.float64].numel() == 0
+    for name, tensor in sent.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+def test_rollout_ranks_env_states_with_a_scalar_entry_are_compared():
+    """An env state may hold a 0-dim tensor (a curriculum level): the bitwise comparison of the rollout ranks' states
+    flattens it first (a 0-dim float32 has no uint8 view), keeps it when equal and names it when not.
+
+    Mutant: .reshape(-1) dropped before .view(torch.uint8) in unpack_team_states."""
+    def blob(level):
+        state = {"rng/env": torch.zeros(4, dtype=torch.uint8), "env/level": torch.tensor(level)}
+        return to_bytes(state), {name: (tuple(v.shape), v.dtype) for name, v in state.items()}
+
+    (same, layout), (other, _) = blob(2.5), blob(3.0)
+    spec = {"state_bytes": same.numel(), "state_layout": layout}
+    rngs, env = unpack_team_states(torch.cat([same, same]), spec)
+    assert len(rngs) == 2 and env["level"].shape == () and env["level"].item() == 2.5
+    with pytest.raises(RunError, match=r"^env.state_dict\(\) differs across rollout ranks in 'level' \(nested names "
+                                       r"joined by '/'\): rollout rank\(s\) \[1\] hold other values"):
+        unpack_team_states(torch.cat([same, other]), spec)
