@@ -177,10 +177,10 @@ class IsaacLabEnv:
         # Isaac Lab fills extras["log"] in its first reset, so that reset names every metric this task
         # logs; the runner needs the names up front (same metric layout on every rank).
         obs, extras = self.env.reset()
-        # The runner's reset() takes these observations instead of resetting again: a second full reset runs every
+        # The runner's first reset() takes this reset instead of resetting again: a second full reset runs every
         # reset event and curriculum term twice (a terrain curriculum demotes robots that have not moved yet), and
         # RSL-RL's wrapper resets once too.
-        self._built_obs = obs
+        self._just_reset = True
         self.obs_dims = {name: group.shape[1] for name, group in self._groups(obs).items()}
         if "critic" in obs and "critic" not in actor_obs_groups + critic_obs_groups:   # RSL-RL would feed it the critic
             warnings.warn(f"--env.task {task} has a privileged observation group 'critic' that no input uses: the "
@@ -211,8 +211,9 @@ class IsaacLabEnv:
         return actions.clamp(-self.action_clip, self.action_clip) if self.action_clip is not None else actions
 
     def reset(self):
-        obs = self._built_obs if self._built_obs is not None else self.env.reset()[0]
-        self._built_obs = None
+        if not self._just_reset:
+            self.env.reset()
+        self._just_reset = False
         # Spread episode ends over the time limit (as RSL-RL does for Isaac Lab): otherwise every env times
         # out at the same step and the rollouts see synchronized resets.
         self.unwrapped.episode_length_buf.copy_(torch.randint(
