@@ -1,8 +1,8 @@
 """Gaps found by a mutation audit of envs/isaaclab.py against tests/fake_isaaclab.py: AUDIT_SUMMARY"""
 
-import contextlib
+import re
 import sys
-import types
+import warnings
 
 import gymnasium
 import pytest
@@ -144,3 +144,157 @@ def test_reset_hands_no_log(make):
     assert env.reset()[1] == {"log": {}}
     env.step(torch.zeros(4, 2))
     assert env.reset()[1] == {"log": {}}              # a later, real reset too
+
+
+def make_logging(fake, extra_log):
+    """An adapter over the fake whose every reset also logs `extra_log` (closed by the caller)."""
+    def entry_point(cfg, **kw):
+        env = FakeRLEnv(cfg, fake, **kw)
+        env.extra_log = extra_log
+        return env
+
+    fake.entry_point = entry_point
+    return IsaacLabEnv(TASK, 4, torch.device("cpu"), 0, critic_obs_groups=("policy", "critic"))
+
+
+def test_integer_and_bool_metrics_are_filled_in_on_the_device_too(fake):
+    """Isaac Lab's termination counts are Python ints (`.item()` of an integer tensor) and a flag may be a bool: like
+    a float, each is filled in on the device, not copied from the host (aten::lift_fresh) at every step.
+    Mutant: `isinstance(value, float)` instead of `numbers.Real` in _scalar."""
+    env = make_logging(fake, {"Episode_Termination/base_contact": 3, "Metrics/flag": True})
+    try:
+        env.reset()
+        env.unwrapped.episode_length_buf[:] = 0                 # nothing resets in the profiled step
+        with torch.profiler.profile() as prof:
+            _, _, _, _, extras = env.step(torch.zeros(4, 2))
+        assert "aten::lift_fresh" not in {event.name for event in prof.events()}
+        assert extras["log"]["Episode_Termination/base_contact"].item() == 3.0
+        assert extras["log"]["Metrics/flag"].item() == 1.0
+    finally:
+        env.close()
+
+
+def test_integer_and_double_tensor_metrics_are_handed_on_as_float32(fake):
+    """Every logged value becomes a float32 0-d tensor, whatever the task's tensor dtype (an int64 count, a float64
+    mean), as a logged Python number does.
+    Mutant: torch.as_tensor without dtype=torch.float32 for tensors."""
+    env = make_logging(fake, {"Metrics/count": torch.tensor(7), "Metrics/mean": torch.tensor(0.25, dtype=torch.float64)})
+    try:
+        env.reset()
+        _, _, _, _, extras = env.step(torch.zeros(4, 2))
+        for key, value in (("Metrics/count", 7.0), ("Metrics/mean", 0.25)):
+            logged = extras["log"][key]
+            assert logged.dtype == torch.float32 and logged.shape == () and logged.item() == value
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("value, what", [([[1.0], [1.0, 2.0]], "list"), (10 ** 400, "int")], ids=["ragged", "huge-int"])
+def test_a_logged_value_torch_or_float_cannot_convert_is_named(fake, value, what):
+    """A ragged list (torch's ValueError) or an int past float range (float()'s OverflowError) is named like any value
+    that is not one number, not torch's or Python's own error from inside the adapter.
+    Mutant: `except (TypeError,)` only, in _scalar."""
+    message = (f"--env.task {TASK}: extras['log']['Metrics/odd'] is {what}, not one number; make the task log one "
+               f"value per name (e.g. the mean over its envs)")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        make_logging(fake, {"Metrics/odd": value})
+
+
+def test_close_drops_the_exit_handler(make, monkeypatch):
+    """A closed adapter takes its exit handler back (atexit.unregister), so the process does not hold every closed env
+    (and its simulation) until it ends.
+    Mutant: the atexit.unregister in close left out."""
+    handlers = []
+    monkeypatch.setattr(envs.isaaclab.atexit, "register", handlers.append)
+    monkeypatch.setattr(envs.isaaclab.atexit, "unregister", handlers.remove)
+    env = make()
+    assert handlers == [env.close]
+    env.close()
+    assert handlers == []
+
+
+def test_a_one_element_tensor_metric_is_handed_on_as_a_0d_tensor(fake):
+    """A metric logged as a one-element tensor ([1]: a per-env mean kept with keepdim) is one number: handed on as a
+    0-d tensor like every other metric.
+    Mutant: _scalar returning the converted tensor without reshape(())."""
+    env = make_logging(fake, {"Metrics/kept_dim": torch.tensor([0.75])})
+    try:
+        env.reset()
+        logged = env.step(torch.zeros(4, 2))[4]["log"]["Metrics/kept_dim"]
+        assert logged.shape == () and logged.item() == 0.75
+    finally:
+        env.close()
+
+
+def test_a_task_that_logs_nothing_has_no_metrics(fake):
+    """A task whose resets leave extras without a "log" entry (nothing to log) builds and steps with no metrics,
+    rather than failing on a missing key.
+    Mutant: extras["log"] instead of extras.get("log", {}) (in _describe or in _log)."""
+    def entry_point(cfg, **kw):
+        env = FakeRLEnv(cfg, fake, **kw)
+        reset_idx = env._reset_idx
+
+        def reset_without_log(ids):
+            reset_idx(ids)
+            del env.extras["log"]
+
+        env._reset_idx = reset_without_log
+        return env
+
+    fake.entry_point = entry_point
+    env = IsaacLabEnv(TASK, 2, torch.device("cpu"), 0, critic_obs_groups=("policy", "critic"))
+    try:
+        assert env.log_keys == ()
+        env.reset()
+        env.unwrapped.episode_length_buf[:] = 7                  # both envs reach the fake's limit of 8 this step
+        _, _, _, truncated, extras = env.step(torch.zeros(2, 2))
+        assert truncated.all() and extras["log"] == {}
+    finally:
+        env.close()
+
+
+def test_the_runtime_is_closed_with_the_status_even_when_closing_the_env_fails(fake):
+    """An env whose own close raises still has its runtime closed, with the status given (Kit ends the process there
+    with that status; left open, Kit's own exit handler would end it with another).
+    Mutant: the try/finally around env.close() made sequential."""
+    def entry_point(cfg, **kw):
+        env = FakeRLEnv(cfg, fake, **kw)
+
+        def failing_close():
+            raise RuntimeError("the scene could not be torn down")
+
+        env.close = failing_close
+        return env
+
+    fake.entry_point = entry_point
+    env = IsaacLabEnv(TASK, 2, torch.device("cpu"), 0, critic_obs_groups=("policy", "critic"))
+    with pytest.raises(RuntimeError, match="could not be torn down"):
+        env.close(3)
+    assert not fake.runtime_open and fake.launches[0]["exit_code"] == 3
+
+
+def test_a_task_without_a_critic_group_is_not_warned_of_one(fake):
+    """The warning about an unused privileged 'critic' group is for tasks that have one: a task with only a policy
+    group and the default --env.critic-obs-groups builds silently.
+    Mutant: the `"critic" in obs` half of the warning's condition dropped."""
+    def entry_point(cfg, **kw):
+        env = FakeRLEnv(cfg, fake, **kw)
+        observe = env._observe
+        env._observe = lambda: {"policy": observe()["policy"]}
+        return env
+
+    fake.entry_point = entry_point
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        env = IsaacLabEnv(TASK, 2, torch.device("cpu"), 0)
+    env.close()
+    assert env.obs_dims == {"policy": 3, "critic": 3}
+
+
+def test_a_help_flag_in_launcher_args_is_an_unknown_flag_not_a_help_page_and_exit(fake):
+    """`-h` among --env.launcher-args must not print argparse's help and raise SystemExit from inside the env's build:
+    the launcher parser has no help flag, so it is an unknown flag, named in one line.
+    Mutant: LauncherParser built with argparse's default add_help=True."""
+    add_launcher_args = sys.modules["isaaclab.app"].add_launcher_args
+    with pytest.raises(ValueError, match=r"^--env.launcher-args: Isaac Lab's launcher does not know -h$"):
+        envs.isaaclab.launcher_namespace(add_launcher_args, "-h", "cuda:3", False)
