@@ -1,4 +1,29 @@
-"""Gaps found by a mutation audit of envs/isaaclab.py against tests/fake_isaaclab.py: AUDIT_SUMMARY"""
+"""Gaps found by a mutation audit of envs/isaaclab.py (the Isaac Lab adapter) against tests/fake_isaaclab.py: 119
+hand-made mutants, each run against the tests that build the adapter (test_env_isaaclab*, test_env_adapter_model_rules,
+and the isaaclab tests of test_export_logger_env_rules, test_startup_errors, test_loop_config_rules, test_tools,
+test_typed_flags and others; the survivors also against the 2-rank run of test_env_isaaclab_runs). 81 were killed by
+existing tests; each test below fails on a mutant that every earlier test let through (23 mutants, 20 tests).
+
+Pinned: a broken install's plain ImportError (not only ModuleNotFoundError) as MissingSimulator; `--device cuda:1` as
+two tokens refused; SystemExit(0) and SystemExit("message") recorded giving status 0 and 1; a non-dict mapping group
+(TensorDict) named a dict of terms; close matches drawn from Isaac-* ids only, and up to five of them; the env config
+parsed with the rank's simulation device; the exit handler registered before the env is built (and close with no env);
+a DirectRLEnv re-observed after the spread; reset() handing no log; int and bool metrics filled in on the device;
+tensor metrics cast to float32; a ragged list or a huge int named as "not one number"; close dropping its exit handler;
+a [1] metric handed on 0-d; a task that logs nothing; the runtime closed even when the env's close raises; no critic
+warning for a task without a critic group; `-h` in the launcher flags an unknown flag; the caller's actions unchanged.
+
+Equivalent: parse_env_cfg given the overrides as a tuple, not a list (the fake takes either; 3.0.0's default is ());
+gym.make(task) for gym.make(name) (gymnasium resolves package:TaskId itself); shape[-1] for shape[0] or shape[1] of a
+shape checked 1-D, or of groups already flattened to 2-D; reshape+clone for flatten(1) and a copied groups dict
+(torch.cat copies anyway); a finite horizon not zeroing truncated (truncated & ~terminated is zero then); closing the
+runtime with SystemExit(0) instead of a plain close (the launcher gets status 0 either way); final_obs picked by
+done.any() instead of its presence (a done step without it has raised); reset()'s own env.reset()[0] dropped to the
+whole tuple (that value is never used: reset() always observes again); max_episode_length without int() (Isaac Lab's is
+an int).
+Not worth a test: the shlex error's `from exc` (the traceback's cause line only); "exit {code or 1}" for a bare
+SystemExit in the start-up message (3.0.0 raises SystemExit(1)). Not testable without a GPU: a tensor metric converted
+without device=self.device (the fake simulates on the CPU, where the learner is too)."""
 
 import re
 import sys
@@ -11,7 +36,7 @@ import torch
 import envs.isaaclab
 from envs.base import MissingSimulator
 from envs.isaaclab import IsaacLabEnv, process_exit_code
-from tests.fake_isaaclab import TASK, FakeRLEnv
+from tests.fake_isaaclab import MAX_EPISODE_LENGTH, TASK, FakeRLEnv
 from tests.test_env_isaaclab import fake, make  # noqa: F401 - the fixtures that install the fake and build adapters
 
 
@@ -131,7 +156,7 @@ def test_a_direct_rl_env_is_observed_again_after_the_spread(fake):
         obs, _ = env.reset()
         lengths = env.unwrapped.episode_length_buf
         assert len(lengths.unique()) > 1              # some env starts past step 0: the progress column must show it
-        assert torch.equal(obs["policy"][:, 2], lengths.float() / 8)        # MAX_EPISODE_LENGTH of the fake: 8
+        assert torch.equal(obs["policy"][:, 2], lengths.float() / MAX_EPISODE_LENGTH)
     finally:
         env.close()
 
@@ -178,7 +203,8 @@ def test_integer_and_double_tensor_metrics_are_handed_on_as_float32(fake):
     """Every logged value becomes a float32 0-d tensor, whatever the task's tensor dtype (an int64 count, a float64
     mean), as a logged Python number does.
     Mutant: torch.as_tensor without dtype=torch.float32 for tensors."""
-    env = make_logging(fake, {"Metrics/count": torch.tensor(7), "Metrics/mean": torch.tensor(0.25, dtype=torch.float64)})
+    count, mean = torch.tensor(7), torch.tensor(0.25, dtype=torch.float64)
+    env = make_logging(fake, {"Metrics/count": count, "Metrics/mean": mean})
     try:
         env.reset()
         _, _, _, _, extras = env.step(torch.zeros(4, 2))
@@ -246,7 +272,7 @@ def test_a_task_that_logs_nothing_has_no_metrics(fake):
     try:
         assert env.log_keys == ()
         env.reset()
-        env.unwrapped.episode_length_buf[:] = 7                  # both envs reach the fake's limit of 8 this step
+        env.unwrapped.episode_length_buf[:] = MAX_EPISODE_LENGTH - 1     # both envs time out this step
         _, _, _, truncated, extras = env.step(torch.zeros(2, 2))
         assert truncated.all() and extras["log"] == {}
     finally:
@@ -298,3 +324,16 @@ def test_a_help_flag_in_launcher_args_is_an_unknown_flag_not_a_help_page_and_exi
     add_launcher_args = sys.modules["isaaclab.app"].add_launcher_args
     with pytest.raises(ValueError, match=r"^--env.launcher-args: Isaac Lab's launcher does not know -h$"):
         envs.isaaclab.launcher_namespace(add_launcher_args, "-h", "cuda:3", False)
+
+
+def test_stepping_leaves_the_callers_actions_as_they_were(make):
+    """The runner's rollout hands step a copy, but bench/bench_train.py's RSL-RL wrapper hands RSL-RL's own actions
+    straight through, which RSL-RL stores after the step: scaling and clipping must make a new tensor.
+    Mutant: `actions *= self.action_scale` (in place) in env_actions."""
+    env = make(action_scale=2.0, action_clip=1.5)
+    env.reset()
+    actions = torch.tensor([[0.5, -0.5], [1.0, -1.0], [0.25, 0.0], [-3.0, 3.0]])
+    env.step(actions)
+    assert torch.equal(actions, torch.tensor([[0.5, -0.5], [1.0, -1.0], [0.25, 0.0], [-3.0, 3.0]]))
+    assert torch.equal(env.unwrapped.received_actions[-1], torch.tensor([[1.0, -1.0], [1.5, -1.5], [0.5, 0.0],
+                                                                         [-1.5, 1.5]]))
