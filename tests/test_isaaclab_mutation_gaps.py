@@ -19,8 +19,8 @@ shape checked 1-D, or of groups already flattened to 2-D; reshape+clone for flat
 (torch.cat copies anyway); a finite horizon not zeroing truncated (truncated & ~terminated is zero then); closing the
 runtime with SystemExit(0) instead of a plain close (the launcher gets status 0 either way); final_obs picked by
 done.any() instead of its presence (a done step without it has raised); reset()'s own env.reset()[0] dropped to the
-whole tuple (that value is never used: reset() always observes again); max_episode_length without int() (Isaac Lab's is
-an int).
+whole tuple (that value was never used: reset() always observes again; it is no longer kept); max_episode_length
+without int() (Isaac Lab's is an int).
 Not worth a test: the shlex error's `from exc` (the traceback's cause line only); "exit {code or 1}" for a bare
 SystemExit in the start-up message (3.0.0 raises SystemExit(1)). Not testable without a GPU: a tensor metric converted
 without device=self.device (the fake simulates on the CPU, where the learner is too)."""
