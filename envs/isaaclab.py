@@ -90,13 +90,13 @@ def launcher_namespace(add_launcher_args, extra_args: str, sim_device: str, dist
 
 def process_exit_code() -> int:
     """The status this process is ending with, as seen from an atexit handler: n when `sys.last_exc` is a
-    `SystemExit(n)` (what `train.cli` records before it returns n to `sys.exit`), 130 after an uncaught
-    KeyboardInterrupt, 1 after any other uncaught exception, else 0. (A plain `sys.exit(n)` leaves no trace
-    there, so other code that exits with n after building the env should record it so, or call
+    `SystemExit(n)` (what `train.cli` records before it returns n to `sys.exit`; 0 for None, 1 for a message), 130
+    after an uncaught KeyboardInterrupt, 1 after any other uncaught exception, else 0. (A plain `sys.exit(n)` leaves
+    no trace there, so other code that exits with n after building the env should record it so, or call
     `IsaacLabEnv.close(n)` first.)"""
     exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)   # last_exc: Python >= 3.12
     if isinstance(exc, SystemExit):
-        return exc.code if isinstance(exc.code, int) else 1
+        return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1   # as CPython exits
     return 0 if exc is None else 130 if isinstance(exc, KeyboardInterrupt) else 1
 
 

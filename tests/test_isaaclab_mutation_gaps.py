@@ -59,12 +59,13 @@ def test_device_given_as_a_separate_token_is_refused_too(fake):
         envs.isaaclab.launcher_namespace(add_launcher_args, "--viz none --device cuda:1", "cuda:3", False)
 
 
-@pytest.mark.parametrize("recorded, status", [(SystemExit(0), 0), (SystemExit("bad input"), 1)],
-                         ids=["zero", "message"])
+@pytest.mark.parametrize("recorded, status", [(SystemExit(0), 0), (SystemExit("bad input"), 1), (SystemExit(), 0)],
+                         ids=["zero", "message", "none"])
 def test_a_recorded_system_exit_of_zero_or_a_message_gives_its_real_status(monkeypatch, recorded, status):
-    """SystemExit(0) ends a process with 0 and SystemExit("message") (sys.exit's form that prints the message) with 1,
-    as CPython does; Kit is handed that status.
-    Mutant: `exc.code or 1` (0 became 1, a message was handed on as the status) or `else 0` for a non-int code."""
+    """SystemExit(0) and SystemExit() (sys.exit() with no status) end a process with 0, SystemExit("message")
+    (sys.exit's form that prints the message) with 1, as CPython does; Kit is handed that status.
+    Mutant: `exc.code or 1` (0 became 1, a message was handed on as the status) or `else 0` for a non-int code; a
+    code of None read as a failure (1; fixed since)."""
     monkeypatch.setattr(sys, "last_exc", recorded, raising=False)
     monkeypatch.setattr(sys, "last_value", recorded, raising=False)
     assert process_exit_code() == status
