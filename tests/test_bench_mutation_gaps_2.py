@@ -172,6 +172,22 @@ def test_bench_rollout_weight_sync_table_columns_by_hand(monkeypatch, capsys, tm
             in out), out
 
 
+
+def test_bench_rollout_quick_learning_is_refused_before_any_part_or_folder(monkeypatch, capsys, tmp_path):
+    """--quick with learning among the parts: one line, exit 2, no part started and no --out made. (The test in
+    test_tools.py stubs no part: with the check gone it started the real 400-iteration learning jobs.)
+
+    Mutant: the `"learning" in args.parts` check under --quick dropped."""
+    br = load_bench("bench_rollout")
+    for part in ("throughput", "weight_sync", "learning"):
+        monkeypatch.setattr(br, part, lambda *a: (_ for _ in ()).throw(AssertionError("a part ran")))
+    out = tmp_path / "out"
+    line = usage_error(br.main, monkeypatch, capsys, ["bench_rollout.py", "--quick", "--parts", "throughput",
+                                                      "learning", "--out", str(out)])
+    assert line == ("bench_rollout.py: error: --quick has no learning part (its jobs run 400 iterations, about an "
+                    "hour): drop --quick or leave learning out of --parts")
+    assert not out.exists()
+
 # ---- bench/bench_sync.py ------------------------------------------------------------------------------
 
 def test_bench_sync_checkpoint_out_of_order_names_the_one_before_and_its_iteration(tmp_path):
@@ -203,14 +219,14 @@ def test_bench_sync_checkpoints_without_an_iteration_are_not_ordered(tmp_path, w
     assert len(bs.checkpoint_models(paths)) == 2
 
 
-@pytest.mark.parametrize("model", [{}, {"w": 1.0}])
-def test_bench_sync_checkpoint_whose_model_is_empty_or_not_tensors_is_refused(tmp_path, model):
-    """An empty 'model' dict, or one holding a float, is not a state_dict to sync.
+@pytest.mark.parametrize("state", [{"model": {}}, {"model": {"w": 1.0}}, [1.0, 2.0]])
+def test_bench_sync_checkpoint_whose_model_is_empty_or_not_tensors_is_refused(tmp_path, state):
+    """An empty 'model' dict, one holding a float, or a torch file of a list is not a state_dict to sync.
 
-    Mutant: `not model` dropped; the all-tensors check dropped."""
+    Mutant: `not model` dropped; the all-tensors check dropped; the isinstance(state, dict) guard dropped."""
     bs = load_bench("bench_sync")
     good, bad = checkpoint(tmp_path / "model_1.pt"), str(tmp_path / "model_2.pt")
-    torch.save({"model": model, "iteration": 2}, bad)
+    torch.save(state, bad)
     with pytest.raises(ValueError) as error:
         bs.checkpoint_models([good, bad])
     assert str(error.value) == f"--checkpoints {bad!r} is not a train.py checkpoint (no 'model' state_dict entry)"
@@ -231,6 +247,30 @@ def test_bench_sync_empty_bytes_table_says_why_even_when_the_time_table_has_rows
     assert ("Bytes: patch wire bytes (headers, tables, trailers included) against the information limit, 1M fp32 "
             "parameters") in capsys.readouterr().out.splitlines()
 
+
+
+# ---- bench/bench_train.py -----------------------------------------------------------------------------
+
+def test_bench_train_rsl_rl_failure_is_raised_not_a_table_without_it(monkeypatch, tmp_path):
+    """RSL-RL failing in its thread (anything but the stop's InterruptedError) is raised in the main thread once
+    syncppo is done, rather than returning rows with no RSL-RL rounds.
+
+    Mutant: `if errors: raise errors[0]` dropped (an unchanged line next to the stop's, checked here too)."""
+    from configs import preset
+    bt = load_bench("bench_train")
+
+    class BrokenRunner:
+        logger = type("Logger", (), {"log": staticmethod(lambda **kw: None)})()
+        alg = type("PPO", (), {"compute_returns": staticmethod(lambda obs: None)})()
+
+        def learn(self, iterations):
+            raise RuntimeError("rsl-rl broke")
+    monkeypatch.setattr(bt, "rsl_rl_runner", lambda cfg, log_dir, device: BrokenRunner())
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 16, 8, 2
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
+    with pytest.raises(RuntimeError, match="^rsl-rl broke$"):
+        bt.run_interleaved(cfg, str(tmp_path), [(1, 1, 1)], torch.device("cpu"))
 
 # ---- bench/fault_drills.py ----------------------------------------------------------------------------
 
