@@ -1,5 +1,21 @@
 """Gaps a second mutation audit of bench/ found: the lines changed since the first audit (base commit fea2244,
-tests/test_bench_mutation_gaps.py) that no test checked. AUDIT_SUMMARY_PLACEHOLDER
+tests/test_bench_mutation_gaps.py), 64 hand-made mutants of them. 26 were killed by the existing tests; 34 survived
+and are pinned here; 3 are equivalent; 1 was not worth a test.
+
+Pinned: --timeout's inclusive bounds [1, 1e6], just past them and nan; a nan --bucket-mb; bench_mujoco's 0-D and 2-D
+Box action spaces, 32 ranks (exactly 2 per minibatch), each run's statistics line, the too-few-episodes message;
+bench_rollout's iteration / (C + U) and / max(C, U) columns (C the sync job's wait), the weight-sync table and
+progress line, --quick with learning refused before any part runs (the test in test_tools.py stubs no part: with
+the check gone it started the real 400-iteration jobs); bench_sync's out-of-order message (the file before and its
+iteration), checkpoints without an iteration, an empty, non-tensor or non-dict model, the empty bytes table's note
+keyed on the bytes rows; fault_drills' table header. Also pinned, on an unchanged line beside a changed one:
+bench_train raising RSL-RL's own failure.
+
+Equivalent: bench_mujoco `steps % minibatches or` dropped (--ranks must divide 2048, so steps is a power of 2, and
+one not divisible by the 32 minibatches is below 32 < 64, refused anyway); bench_grad_sync `len(set(caps)) <
+len(caps)` -> `!=` (a set is never longer than its list); bench_train `len(rows) == max_iterations` -> `>=`
+(syncppo logs at most max_iterations rows). Not worth a test: bench_sync's `except OSError` -> `FileNotFoundError`
+(a regular file that cannot be read needs EACCES, which the tests' root user does not get).
 
 Every expected number is worked out by hand from the inputs, never read back from the bench. No ranks start: train
 jobs, replays and launches are replaced by stand-ins."""
