@@ -5,10 +5,10 @@ and are pinned here; 3 are equivalent; 1 was not worth a test.
 Pinned: --timeout's inclusive bounds [1, 1e6], just past them and nan; a nan --bucket-mb; bench_mujoco's 0-D and 2-D
 Box action spaces, 32 ranks (exactly 2 per minibatch), each run's statistics line, the too-few-episodes message;
 bench_rollout's iteration / (C + U) and / max(C, U) columns (C the sync job's wait), the weight-sync table and
-progress line, --quick with learning refused before any part runs (the test in test_tools.py stubs no part: with
-the check gone it started the real 400-iteration jobs); bench_sync's out-of-order message (the file before and its
-iteration), checkpoints without an iteration, an empty, non-tensor or non-dict model, the empty bytes table's note
-keyed on the bytes rows; fault_drills' table header. Also pinned, on an unchanged line beside a changed one:
+progress line, --quick with learning refused before any part runs (it replaces test_tools.py's test, which stubbed no
+part: with the check gone it started the real 400-iteration jobs); bench_sync's out-of-order message (the file before
+and its iteration), checkpoints without an iteration, an empty, non-tensor or non-dict model, the empty bytes table's
+note keyed on the bytes rows; fault_drills' table header. Also pinned, on an unchanged line beside a changed one:
 bench_train raising RSL-RL's own failure.
 
 Equivalent: bench_mujoco `steps % minibatches or` dropped (--ranks must divide 2048, so steps is a power of 2, and
@@ -190,8 +190,8 @@ def test_bench_rollout_weight_sync_table_columns_by_hand(monkeypatch, capsys, tm
 
 
 def test_bench_rollout_quick_learning_is_refused_before_any_part_or_folder(monkeypatch, capsys, tmp_path):
-    """--quick with learning among the parts: one line, exit 2, no part started and no --out made. (The test in
-    test_tools.py stubs no part: with the check gone it started the real 400-iteration learning jobs.)
+    """--quick with learning among the parts: one line, exit 2, no part started and no --out made. (Every part is
+    stubbed: without them, a regression would start the real 400-iteration learning jobs rather than fail.)
 
     Mutant: the `"learning" in args.parts` check under --quick dropped."""
     br = load_bench("bench_rollout")

@@ -351,14 +351,6 @@ def test_make_tensorboard_without_its_folder_says_so(tmp_path):
            f"--log.root")
 
 
-def test_bench_rollout_quick_refuses_the_hour_long_learning_part(monkeypatch, capsys):
-    bench_rollout = load_bench("bench_rollout")
-    monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--quick", "--parts", "learning"])
-    with pytest.raises(SystemExit) as exit_info:
-        bench_rollout.main()
-    assert exit_info.value.code == 2 and "--quick has no learning part" in capsys.readouterr().err
-
-
 def test_bench_rollout_out_where_nothing_can_be_made_is_a_usage_error(monkeypatch, capsys):
     """/proc exists, so makedirs passes even for root; the scratch folder inside it was a traceback."""
     bench_rollout = load_bench("bench_rollout")
