@@ -124,7 +124,7 @@ def test_the_first_observation_shows_the_spread_episode_lengths(make):
 
 
 def test_the_env_is_reset_once_before_training(make):
-    """The adapter resets at build to read sizes and metric names; the runner's reset() takes those observations.
+    """The adapter resets at build to read sizes and metric names; the runner's first reset() takes that reset.
     A second full reset ran every reset event and curriculum term twice (RSL-RL's wrapper resets once)."""
     env = make(num_envs=3)
     sim = env.unwrapped
