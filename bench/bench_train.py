@@ -164,7 +164,9 @@ class RslRlEnv:
         return self.TensorDict(self.obs, batch_size=[self.num_envs])
 
     def step(self, actions):
-        self.obs, reward, terminated, truncated, extras = self.env.step(actions)
+        # A copy, as syncppo's rollout passes: envs may change actions in place (envs/base.py), and RSL-RL keeps
+        # this tensor as the transition's action.
+        self.obs, reward, terminated, truncated, extras = self.env.step(actions.clone())
         log = {f"/{k}": v for k, v in extras["log"].items()}
         return self.get_observations(), reward, terminated | truncated, {"time_outs": truncated, "log": log}
 
@@ -191,6 +193,11 @@ def rsl_rl_runner(cfg, log_dir: str, device: torch.device):
     }
     with contextlib.redirect_stdout(open(os.devnull, "w")):
         return OnPolicyRunner(env, train_cfg, log_dir=log_dir, device=str(device))
+
+
+class StopRslRl(Exception):
+    """Raised inside RSL-RL's logging call to end its learn() when syncppo stopped on request; anything else RSL-RL
+    raises (an InterruptedError of its own included) is a failure the bench reports."""
 
 
 def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> dict[str, list]:
@@ -226,7 +233,7 @@ def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> 
 
     def timed_rsl_log(**kw):
         if not thread_may_run_alone:
-            raise InterruptedError   # syncppo stopped on request (Ctrl-C, SIGTERM): RSL-RL stops with it
+            raise StopRslRl   # syncppo stopped on request (Ctrl-C, SIGTERM): RSL-RL stops with it
         # RSL-RL's learning clock stops while its last optimizer step may still run on a GPU; syncppo's phase clocks
         # wait for the device (train.finished), so the drain counts as RSL-RL's update too. ~0 on CPU.
         start = time.perf_counter()
@@ -247,7 +254,7 @@ def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> 
         try:
             baton.wait_turn("rsl-rl")
             runner.learn(cfg.max_iterations)
-        except InterruptedError:
+        except StopRslRl:
             pass
         except BaseException as exc:   # surfaced in the main thread below
             errors.append(exc)
