@@ -267,11 +267,13 @@ def test_bench_sync_empty_bytes_table_says_why_even_when_the_time_table_has_rows
 
 # ---- bench/bench_train.py -----------------------------------------------------------------------------
 
-def test_bench_train_rsl_rl_failure_is_raised_not_a_table_without_it(monkeypatch, tmp_path):
-    """RSL-RL failing in its thread (anything but the stop's InterruptedError) is raised in the main thread once
-    syncppo is done, rather than returning rows with no RSL-RL rounds.
+@pytest.mark.parametrize("failure", [RuntimeError("rsl-rl broke"), InterruptedError("rsl-rl broke")])
+def test_bench_train_rsl_rl_failure_is_raised_not_a_table_without_it(monkeypatch, tmp_path, failure):
+    """RSL-RL failing in its thread (anything but the bench's own StopRslRl, an InterruptedError of RSL-RL's too) is
+    raised in the main thread once syncppo is done, rather than returning rows with no RSL-RL rounds.
 
-    Mutant: `if errors: raise errors[0]` dropped (an unchanged line next to the stop's, checked here too)."""
+    Mutant: `if errors: raise errors[0]` dropped (an unchanged line next to the stop's, checked here too); rsl_thread
+    catching InterruptedError (the stop's exception before StopRslRl)."""
     from configs import preset
     bt = load_bench("bench_train")
 
@@ -280,12 +282,12 @@ def test_bench_train_rsl_rl_failure_is_raised_not_a_table_without_it(monkeypatch
         alg = type("PPO", (), {"compute_returns": staticmethod(lambda obs: None)})()
 
         def learn(self, iterations):
-            raise RuntimeError("rsl-rl broke")
+            raise failure
     monkeypatch.setattr(bt, "rsl_rl_runner", lambda cfg, log_dir, device: BrokenRunner())
     cfg = preset("tracking")
     cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 16, 8, 2
     cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
-    with pytest.raises(RuntimeError, match="^rsl-rl broke$"):
+    with pytest.raises(type(failure), match="^rsl-rl broke$"):
         bt.run_interleaved(cfg, str(tmp_path), [(1, 1, 1)], torch.device("cpu"))
 
 # ---- bench/fault_drills.py ----------------------------------------------------------------------------

@@ -216,28 +216,6 @@ def test_bench_train_zero_num_envs_is_a_usage_error(bench_train, monkeypatch, ca
     assert capsys.readouterr().err.splitlines()[-1] == "bench_train.py: error: --num-envs must be positive, got 0"
 
 
-def test_bench_train_rsl_rl_s_own_interrupted_error_is_raised_not_taken_for_the_stop(bench_train, monkeypatch,
-                                                                                    tmp_path):
-    """RSL-RL raising InterruptedError itself (a signal inside its loop, a library's) is its failure, raised in the
-    main thread once syncppo is done; only the bench's own stop ends RSL-RL quietly.
-
-    Mutant: rsl_thread catching InterruptedError (the stop's former exception) instead of StopRslRl."""
-    from configs import preset
-
-    class Runner:
-        logger = type("Logger", (), {"log": staticmethod(lambda **kw: None)})()
-        alg = type("PPO", (), {"compute_returns": staticmethod(lambda obs: None)})()
-
-        def learn(self, iterations):
-            raise InterruptedError("rsl-rl's own")
-    monkeypatch.setattr(bench_train, "rsl_rl_runner", lambda cfg, log_dir, device: Runner())
-    cfg = preset("tracking")
-    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 16, 8, 2
-    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
-    with pytest.raises(InterruptedError, match="^rsl-rl's own$"):
-        bench_train.run_interleaved(cfg, str(tmp_path), [(1, 1, 1)], torch.device("cpu"))
-
-
 def test_bench_train_rsl_rl_wrapper_gives_the_env_a_copy_of_the_actions(bench_train):
     """An env may change the actions it is given in place (envs/base.py); RSL-RL keeps the tensor it passes to
     step() as the transition's action, so the wrapper passes a copy, as syncppo's rollout does.
