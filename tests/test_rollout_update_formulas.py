@@ -333,7 +333,8 @@ def test_an_infinite_gradient_norm_skips_the_step_and_the_statistics_average_tak
 def test_time_out_bootstrap_by_hand_on_the_test_device():
     """reward + gamma * V(final obs) on timed-out envs only, with V known exactly (a linear critic with
     integer weights). On CPU this runs the row-subset path; with SYNCPPO_TEST_DEVICE=cuda (bench/gpu_check.sh)
-    it runs the masked full-forward path, which the other bootstrap test never reaches."""
+    it runs the full-forward path (every row, the timed-out ones selected) on a real device; tests/test_gae.py
+    reaches that path on CPU through a tensor that reports another device."""
     import os
     device = torch.device(os.environ.get("SYNCPPO_TEST_DEVICE", "cpu"))
     from ppo.gae import bootstrap_time_outs
