@@ -58,6 +58,9 @@ def requirement(cfg, flag: str) -> str | None:
         return "--ppo.normalize-rewards (the run does not normalize rewards)"
     if flag == "--dist.bucket-mb" and cfg.dist.grad_sync != "bucketed":   # dist/grad_sync.py
         return f"--dist.grad-sync bucketed (the run uses {cfg.dist.grad_sync})"
+    if flag == "--policy.activation" and not (cfg.policy.actor_hidden or cfg.policy.critic_hidden):   # actor_critic.mlp
+        return ("a hidden layer in --policy.actor-hidden or --policy.critic-hidden (both are empty: the actor and "
+                "critic are linear)")
     if flag in ROLLOUT_RANKS_ONLY and not cfg.rollout.ranks:
         return f"--rollout.ranks K > 0 (the run uses {cfg.rollout.ranks}: every rank collects and learns)"
     if flag == "--rollout.max-staleness" and cfg.rollout.mode != "async":   # sync mode allows lag 0, always

@@ -35,7 +35,12 @@ def import_gymnasium():
 def import_task_module(task: str) -> str:
     """gymnasium's `module:TaskId`: import `module` (another package, gymnasium-robotics or a lab's own robots,
     registers its tasks when it is imported); returns TaskId (the task alone when no module is given)."""
-    module, _, name = task.rpartition(":")
+    module, colon, name = task.rpartition(":")
+    # gymnasium splits at every ":" and imports the module itself: an empty or relative one fails there (a ValueError
+    # or TypeError of importlib's that names no flag), after this function found TaskId registered
+    if colon and (not module or not name or ":" in module or module.startswith(".")):
+        raise ValueError(f"--env.task {task!r} is not TaskId or module:TaskId (one ':', an absolute module name and a "
+                         f"task id on either side, e.g. gymnasium_robotics:AdroitHandDoor-v1)")
     if module:
         try:
             importlib.import_module(module)

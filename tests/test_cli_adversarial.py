@@ -1,0 +1,58 @@
+"""Command-line input found by trying to break train.py as a careless user would: each is refused in one line naming
+the flag to fix (exit status 2, no traceback), where it used to crash, name nothing, or be silently ignored."""
+
+import pytest
+import torch
+
+from configs.typed_flags import check_typed_flags
+from dist.errors import UsageError
+from envs.gymnasium import GymnasiumEnv
+from test_config_errors import cfg_with, run_cli
+
+
+def assert_one_line_error(result, starts: str) -> None:
+    """Exit status 2, no traceback, and stderr's one line starts with `starts`."""
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(starts), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("task", [":Hopper-v4", ".hopper_tasks:Hopper-v4", "Hopper-v4:", "gymnasium:envs:Hopper-v4"])
+def test_a_malformed_module_colon_task_id_names_env_task(task):
+    """`--env.task :Hopper-v4` passed the registry check (TaskId alone is registered) and failed inside gymnasium's
+    make with importlib's "Empty module name", naming no flag; `.mod:Task` (a relative module) was a TypeError
+    traceback; `Hopper-v4:` blamed a missing package "that registers " nothing.
+    Mutant: import_task_module without the check of an empty, relative or doubled module:TaskId."""
+    with pytest.raises(ValueError, match=r"^--env\.task .* is not TaskId or module:TaskId"):
+        GymnasiumEnv(task, 1, torch.device("cpu"), seed=0)
+
+
+@pytest.mark.parametrize("task", [":Hopper-v4", ".foo:Hopper-v4"])
+def test_cli_says_a_malformed_env_task_in_one_line(tmp_path, task):
+    """The same through the command line: one line naming --env.task, exit status 2, no traceback.
+    Mutant: import_task_module without the check of an empty, relative or doubled module:TaskId."""
+    result = run_cli("mujoco", "--env.task", task, "--ppo.num-steps", "8", "--ppo.num-mini-batches", "1",
+                     "--max-iterations", "1", "--log.root", str(tmp_path), "--dry-run")
+    assert_one_line_error(result, f"error: --env.task {task!r} is not TaskId or module:TaskId")
+
+
+def test_activation_typed_with_no_hidden_layer_is_refused():
+    """With --policy.actor-hidden and --policy.critic-hidden both empty (a linear actor and critic) no activation is
+    ever applied: a typed --policy.activation trained exactly as without it. It applies as soon as either has a layer.
+    Mutant: requirement() without the rule for --policy.activation."""
+    linear = cfg_with(policy__actor_hidden=(), policy__critic_hidden=())
+    with pytest.raises(UsageError, match=r"^--policy\.activation applies only with a hidden layer in "
+                                         r"--policy\.actor-hidden or --policy\.critic-hidden"):
+        check_typed_flags(linear, frozenset({"--policy.activation"}))
+    check_typed_flags(linear, frozenset())                                   # the preset's or default value: fine
+    for changes in ({"policy__actor_hidden": (8,), "policy__critic_hidden": ()},
+                    {"policy__actor_hidden": (), "policy__critic_hidden": (8,)}):
+        check_typed_flags(cfg_with(**changes), frozenset({"--policy.activation"}))
+
+
+def test_cli_refuses_an_activation_for_a_linear_policy(tmp_path):
+    """Mutant: requirement() without the rule for --policy.activation."""
+    result = run_cli("cartpole", "--policy.actor-hidden", "--policy.critic-hidden", "--policy.activation", "tanh",
+                     "--log.root", str(tmp_path), "--dry-run")
+    assert_one_line_error(result, "error: --policy.activation applies only with a hidden layer")
