@@ -346,6 +346,9 @@ def validate_simulator_env(cfg: Config) -> None:
                          "--env.critic-obs-groups": cfg.env.critic_obs_groups}.items():
         if not groups:
             raise UsageError(f"{flag} is empty; name at least one observation group (e.g. policy)")
+        twice = next((group for group in groups if groups.count(group) > 1), None)
+        if twice is not None:    # concatenated as listed: the input would hold the group twice, unsaid
+            raise UsageError(f"{flag} names {twice!r} more than once; name each observation group once")
 
 
 def resolve_num_envs(cfg: Config, world_size: int) -> str:

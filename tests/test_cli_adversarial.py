@@ -4,6 +4,7 @@ the flag to fix (exit status 2, no traceback), where it used to crash, name noth
 import pytest
 import torch
 
+from configs import preset, validate
 from configs.typed_flags import check_typed_flags
 from dist.errors import UsageError
 from envs.gymnasium import GymnasiumEnv
@@ -56,3 +57,18 @@ def test_cli_refuses_an_activation_for_a_linear_policy(tmp_path):
     result = run_cli("cartpole", "--policy.actor-hidden", "--policy.critic-hidden", "--policy.activation", "tanh",
                      "--log.root", str(tmp_path), "--dry-run")
     assert_one_line_error(result, "error: --policy.activation applies only with a hidden layer")
+
+
+@pytest.mark.parametrize("flag, field", [("--env.actor-obs-groups", "actor_obs_groups"),
+                                         ("--env.critic-obs-groups", "critic_obs_groups")])
+def test_an_observation_group_named_twice_is_refused_before_the_simulator_starts(monkeypatch, flag, field):
+    """`--env.critic-obs-groups policy critic policy` concatenated the policy group into the critic's input twice
+    (a wider critic, fed the same numbers twice), unsaid; groups named once each pass.
+    Mutant: validate_simulator_env without the check of an observation group named more than once."""
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())      # as if Isaac Lab were installed
+    cfg = preset("isaaclab")
+    setattr(cfg.env, field, ("policy", "critic", "policy"))
+    with pytest.raises(UsageError, match=rf"^{flag} names 'policy' more than once; name each observation group once$"):
+        validate(cfg, 1, frozenset({flag}))
+    setattr(cfg.env, field, ("policy", "critic"))
+    validate(cfg, 1, frozenset({flag}))
