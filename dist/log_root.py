@@ -2,6 +2,7 @@
 leaves there for every rank to look for (dist.checkpoint.agree_on_checkpoint). Nothing here crosses ranks."""
 
 import os
+import sys
 import tempfile
 
 from dist.errors import UsageError
@@ -12,6 +13,11 @@ def check_writable_root(root: str, flag: str = "--log.root", write: bool = True)
     run directories, checked at its nearest existing ancestor; `write=False` asks only that it be a directory."""
     if not root:     # an unset shell variable (--log.root "$DIR"): the runs went to the working directory, unsaid
         raise UsageError(f"{flag} is empty; pass a directory ('.' for the current one)")
+    # Bytes the file system's encoding could not decode arrive as lone surrogates: str.encode() below (the lengths)
+    # raised a UnicodeEncodeError traceback, and a strict stdout would fail at the run directory's line.
+    if any("\udc80" <= c <= "\udcff" for c in root):
+        raise UsageError(f"{flag} {root!r} holds bytes that are not text in the file system's encoding "
+                         f"({sys.getfilesystemencoding()}); pick a directory whose path is text")
     probe = nearest_directory(root)
     if not os.path.isdir(probe):
         raise UsageError(f"{flag} {root!r}: {probe!r} is a file, not a directory; pick another {flag}")

@@ -1,12 +1,15 @@
 """Command-line input found by trying to break train.py as a careless user would: each is refused in one line naming
 the flag to fix (exit status 2, no traceback), where it used to crash, name nothing, or be silently ignored."""
 
+import os
+
 import pytest
 import torch
 
 from configs import preset, validate
 from configs.typed_flags import check_typed_flags
 from dist.errors import UsageError
+from dist.log_root import check_writable_root
 from envs.gymnasium import GymnasiumEnv
 from test_config_errors import cfg_with, run_cli
 
@@ -72,3 +75,14 @@ def test_an_observation_group_named_twice_is_refused_before_the_simulator_starts
         validate(cfg, 1, frozenset({flag}))
     setattr(cfg.env, field, ("policy", "critic"))
     validate(cfg, 1, frozenset({flag}))
+
+
+def test_a_log_root_of_undecodable_bytes_is_one_line(tmp_path):
+    """`--log.root $'/data/\\xff'` (a Latin-1 name under a UTF-8 file system) arrives as a lone surrogate: measuring
+    its bytes for the file system's limits raised a UnicodeEncodeError traceback. Refused by name, exit status 2.
+    Mutant: check_writable_root without the check of undecodable bytes."""
+    root = os.fsdecode(os.fsencode(str(tmp_path)) + b"/\xff")
+    with pytest.raises(UsageError, match=r"^--log\.root .* holds bytes that are not text in the file system's"):
+        check_writable_root(root)
+    result = run_cli("cartpole", "--log.root", root, "--dry-run")
+    assert_one_line_error(result, "error: --log.root ")
