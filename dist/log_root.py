@@ -18,6 +18,10 @@ def check_writable_root(root: str, flag: str = "--log.root", write: bool = True)
     if any("\udc80" <= c <= "\udcff" for c in root):
         raise UsageError(f"{flag} {root!r} holds bytes that are not text in the file system's encoding "
                          f"({sys.getfilesystemencoding()}); pick a directory whose path is text")
+    link = dangling_link(root)
+    if link is not None:     # the nearest existing ancestor lies above it: the probe passed, the run's mkdir failed
+        raise UsageError(f"{flag} {root!r}: {link!r} is a symbolic link whose target does not exist (or that loops); "
+                         f"create its target or pick another {flag}")
     probe = nearest_directory(root)
     if not os.path.isdir(probe):
         raise UsageError(f"{flag} {root!r}: {probe!r} is a file, not a directory; pick another {flag}")
@@ -48,6 +52,17 @@ def write_refusal(folder: str) -> str:
     except OSError as exc:
         return exc.strerror or type(exc).__name__
     return ""
+
+
+def dangling_link(root: str) -> str | None:
+    """The symbolic link that `root`, or the part of it still to be made, passes through to a target that does not
+    exist (or that loops); None when there is none."""
+    path = os.path.abspath(root)
+    while not os.path.exists(path):
+        if os.path.islink(path):
+            return path
+        path = os.path.dirname(path)
+    return None
 
 
 def nearest_directory(root: str) -> str:

@@ -86,3 +86,18 @@ def test_a_log_root_of_undecodable_bytes_is_one_line(tmp_path):
         check_writable_root(root)
     result = run_cli("cartpole", "--log.root", root, "--dry-run")
     assert_one_line_error(result, "error: --log.root ")
+
+
+@pytest.mark.parametrize("below", ["", "runs"])
+def test_a_log_root_through_a_dangling_symlink_is_refused_before_the_build(tmp_path, below):
+    """`--log.root LINK` or `LINK/runs`, LINK a symbolic link to a folder that is gone (an unmounted disk): the
+    writability probe looked at LINK's parent and passed, and the run's directory failed once everything was built
+    (a FileNotFoundError traceback after the first iteration, on rank 0; its peers blamed a dead rank).
+    Mutant: check_writable_root without the check of a dangling symbolic link."""
+    (tmp_path / "disk").symlink_to(tmp_path / "unmounted")
+    root = os.path.join(tmp_path, "disk", below)
+    with pytest.raises(UsageError, match=r"^--log\.root .*disk' is a symbolic link whose target does not exist"):
+        check_writable_root(root)
+    result = run_cli("cartpole", "--log.root", root, "--dry-run")
+    assert_one_line_error(result, "error: --log.root ")
+    assert not (tmp_path / "unmounted").exists()
