@@ -85,7 +85,9 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
             raise UsageError(f"WORLD_SIZE={world_size} without {' and '.join(missing)}: the ranks cannot find "
                              f"each other; launch with torchrun (it sets them), or set them to rank 0's host and a "
                              f"free port")
-        launch_int("MASTER_PORT", 0, low=1)
+        if launch_int("MASTER_PORT", 0, low=1) > 65535:   # the store's ValueError would be a traceback
+            raise UsageError(f"environment variable MASTER_PORT={os.environ['MASTER_PORT']!r} is not a TCP port "
+                             f"(1-65535): set it to a free port of rank 0's host, or launch with torchrun (it sets it)")
     dev = resolve_device(device)
     use_cuda = dev.type == "cuda"
     if use_cuda:

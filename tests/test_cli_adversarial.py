@@ -6,12 +6,15 @@ import os
 import pytest
 import torch
 
+import train
+
 from configs import preset, validate
 from configs.typed_flags import check_typed_flags
 from dist.errors import UsageError
 from dist.log_root import check_writable_root
 from envs.gymnasium import GymnasiumEnv
 from test_config_errors import cfg_with, run_cli
+from test_startup_errors import small
 
 
 def assert_one_line_error(result, starts: str) -> None:
@@ -101,3 +104,19 @@ def test_a_log_root_through_a_dangling_symlink_is_refused_before_the_build(tmp_p
     result = run_cli("cartpole", "--log.root", root, "--dry-run")
     assert_one_line_error(result, "error: --log.root ")
     assert not (tmp_path / "unmounted").exists()
+
+
+@pytest.mark.parametrize("port", ["65536", "99999"])
+def test_a_master_port_beyond_tcp_s_range_is_one_line_naming_it(tmp_path, capsys, monkeypatch, port):
+    """RANK/WORLD_SIZE/MASTER_* set by hand with MASTER_PORT=99999 (a typo): torch's TCPStore raised "port must have
+    value from 0 to 65535", a ValueError traceback reported as a bug.
+    Mutant: init_distributed without the upper bound of MASTER_PORT."""
+    for name in ("LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
+        monkeypatch.setenv(name, value)
+    assert train.cli(small(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: environment variable MASTER_PORT={port!r} is not a TCP port (1-65535): set it to a free " \
+                  f"port of rank 0's host, or launch with torchrun (it sets it)\n"
+    assert not os.path.exists(tmp_path / "cartpole")
