@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import sys
 import types
 import typing
 
@@ -269,6 +270,12 @@ def resolve_resume(cfg, experiment_dir: str, task: str | None = None,
     --env.task, which `--resume auto` looks for among the experiment's runs (the mujoco preset's runs of every task
     share one experiment); `env`: this run's --env.name, likewise (two presets given one --log.experiment share
     it)."""
+    # Bytes the file system's encoding could not decode arrive as lone surrogates: the start-up's "resuming ..." line
+    # raised a UnicodeEncodeError traceback on a strict stdout (a UTF-8 locale's terminal) once the file was loaded.
+    if any("\udc80" <= c <= "\udcff" for c in cfg.resume):
+        raise UsageError(f"--resume {cfg.resume!r} holds bytes that are not text in the file system's encoding "
+                         f"({sys.getfilesystemencoding()}); rename the file or its folder, or copy it to a path that "
+                         f"is text")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if launch_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and run_id:
         run_dir = find_run_dir(experiment_dir, run_id)

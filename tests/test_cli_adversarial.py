@@ -13,8 +13,9 @@ from configs.typed_flags import check_typed_flags
 from dist.errors import UsageError
 from dist.log_root import check_writable_root
 from envs.gymnasium import GymnasiumEnv
-from test_config_errors import cfg_with, run_cli
+from test_config_errors import cfg_with, run_cli, saved_run
 from test_startup_errors import small
+from tests.forked_python import run_python
 
 
 def assert_one_line_error(result, starts: str) -> None:
@@ -120,3 +121,18 @@ def test_a_master_port_beyond_tcp_s_range_is_one_line_naming_it(tmp_path, capsys
     assert err == f"error: environment variable MASTER_PORT={port!r} is not a TCP port (1-65535): set it to a free " \
                   f"port of rank 0's host, or launch with torchrun (it sets it)\n"
     assert not os.path.exists(tmp_path / "cartpole")
+
+
+def test_a_resume_path_of_undecodable_bytes_is_one_line(tmp_path):
+    """A checkpoint copied into a folder whose name is not UTF-8 (`$'\\xff'`): loaded, and then the start-up's
+    "resuming with the settings of PATH" line raised a UnicodeEncodeError traceback on a strict stdout (a terminal
+    under en_US.UTF-8; PYTHONIOENCODING here). Refused by name before anything is read, exit status 2.
+    Mutant: resolve_resume without the check of undecodable bytes."""
+    folder = os.fsencode(str(tmp_path)) + b"/\xff"
+    os.mkdir(folder)
+    with open(saved_run(tmp_path, iterations=1), "rb") as f, open(folder + b"/model_1.pt", "wb") as g:
+        g.write(f.read())
+    ckpt = os.fsdecode(folder + b"/model_1.pt")
+    result = run_python(["train.py", "tracking", "--resume", ckpt, "--max-iterations", "2", "--log.root",
+                         str(tmp_path / "b"), "--dry-run"], env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"})
+    assert_one_line_error(result, f"error: --resume {ckpt!r} holds bytes that are not text in the file system's")
