@@ -122,11 +122,14 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
         raise ValueError(f"CKPT {path!r}: no such checkpoint file{dangling}")
     if not os.path.isfile(path):      # a device or a pipe: reading it could block or never end
         raise ValueError(f"CKPT {path!r} is not a regular file; pass a model_<iteration>.pt file")
+    typed_out, out_dir = bool(out_dir), out_dir or os.path.dirname(os.path.abspath(path))
+    where = f"--out {out_dir!r}" if typed_out else f"the checkpoint's folder {out_dir!r} (the default --out)"
+    if any("\udc80" <= c <= "\udcff" for c in out_dir):   # undecodable bytes: torch's savers take no such str
+        raise ValueError(f"{where} holds bytes that are not text in the file system's encoding; pass --out with a "
+                         f"folder whose path is text")
     model, config = load_policy(path)
     scale, clip, env_name = deployment(config, path)
     policy = DeterministicActor(model).eval().requires_grad_(False)   # deployed calls build no autograd graph
-    typed_out, out_dir = bool(out_dir), out_dir or os.path.dirname(os.path.abspath(path))
-    where = f"--out {out_dir!r}" if typed_out else f"the checkpoint's folder {out_dir!r} (the default --out)"
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:     # a file of that name, a read-only place: the user's error, not a traceback

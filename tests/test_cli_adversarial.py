@@ -136,3 +136,20 @@ def test_a_resume_path_of_undecodable_bytes_is_one_line(tmp_path):
     result = run_python(["train.py", "tracking", "--resume", ckpt, "--max-iterations", "2", "--log.root",
                          str(tmp_path / "b"), "--dry-run"], env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"})
     assert_one_line_error(result, f"error: --resume {ckpt!r} holds bytes that are not text in the file system's")
+
+
+def test_export_to_a_folder_of_undecodable_bytes_names_it(tmp_path):
+    """`make export CKPT=...` of a checkpoint in a folder named `$'\\xff'` (its default --out), or `--out $'\\xff'`:
+    torch.jit.save refused the path string, a TypeError traceback (status 1) after the checkpoint was read.
+    Mutant: export() without the check of undecodable bytes in the output folder."""
+    from ppo.export import export
+    ckpt = saved_run(tmp_path, iterations=1)
+    bad = os.fsdecode(os.fsencode(str(tmp_path)) + b"/\xff")
+    with pytest.raises(ValueError, match=r"^--out .* holds bytes that are not text in the file system's encoding"):
+        export(ckpt, bad)
+    os.mkdir(bad)
+    with open(ckpt, "rb") as f, open(os.path.join(bad, "model_1.pt"), "wb") as g:
+        g.write(f.read())
+    with pytest.raises(ValueError, match=r"^the checkpoint's folder .* \(the default --out\) holds bytes that are not"):
+        export(os.path.join(bad, "model_1.pt"))
+    assert os.listdir(bad) == ["model_1.pt"]
