@@ -252,8 +252,9 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
     pooled = samples_per_rank * ((world_size - k if 0 < k < world_size else world_size) if cfg.ppo.advantage_norm ==
                                  "global" else 1)
     if cfg.ppo.advantage_norm in ("local", "global") and pooled < 2:   # (a - mean) / (0 + 1e-8): every advantage 0
+        count = "--env.global-num-envs" if cfg.env.global_num_envs else "--env.num-envs"   # the one that may be typed
         raise UsageError(f"--ppo.advantage-norm {cfg.ppo.advantage_norm} normalizes over 1 transition, which it turns "
-                         "into 0 (no policy gradient); use more --env.num-envs or --ppo.num-steps, or another "
+                         f"into 0 (no policy gradient); use more {count} or --ppo.num-steps, or another "
                          "--ppo.advantage-norm")
     if not 0 < cfg.ppo.lr_min <= cfg.ppo.lr_max:
         raise UsageError(f"--ppo.lr-min {cfg.ppo.lr_min} must be positive and at most --ppo.lr-max {cfg.ppo.lr_max}")

@@ -8,7 +8,7 @@ import torch
 
 import train
 
-from configs import preset, validate
+from configs import preset, resolve_num_envs, validate
 from configs.typed_flags import check_typed_flags
 from dist.errors import UsageError
 from dist.log_root import check_writable_root
@@ -153,3 +153,18 @@ def test_export_to_a_folder_of_undecodable_bytes_names_it(tmp_path):
     with pytest.raises(ValueError, match=r"^the checkpoint's folder .* \(the default --out\) holds bytes that are not"):
         export(os.path.join(bad, "model_1.pt"))
     assert os.listdir(bad) == ["model_1.pt"]
+
+
+@pytest.mark.parametrize("norm", ["global", "local"])
+def test_one_transition_to_normalize_names_the_env_count_flag_the_run_can_take(norm):
+    """`--env.global-num-envs 1 --ppo.num-steps 1`: the error said "use more --env.num-envs", and typing that was
+    refused next ("--env.num-envs applies only with --env.global-num-envs 0"). It names the count flag the run takes.
+    Mutant: the one-transition advantage-norm message naming --env.num-envs whatever set the count."""
+    cfg = cfg_with(env__global_num_envs=1, ppo__num_steps=1, ppo__num_mini_batches=1, ppo__advantage_norm=norm)
+    typed = frozenset({"--env.global-num-envs", "--ppo.num-steps", "--ppo.num-mini-batches"})
+    resolve_num_envs(cfg, 1)
+    with pytest.raises(UsageError, match=rf"^--ppo\.advantage-norm {norm} normalizes over 1 transition") as exc:
+        validate(cfg, 1, typed)
+    advice = str(exc.value).split("; use more ", 1)[1].split(" ", 1)[0]
+    assert advice == "--env.global-num-envs", exc.value
+    check_typed_flags(cfg, typed | {advice})                                 # the flag it names applies here
