@@ -353,8 +353,9 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
         first = str(exc).splitlines()[0] if str(exc) else ""
         message = f"error: unexpected {type(exc).__name__} (traceback above): {first}"
         if out_of_memory(exc):        # sizes the device cannot hold: not a bug, and the way out is a flag
+            count = "--env.global-num-envs" if cfg.env.global_num_envs else "--env.num-envs"   # the one it takes
             message = (f"error: out of memory (traceback above: where): {first}; this run's sizes need more memory "
-                       "than the device has: lower --env.num-envs, --ppo.num-steps, --policy.actor-hidden/"
+                       f"than the device has: lower {count}, --ppo.num-steps, --policy.actor-hidden/"
                        "critic-hidden or the env's own sizes (tracking: --env.num-motions)")
     if say:
         print(f"{message}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside

@@ -2,6 +2,7 @@
 the flag to fix (exit status 2, no traceback), where it used to crash, name nothing, or be silently ignored."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -168,3 +169,20 @@ def test_one_transition_to_normalize_names_the_env_count_flag_the_run_can_take(n
     advice = str(exc.value).split("; use more ", 1)[1].split(" ", 1)[0]
     assert advice == "--env.global-num-envs", exc.value
     check_typed_flags(cfg, typed | {advice})                                 # the flag it names applies here
+
+
+def test_out_of_memory_advice_names_the_env_count_flag_the_run_can_take(monkeypatch, capsys):
+    """`--env.global-num-envs 2**62`: out of memory said "lower --env.num-envs", which is refused when typed beside
+    --env.global-num-envs. The advice names the count flag the run takes; without the split, --env.num-envs.
+    Mutant: cli's out-of-memory line naming --env.num-envs whatever set the count."""
+    with pytest.raises(RuntimeError) as overflow:
+        torch.empty(2**62, 4)
+    monkeypatch.setattr(train, "main", lambda cfg, typed: (_ for _ in ()).throw(overflow.value))
+    monkeypatch.setattr(train, "tell_torchrun", lambda *args, **kwargs: None)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(sys, "last_value", None, raising=False)    # cli leaves its failure there, for exit handlers
+    monkeypatch.setattr(sys, "last_exc", None, raising=False)
+    for total, named in ((2**62, "--env.global-num-envs"), (0, "--env.num-envs")):
+        assert train.cli(cfg_with(env__global_num_envs=total)) == 1
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert last.startswith("error: out of memory") and f"lower {named}, --ppo.num-steps" in last, last
