@@ -27,6 +27,7 @@ from configs.typed_flags import env_reads, requirement
 from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
 from dist.checksum import checksum
 from dist.errors import UsageError
+from dist.log_root import undecodable
 from dist.setup import launch_int
 
 # Fields that decide tensor shapes or which states a checkpoint holds, or that only shape a new policy (its
@@ -270,9 +271,7 @@ def resolve_resume(cfg, experiment_dir: str, task: str | None = None,
     --env.task, which `--resume auto` looks for among the experiment's runs (the mujoco preset's runs of every task
     share one experiment); `env`: this run's --env.name, likewise (two presets given one --log.experiment share
     it)."""
-    # Bytes the file system's encoding could not decode arrive as lone surrogates: the start-up's "resuming ..." line
-    # raised a UnicodeEncodeError traceback on a strict stdout (a UTF-8 locale's terminal) once the file was loaded.
-    if any("\udc80" <= c <= "\udcff" for c in cfg.resume):
+    if undecodable(cfg.resume):   # the start-up's "resuming ..." line failed on a strict stdout, after the load
         raise UsageError(f"--resume {cfg.resume!r} holds bytes that are not text in the file system's encoding "
                          f"({sys.getfilesystemencoding()}); rename the file or its folder, or copy it to a path that "
                          f"is text")

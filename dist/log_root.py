@@ -13,9 +13,7 @@ def check_writable_root(root: str, flag: str = "--log.root", write: bool = True)
     run directories, checked at its nearest existing ancestor; `write=False` asks only that it be a directory."""
     if not root:     # an unset shell variable (--log.root "$DIR"): the runs went to the working directory, unsaid
         raise UsageError(f"{flag} is empty; pass a directory ('.' for the current one)")
-    # Bytes the file system's encoding could not decode arrive as lone surrogates: str.encode() below (the lengths)
-    # raised a UnicodeEncodeError traceback, and a strict stdout would fail at the run directory's line.
-    if any("\udc80" <= c <= "\udcff" for c in root):
+    if undecodable(root):   # str.encode() below (the lengths) raised a UnicodeEncodeError traceback
         raise UsageError(f"{flag} {root!r} holds bytes that are not text in the file system's encoding "
                          f"({sys.getfilesystemencoding()}); pick a directory whose path is text")
     link = dangling_link(root)
@@ -52,6 +50,12 @@ def write_refusal(folder: str) -> str:
     except OSError as exc:
         return exc.strerror or type(exc).__name__
     return ""
+
+
+def undecodable(path: str) -> bool:
+    """Whether `path` holds bytes the file system's encoding could not decode. Python passes them on as lone
+    surrogates, which str.encode(), a strict stdout (a UTF-8 terminal's) and torch's savers refuse with a traceback."""
+    return any("\udc80" <= c <= "\udcff" for c in path)
 
 
 def dangling_link(root: str) -> str | None:

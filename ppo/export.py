@@ -28,7 +28,7 @@ from torch import nn
 if __name__ == "__main__" and not __package__:  # `python ppo/export.py`: import from the repository, as -m does
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs.config import PolicyConfig  # noqa: E402
-from dist.log_root import write_refusal  # noqa: E402
+from dist.log_root import undecodable, write_refusal  # noqa: E402
 from dist.checkpoint_read import read_checkpoint  # noqa: E402
 from dist.errors import one_line  # noqa: E402
 from ppo.actor_critic import ActorCritic, build_actor_critic  # noqa: E402
@@ -124,7 +124,7 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
         raise ValueError(f"CKPT {path!r} is not a regular file; pass a model_<iteration>.pt file")
     typed_out, out_dir = bool(out_dir), out_dir or os.path.dirname(os.path.abspath(path))
     where = f"--out {out_dir!r}" if typed_out else f"the checkpoint's folder {out_dir!r} (the default --out)"
-    if any("\udc80" <= c <= "\udcff" for c in out_dir):   # undecodable bytes: torch's savers take no such str
+    if undecodable(out_dir):   # torch's savers take no such str
         raise ValueError(f"{where} holds bytes that are not text in the file system's encoding; pass --out with a "
                          f"folder whose path is text")
     model, config = load_policy(path)
