@@ -196,8 +196,9 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
         raise UsageError(f"--log.experiment {cfg.log.experiment!r} must be a plain name without path separators "
                          f"(runs go to --log.root/EXPERIMENT/TIMESTAMP); use --log.root to write elsewhere")
     if cfg.log.experiment and not (cfg.log.experiment.strip() and cfg.log.experiment.isprintable()):
-        raise UsageError(f"--log.experiment {cfg.log.experiment!r} is blank or holds a control character (a newline, "
-                         f"a tab); a run directory's name must be printable: leave it out for the env's name")
+        raise UsageError(f"--log.experiment {cfg.log.experiment!r} is blank or holds a character that is not printable "
+                         f"(a newline, a tab, a byte the file system's encoding cannot decode); a run directory's name "
+                         f"must be printable text: leave it out for the env's name")
     if len(cfg.log.experiment.encode()) > 255:     # NAME_MAX: the run directory's mkdir would fail after the build
         raise UsageError(f"--log.experiment is {len(cfg.log.experiment.encode())} bytes long; a directory name "
                          f"can have at most 255: use a shorter name")
