@@ -144,7 +144,7 @@ def test_cli_unknown_preset_and_help():
     ({"log__experiment": " "}, "--log.experiment ' ' is blank or holds a character that is not printable"),
     ({"log__experiment": "a\nb"}, "--log.experiment 'a\\\\nb' is blank or holds a character that is not printable"),
     ({"log__experiment": "run\udcff"}, "--log.experiment 'run\\\\udcff' is blank or holds a character that is not "
-                                       "printable [(]a newline, a tab, a byte the file system's encoding cannot decode"),
+                                       "printable [(]a newline, a tab, a byte the file system's encoding"),
     ({"dist__timeout_s": 0.0}, "--dist.timeout-s"),
     ({"max_iterations": 2**63}, "--max-iterations must fit in 64 bits"),   # one past the largest int64
 ])
