@@ -60,6 +60,8 @@ train: train-settings $(if $(ISAAC),,$(VENV)/.runtime)  ## train the default pre
 	$(if $(ISAAC),$(call quote,$(ISAACLAB_VENV))/bin,$(BIN))/torchrun --standalone --nproc-per-node $(NPROC) train.py $(PRESET) $(value ARGS)
 
 # Before the prerequisites and torchrun (whose tracebacks would bury the cause): PRESET and NPROC as make passes them.
+# An NPROC past 4 ranks per core (bench_grad_sync's bound) is refused: torchrun builds a worker per rank first (a
+# 20-digit NPROC: it hung, growing, with no output) and then starts them all.
 train-settings:
 	@$(if $(filter-out $(PRESETS),$(PRESET))$(filter-out 1,$(words $(PRESET))),echo $(call quote,error: \
 		PRESET=$(PRESET) is not a preset; use one of: $(PRESETS)) >&2; exit 2,true)
@@ -68,6 +70,9 @@ train-settings:
 		>&2; exit 2; },true)
 	@case $(call quote,$(NPROC)) in ''|*[!0-9]*|0*) \
 		echo $(call quote,error: NPROC=$(NPROC) must be a positive number of ranks) >&2; exit 2;; esac
+	@n=$(call quote,$(NPROC)); c=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1); \
+	if [ $${#n} -gt 6 ] || [ "$$n" -gt $$((4 * c)) ]; then echo "error: NPROC=$$n is more ranks than this" \
+		"machine can host: at most 4 per CPU core ($$c cores, so NPROC=$$((4 * c)))" >&2; exit 2; fi
 
 test: $(VENV)/.dev  ## run the whole test suite
 	$(BIN)/python -m pytest -q tests

@@ -186,6 +186,10 @@ def main() -> None:
     parser.add_argument("--root", default=os.path.join(REPO, "runs", "bench_mujoco"), help="runs and results.jsonl")
     parser.add_argument("--table-only", action="store_true", help="print the table of finished runs and exit")
     args = parser.parse_args()
+    for flag, values in (("--tasks", args.tasks), ("--seeds", args.seeds), ("--ranks", args.ranks)):
+        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if twice is not None:     # the same run twice (at once with --jobs 2: into one run directory)
+            parser.error(f"{flag} names {twice} twice; list each once")
     minibatches = preset("mujoco").ppo.num_mini_batches       # of transitions, at least 2 each (per-minibatch std)
     for ranks in args.ranks:
         if ranks < 1 or GLOBAL_STEPS_PER_ITERATION % ranks:

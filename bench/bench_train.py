@@ -361,7 +361,10 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch")
     device = torch.device(args.device)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    threads = os.environ.get("OMP_NUM_THREADS", "1")      # "", "abc", "0": a ValueError or RuntimeError traceback
+    if not (threads.isascii() and threads.isdigit() and int(threads) >= 1):
+        parser.error(f"OMP_NUM_THREADS={threads!r} is not a positive number of threads; set it to one (or unset it: 1)")
+    torch.set_num_threads(int(threads))
     iterations = ITERATIONS["quick" if args.quick else args.device]
     configs = {}
     for name in args.settings:          # every flag checked before either learner starts

@@ -188,10 +188,13 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ckpt", help="a checkpoint written by train.py (model_<iteration>.pt)")
-    parser.add_argument("--out", default="", help="output folder (default: the checkpoint's folder)")
+    parser.add_argument("--out", default=None, help="output folder (default: the checkpoint's folder)")
     args = parser.parse_args()
+    if args.out is not None and not args.out:      # else '' is the default: the checkpoint's folder, not the typed one
+        parser.exit(2, "error: --out is empty; pass a folder ('.' for the current one), or leave --out out to write "
+                       "beside the checkpoint\n")
     try:
-        export(args.ckpt, args.out)
+        export(args.ckpt, args.out or "")
     except ValueError as exc:
         parser.exit(2, f"error: {exc}\n")
 

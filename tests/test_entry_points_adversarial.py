@@ -1,0 +1,142 @@
+"""Inputs to the secondary entry points (make variables, bench flags and environment, `python -m ppo.export`) that
+an adversarial sweep found going wrong: each is now one line naming the thing to fix, before any work starts."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from tests.forked_python import run_python
+from tests.test_bench_flags import Launched, bench_mujoco, usage_error  # noqa: F401 (bench_mujoco: a fixture)
+from tests.test_export_logger_env_rules import small_checkpoint
+from tests.test_tools import exit_code, load_bench
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPORT = os.path.join(REPO, "ppo", "export.py")     # run from another folder: -m would not find ppo
+
+
+# ---- bench/bench_train.py -----------------------------------------------------------------------------
+
+@pytest.fixture
+def bench_train(monkeypatch):
+    """bench_train that stops where its learners would start (Launched), with torch's thread count restored."""
+    module = load_bench("bench_train")
+    threads = torch.get_num_threads()
+
+    def launch(cfg, tmp, shapes, device):
+        raise Launched(torch.get_num_threads())
+    monkeypatch.setattr(module, "run_interleaved", launch)
+    yield module
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("threads", ["", "abc", "0", "-1", "4,2"])
+def test_bench_train_omp_num_threads_that_is_not_a_count_is_one_line(bench_train, monkeypatch, capsys, threads):
+    """`OMP_NUM_THREADS= python bench/bench_train.py` (or `make bench OMP_NUM_THREADS=`, which the Makefile exports)
+    ended in a ValueError traceback from int(); OMP_NUM_THREADS=0 in torch.set_num_threads' RuntimeError.
+
+    Mutant: torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1"))) with no check before it.
+    """
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)
+    line = usage_error(bench_train.main, monkeypatch, capsys, ["bench_train.py", "--settings", "small"])
+    assert line.startswith(f"bench_train.py: error: OMP_NUM_THREADS={threads!r} is not a positive number of threads")
+
+
+@pytest.mark.parametrize("threads, expected", [("1", 1), (None, 1)])
+def test_bench_train_a_thread_count_or_none_reaches_the_learners(bench_train, monkeypatch, threads, expected):
+    """A valid OMP_NUM_THREADS (or none: 1) is what the learners run with.
+
+    Mutant: the check refuses every value (or an unset OMP_NUM_THREADS).
+    """
+    if threads is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+    monkeypatch.setattr("sys.argv", ["bench_train.py", "--settings", "small"])
+    with pytest.raises(Launched) as launched:
+        bench_train.main()
+    assert launched.value.args[0] == expected
+
+
+# ---- bench/bench_mujoco.py ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, twice", [
+    (["--seeds", "1", "1"], "--seeds names 1 twice"),
+    (["--seeds", "0", "00"], "--seeds names 0 twice"),          # the same integer, typed two ways
+    (["--tasks", "Hopper-v4", "Hopper-v4"], "--tasks names Hopper-v4 twice"),
+    (["--ranks", "1", "2", "1"], "--ranks names 1 twice"),
+])
+def test_bench_mujoco_a_run_named_twice_is_refused_before_any_run(bench_mujoco,  # noqa: F811 (the fixture)
+                                                                   monkeypatch, capsys, tmp_path, flags, twice):
+    """`--seeds 1 1` queued the same hour-long run twice (its results were not yet recorded when the queue was
+    built): with --jobs 1 it ran again and rewrote the first one's train.log; with --jobs 2 both ran at once in one
+    run directory.
+
+    Mutant: no check for a value listed twice in --tasks, --seeds or --ranks.
+    """
+    line = usage_error(bench_mujoco.main, monkeypatch, capsys,
+                       ["bench_mujoco.py", "--root", str(tmp_path), "--jobs", "2", *flags])
+    assert line == f"bench_mujoco.py: error: {twice}; list each once"
+
+
+# ---- python -m ppo.export -----------------------------------------------------------------------------
+
+def test_export_an_empty_out_is_refused_not_taken_for_the_default(tmp_path):
+    """`--out ''` wrote the policy beside the checkpoint, as if --out had not been typed (bench_mujoco's --root ''
+    and bench_rollout's --out '' are refused).
+
+    Mutant: `--out ''` passed on to export() as its default "" (the checkpoint's folder).
+    """
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    result = run_python([EXPORT, path, "--out", ""], cwd=str(tmp_path), timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == ["error: --out is empty; pass a folder ('.' for the current one), or leave "
+                                          "--out out to write beside the checkpoint"]
+    assert sorted(os.listdir(tmp_path)) == ["model_3.pt"]
+
+
+def test_export_out_dot_still_writes_to_the_current_folder(tmp_path):
+    """'.' is the way to name the current folder: it still exports there.
+
+    Mutant: every --out that is not a folder's full path refused.
+    """
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    (tmp_path / "here").mkdir()
+    result = run_python([EXPORT, path, "--out", "."], cwd=str(tmp_path / "here"), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert {"model_3.policy.pt", "model_3.policy.pt2"} <= set(os.listdir(tmp_path / "here"))
+
+
+# ---- Makefile -----------------------------------------------------------------------------------------
+
+def _make_train(tmp_path, nproc: str) -> subprocess.CompletedProcess:
+    """`make train NPROC=nproc` where a passing check goes on to build a venv that cannot be built (PY=false)."""
+    return subprocess.run(["make", "train", f"NPROC={nproc}", "ARGS=--help", f"VENV={tmp_path / 'fresh'}", "PY=false"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("over", [1, 10**22])
+def test_make_train_refuses_more_ranks_than_the_machine_can_host(tmp_path, over):
+    """`make train NPROC=99999999999999999999999` hung with no output: torchrun builds a worker spec per rank
+    before starting any (memory growing until killed); NPROC=1000 would start a thousand ranks.
+
+    Mutant: no upper bound on NPROC in train-settings (or one of 4 per core + 1).
+    """
+    cores = int(subprocess.run(["getconf", "_NPROCESSORS_ONLN"], capture_output=True, text=True).stdout)
+    nproc = 4 * cores + over
+    result = _make_train(tmp_path, str(nproc))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines()[0] == (f"error: NPROC={nproc} is more ranks than this machine can host: at "
+                                             f"most 4 per CPU core ({cores} cores, so NPROC={4 * cores})")
+    assert "torchrun" not in result.stdout and not (tmp_path / "fresh").exists()
+
+
+def test_make_train_takes_four_ranks_per_core(tmp_path):
+    """NPROC = 4 x cores passes the check (it goes on to build the venv, here with a Python that fails).
+
+    Mutant: the bound is 4 per core exclusive (-ge), or counts something else than the cores.
+    """
+    cores = int(subprocess.run(["getconf", "_NPROCESSORS_ONLN"], capture_output=True, text=True).stdout)
+    result = _make_train(tmp_path, str(4 * cores))
+    assert "error: NPROC" not in result.stderr and "venv" in result.stdout, result.stdout + result.stderr
