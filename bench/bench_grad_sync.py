@@ -297,6 +297,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=None,
                         help="default: 2 on cpu (at most 4 per core), every visible GPU on cuda")
     args = parser.parse_args()
+    threads = os.environ["OMP_NUM_THREADS"]     # else libgomp warns and runs a thread per core, under this header
+    if not (threads.isascii() and threads.isdigit() and int(threads) >= 1):
+        parser.error(f"OMP_NUM_THREADS={threads!r} is not a positive number of threads; set it to one (or unset it: 1)")
     defaults = (dict(models=list(QUICK_MODELS), batch=64, warmup=1, iters=3, bucket_mb=[25.0, 0.5]) if args.quick else
                 dict(models=list(MODELS), batch=256, warmup=3, iters=10, bucket_mb=[25.0, 4.0]))
     for name, value in defaults.items():

@@ -59,6 +59,22 @@ def test_bench_train_a_thread_count_or_none_reaches_the_learners(bench_train, mo
     assert launched.value.args[0] == expected
 
 
+@pytest.mark.parametrize("threads", ["", "abc", "0"])
+def test_bench_grad_sync_omp_num_threads_that_is_not_a_count_is_one_line(monkeypatch, capsys, threads):
+    """libgomp took `OMP_NUM_THREADS=abc` (or "" or 0) for unset, with a warning: every rank ran a thread per core
+    (the oversubscription the bench's one-thread default is there to avoid) under a header reading
+    OMP_NUM_THREADS=abc.
+
+    Mutant: no check of OMP_NUM_THREADS in bench_grad_sync.main (its ranks start).
+    """
+    module = load_bench("bench_grad_sync")
+    monkeypatch.setattr(module, "launch", lambda args, target, *rest: (_ for _ in ()).throw(Launched(args)))
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)
+    line = usage_error(module.main, monkeypatch, capsys, ["bench_grad_sync.py", "--quick"])
+    assert line == (f"bench_grad_sync.py: error: OMP_NUM_THREADS={threads!r} is not a positive number of threads; "
+                    f"set it to one (or unset it: 1)")
+
+
 # ---- bench/bench_mujoco.py ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags, twice", [
