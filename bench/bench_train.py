@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
 from configs import preset, validate  # noqa: E402
-from dist.errors import UsageError  # noqa: E402
+from dist.errors import UsageError, out_of_memory  # noqa: E402
 from envs import make_env  # noqa: E402
 
 SETTINGS = {"small": (512, (128, 128)), "large": (4096, (512, 256, 128))}
@@ -383,6 +383,17 @@ def main():
         import rsl_rl  # noqa: F401
     except ImportError:
         parser.error("RSL-RL is not installed: make bench installs it (or: pip install rsl-rl-lib==5.5.1)")
+    try:
+        bench(args, configs, iterations, device)
+    except Exception as exc:     # as train.py: sizes this machine cannot hold are a flag to lower, not a traceback
+        if not out_of_memory(exc):
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        sys.exit(f"bench_train: out of memory: {first}; lower --num-envs (or leave out --settings large)")
+
+
+def bench(args, configs: dict, iterations: dict, device: torch.device) -> None:
+    """Each setting's table (and, for the full small run on CPU, the 2-rank row), then the notes below it."""
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg in configs.items():
             env = make_env(cfg.env, torch.device("cpu"), seed=cfg.seed, base_seed=cfg.seed)

@@ -2,7 +2,9 @@
 an adversarial sweep found going wrong: each is now one line naming the thing to fix, before any work starts."""
 
 import os
+import resource
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -57,6 +59,25 @@ def test_bench_train_a_thread_count_or_none_reaches_the_learners(bench_train, mo
     with pytest.raises(Launched) as launched:
         bench_train.main()
     assert launched.value.args[0] == expected
+
+
+def test_bench_train_sizes_past_the_machine_s_memory_are_one_line():
+    """`bench_train.py --num-envs 400000000` ended in the CPU allocator's RuntimeError traceback from the env's
+    build (train.py says the same failure in one line naming the flag to lower). Run under an 8 GiB address-space
+    limit, so the 9.6 GB the env asks for fails at once whatever the machine has.
+
+    Mutant: main() without its out-of-memory handler around the settings' runs.
+    """
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30))
+    result = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_train.py"), "--quick", "--settings",
+                             "small", "--num-envs", "400000000"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120, preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("bench_train: out of memory: ") and last.endswith("; lower --num-envs (or leave out "
+                                                                             "--settings large)"), result.stderr
 
 
 @pytest.mark.parametrize("threads", ["", "abc", "0"])
