@@ -213,6 +213,8 @@ def main() -> None:
         check_writable_root(args.root, "--root", write=not args.table_only)
     except UsageError as exc:
         parser.error(str(exc))
+    args.root = os.path.abspath(args.root)    # train.py runs in the repository: a relative --root, read from here,
+    # would put each run's logs under the repository, and the bench fail to find them (an IndexError) once it ended
     if not args.table_only:
         check_tasks(parser, args.tasks)
 

@@ -342,6 +342,9 @@ def main() -> None:
         args.envs, args.rounds, args.iterations = ["tracking", "mujoco"], 2, {"tracking": 14, "mujoco": 8}
         args.lrs, args.dtypes, args.sync_iterations = LRS, ["float32", "bfloat16"], 12
     args.seeds = [1, 2]
+    # The jobs run in the repository: a relative --out would put their runs there, not where this reads them ('':
+    # left as it is, refused below).
+    args.out = os.path.abspath(args.out) if args.out else args.out
     try:      # a file of that name, a read-only place (/proc, where root's makedirs passes): one line, before any job
         os.makedirs(args.out, exist_ok=True)
         scratch = tempfile.mkdtemp(prefix="run_", dir=args.out)   # throughput and sync jobs: removed when done

@@ -5,6 +5,7 @@ import os
 import resource
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -115,6 +116,50 @@ def test_bench_mujoco_a_run_named_twice_is_refused_before_any_run(bench_mujoco, 
     line = usage_error(bench_mujoco.main, monkeypatch, capsys,
                        ["bench_mujoco.py", "--root", str(tmp_path), "--jobs", "2", *flags])
     assert line == f"bench_mujoco.py: error: {twice}; list each once"
+
+
+def _job_dirs(module, monkeypatch, name: str) -> list:
+    """Replace `module`'s subprocess.`name` by one that notes the folder each job's --log.root names, read from the
+    job's working directory, then stops the bench (Launched)."""
+    seen = []
+
+    def job(cmd, cwd=None, **kwargs):
+        seen.append(os.path.join(cwd or os.getcwd(), cmd[cmd.index("--log.root") + 1]))
+        raise Launched(cmd)
+    monkeypatch.setattr(module, "subprocess", types.SimpleNamespace(**{name: job, "STDOUT": subprocess.STDOUT}))
+    return seen
+
+
+def test_bench_mujoco_relative_root_is_where_the_runs_write_from_any_folder(monkeypatch, tmp_path):
+    """From a folder other than the repository, `--root rel` made ./rel/<run>/train.log while train.py (run in the
+    repository) wrote its TensorBoard files under <repo>/rel/<run>: the bench then failed with an IndexError
+    traceback reading them back, after the run (hours).
+
+    Mutant: --root passed on to train.py as typed (relative), not made absolute.
+    """
+    module = load_bench("bench_mujoco")
+    seen = _job_dirs(module, monkeypatch, "call")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["bench_mujoco.py", "--root", "rel", "--tasks", "Hopper-v4", "--seeds", "1",
+                                     "--ranks", "1", "--total-steps", "2048", "--last-iterations", "1"])
+    with pytest.raises(Launched):
+        module.main()
+    assert seen == [str(tmp_path / "rel" / module.run_key("Hopper-v4", 1, 1, 2048))]
+
+
+def test_bench_rollout_relative_out_is_where_the_jobs_write_from_any_folder(monkeypatch, tmp_path):
+    """`bench_rollout.py --out rel` from another folder: its jobs (run in the repository) wrote under <repo>/rel while
+    the bench looked for their run directories under ./rel (an IndexError traceback after each job).
+
+    Mutant: --out used as typed (relative) for the jobs' --log.root.
+    """
+    module = load_bench("bench_rollout")
+    seen = _job_dirs(module, monkeypatch, "run")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["bench_rollout.py", "--quick", "--parts", "throughput", "--out", "rel"])
+    with pytest.raises(Launched):
+        module.main()
+    assert len(seen) == 1 and seen[0].startswith(str(tmp_path / "rel") + os.sep), seen
 
 
 # ---- python -m ppo.export -----------------------------------------------------------------------------
