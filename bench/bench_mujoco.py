@@ -116,8 +116,19 @@ def with_windows(results: dict[str, dict], args) -> list[dict]:
 def load_results(path: str) -> dict[str, dict]:
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        records = [json.loads(line) for line in f]
+    records, number = [], 0
+    try:       # a run killed while its line was appended leaves half a line: one line naming it, not a traceback
+        with open(path, "rb") as f:       # bytes: a line that is not UTF-8 fails at its own number
+            for number, line in enumerate(f, 1):
+                record = json.loads(line)
+                if not isinstance(record, dict) or not isinstance(record.get("key"), str):
+                    raise ValueError("not a record with a 'key'")
+                records.append(record)
+    except OSError as exc:
+        raise SystemExit(f"bench_mujoco: {path} cannot be read ({exc.strerror or exc}); pick another --root")
+    except ValueError as exc:      # json's and the codec's errors too
+        raise SystemExit(f"bench_mujoco: {path} line {number} is not a result this bench wrote ({exc}); delete that "
+                         f"line, or pick another --root") from None
     old = [r["key"] for r in records if "last_episodes_return" not in r]
     if old:   # written before the episode statistic existed, by an older mujoco preset: run them again
         print(f"[bench] ignoring {len(old)} results of an older bench version in {path}: {', '.join(old)}")

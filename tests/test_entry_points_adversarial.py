@@ -118,6 +118,47 @@ def test_bench_mujoco_a_run_named_twice_is_refused_before_any_run(bench_mujoco, 
     assert line == f"bench_mujoco.py: error: {twice}; list each once"
 
 
+GOOD = b'{"key": "Hopper-v4/ranks1/seed1/steps2048", "last_episodes_return": 1.0}\n'
+
+
+@pytest.mark.parametrize("content, line", [
+    (GOOD + b'{"key": "Hopper-v4/ranks1/seed2/steps2048", "last_ep', 2),     # killed while appending its line
+    (b"garbage\n", 1),
+    (b"[1, 2]\n", 1),
+    (b'{"key": 1}\n', 1),                   # the table's join of the old results' keys: a TypeError traceback
+    (GOOD + b"\xff\xfe\x00\n", 2),           # a UnicodeDecodeError traceback
+])
+def test_bench_mujoco_results_file_it_cannot_read_is_one_line_naming_the_line(monkeypatch, tmp_path, content, line):
+    """A results.jsonl with a line this bench did not write (a run killed while appending its line leaves half
+    of one) ended every later call, --table-only included, in a JSONDecodeError (or TypeError, UnicodeDecodeError)
+    traceback.
+
+    Mutant: load_results parses each line with json.loads and no handler.
+    """
+    (tmp_path / "results.jsonl").write_bytes(content)
+    module = load_bench("bench_mujoco")
+    monkeypatch.setattr("sys.argv", ["bench_mujoco.py", "--root", str(tmp_path), "--table-only"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    said = str(exit_info.value.code)
+    assert said.startswith(f"bench_mujoco: {tmp_path / 'results.jsonl'} line {line} is not a result this bench "
+                           f"wrote (") and said.endswith("); delete that line, or pick another --root"), said
+
+
+def test_bench_mujoco_results_file_that_is_a_folder_is_one_line(monkeypatch, tmp_path):
+    """--root whose results.jsonl is a folder: an IsADirectoryError traceback.
+
+    Mutant: load_results opens the file with no OSError handler.
+    """
+    (tmp_path / "results.jsonl").mkdir()
+    module = load_bench("bench_mujoco")
+    monkeypatch.setattr("sys.argv", ["bench_mujoco.py", "--root", str(tmp_path), "--table-only"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == (f"bench_mujoco: {tmp_path / 'results.jsonl'} cannot be read (Is a directory); "
+                                    f"pick another --root")
+
+
 def _job_dirs(module, monkeypatch, name: str) -> list:
     """Replace `module`'s subprocess.`name` by one that notes the folder each job's --log.root names, read from the
     job's working directory, then stops the bench (Launched)."""
