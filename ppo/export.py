@@ -143,6 +143,11 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
     if taken:       # checked before writing any: a half export would otherwise be left behind
         raise ValueError(f"{taken[0]!r} is a directory or not a regular file, where the export writes a file; move "
                          f"it, or pass --out with another folder")
+    same = [stem + ext for ext in (".pt", ".pt2", ".onnx") if os.path.isfile(stem + ext)
+            and os.path.samefile(stem + ext, path)]
+    if same:        # a link to the checkpoint at an output's name: writing it would overwrite the checkpoint
+        raise ValueError(f"{same[0]!r} is the checkpoint itself (a link to it), where the export writes a file; "
+                         f"remove that link, or pass --out with another folder")
     example = torch.zeros(1, policy.actor[0].in_features)
     written = {}
     with warnings.catch_warnings():

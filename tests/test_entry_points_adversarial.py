@@ -231,6 +231,30 @@ def test_export_out_dot_still_writes_to_the_current_folder(tmp_path):
     assert {"model_3.policy.pt", "model_3.policy.pt2"} <= set(os.listdir(tmp_path / "here"))
 
 
+@pytest.mark.parametrize("ext, link", [(".pt", "symlink"), (".onnx", "hard link")])
+def test_export_refuses_to_write_over_its_checkpoint_through_a_link(tmp_path, ext, link):
+    """A link to the checkpoint at an output's name (out/model_3.policy.pt -> ../model_3.pt): the export wrote the
+    TorchScript policy through it, over the training checkpoint.
+
+    Mutant: no check that an output name is the checkpoint itself (os.path.samefile).
+    """
+    from ppo import export
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    before = open(path, "rb").read()
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / f"model_3.policy{ext}"
+    if link == "symlink":
+        os.symlink(path, target)
+    else:
+        os.link(path, target)
+    with pytest.raises(ValueError) as info:
+        export.export(path, str(out))
+    assert str(info.value) == (f"{str(target)!r} is the checkpoint itself (a link to it), where the export writes a "
+                               f"file; remove that link, or pass --out with another folder")
+    assert open(path, "rb").read() == before and sorted(os.listdir(out)) == [target.name]
+
+
 # ---- Makefile -----------------------------------------------------------------------------------------
 
 def _make_train(tmp_path, nproc: str) -> subprocess.CompletedProcess:
