@@ -88,10 +88,13 @@ def run(task: str, ranks: int, seed: int, total_steps: int, args) -> dict:
     wall = time.time() - start
     if code:     # one line, not a traceback: the reason is in the run's log
         raise SystemExit(f"bench_mujoco: {task} ranks {ranks} seed {seed} exited with {code}; see {log_path}")
+    try:     # too few episodes for --last-episodes: one line, as with_windows says it, not a thread's traceback
+        returns = final_returns(root, args.last_episodes, args.last_iterations)
+    except RuntimeError as exc:
+        raise SystemExit(f"bench_mujoco: {exc}; lower --last-episodes") from None
     return {"key": run_key(task, ranks, seed, total_steps), "task": task, "ranks": ranks, "seed": seed,
             "steps": iterations * GLOBAL_STEPS_PER_ITERATION, "wall_s": wall, "versions": VERSIONS,
-            "windows": [args.last_episodes, args.last_iterations],
-            **final_returns(root, args.last_episodes, args.last_iterations)}
+            "windows": [args.last_episodes, args.last_iterations], **returns}
 
 
 def with_windows(results: dict[str, dict], args) -> list[dict]:

@@ -159,6 +159,33 @@ def test_bench_mujoco_results_file_that_is_a_folder_is_one_line(monkeypatch, tmp
                                     f"pick another --root")
 
 
+def test_bench_mujoco_a_run_with_too_few_episodes_is_one_line(monkeypatch, tmp_path):
+    """A run that finished fewer episodes than --last-episodes ended the bench in the RuntimeError's traceback
+    (raised in a worker thread, re-raised by future.result()), after the run.
+
+    Mutant: run() lets final_returns' RuntimeError through.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+    module = load_bench("bench_mujoco")
+
+    def finished_run(cmd, cwd=None, **kwargs):       # what train.py leaves: 3 episodes in 1 iteration
+        writer = SummaryWriter(os.path.join(cmd[cmd.index("--log.root") + 1], "mujoco", "2026-01-01_00-00-00"))
+        writer.add_scalar("Train/mean_reward", 1.0, 1)
+        for value in (1.0, 2.0, 3.0):
+            writer.add_scalar("Episode/return", value, 1)
+        writer.close()
+        return 0
+    monkeypatch.setattr(module, "subprocess", types.SimpleNamespace(call=finished_run, STDOUT=subprocess.STDOUT))
+    monkeypatch.setattr("sys.argv", ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4", "--seeds",
+                                     "1", "--ranks", "1", "--total-steps", "2048", "--last-iterations", "1",
+                                     "--last-episodes", "5"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    root = tmp_path / module.run_key("Hopper-v4", 1, 1, 2048)
+    assert exit_info.value.code == (f"bench_mujoco: {root}: only 3 episodes finished, fewer than --last-episodes 5; "
+                                    f"lower --last-episodes")
+
+
 def _job_dirs(module, monkeypatch, name: str) -> list:
     """Replace `module`'s subprocess.`name` by one that notes the folder each job's --log.root names, read from the
     job's working directory, then stops the bench (Launched)."""
