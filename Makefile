@@ -70,9 +70,9 @@ train-settings:
 		>&2; exit 2; },true)
 	@case $(call quote,$(NPROC)) in ''|*[!0-9]*|0*) \
 		echo $(call quote,error: NPROC=$(NPROC) must be a positive number of ranks) >&2; exit 2;; esac
-	@n=$(call quote,$(NPROC)); c=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1); \
-	if [ $${#n} -gt 6 ] || [ "$$n" -gt $$((4 * c)) ]; then echo "error: NPROC=$$n is more ranks than this" \
-		"machine can host: at most 4 per CPU core ($$c cores, so NPROC=$$((4 * c)))" >&2; exit 2; fi
+	@n=$(call quote,$(NPROC)); c=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || nproc 2>/dev/null); \
+	if [ -n "$$c" ] && { [ $${#n} -gt 6 ] || [ "$$n" -gt $$((4 * c)) ]; }; then echo "error: NPROC=$$n is more" \
+		"ranks than this machine can host: at most 4 per CPU core ($$c cores, so NPROC=$$((4 * c)))" >&2; exit 2; fi
 
 test: $(VENV)/.dev  ## run the whole test suite
 	$(BIN)/python -m pytest -q tests
