@@ -5,10 +5,10 @@
     python bench/bench_train.py --device cuda --settings large --capture-step   # on a GPU (bench/gpu_check.sh)
 
 Both learners run in this one process on the same `tracking` env settings, T, N, epochs, minibatches,
-networks, LR schedule and losses (RSL-RL: rsl-rl-lib, installed by `make bench`). They take turns one
-iteration at a time: syncppo's `train.main` in the main thread, RSL-RL's `OnPolicyRunner.learn` in a
-second thread, passing a baton at each iteration's logging call, so exactly one of them runs at any
-moment and load from other processes hits both alike. After every RSL-RL iteration the same thread
+networks, LR schedule and losses (RSL-RL: rsl-rl-lib, installed by `make bench`, configured in
+bench/rsl_rl_adapter.py). They take turns one iteration at a time: syncppo's `train.main` in the main thread,
+RSL-RL's `OnPolicyRunner.learn` in a second thread, passing a baton at each iteration's logging call, so exactly
+one of them runs at any moment and load from other processes hits both alike. After every RSL-RL iteration the same thread
 times `torch.mm` for exactly the GEMM shapes of one update (forward, grad-input and grad-weight of
 every Linear layer at the minibatch size): that sum is the matmul limit of the update on this CPU,
 re-measured each round; the least-loaded round counts as the limit, so "% of matmul limit" (limit
@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from configs import preset, validate  # noqa: E402
 from dist.errors import UsageError, out_of_memory  # noqa: E402
+from bench.rsl_rl_adapter import rsl_rl_runner  # noqa: E402
 from envs import make_env  # noqa: E402
 
 SETTINGS = {"small": (512, (128, 128)), "large": (4096, (512, 256, 128))}
@@ -147,52 +148,6 @@ def progress(learner: str, iteration: int, collect: float, update: float, extra:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class RslRlEnv:
-    """Our VecEnv seen through RSL-RL's interface: TensorDict observations, dones, extras['time_outs']."""
-
-    def __init__(self, env):
-        from tensordict import TensorDict
-        self.env, self.TensorDict = env, TensorDict
-        self.num_envs, self.num_actions, self.device = env.num_envs, env.num_actions, env.device
-        self.max_episode_length, self.cfg = env.max_episode_length, {}
-        self.episode_length_buf = torch.zeros(env.num_envs, dtype=torch.long, device=env.device)
-        self.obs, _ = env.reset()
-
-    def get_observations(self):
-        return self.TensorDict(self.obs, batch_size=[self.num_envs])
-
-    def step(self, actions):
-        # A copy, as syncppo's rollout passes: envs may change actions in place (envs/base.py), and RSL-RL keeps
-        # this tensor as the transition's action.
-        self.obs, reward, terminated, truncated, extras = self.env.step(actions.clone())
-        log = {f"/{k}": v for k, v in extras["log"].items()}
-        return self.get_observations(), reward, terminated | truncated, {"time_outs": truncated, "log": log}
-
-
-def rsl_rl_runner(cfg, log_dir: str, device: torch.device):
-    from rsl_rl.runners import OnPolicyRunner
-    env = RslRlEnv(make_env(cfg.env, device, seed=cfg.seed, base_seed=cfg.seed))
-    p, policy = cfg.ppo, cfg.policy
-    train_cfg = {
-        "num_steps_per_env": p.num_steps, "save_interval": 10**6,
-        "obs_groups": {"actor": ["policy"], "critic": ["critic"]},
-        "algorithm": {"class_name": "PPO", "num_learning_epochs": p.num_epochs,
-                      "num_mini_batches": p.num_mini_batches, "clip_param": p.clip_param, "gamma": p.gamma,
-                      "lam": p.lam, "value_loss_coef": p.value_loss_coef, "entropy_coef": p.entropy_coef,
-                      "learning_rate": p.learning_rate, "max_grad_norm": p.max_grad_norm,
-                      "use_clipped_value_loss": p.clip_value_loss, "schedule": p.schedule,
-                      "desired_kl": p.desired_kl},
-        "actor": {"class_name": "MLPModel", "hidden_dims": list(policy.actor_hidden), "activation": policy.activation,
-                  "obs_normalization": policy.normalize_actor_obs,
-                  "distribution_cfg": {"class_name": "GaussianDistribution", "init_std": policy.init_noise_std}},
-        "critic": {"class_name": "MLPModel", "hidden_dims": list(policy.critic_hidden),
-                   "activation": policy.activation,
-                   "obs_normalization": policy.normalize_critic_obs},
-    }
-    with contextlib.redirect_stdout(open(os.devnull, "w")):
-        return OnPolicyRunner(env, train_cfg, log_dir=log_dir, device=str(device))
 
 
 class StopRslRl(Exception):

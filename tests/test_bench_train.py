@@ -235,7 +235,8 @@ def test_bench_train_rsl_rl_wrapper_gives_the_env_a_copy_of_the_actions(bench_tr
             obs, _ = self.reset()
             return obs, torch.zeros(2), torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool), {"log": {}}
 
-    wrapper = bench_train.RslRlEnv(ClampingEnv())
+    from bench.rsl_rl_adapter import RslRlEnv
+    wrapper = RslRlEnv(ClampingEnv())
     actions = torch.tensor([[3.0], [-0.5]])
     wrapper.step(actions)
     assert actions.tolist() == [[3.0], [-0.5]] and seen[0].tolist() == [[1.0], [-0.5]]
