@@ -4,15 +4,15 @@
     python bench/bench_train.py --quick    # fewer iterations (a few minutes)
     python bench/bench_train.py --device cuda --settings large --capture-step   # on a GPU (bench/gpu_check.sh)
 
-Both learners run in this one process on the same `tracking` env settings, T, N, epochs, minibatches,
-networks, LR schedule and losses (RSL-RL: rsl-rl-lib, installed by `make bench`, configured in
-bench/rsl_rl_adapter.py). They take turns one iteration at a time: syncppo's `train.main` in the main thread,
-RSL-RL's `OnPolicyRunner.learn` in a second thread, passing a baton at each iteration's logging call, so exactly
-one of them runs at any moment and load from other processes hits both alike. After every RSL-RL iteration the same thread
-times `torch.mm` for exactly the GEMM shapes of one update (forward, grad-input and grad-weight of
-every Linear layer at the minibatch size): that sum is the matmul limit of the update on this CPU,
-re-measured each round; the least-loaded round counts as the limit, so "% of matmul limit" (limit
-over the median update time) is a lower bound on a loaded machine. Ratios are medians of per-round ratios.
+Both learners run in this one process on the same `tracking` env settings, T, N, epochs, minibatches, networks, LR
+schedule and losses (RSL-RL: rsl-rl-lib, installed by `make bench`, configured in bench/rsl_rl_adapter.py). They take
+turns one iteration at a time: syncppo's `train.main` in the main thread, RSL-RL's `OnPolicyRunner.learn` in a second
+thread, passing a baton at each iteration's logging call, so exactly one of them runs at any moment and load from
+other processes hits both alike. After every RSL-RL iteration the same thread times `torch.mm` for exactly the GEMM
+shapes of one update (forward, grad-input and grad-weight of every Linear layer at the minibatch size): that sum is
+the matmul limit of the update on this CPU, re-measured each round; the least-loaded round counts as the limit, so "%
+of matmul limit" (limit over the median update time) is a lower bound on a loaded machine. Ratios are medians of
+per-round ratios.
 
 Both phases hold the same work for both learners: RSL-RL computes its GAE, the critic on the last observation and
 the advantage normalization inside its learning clock, syncppo in collection, so that call (`compute_returns`) is
