@@ -54,6 +54,10 @@ def requirement(cfg, flag: str) -> str | None:
         return f"--env.global-num-envs 0 (the run uses {cfg.env.global_num_envs}, split across the ranks)"
     if flag in ADAPTIVE_ONLY and cfg.ppo.schedule != "adaptive":
         return f"--ppo.schedule adaptive (the run uses {cfg.ppo.schedule})"
+    # adaptive, but every step clamps the LR to [lr-min, lr-max], one value: the KL target never changes it
+    if flag == "--ppo.desired-kl" and cfg.ppo.lr_min == cfg.ppo.lr_max:
+        return (f"--ppo.lr-min below --ppo.lr-max (the run uses {cfg.ppo.lr_min:g} for both: the adaptive LR cannot "
+                f"move)")
     if flag == "--ppo.lam" and cfg.ppo.gamma == 0:     # ppo/gae.py: the trace decays by gamma * lam * not_done
         return "--ppo.gamma above 0 (the run uses 0: each advantage is its own step's TD error, lambda times 0)"
     if flag == "--ppo.reward-clip" and not cfg.ppo.normalize_rewards:   # train.py: the RewardNormalizer's clip

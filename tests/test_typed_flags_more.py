@@ -5,9 +5,11 @@ with a --log.experiment too long to exist."""
 import pytest
 import torch
 
+from configs import validate
 from configs.typed_flags import check_typed_flags
 from dist.errors import UsageError
 from ppo.gae import compute_gae
+from ppo.kl_schedule import adaptive_lr
 from test_config_errors import cfg_with, run_cli
 
 
@@ -33,3 +35,19 @@ def test_cli_refuses_lam_with_gamma_0_in_one_line(tmp_path):
     assert out.stderr.startswith("error: --ppo.lam applies only with --ppo.gamma above 0 ") \
         and out.stderr.count("\n") == 1, out.stderr
     assert out.stdout == "" and not (tmp_path / "runs").exists()
+
+
+def test_desired_kl_typed_with_equal_lr_bounds_is_refused_since_the_lr_cannot_move():
+    """Mutant: the --ppo.desired-kl bounds rule removed from requirement() -> check_typed_flags raises nothing."""
+    for kl in (0.0, 1e-6, 0.05, 10.0):              # the premise: whatever the KL and its target, the LR is the bound
+        for desired in (1e-3, 0.01, 1.0):
+            assert adaptive_lr(1e-3, kl, desired, 1e-3, 1e-3) == 1e-3
+    same = {"ppo__lr_min": 1e-3, "ppo__lr_max": 1e-3, "ppo__learning_rate": 1e-3}
+    with pytest.raises(UsageError) as exc:
+        validate(cfg_with(**same), 1, frozenset({"--ppo.desired-kl"}))
+    assert str(exc.value) == ("--ppo.desired-kl applies only with --ppo.lr-min below --ppo.lr-max (the run uses 0.001 "
+                              "for both: the adaptive LR cannot move)")
+    validate(cfg_with(**same), 1, frozenset({"--ppo.lr-min", "--ppo.lr-max"}))   # a constant LR is fine, untyped KL
+    validate(cfg_with(ppo__lr_min=1e-3), 1, frozenset({"--ppo.desired-kl"}))
+    with pytest.raises(UsageError, match=r"^--ppo\.desired-kl applies only with --ppo\.schedule adaptive"):
+        check_typed_flags(cfg_with(ppo__schedule="fixed", **same), frozenset({"--ppo.desired-kl"}))   # that first
