@@ -66,6 +66,9 @@ def load_checkpoint(path: str, run_dir: str | None = None) -> dict:
 
 def checked_checkpoint(path: str) -> dict:
     """load_checkpoint's checks, each failure one UsageError naming `path` as --resume's and the way out."""
+    if path.endswith(os.sep) and os.path.isfile(path.rstrip(os.sep)):   # ENOTDIR: exists() says False
+        raise UsageError(f"--resume {path!r} ends in a slash, but {path.rstrip(os.sep)!r} is a file, not a folder; "
+                         f"drop the trailing slash")
     if not os.path.exists(path):
         dangling = os.path.islink(path)      # exists() follows links: a dangling or looping one reads as missing
         raise UsageError(f"--resume {path!r} " + ("is a symbolic link whose target does not exist (or that loops)"

@@ -117,6 +117,9 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
     {format: file}."""
     if os.path.isdir(path):
         raise ValueError(f"CKPT {path!r} is a directory; pass a model_<iteration>.pt file inside it")
+    if path.endswith(os.sep) and os.path.isfile(path.rstrip(os.sep)):   # ENOTDIR: exists() says False
+        raise ValueError(f"CKPT {path!r} ends in a slash, but {path.rstrip(os.sep)!r} is a file, not a folder; drop "
+                         f"the trailing slash")
     if not os.path.exists(path):
         dangling = " (a symbolic link whose target does not exist)" if os.path.islink(path) else ""
         raise ValueError(f"CKPT {path!r}: no such checkpoint file{dangling}")

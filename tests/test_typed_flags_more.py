@@ -7,7 +7,9 @@ import torch
 
 from configs import validate
 from configs.typed_flags import check_typed_flags
+from dist.checkpoint_read import checked_checkpoint
 from dist.errors import UsageError
+from ppo import export
 from ppo.gae import compute_gae
 from ppo.kl_schedule import adaptive_lr
 from test_config_errors import cfg_with, run_cli
@@ -51,3 +53,20 @@ def test_desired_kl_typed_with_equal_lr_bounds_is_refused_since_the_lr_cannot_mo
     validate(cfg_with(ppo__lr_min=1e-3), 1, frozenset({"--ppo.desired-kl"}))
     with pytest.raises(UsageError, match=r"^--ppo\.desired-kl applies only with --ppo\.schedule adaptive"):
         check_typed_flags(cfg_with(ppo__schedule="fixed", **same), frozenset({"--ppo.desired-kl"}))   # that first
+
+
+def test_a_checkpoint_path_with_a_trailing_slash_is_named_as_a_file_not_a_missing_path(tmp_path):
+    """Mutant: the trailing-slash checks removed from checked_checkpoint and export -> "does not exist" and "no such
+    checkpoint file"."""
+    ckpt = tmp_path / "model_10.pt"
+    ckpt.write_bytes(b"not read")
+    with pytest.raises(UsageError) as exc:
+        checked_checkpoint(f"{ckpt}/")
+    assert str(exc.value) == (f"--resume '{ckpt}/' ends in a slash, but '{ckpt}' is a file, not a folder; drop the "
+                              f"trailing slash")
+    with pytest.raises(ValueError) as exc:
+        export.export(f"{ckpt}/")
+    assert str(exc.value) == (f"CKPT '{ckpt}/' ends in a slash, but '{ckpt}' is a file, not a folder; drop the "
+                              f"trailing slash")
+    with pytest.raises(UsageError, match=r"does not exist; pass an existing"):    # a real missing path still is
+        checked_checkpoint(str(tmp_path / "model_20.pt/"))
