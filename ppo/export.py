@@ -28,7 +28,7 @@ from torch import nn
 if __name__ == "__main__" and not __package__:  # `python ppo/export.py`: import from the repository, as -m does
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs.config import PolicyConfig  # noqa: E402
-from dist.log_root import undecodable, write_refusal  # noqa: E402
+from dist.log_root import dangling_link, undecodable, write_refusal  # noqa: E402
 from dist.checkpoint_read import read_checkpoint  # noqa: E402
 from dist.errors import one_line  # noqa: E402
 from ppo.actor_critic import ActorCritic, build_actor_critic  # noqa: E402
@@ -130,6 +130,11 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
     if undecodable(out_dir):   # torch's savers take no such str
         raise ValueError(f"{where} holds bytes that are not text in the file system's encoding; pass --out with a "
                          f"folder whose path is text")
+    link = dangling_link(out_dir)
+    if link is not None:     # makedirs would fail with a bare "File exists", the link being there but not its target
+        at = "" if link == os.path.abspath(out_dir) else f": {link!r}"
+        raise ValueError(f"{where}{at} is a symbolic link whose target does not exist (or that loops); create its "
+                         f"target, or pass --out with another folder")
     model, config = load_policy(path)
     scale, clip, env_name = deployment(config, path)
     policy = DeterministicActor(model).eval().requires_grad_(False)   # deployed calls build no autograd graph

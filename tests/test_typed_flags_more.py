@@ -2,6 +2,8 @@
 fix: a checkpoint path with a trailing slash, an export --out that is a dangling symbolic link, and --resume auto
 with a --log.experiment too long to exist."""
 
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from ppo import export
 from ppo.gae import compute_gae
 from ppo.kl_schedule import adaptive_lr
 from test_config_errors import cfg_with, run_cli
+from test_export import checkpoint
 
 
 def test_lam_typed_with_gamma_0_is_refused_since_gae_multiplies_it_by_gamma():
@@ -70,3 +73,24 @@ def test_a_checkpoint_path_with_a_trailing_slash_is_named_as_a_file_not_a_missin
                               f"trailing slash")
     with pytest.raises(UsageError, match=r"does not exist; pass an existing"):    # a real missing path still is
         checked_checkpoint(str(tmp_path / "model_20.pt/"))
+
+
+@pytest.fixture(scope="module")
+def real_checkpoint(tmp_path_factory):
+    return checkpoint(tmp_path_factory.mktemp("ckpt"), "cartpole")
+
+
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_export_to_a_dangling_symbolic_link_says_so(tmp_path, real_checkpoint, below):
+    """Mutant: the dangling_link check removed from export -> "--out '...' cannot be an output folder (File exists)",
+    or "(No such file or directory)" below the link: makedirs' error, naming neither the link nor its target."""
+    ckpt = real_checkpoint
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "missing")
+    out = os.path.join(str(link), below) if below else str(link)
+    with pytest.raises(ValueError) as exc:
+        export.export(ckpt, out)
+    at = f": '{link}'" if below else ""
+    assert str(exc.value) == (f"--out {out!r}{at} is a symbolic link whose target does not exist (or that loops); "
+                              f"create its target, or pass --out with another folder")
+    assert not (tmp_path / "missing").exists()
