@@ -13,6 +13,7 @@ from typing import Literal
 from configs.ranges import FLOAT32_MAX, FLOAT32_TINY, POSITIVE_FLOATS, UNIT_INTERVAL, check_finite, flag_value
 from configs.typed_flags import check_typed_flags
 from dist.errors import UsageError
+from dist.log_root import nearest_directory
 
 
 @dataclass
@@ -192,16 +193,7 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
         raise UsageError(f"--seed must be in [0, {2**32 - world_size}] with {world_size} rank(s) (rank r seeds "
                          f"numpy with seed + r, which must fit 32 bits), got {cfg.seed}")
     check_finite(cfg)
-    if cfg.log.experiment in (".", "..") or any(sep in cfg.log.experiment for sep in ("/", "\\", os.sep)):
-        raise UsageError(f"--log.experiment {cfg.log.experiment!r} must be a plain name without path separators "
-                         f"(runs go to --log.root/EXPERIMENT/TIMESTAMP); use --log.root to write elsewhere")
-    if cfg.log.experiment and not (cfg.log.experiment.strip() and cfg.log.experiment.isprintable()):
-        raise UsageError(f"--log.experiment {cfg.log.experiment!r} is blank or holds a character that is not printable "
-                         f"(a newline, a tab, a byte the file system's encoding cannot decode); a run directory's name "
-                         f"must be printable text: leave it out for the env's name")
-    if len(cfg.log.experiment.encode()) > 255:     # NAME_MAX: the run directory's mkdir would fail after the build
-        raise UsageError(f"--log.experiment is {len(cfg.log.experiment.encode())} bytes long; a directory name "
-                         f"can have at most 255: use a shorter name")
+    check_experiment_name(cfg.log.experiment, cfg.log.root)
     if cfg.env.name in ("cartpole", "tracking") and cfg.env.episode_length_s < EMBEDDED_STEP_S:
         raise UsageError(f"--env.episode-length-s {cfg.env.episode_length_s} is shorter than one control step of "
                          f"{cfg.env.name} ({EMBEDDED_STEP_S} s); an episode needs at least one step")
@@ -279,6 +271,25 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
             raise UsageError(f"{flag} sizes must be positive, got {' '.join(map(str, sizes))}")
     validate_simulator_env(cfg)
     validate_rollout(cfg, world_size)
+
+
+def check_experiment_name(name: str, root: str) -> None:
+    """--log.experiment `name` must name one directory that --log.root `root` can hold. Also run by resolve_resume
+    before --resume auto looks there: a name too long to exist read as "no checkpoint under ...", the wrong fix."""
+    if name in (".", "..") or any(sep in name for sep in ("/", "\\", os.sep)):
+        raise UsageError(f"--log.experiment {name!r} must be a plain name without path separators "
+                         f"(runs go to --log.root/EXPERIMENT/TIMESTAMP); use --log.root to write elsewhere")
+    if name and not (name.strip() and name.isprintable()):
+        raise UsageError(f"--log.experiment {name!r} is blank or holds a character that is not printable "
+                         f"(a newline, a tab, a byte the file system's encoding cannot decode); a run directory's name "
+                         f"must be printable text: leave it out for the env's name")
+    try:        # the file system's per-name limit where the directory goes (255 on most)
+        name_max = os.pathconf(nearest_directory(root), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    if len(name.encode()) > name_max:     # the run directory's mkdir would fail after the build
+        raise UsageError(f"--log.experiment is {len(name.encode())} bytes long; a directory name can have at most "
+                         f"{name_max}: use a shorter name")
 
 
 def validate_rollout(cfg: Config, world_size: int) -> None:

@@ -22,7 +22,7 @@ import typing
 
 import torch
 
-from configs.config import FLOAT32_MAX
+from configs.config import FLOAT32_MAX, check_experiment_name
 from configs.typed_flags import env_reads, requirement
 from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
 from dist.checksum import checksum
@@ -281,6 +281,9 @@ def resolve_resume(cfg, experiment_dir: str, task: str | None = None,
         if run_dir is not None:
             return latest_checkpoint(run_dir) or (cfg.resume if cfg.resume != "auto" else ""), run_dir
     if cfg.resume == "auto":
+        # a name too long to exist is the thing to fix, not the missing checkpoint (validate() checks the rest)
+        check_experiment_name(os.path.basename(experiment_dir), os.path.dirname(experiment_dir))
+
         def ours(run_dir: str) -> bool:    # a run of another env or task would be refused once loaded
             saved = saved_env(run_dir)
             return ((env is None or saved.get("name") in (None, env))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from configs import validate
-from configs.typed_flags import check_typed_flags
+from configs.resume import resolve_resume
+from configs.typed_flags import check_typed_flags, experiment_dir
 from dist.checkpoint_read import checked_checkpoint
 from dist.errors import UsageError
 from ppo import export
@@ -94,3 +95,28 @@ def test_export_to_a_dangling_symbolic_link_says_so(tmp_path, real_checkpoint, b
     assert str(exc.value) == (f"--out {out!r}{at} is a symbolic link whose target does not exist (or that loops); "
                               f"create its target, or pass --out with another folder")
     assert not (tmp_path / "missing").exists()
+
+
+def test_resume_auto_names_an_experiment_too_long_to_exist_before_looking_for_a_checkpoint(tmp_path):
+    """Mutant: check_experiment_name's call removed from resolve_resume -> "--resume auto: no checkpoint of
+    --env.name tracking under ...", which a longer wait or another --log.root cannot fix."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")      # 255 on most file systems
+    cfg = cfg_with(resume="auto", log__root=str(tmp_path), log__experiment="x" * (limit + 1))
+    with pytest.raises(UsageError) as exc:
+        resolve_resume(cfg, experiment_dir(cfg), None, cfg.env.name)
+    assert str(exc.value) == (f"--log.experiment is {limit + 1} bytes long; a directory name can have at most {limit}: "
+                              f"use a shorter name")
+    cfg = cfg_with(resume="auto", log__root=str(tmp_path), log__experiment="x" * limit)
+    with pytest.raises(UsageError, match=r"^--resume auto: no checkpoint of --env\.name tracking under "):
+        resolve_resume(cfg, experiment_dir(cfg), None, cfg.env.name)
+
+
+def test_the_name_limit_is_the_file_systems_own(tmp_path, monkeypatch):
+    """eCryptfs takes 143 bytes a name: a 200-byte --log.experiment passed the fixed 255 and failed at the mkdir.
+    Mutant: the limit fixed at 255 again -> validate raises nothing."""
+    asked = []
+    monkeypatch.setattr(os, "pathconf", lambda path, name: asked.append((path, name)) or 143)
+    with pytest.raises(UsageError, match=r"^--log\.experiment is 200 bytes long; .* at most 143: use a shorter name$"):
+        validate(cfg_with(log__root=str(tmp_path / "runs"), log__experiment="x" * 200))
+    assert asked == [(str(tmp_path), "PC_NAME_MAX")]          # where the directory would go: its nearest ancestor
+    validate(cfg_with(log__root=str(tmp_path / "runs"), log__experiment="x" * 143))
