@@ -55,6 +55,7 @@ def requirement(cfg, flag: str) -> str | None:
     if flag in ADAPTIVE_ONLY and cfg.ppo.schedule != "adaptive":
         return f"--ppo.schedule adaptive (the run uses {cfg.ppo.schedule})"
     # adaptive, but every step clamps the LR to [lr-min, lr-max], one value: the KL target never changes it
+    # (ppo/kl_schedule.py, ppo/minibatch_step.py device_adaptive_lr)
     if flag == "--ppo.desired-kl" and cfg.ppo.lr_min == cfg.ppo.lr_max:
         return (f"--ppo.lr-min below --ppo.lr-max (the run uses {cfg.ppo.lr_min:g} for both: the adaptive LR cannot "
                 f"move)")
