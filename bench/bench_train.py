@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from configs import preset, validate  # noqa: E402
 from dist.errors import UsageError, out_of_memory  # noqa: E402
+from bench._common import omp_threads  # noqa: E402
 from bench.rsl_rl_adapter import rsl_rl_runner  # noqa: E402
 from envs import make_env  # noqa: E402
 
@@ -316,10 +317,7 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch")
     device = torch.device(args.device)
-    threads = os.environ.get("OMP_NUM_THREADS", "1")      # "", "abc", "0": a ValueError or RuntimeError traceback
-    if not (threads.isascii() and threads.isdigit() and int(threads) >= 1):
-        parser.error(f"OMP_NUM_THREADS={threads!r} is not a positive number of threads; set it to one (or unset it: 1)")
-    torch.set_num_threads(int(threads))
+    torch.set_num_threads(omp_threads(parser))
     iterations = ITERATIONS["quick" if args.quick else args.device]
     configs = {}
     for name in args.settings:          # every flag checked before either learner starts
