@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  DDP's first use imports it (~800 modules): once here, before fork
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench._common import omp_threads  # noqa: E402
+from bench._common import omp_threads, refuse_repeats  # noqa: E402
 from dist.grad_sync import GradSync  # noqa: E402
 
 MODELS = {"0.3M": (256, (512, 256, 128), 1), "10M": (1024, (2048, 2048, 1024, 1024, 512, 512), 1)}
@@ -298,6 +298,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=None,
                         help="default: 2 on cpu (at most 4 per core), every visible GPU on cuda")
     args = parser.parse_args()
+    refuse_repeats(parser, "--models", args.models or [])
     omp_threads(parser)     # else libgomp warns and runs a thread per core, under this header
     defaults = (dict(models=list(QUICK_MODELS), batch=64, warmup=1, iters=3, bucket_mb=[25.0, 0.5]) if args.quick else
                 dict(models=list(MODELS), batch=256, warmup=3, iters=10, bucket_mb=[25.0, 4.0]))

@@ -37,6 +37,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from bench._common import refuse_repeats  # noqa: E402
 from configs import preset  # noqa: E402
 from dist.log_root import check_writable_root  # noqa: E402
 from dist.errors import UsageError  # noqa: E402
@@ -201,9 +202,7 @@ def main() -> None:
     parser.add_argument("--table-only", action="store_true", help="print the table of finished runs and exit")
     args = parser.parse_args()
     for flag, values in (("--tasks", args.tasks), ("--seeds", args.seeds), ("--ranks", args.ranks)):
-        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
-        if twice is not None:     # the same run twice (at once with --jobs 2: into one run directory)
-            parser.error(f"{flag} names {twice} twice; list each once")
+        refuse_repeats(parser, flag, values)    # the same run twice (at once with --jobs 2: into one run directory)
     minibatches = preset("mujoco").ppo.num_mini_batches       # of transitions, at least 2 each (per-minibatch std)
     for ranks in args.ranks:
         if ranks < 1 or GLOBAL_STEPS_PER_ITERATION % ranks:

@@ -54,6 +54,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench._common import refuse_repeats  # noqa: E402
 from configs.config import PolicyConfig  # noqa: E402
 from ppo.actor_critic import build_actor_critic  # noqa: E402
 from sync import WeightSyncConfig, make_weight_syncer  # noqa: E402
@@ -330,6 +331,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "out", "rollout"),
                         help="run directories; learning jobs that finished here are reused")
     args = parser.parse_args()
+    refuse_repeats(parser, "--parts", args.parts or [])
     if args.quick:
         args.parts = args.parts or ["throughput", "sync"]
         args.envs, args.rounds, args.iterations = ["tracking"], 1, {"tracking": 7}

@@ -29,3 +29,30 @@ def test_both_benches_check_omp_num_threads_through_the_one_function(monkeypatch
     module = load_bench(name)
     monkeypatch.setenv("OMP_NUM_THREADS", "abc")
     assert launched_args(module.main, monkeypatch, [f"{name}.py", "--quick"]) == f"{name}.py"
+
+
+def _stopped_at_launch(monkeypatch, name: str, *launches: str):
+    """bench `name` whose functions `launches` (where ranks, learners or jobs would start) raise Launched."""
+    module = load_bench(name)
+    for launch in launches:
+        monkeypatch.setattr(module, launch, lambda *a, **k: (_ for _ in ()).throw(Launched(a)))
+    return module
+
+
+@pytest.mark.parametrize("name, launches, flags, twice", [
+    ("bench_grad_sync", ["launch"], ["--quick", "--models", "20k", "20k"], "--models names 20k twice"),
+    ("bench_train", ["run_interleaved"], ["--quick", "--settings", "small", "small"], "--settings names small twice"),
+    ("bench_rollout", ["throughput", "weight_sync", "learning"], ["--quick", "--parts", "sync", "throughput", "sync"],
+     "--parts names sync twice"),
+])
+def test_a_value_listed_twice_is_one_line_naming_the_flag(monkeypatch, capsys, tmp_path, name, launches, flags,
+                                                          twice):
+    """`--models 20k 20k`, `--settings small small` and `--parts sync sync` ran each once and dropped the repeat
+    silently (a typo for another value never showed); bench_mujoco already refused its repeats in these words.
+
+    Mutant: no refuse_repeats call in that bench -> it goes on to its launch (Launched, not exit 2).
+    """
+    module = _stopped_at_launch(monkeypatch, name, *launches)
+    out = ["--out", str(tmp_path)] if name == "bench_rollout" else []
+    line = usage_error(module.main, monkeypatch, capsys, [f"{name}.py", *flags, *out])
+    assert line == f"{name}.py: error: {twice}; list each once"
