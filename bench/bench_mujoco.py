@@ -18,7 +18,7 @@ The table shows the mean +- population std (ddof 0, as CleanRL's table) of each 
 published number beside it, and the wall time per run (process start to exit). Results are appended
 to ROOT/results.jsonl as each run finishes (with the gymnasium, mujoco and torch versions), so a long
 background job can be read while it runs, and finished runs are not repeated. --jobs 2 runs two
-configurations at a time (one per core for 1-rank runs).
+configurations at a time (one per core for 1-rank runs); --jobs x the largest --ranks is held to 4 ranks per CPU core.
 """
 
 import argparse
@@ -216,6 +216,10 @@ def main() -> None:
                         ("--last-iterations", args.last_iterations)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
+    cores, most = os.cpu_count(), args.jobs * max(args.ranks)    # --jobs runs at once, each up to max(--ranks)
+    if cores and most > 4 * cores and not args.table_only:    # the Makefile's NPROC bound: each rank is a process
+        parser.error(f"--jobs {args.jobs} x --ranks {max(args.ranks)} is {most} ranks at a time, more than this "
+                     f"machine can host: at most 4 per CPU core ({cores} cores, so {4 * cores} ranks)")
     if args.total_steps < GLOBAL_STEPS_PER_ITERATION * args.last_iterations:
         parser.error(f"--total-steps must cover --last-iterations x {GLOBAL_STEPS_PER_ITERATION} steps")
     top = 2**32 - max(args.ranks)          # train.py: rank r seeds numpy with seed + r, which must fit 32 bits

@@ -9,7 +9,7 @@ import pytest
 
 import bench._common
 from tests.test_bench_flags import Launched, launched_args, usage_error
-from tests.test_tools import load_bench
+from tests.test_tools import exit_code, load_bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,10 +32,10 @@ def test_both_benches_check_omp_num_threads_through_the_one_function(monkeypatch
 
 
 def _stopped_at_launch(monkeypatch, name: str, *launches: str):
-    """bench `name` whose functions `launches` (where ranks, learners or jobs would start) raise Launched."""
+    """bench `name` whose functions `launches` (where ranks, learners or jobs would start) raise Launched(last arg)."""
     module = load_bench(name)
     for launch in launches:
-        monkeypatch.setattr(module, launch, lambda *a, **k: (_ for _ in ()).throw(Launched(a)))
+        monkeypatch.setattr(module, launch, lambda *a, **k: (_ for _ in ()).throw(Launched(a[-1])))
     return module
 
 
@@ -56,3 +56,52 @@ def test_a_value_listed_twice_is_one_line_naming_the_flag(monkeypatch, capsys, t
     out = ["--out", str(tmp_path)] if name == "bench_rollout" else []
     line = usage_error(module.main, monkeypatch, capsys, [f"{name}.py", *flags, *out])
     assert line == f"{name}.py: error: {twice}; list each once"
+
+
+# ---- bench/bench_mujoco.py ----------------------------------------------------------------------------
+
+@pytest.fixture
+def bench_mujoco(monkeypatch):
+    """bench_mujoco that stops where a run's train.py would start (Launched), on a machine of 2 cores."""
+    module = _stopped_at_launch(monkeypatch, "bench_mujoco", "run")
+    monkeypatch.setattr(module.os, "cpu_count", lambda: 2)
+    return module
+
+
+@pytest.mark.parametrize("flags, most", [(["--jobs", "100", "--ranks", "1"], 100),
+                                         (["--jobs", "1", "--ranks", "32"], 32),
+                                         (["--jobs", "3", "--ranks", "1", "4"], 12)])
+def test_bench_mujoco_refuses_more_ranks_at_once_than_4_per_core(bench_mujoco, monkeypatch, capsys, tmp_path, flags,
+                                                                  most):
+    """`--jobs 100` or `--ranks 32` on 2 cores started real torchrun jobs (hours of oversubscribed runs).
+
+    Mutant: no bound on --jobs x max(--ranks) -> the bench reaches its first run (Launched, not exit 2).
+    """
+    top = max(int(v) for v in flags[flags.index("--ranks") + 1:])
+    line = usage_error(bench_mujoco.main, monkeypatch, capsys,
+                       ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4", *flags])
+    assert line == (f"bench_mujoco.py: error: --jobs {flags[1]} x --ranks {top} is {most} ranks at a time, more than "
+                    f"this machine can host: at most 4 per CPU core (2 cores, so 8 ranks)")
+
+
+@pytest.mark.parametrize("flags", [["--jobs", "8", "--ranks", "1"], ["--jobs", "4", "--ranks", "1", "2"]])
+def test_bench_mujoco_takes_4_ranks_per_core_or_any_count_where_cores_are_unknown(bench_mujoco, monkeypatch, tmp_path,
+                                                                                   flags):
+    """8 ranks at once on 2 cores start; so do 100 where the core count cannot be read (os.cpu_count() is None).
+
+    Mutant: the bound exclusive (>=), or applied with no core count (None taken as 1) -> exit 2, not Launched.
+    """
+    argv = ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4", "--seeds", "1", *flags]
+    assert launched_args(bench_mujoco.main, monkeypatch, argv).jobs == int(flags[1])
+    monkeypatch.setattr(bench_mujoco.os, "cpu_count", lambda: None)
+    assert launched_args(bench_mujoco.main, monkeypatch, argv + ["--jobs", "100"]).jobs == 100
+
+
+def test_bench_mujoco_table_only_starts_no_run_so_takes_any_jobs(bench_mujoco, monkeypatch, tmp_path):
+    """--table-only starts no run: a --jobs left in a command line it is added to is not a reason to refuse.
+
+    Mutant: the bound applied under --table-only -> exit 2 instead of the empty table's message.
+    """
+    code = exit_code(bench_mujoco.main, monkeypatch, ["bench_mujoco.py", "--root", str(tmp_path), "--jobs", "100",
+                                                      "--table-only"])
+    assert code == f"bench_mujoco: no finished runs in {tmp_path / 'results.jsonl'}"

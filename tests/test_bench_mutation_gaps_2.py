@@ -91,6 +91,7 @@ def test_bench_mujoco_ranks_that_leave_exactly_two_per_minibatch_are_run(bench_m
     """32 ranks: 2048 / 32 = 64 steps per rank, 32 minibatches of exactly 2 (the least the check allows).
 
     Mutant: `steps < 2 * minibatches` -> `steps <= 2 * minibatches`."""
+    monkeypatch.setattr(bench_mujoco.os, "cpu_count", lambda: 8)    # 32 ranks at once: within 4 per core
     args = launched_args(bench_mujoco.main, monkeypatch, ["bench_mujoco.py", "--root", str(tmp_path), "--tasks",
                                                           "Hopper-v4", "--seeds", "0", "--ranks", "32"])
     assert args.ranks == [32]
