@@ -189,6 +189,19 @@ def check_tasks(parser: argparse.ArgumentParser, tasks: list[str]) -> None:
             parser.error(f"--tasks {task!r}: needs a 1-D continuous (Box) action space, got {space}")
 
 
+def check_rounding(parser: argparse.ArgumentParser, results: dict[str, dict], args, path: str) -> None:
+    """Refuse a --total-steps that rounds (down to whole iterations) to the step count of recorded runs of another
+    --total-steps of the same task and ranks: keyed apart, run again, they would share one table row (seeds 1, 1)."""
+    steps = args.total_steps // GLOBAL_STEPS_PER_ITERATION * GLOBAL_STEPS_PER_ITERATION
+    for key, r in results.items():
+        typed = key.rpartition("/steps")[2]
+        if (r.get("task") in args.tasks and r.get("ranks") in args.ranks and r.get("steps") == steps
+                and typed != str(args.total_steps)):
+            parser.error(f"--total-steps {args.total_steps} rounds to {steps:,} steps, as --total-steps {typed} of "
+                         f"the runs recorded in {path} does: one table row would hold both; pass --total-steps "
+                         f"{typed} (or another --root)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=list(CLEANRL), help="gymnasium task ids")
@@ -239,6 +252,7 @@ def main() -> None:
     results = load_results(results_path)
     if not args.table_only:
         os.makedirs(args.root, exist_ok=True)
+        check_rounding(parser, results, args, results_path)
         todo = [(task, ranks, seed) for task in args.tasks for ranks in args.ranks for seed in args.seeds
                 if run_key(task, ranks, seed, args.total_steps) not in results]
         lock, failed = threading.Lock(), threading.Event()

@@ -1,6 +1,7 @@
 """Leftovers of the bench and Makefile audits: each refusal is one line before any run starts, and checks that more
 than one bench makes live in one place (bench/_common.py)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,39 @@ def test_bench_mujoco_table_only_starts_no_run_so_takes_any_jobs(bench_mujoco, m
     code = exit_code(bench_mujoco.main, monkeypatch, ["bench_mujoco.py", "--root", str(tmp_path), "--jobs", "100",
                                                       "--table-only"])
     assert code == f"bench_mujoco: no finished runs in {tmp_path / 'results.jsonl'}"
+
+
+def _recorded(tmp_path, typed: int, steps: int) -> None:
+    """results.jsonl with one finished Hopper-v4 1-rank run of seed 1, asked for as --total-steps `typed`."""
+    record = {"key": f"Hopper-v4/ranks1/seed1/steps{typed}", "task": "Hopper-v4", "ranks": 1, "seed": 1,
+              "steps": steps, "last_episodes_return": 1.0, "last_iterations_return": 1.0}
+    (tmp_path / "results.jsonl").write_text(json.dumps(record) + "\n")
+
+
+def test_bench_mujoco_refuses_a_total_steps_that_rounds_onto_recorded_runs(bench_mujoco, monkeypatch, capsys,
+                                                                             tmp_path):
+    """--total-steps 5000 after runs of --total-steps 4096 (both 2 iterations, 4,096 steps) ran seed 1 again under
+    another key, and the table put both in one row ("seeds 1, 1").
+
+    Mutant: no check_rounding call -> the seed-1 run starts again (Launched, not exit 2).
+    """
+    _recorded(tmp_path, 4096, 4096)
+    line = usage_error(bench_mujoco.main, monkeypatch, capsys,
+                       ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4", "--seeds", "1", "2",
+                        "--ranks", "1", "--last-iterations", "1", "--total-steps", "5000"])
+    assert line == (f"bench_mujoco.py: error: --total-steps 5000 rounds to 4,096 steps, as --total-steps 4096 of the "
+                    f"runs recorded in {tmp_path / 'results.jsonl'} does: one table row would hold both; pass "
+                    f"--total-steps 4096 (or another --root)")
+
+
+@pytest.mark.parametrize("flags", [["--total-steps", "4096"], ["--total-steps", "6144"],
+                                   ["--total-steps", "5000", "--ranks", "2"]])
+def test_bench_mujoco_total_steps_of_their_own_row_still_run(bench_mujoco, monkeypatch, tmp_path, flags):
+    """The same --total-steps adds seeds to the recorded runs; another step count, or other ranks, is another row.
+
+    Mutant: the check refuses whatever differs from the recorded --total-steps (steps or ranks not compared).
+    """
+    _recorded(tmp_path, 4096, 4096)
+    argv = ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4", "--seeds", "1", "2",
+            "--last-iterations", "1", *flags]
+    assert launched_args(bench_mujoco.main, monkeypatch, argv if "--ranks" in flags else argv + ["--ranks", "1"])
