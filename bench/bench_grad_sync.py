@@ -51,6 +51,7 @@ import torch._dynamo  # noqa: E402,F401  DDP's first use imports it (~800 module
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench._common import omp_threads, refuse_repeats  # noqa: E402
+from dist.errors import out_of_memory  # noqa: E402
 from dist.grad_sync import GradSync  # noqa: E402
 
 MODELS = {"0.3M": (256, (512, 256, 128), 1), "10M": (1024, (2048, 2048, 1024, 1024, 512, 512), 1)}
@@ -240,6 +241,18 @@ def teardown() -> None:
     dist.destroy_process_group()
 
 
+def rank_main(target, *target_args) -> None:
+    """`target` in one rank; an allocation it cannot get goes to the parent as one line (target_args[-1] is the
+    queue), not a traceback per rank."""
+    try:
+        target(*target_args)
+    except Exception as exc:
+        if not out_of_memory(exc):
+            raise
+        target_args[-1].put(dict(oom=str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+        sys.exit(3)
+
+
 def launch(args, target, *target_args) -> dict:
     """Start `args.world` fresh processes (fork on CPU, spawn on CUDA) running `target`; return rank 0's result."""
     ctx = mp.get_context("spawn" if args.device == "cuda" else "fork")
@@ -247,7 +260,7 @@ def launch(args, target, *target_args) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=target, args=(r, args.world, port, args, *target_args, queue))
+    procs = [ctx.Process(target=rank_main, args=(target, r, args.world, port, args, *target_args, queue))
              for r in range(args.world)]
     for p in procs:
         p.start()
@@ -257,9 +270,15 @@ def launch(args, target, *target_args) -> dict:
         if p.is_alive():
             p.terminate()
         p.join()
-    if any(p.exitcode != 0 for p in procs) or queue.empty():
+    results = []
+    while not queue.empty():
+        results.append(queue.get())
+    oom = next((r["oom"] for r in results if "oom" in r), None)
+    if oom is not None:     # as bench_train's --num-envs: a size this machine cannot hold is a flag to lower
+        raise SystemExit(f"bench_grad_sync: out of memory: {oom}; lower --batch")
+    if any(p.exitcode != 0 for p in procs) or not results:
         raise SystemExit(f"{target.__name__}{target_args}: a rank failed (exit codes {[p.exitcode for p in procs]})")
-    return queue.get()
+    return results[0]
 
 
 def ratio(a, b) -> str:

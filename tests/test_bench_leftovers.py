@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -142,3 +143,36 @@ def test_bench_mujoco_total_steps_of_their_own_row_still_run(bench_mujoco, monke
     argv = ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4", "--seeds", "1", "2",
             "--last-iterations", "1", *flags]
     assert launched_args(bench_mujoco.main, monkeypatch, argv if "--ranks" in flags else argv + ["--ranks", "1"])
+
+
+# ---- bench/bench_grad_sync.py -------------------------------------------------------------------------
+
+def _rank_out_of_memory(rank, world, port, args, queue):
+    raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes\nmore")
+
+
+def test_bench_grad_sync_rank_out_of_memory_is_one_line_naming_batch(capfd):
+    """A rank's allocation it cannot get (a huge --batch) printed each rank's traceback, then "a rank failed".
+
+    Mutant: launch starts `target` itself, not through rank_main -> each rank's traceback and "a rank failed".
+    """
+    module = load_bench("bench_grad_sync")
+    with pytest.raises(SystemExit) as info:
+        module.launch(types.SimpleNamespace(device="cpu", world=2), _rank_out_of_memory)
+    assert info.value.code == ("bench_grad_sync: out of memory: DefaultCPUAllocator: can't allocate memory: you tried "
+                               "to allocate 8 bytes; lower --batch")
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_grad_sync_huge_batch_is_one_line():
+    """`bench_grad_sync.py --batch 100000000000` end to end (2 gloo ranks): exit 1 with one line on stderr.
+
+    Mutant: rank_main re-raises every exception -> two allocator tracebacks before the summary line.
+    """
+    result = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_grad_sync.py"), "--quick", "--models",
+                             "20k", "--batch", "100000000000"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("bench_grad_sync: out of memory: ") and result.stderr.endswith("; lower --batch\n")
