@@ -94,7 +94,7 @@ bench-sync: $(VENV)/.dev  ## weight sync: patch vs bucket vs naive dist.send (~1
 bench-rollout: $(VENV)/.dev  ## rollout ranks: colocated vs 1 + 1 sync/async, weight-sync bytes, learning (~1 h; ARGS=--quick)
 	$(BIN)/python bench/bench_rollout.py $(value ARGS)
 
-bench-mujoco: setup-mujoco  ## mujoco preset vs CleanRL: 3 tasks x 3 seeds x {1,2} ranks, 1M steps (hours); ARGS="--tasks Hopper-v4 --jobs 2"
+bench-mujoco: $(VENV)/.mujoco  ## mujoco preset vs CleanRL: 3 tasks x 3 seeds x {1,2} ranks, 1M steps (hours); ARGS="--tasks Hopper-v4 --jobs 2"
 	$(BIN)/python bench/bench_mujoco.py $(value ARGS)
 
 # What bench/gpu_check.sh needs beyond the GPU machine's own packages (it has torch, numpy, tensorboard,
@@ -107,8 +107,12 @@ gpu-wheels: $(BIN)/python  ## download the wheels bench/gpu_check.sh installs on
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(GPU_WHEELS)
 
-setup-mujoco: $(VENV)/.runtime  ## gymnasium + MuJoCo into .venv for the gymnasium adapter (make test installs them too)
+setup-mujoco: $(VENV)/.mujoco  ## gymnasium + MuJoCo into .venv for the gymnasium adapter (make test installs them too)
+
+# A stamp, as .runtime: without it every `make bench-mujoco` (a bad ARGS too) ran pip before the bench could say so.
+$(VENV)/.mujoco: $(VENV)/.runtime
 	$(BIN)/pip install -q "gymnasium[mujoco]>=1.4,<1.5" "mujoco>=4.0,<4.1"
+	touch $@
 
 setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv-isaaclab; ISAACSIM=1 adds Isaac Sim
 	[ -d $(call quote,$(ISAACLAB_DIR)) ] || git clone --branch $(ISAACLAB_REF) https://github.com/isaac-sim/IsaacLab.git \

@@ -176,3 +176,32 @@ def test_bench_grad_sync_huge_batch_is_one_line():
     assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith("bench_grad_sync: out of memory: ") and result.stderr.endswith("; lower --batch\n")
+
+
+# ---- Makefile -----------------------------------------------------------------------------------------
+
+def _fake_venv(tmp_path):
+    """A VENV whose bin/python and bin/pip only note their arguments (in calls.txt), with .runtime up to date."""
+    venv, calls = tmp_path / "venv", tmp_path / "calls.txt"
+    (venv / "bin").mkdir(parents=True)
+    for tool in ("python", "pip"):
+        (venv / "bin" / tool).write_text(f'#!/bin/sh\necho {tool} "$@" >> {calls}\n')
+        (venv / "bin" / tool).chmod(0o755)
+    (venv / ".runtime").touch()
+    return venv, calls
+
+
+def test_make_bench_mujoco_installs_mujoco_once(tmp_path):
+    """Every `make bench-mujoco` ran `pip install gymnasium[mujoco] mujoco` (seconds online, an error offline) before
+    the bench, even to be told ARGS was wrong; now a stamp (VENV/.mujoco) makes it once.
+
+    Mutant: bench-mujoco's install without the stamp (pip as a recipe of setup-mujoco) -> pip called twice.
+    """
+    venv, calls = _fake_venv(tmp_path)
+    for _ in range(2):
+        result = subprocess.run(["make", "bench-mujoco", f"VENV={venv}", "ARGS=--jobs 0"], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+    lines = calls.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["pip", "python", "python"], lines
+    assert lines[1:] == ["python bench/bench_mujoco.py --jobs 0"] * 2 and (venv / ".mujoco").exists()
