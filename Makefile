@@ -62,6 +62,8 @@ train: train-settings $(if $(ISAAC),,$(VENV)/.runtime)  ## train the default pre
 # Before the prerequisites and torchrun (whose tracebacks would bury the cause): PRESET and NPROC as make passes them.
 # An NPROC past 4 ranks per core (bench_grad_sync's bound) is refused: torchrun builds a worker per rank first (a
 # 20-digit NPROC: it hung, growing, with no output) and then starts them all.
+# An OMP_NUM_THREADS that is not a count ("abc", "", 0) is refused too: libgomp warned and ran a thread per core in
+# every rank (train.py does not check it).
 train-settings:
 	@$(if $(filter-out $(PRESETS),$(PRESET))$(filter-out 1,$(words $(PRESET))),echo $(call quote,error: \
 		PRESET=$(PRESET) is not a preset; use one of: $(PRESETS)) >&2; exit 2,true)
@@ -73,6 +75,8 @@ train-settings:
 	@n=$(call quote,$(NPROC)); c=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || nproc 2>/dev/null); \
 	if [ -n "$$c" ] && { [ $${#n} -gt 6 ] || [ "$$n" -gt $$((4 * c)) ]; }; then echo "error: NPROC=$$n is more" \
 		"ranks than this machine can host: at most 4 per CPU core ($$c cores, so NPROC=$$((4 * c)))" >&2; exit 2; fi
+	@case $(call quote,$(OMP_NUM_THREADS)) in ''|*[!0-9]*|0*) echo $(call quote,error: \
+		OMP_NUM_THREADS=$(OMP_NUM_THREADS) must be a positive number of threads (or unset: 1)) >&2; exit 2;; esac
 
 test: $(VENV)/.dev  ## run the whole test suite
 	$(BIN)/python -m pytest -q tests

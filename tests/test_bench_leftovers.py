@@ -205,3 +205,31 @@ def test_make_bench_mujoco_installs_mujoco_once(tmp_path):
     lines = calls.read_text().splitlines()
     assert [line.split()[0] for line in lines] == ["pip", "python", "python"], lines
     assert lines[1:] == ["python bench/bench_mujoco.py --jobs 0"] * 2 and (venv / ".mujoco").exists()
+
+
+def _make_train(tmp_path, *settings: str) -> subprocess.CompletedProcess:
+    """`make train settings...` where a passing check goes on to build a venv that cannot be built (PY=false)."""
+    return subprocess.run(["make", "train", "NPROC=2", *settings, "ARGS=--help", f"VENV={tmp_path / 'fresh'}",
+                           "PY=false"], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("threads", ["abc", "", "0", "-1", "2,1"])
+def test_make_train_refuses_omp_num_threads_that_is_not_a_count(tmp_path, threads):
+    """`make train OMP_NUM_THREADS=abc` (exported to every rank) made libgomp warn and run a thread per core in each.
+
+    Mutant: no OMP_NUM_THREADS case in train-settings -> make goes on to build the venv (PY=false: exit 2, no line).
+    """
+    result = _make_train(tmp_path, f"OMP_NUM_THREADS={threads}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines()[0] == (f"error: OMP_NUM_THREADS={threads} must be a positive number of threads "
+                                             f"(or unset: 1)")
+    assert "venv" not in result.stdout and not (tmp_path / "fresh").exists()
+
+
+def test_make_train_takes_a_thread_count(tmp_path):
+    """OMP_NUM_THREADS=2 passes the check (on to building the venv, here with a Python that fails).
+
+    Mutant: the check refuses every value -> no venv step.
+    """
+    result = _make_train(tmp_path, "OMP_NUM_THREADS=2")
+    assert "error: OMP" not in result.stderr and "venv" in result.stdout, result.stdout + result.stderr
