@@ -64,19 +64,21 @@ train: train-settings $(if $(ISAAC),,$(VENV)/.runtime)  ## train the default pre
 # 20-digit NPROC: it hung, growing, with no output) and then starts them all.
 # An OMP_NUM_THREADS that is not a count ("abc", "", 0) is refused too: libgomp warned and ran a thread per core in
 # every rank (train.py does not check it).
+# Spaces around a value are dropped, as make's $(filter) drops them from PRESET: NPROC="2 " reaches torchrun unquoted
+# (2 ranks) and libgomp reads OMP_NUM_THREADS=" 1 " as 1, so refusing them would refuse what runs.
 train-settings:
 	@$(if $(filter-out $(PRESETS),$(PRESET))$(filter-out 1,$(words $(PRESET))),echo $(call quote,error: \
 		PRESET=$(PRESET) is not a preset; use one of: $(PRESETS)) >&2; exit 2,true)
 	@$(if $(ISAAC),[ -x $(call quote,$(ISAACLAB_VENV))/bin/torchrun ] || { echo $(call quote,error: PRESET=isaaclab \
 		runs in $(ISAACLAB_VENV)/bin/torchrun; it is not there: make setup-isaaclab first (docs/simulators.md)) \
 		>&2; exit 2; },true)
-	@case $(call quote,$(NPROC)) in ''|*[!0-9]*|0*) \
-		echo $(call quote,error: NPROC=$(NPROC) must be a positive number of ranks) >&2; exit 2;; esac
-	@n=$(call quote,$(NPROC)); c=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || nproc 2>/dev/null); \
+	@case $(call quote,$(strip $(NPROC))) in ''|*[!0-9]*|0*) \
+		echo $(call quote,error: NPROC=$(strip $(NPROC)) must be a positive number of ranks) >&2; exit 2;; esac
+	@n=$(call quote,$(strip $(NPROC))); c=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || nproc 2>/dev/null); \
 	if [ -n "$$c" ] && { [ $${#n} -gt 6 ] || [ "$$n" -gt $$((4 * c)) ]; }; then echo "error: NPROC=$$n is more" \
 		"ranks than this machine can host: at most 4 per CPU core ($$c cores, so NPROC=$$((4 * c)))" >&2; exit 2; fi
-	@case $(call quote,$(OMP_NUM_THREADS)) in ''|*[!0-9]*|0*) echo $(call quote,error: \
-		OMP_NUM_THREADS=$(OMP_NUM_THREADS) must be a positive number of threads (or unset: 1)) >&2; exit 2;; esac
+	@case $(call quote,$(strip $(OMP_NUM_THREADS))) in ''|*[!0-9]*|0*) echo $(call quote,error: \
+		OMP_NUM_THREADS=$(strip $(OMP_NUM_THREADS)) must be a positive number of threads (or unset: 1)) >&2; exit 2;; esac
 
 test: $(VENV)/.dev  ## run the whole test suite
 	$(BIN)/python -m pytest -q tests

@@ -233,3 +233,24 @@ def test_make_train_takes_a_thread_count(tmp_path):
     """
     result = _make_train(tmp_path, "OMP_NUM_THREADS=2")
     assert "error: OMP" not in result.stderr and "venv" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("setting", ["NPROC=2 ", "OMP_NUM_THREADS=1 ", "PRESET=cartpole "])
+def test_make_train_takes_a_value_with_spaces_around_it(tmp_path, setting):
+    """NPROC="2 " was refused as `error: NPROC=2  must be ...` (the space invisible) while PRESET="cartpole " was taken
+    ($(filter) drops spaces); torchrun gets NPROC unquoted and libgomp reads "1 " as 1, so all now pass the checks.
+
+    Mutant: train-settings checks $(NPROC) (or $(OMP_NUM_THREADS)) without $(strip) -> refused, no venv step.
+    """
+    result = _make_train(tmp_path, setting)
+    assert "error:" not in result.stderr and "venv" in result.stdout, result.stdout + result.stderr
+
+
+def test_make_train_still_refuses_a_space_inside_nproc(tmp_path):
+    """Only the spaces around a value go: "2 x" is still not a count, and the refusal shows it as make holds it.
+
+    Mutant: the NPROC case drops every space (or takes the first word) -> "2 x" passes.
+    """
+    result = _make_train(tmp_path, "NPROC=2 x ")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines()[0] == "error: NPROC=2 x must be a positive number of ranks"
