@@ -30,7 +30,7 @@ import tyro
 from configs import PRESETS, Config, resolve_num_envs, validate, validate_device
 from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, resolve_resume, resume_command,
                             settings_digest, shared_env_seed)
-from configs.typed_flags import env_label, env_reads, experiment_dir, typed_flags
+from configs.typed_flags import env_label, experiment_dir, typed_flags, typed_task
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
 from dist.checkpoint import (agree_on_checkpoint, agree_plan_rows, checkpoint_plan_rows, gather_save_states,
@@ -76,8 +76,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     rank, world = launch_rank_and_world()
     experiment = experiment_dir(cfg)             # from launch settings: final already
     restarted = launch_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
-    typed_task = cfg.env.task if "--env.task" in (typed or ()) and env_reads(cfg, "--env.task") else None
-    resume_path, run_dir = resolve_resume(cfg, experiment, typed_task, cfg.env.name)
+    resume_path, run_dir = resolve_resume(cfg, experiment, typed_task(cfg, typed), cfg.env.name)
     checkpoint = load_checkpoint(resume_path, run_dir) if resume_path else None
     changed, kept = [], []            # from the command line a resumed run continues its own settings
     if checkpoint is not None and typed is not None:

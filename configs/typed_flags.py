@@ -31,19 +31,51 @@ ROLLOUT_RANKS_ONLY = ("--rollout.mode", "--rollout.sync", "--rollout.dtype", "--
                       "--rollout.max-staleness")                          # read by rollout_ranks.py alone
 
 
-def typed_flags(argv: list[str]) -> frozenset[str]:
+class TypedFlags(frozenset):
+    """typed_flags' set, with the refusal of a flag the command line gives more than once (`repeated`, else None):
+    tyro keeps the last value unsaid, and train.py's `cli(config, typed_flags(...))` is outside cli's error handling,
+    so the refusal travels with the set to main's first check (typed_task)."""
+    repeated: str | None = None
+
+
+def typed_flags(argv: list[str]) -> TypedFlags:
     """The flags on a command line, spelled as in the errors: `--ppo.reward_clip=5` -> `--ppo.reward-clip`.
 
     tyro accepts `--a.b-c V`, `--a.b-c=V` and underscores; a boolean's off switch is `--a.no-b` (no field's
     name starts with no_). `--help`, or a value that starts with --, names no field: no rule refers to it.
     """
-    flags = set()
-    for token in argv:
+    given: dict[str, list[tuple[str, str]]] = {}     # flag -> (spelling, value as typed) per occurrence
+    for i, token in enumerate(argv):
         if token.startswith("--"):
-            section, _, name = token[2:].split("=", 1)[0].replace("_", "-").rpartition(".")
+            spelling, equals, value = token.partition("=")
+            section, _, name = spelling[2:].replace("_", "-").rpartition(".")
             name = name.removeprefix("no-")
-            flags.add(f"--{section}.{name}" if section else f"--{name}")
-    return frozenset(flags)
+            if equals:
+                value = value or "''"      # --log.experiment= is an empty name, and shown as one
+            else:   # tyro refuses a value that starts with -- (the preset comes before every flag)
+                values = argv[i + 1:]
+                value = " ".join(values[:next((j for j, v in enumerate(values) if v.startswith("--")), len(values))])
+            given.setdefault(f"--{section}.{name}" if section else f"--{name}", []).append((spelling, value))
+    flags = TypedFlags(given)
+    flags.repeated = next((repeated_message(flag, uses) for flag, uses in given.items() if len(uses) > 1), None)
+    return flags
+
+
+def repeated_message(flag: str, uses: list[tuple[str, str]]) -> str:
+    """`--seed is given twice (1, then 2); keep one`: each value as typed, with its spelling where the spellings
+    differ or a switch has no value (`--ppo.normalize-rewards, then --ppo.no-normalize-rewards`)."""
+    bare = len({spelling for spelling, _ in uses}) == 1 and all(value for _, value in uses)
+    shown = [value if bare else f"{spelling} {value}".rstrip() for spelling, value in uses]
+    times = "twice" if len(uses) == 2 else f"{len(uses)} times"
+    return f"{flag} is given {times} ({', '.join(shown[:-1])}, then {shown[-1]}); keep one"
+
+
+def typed_task(cfg, typed: frozenset[str] | None) -> str | None:
+    """The --env.task typed for an env that reads it (what --resume auto looks for), after the refusals of the
+    command line that need no checkpoint: before resolve_resume, whose "no checkpoint" would hide the thing to fix."""
+    if getattr(typed, "repeated", None):
+        raise UsageError(typed.repeated)
+    return cfg.env.task if "--env.task" in (typed or ()) and env_reads(cfg, "--env.task") else None
 
 
 def requirement(cfg, flag: str) -> str | None:
