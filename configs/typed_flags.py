@@ -72,9 +72,12 @@ def repeated_message(flag: str, uses: list[tuple[str, str]]) -> str:
 
 def typed_task(cfg, typed: frozenset[str] | None) -> str | None:
     """The --env.task typed for an env that reads it (what --resume auto looks for), after the refusals of the
-    command line that need no checkpoint: before resolve_resume, whose "no checkpoint" would hide the thing to fix."""
+    command line that need no checkpoint: before resolve_resume, whose "no checkpoint" would hide the thing to fix.
+    Of the typed-flag rules only the env's: --env.name is never the checkpoint's (a launch setting), while the other
+    rules read settings a resume may take from it (validate() checks those once it has)."""
     if getattr(typed, "repeated", None):
         raise UsageError(typed.repeated)
+    check_typed_flags(cfg, frozenset(flag for flag in typed or () if not env_reads(cfg, flag)))
     return cfg.env.task if "--env.task" in (typed or ()) and env_reads(cfg, "--env.task") else None
 
 

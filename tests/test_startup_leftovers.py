@@ -41,3 +41,14 @@ def test_cli_refuses_a_flag_given_twice_before_anything_is_written(tmp_path):
     out = run_cli("cartpole", "--seed", "1", "--dry-run", "--log.root", str(root), "--seed", "2")
     assert_one_line_error(out, "error: --seed is given twice (1, then 2); keep one")
     assert not os.path.exists(root)
+
+
+# ---- 4. a typed flag the env never reads, before --resume looks for the run ----------------------------------------
+
+def test_a_flag_of_another_env_is_refused_before_resume_auto_looks_for_a_run(tmp_path):
+    """`cartpole --env.num-motions 5 --resume auto` with no run said "--resume auto: no checkpoint": fixed, the run
+    would still refuse the flag. --env.name is a launch setting, never the checkpoint's: no checkpoint is needed.
+    Mutant: typed_task without check_typed_flags of the env's flags -> the first line is resume's."""
+    out = run_cli("cartpole", "--env.num-motions", "5", "--resume", "auto", "--log.root", str(tmp_path / "runs"))
+    assert_one_line_error(out, "error: --env.num-motions applies only with --env.name tracking (the run uses cartpole)")
+    assert not os.path.exists(tmp_path / "runs")
