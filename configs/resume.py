@@ -107,7 +107,7 @@ def continue_saved_config(cfg, saved: dict, typed: frozenset[str], checkpoint: s
     version's), which are dropped, so the start-up says so. A refusal names the `checkpoint` file when given."""
     name = saved.get("env", {}).get("name")
     if name is not None and name != cfg.env.name:      # every other env setting would be the wrong env's
-        refuse_other_env(cfg.env.name, name, checkpoint)
+        refuse_other_env(cfg.env.name, name, checkpoint, picked_by_auto(cfg, checkpoint, "--env.name"))
     changed, taken, kept = [], [], []
     # one setting in two fields; a typed --env.global-num-envs 0 sets no count (the per-rank one continues)
     env_count_typed = "--env.num-envs" in typed or ("--env.global-num-envs" in typed and cfg.env.global_num_envs != 0)
@@ -215,11 +215,26 @@ def blame_checkpoint(error: UsageError, kept: list[str], path: str) -> UsageErro
     return UsageError(f"{error} (the value of the checkpoint's run, {path!r}: pass {flag} to change it)")
 
 
-def refuse_other_env(ours: str, theirs: str, path: str | None = None):
-    """--env.name is the preset's choice, never taken from a checkpoint: another env kind cannot continue."""
+def refuse_other_env(ours: str, theirs: str, path: str | None = None, picked: str = ""):
+    """--env.name is the preset's choice, never taken from a checkpoint: another env kind cannot continue. `picked`:
+    picked_by_auto's way out, when --resume auto chose that checkpoint."""
     where = f"--resume {path!r}: " if path else ""
     raise UsageError(f"{where}--env.name {ours} does not match the checkpoint's --env.name {theirs}: resume it with "
-                     f"the preset it was trained with (train.py PRESET), or pass --env.name {theirs}")
+                     f"the preset it was trained with (train.py PRESET), or pass --env.name {theirs}{picked}")
+
+
+def picked_by_auto(cfg, path: str | None, flag: str) -> str:
+    """What to add to a refusal of the checkpoint `path` as another env's (`flag`: --env.name or --env.task) when
+    --resume auto picked it ("" otherwise). resolve_resume passes over the runs whose config_<iteration>.json names
+    another env, so such a pick is a run from before those files were written: its env was known only once loaded,
+    and auto would pick it again at every start, so the way out is naming the run or another experiment."""
+    if cfg.resume != "auto" or not path:
+        return ""
+    run_dir = os.path.dirname(os.path.abspath(path))
+    value = cfg.env.name if flag == "--env.name" else cfg.env.task
+    return (f"; --resume auto picked {run_dir!r}, the newest run under {os.path.dirname(run_dir)!r}, which has no "
+            f"config_<iteration>.json to say its env: pass --resume RUN_DIR with a run of {flag} {value}, or give "
+            f"each {'preset' if flag == '--env.name' else 'task'} its own --log.experiment")
 
 
 def fits_type(value, annotation) -> bool:
@@ -338,10 +353,11 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
                                  f"rank(s), the checkpoint {path!r} has {theirs} per rank; pass --env.global-num-envs "
                                  f"{theirs * (total // ours)} to resume it")
             if flag == "--env.name":
-                refuse_other_env(ours, theirs, path)
+                refuse_other_env(ours, theirs, path, picked_by_auto(cfg, path, flag))
             hint = " per rank" if name == "num_envs" else ""      # a resume needs the same count per rank
+            way_out = picked_by_auto(cfg, path, flag) if flag == "--env.task" else ""
             raise UsageError(f"{as_flag(flag, ours)} does not match the checkpoint's {as_flag(flag, theirs)}{hint} "
-                             f"({path!r}); leave the flag out to keep the checkpoint's")
+                             f"({path!r}); leave the flag out to keep the checkpoint's{way_out}")
     if state["iteration"] >= cfg.max_iterations:
         if restarted:
             return False

@@ -3,13 +3,20 @@ a tracking motion library larger than the memory (the OOM killer's exit 137, no 
 old run of another env (no way out named), and a typed flag the env never reads said only after --resume looked for
 the run. Each is one line on stderr, exit status 2, before anything is built."""
 
+import glob
 import os
+import re
+import shutil
 
 import pytest
 
+import train
+from configs import preset
+from configs.resume import check_resume_fits
 from configs.typed_flags import typed_flags
+from dist.errors import UsageError
 from test_cli_adversarial import assert_one_line_error
-from test_config_errors import run_cli
+from test_config_errors import run_cli, saved_run
 
 
 # ---- 1. a flag given twice ------------------------------------------------------------------------------------------
@@ -52,3 +59,52 @@ def test_a_flag_of_another_env_is_refused_before_resume_auto_looks_for_a_run(tmp
     out = run_cli("cartpole", "--env.num-motions", "5", "--resume", "auto", "--log.root", str(tmp_path / "runs"))
     assert_one_line_error(out, "error: --env.num-motions applies only with --env.name tracking (the run uses cartpole)")
     assert not os.path.exists(tmp_path / "runs")
+
+
+# ---- 3. --resume auto over a run from before config_<iteration>.json ------------------------------------------------
+
+def old_shared_run(tmp_path) -> str:
+    """A tracking run under --log.experiment shared (which the cartpole preset is given too) as versions before
+    config_<iteration>.json wrote it: checkpoints alone, the env known only once one is loaded."""
+    run_dir = os.path.dirname(saved_run(tmp_path / "trained"))
+    old = str(tmp_path / "runs" / "shared" / "2026-01-01_00-00-00")
+    shutil.copytree(run_dir, old)
+    for path in glob.glob(os.path.join(old, "config_*.json")):
+        os.remove(path)
+    assert glob.glob(os.path.join(old, "model_*.pt")) and not glob.glob(os.path.join(old, "config_*.json"))
+    return old
+
+
+@pytest.mark.parametrize("typed", [frozenset({"--resume", "--log.experiment", "--log.root"}), None])
+def test_resume_auto_refusing_an_old_run_of_another_env_names_it_and_the_way_out(tmp_path, typed):
+    """From the command line (continue_saved_config) and from a program's config (check_resume_fits).
+    Mutant: refuse_other_env called without picked_by_auto's text -> the message ends at "--env.name tracking"."""
+    old = old_shared_run(tmp_path)
+    cfg = preset("cartpole")
+    cfg.resume, cfg.log.root, cfg.log.experiment = "auto", str(tmp_path / "runs"), "shared"
+    with pytest.raises(UsageError) as exc:
+        train.main(cfg, typed)
+    assert re.fullmatch(
+        r"--resume '.*/model_2\.pt': --env\.name cartpole does not match the checkpoint's --env\.name tracking: "
+        r"resume it with the preset it was trained with \(train\.py PRESET\), or pass --env\.name tracking; "
+        + re.escape(f"--resume auto picked {old!r}, the newest run under {os.path.dirname(old)!r}, which has no "
+                    "config_<iteration>.json to say its env: pass --resume RUN_DIR with a run of --env.name cartpole, "
+                    "or give each preset its own --log.experiment"), str(exc.value)), str(exc.value)
+
+
+def test_resume_auto_refusing_an_old_run_of_another_task_names_it_and_the_way_out(tmp_path):
+    """The mujoco preset's runs of every task share one experiment: a typed --env.task meets an old run of another.
+    Mutant: check_resume_fits without picked_by_auto for --env.task -> the message ends at "the checkpoint's"."""
+    cfg = preset("mujoco")
+    cfg.resume, cfg.env.task = "auto", "Hopper-v4"
+    path = str(tmp_path / "mujoco" / "2026-01-01_00-00-00" / "model_5.pt")
+    state = {"config": {"env": {"name": "gymnasium", "task": "Walker2d-v4"}}, "iteration": 5}
+    with pytest.raises(UsageError) as exc:
+        check_resume_fits(state, cfg, path, restarted=False)
+    assert str(exc.value).endswith(
+        f"leave the flag out to keep the checkpoint's; --resume auto picked {os.path.dirname(path)!r}, the newest run "
+        f"under {str(tmp_path / 'mujoco')!r}, which has no config_<iteration>.json to say its env: pass --resume "
+        "RUN_DIR with a run of --env.task Hopper-v4, or give each task its own --log.experiment"), str(exc.value)
+    cfg.resume = path                         # picked by hand: nothing to add
+    with pytest.raises(UsageError, match=r"keep the checkpoint's$"):
+        check_resume_fits(state, cfg, path, restarted=False)
