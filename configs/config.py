@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from configs.memory import check_env_memory
 from configs.ranges import FLOAT32_MAX, FLOAT32_TINY, POSITIVE_FLOATS, UNIT_INTERVAL, check_finite, flag_value
 from configs.typed_flags import check_typed_flags
 from dist.errors import UsageError
@@ -336,6 +337,7 @@ def validate_device(cfg: Config, world_size: int, device_type: str) -> None:
         raise UsageError("--ppo.capture-step captures each minibatch step, its gradient all-reduce included, as a "
                          "CUDA graph, and gloo's all-reduce of CUDA tensors (host copies on its own thread) cannot "
                          "be captured; use --dist.backend nccl (auto picks it on GPUs) or drop --ppo.capture-step")
+    check_env_memory(cfg, device_type)    # the device decides which memory: its own, or the host's
 
 
 def validate_simulator_env(cfg: Config) -> None:

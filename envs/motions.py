@@ -42,6 +42,12 @@ class MotionLibrary:
         # Angular frequency, amplitude and phase stacked, so that a frame gathers one table, not four.
         self.sines = torch.stack([2 * math.pi * self.freq, self.amp, self.phase])   # [3, M, J, S]
 
+    @classmethod
+    def bytes_per_motion(cls, num_joints: int) -> int:
+        """What one motion of the tensors __init__ keeps costs (float32): difficulty and duration [M], bias [M, J],
+        freq, amp and phase [M, J, S] and their stack `sines` [3, M, J, S]; its temporaries come on top."""
+        return 4 * (2 + num_joints + 6 * num_joints * cls.num_sines)
+
     def frame(self, motion_ids: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Joint positions and velocities [..., num_joints] of motions `motion_ids` at times `t` (seconds).
 
@@ -68,6 +74,11 @@ class AdaptiveMotionSampler:
         self.uniform_floor = uniform_floor
         self.global_counts = torch.zeros(2, num_motions, dtype=torch.float64, device=device)  # visits, failures
         self.local_counts = torch.zeros_like(self.global_counts)
+
+    @staticmethod
+    def bytes_per_motion() -> int:
+        """What one motion of the counts costs: global_counts and local_counts, each [2, M] float64."""
+        return 2 * 2 * 8
 
     def probabilities(self) -> torch.Tensor:
         visits, failures = self.global_counts + self.local_counts
