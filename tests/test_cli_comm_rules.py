@@ -84,7 +84,8 @@ def test_cli_prints_an_unexpected_exception_s_traceback_and_its_first_line(monke
 
 def test_cli_says_an_allocation_the_device_cannot_serve_as_out_of_memory_naming_the_sizes(monkeypatch, capsys):
     """torch's CPU allocator raises a plain RuntimeError (here a real one, 2**62 bytes); it is not a bug but sizes
-    too large (--env.num-motions 1e9 passes validation): status 1, the traceback, and a line naming the flags."""
+    too large (validation's memory estimate is a lower bound, so a size it passes can still fail here): status 1,
+    the traceback, and a line naming the flags."""
     with pytest.raises(RuntimeError) as allocation:
         torch.empty(2**62, dtype=torch.uint8)
     status, err, _ = _failing_cli(monkeypatch, capsys, allocation.value)
