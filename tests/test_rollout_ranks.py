@@ -156,8 +156,9 @@ def plain_ranks(tmp_path, *args, prelude=None):
     """Two `python train.py` processes with torchrun's variables: no launcher to kill or signal them (`prelude`:
     see tests/torchrun_job.Job)."""
     port = str(free_port())
+    timeout = [] if "--dist.timeout-s" in args else ["--dist.timeout-s", "20"]   # train.py refuses a flag twice
     return [Job(["cartpole", "--max-iterations", "100000", "--log.root", str(tmp_path), "--rollout.ranks", "1",
-                 "--dist.timeout-s", "20", *args], python=True, prelude=prelude,
+                 *timeout, *args], python=True, prelude=prelude,
                 env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in (0, 1)]
 
