@@ -1,7 +1,14 @@
-"""Checks more than one bench makes on its command line, in one place so their wording stays the same."""
+"""What more than one bench does, in one place so it stays the same: checks on its command line (their wording)
+and how it stops what it started."""
 
 import argparse
+import contextlib
 import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 
 
 def omp_threads(parser: argparse.ArgumentParser) -> int:
@@ -19,3 +26,111 @@ def refuse_repeats(parser: argparse.ArgumentParser, flag: str, values) -> None:
     twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
     if twice is not None:
         parser.error(f"{flag} names {twice} twice; list each once")
+
+
+# ---- stopping: what a bench starts ends with it, whatever stops it -------------------------------------
+
+GRACE_S = 30.0      # torchrun, SIGTERMed, stops its ranks and they finish their iteration and save
+LIVE: set = set()   # processes run_child is waiting for, from any thread: stopped by stopped_main on the way out
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM as an exception, so that it unwinds through the same finally blocks as Ctrl-C (children stopped,
+    folders removed) instead of ending the interpreter where it stands."""
+    signum = signal.SIGTERM
+
+
+def _on_sigterm(signum, frame):
+    raise Interrupted
+
+
+def catch_sigterm() -> None:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def stopped_main(name: str, main) -> None:
+    """`main()`, with SIGTERM raised as Interrupted; a Ctrl-C or SIGTERM ends as one line and 128 + the signal's
+    number (130, 143) once every child is stopped, not as a traceback."""
+    catch_sigterm()
+    try:
+        main()
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)    # a second Ctrl-C must not cut the stopping short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_processes(list(LIVE))
+        print(f"{name}: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
+
+
+def rank_signals() -> None:
+    """In a rank process the bench started: a terminal's Ctrl-C reaches the whole process group, and it is the
+    bench's to act on (it stops the ranks), not a traceback per rank; SIGTERM ends the rank (a forked rank
+    inherits the bench's handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (from /proc): torchrun's ranks, which outlive a torchrun killed hard."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents[int(entry)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for child, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+def _running(proc) -> bool:
+    return proc.poll() is None if isinstance(proc, subprocess.Popen) else proc.is_alive()
+
+
+def _wait(proc, timeout) -> None:
+    if isinstance(proc, subprocess.Popen):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout)
+    else:
+        proc.join(timeout)
+
+
+def stop_processes(procs, grace: float = GRACE_S) -> None:
+    """SIGTERM, SIGKILL what is left after `grace`, and reap: subprocess.Popen and multiprocessing.Process alike,
+    and what they started. SIGTERM first, as a scheduler does: torchrun then stops its ranks itself, where a
+    SIGKILLed torchrun leaves them running until they notice."""
+    live = [p for p in procs if _running(p)]
+    family = {pid for p in live for pid in descendants(p.pid)}
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in live:
+        _wait(p, max(0.0, deadline - time.monotonic()))
+    for pid in [p.pid for p in live if _running(p)] + sorted(family):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for p in live:
+        _wait(p, None)
+
+
+def run_child(cmd: list[str], env: dict | None = None, **popen) -> int:
+    """`cmd` to its end, its exit status; whatever ends the wait (Ctrl-C, SIGTERM, an error) stops it first. Its
+    TMPDIR is a folder removed after it: torchrun leaves its torchelastic_* log folders there even on a clean exit
+    (torch 2.x never removes them)."""
+    with tempfile.TemporaryDirectory(prefix="bench_child_") as tmp:
+        proc = subprocess.Popen(cmd, env={**(os.environ if env is None else env), "TMPDIR": tmp}, **popen)
+        LIVE.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            stop_processes([proc])
+            LIVE.discard(proc)

@@ -7,7 +7,8 @@ Each drill starts a fresh `torchrun ... train.py cartpole` job, waits until it t
 it, and measures the seconds from that act until every process is gone, the exit status, and what is
 on disk afterwards (checkpoints, half-written temporaries, TensorBoard steps). Each job writes under its
 own temporary directory (one drill saves a 1024 x 1024 model every iteration: ~170 MB), removed after the
-drill unless --keep.
+drill unless --keep; it is torchrun's TMPDIR too (its torchelastic_* log folders). Ctrl-C or SIGTERM stops the
+drill's job, removes its directory and exits 130 or 143 with one line.
 """
 
 import argparse
@@ -21,6 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench._common import stopped_main  # noqa: E402
 from tests.test_faults import tb_steps  # noqa: E402
 from tests.torchrun_job import Job, alive  # noqa: E402
 
@@ -40,7 +42,8 @@ def drill(name: str, act, keep: bool, restarts: int = 0, iterations: int = 10000
     root = tempfile.mkdtemp(prefix="drill-")
     print(f"{name}: ", end="", flush=True)
     job = Job(["cartpole", "--max-iterations", str(iterations), "--log.save-every", str(save_every),
-               "--log.root", root, *extra], max_restarts=restarts)
+               "--log.root", root, *extra], max_restarts=restarts, env={"TMPDIR": root})
+    workers = []
     try:
         job.wait_for(r"^it +7/")
         workers = job.workers()
@@ -55,8 +58,16 @@ def drill(name: str, act, keep: bool, restarts: int = 0, iterations: int = 10000
         row = name, code, f"{time.monotonic() - t0:.1f}", kept(root) + note
         print(f"exit {code} after {row[2]} s" + (f" (kept {root})" if keep else ""), flush=True)
         return row
+    except KeyboardInterrupt:      # Ctrl-C or SIGTERM (stopped_main): its line starts below the drill's name
+        print(flush=True)
+        raise
     finally:
         job.kill_all()
+        for pid in workers:       # ranks a drill orphaned (kill -9 the launcher) are no longer torchrun's children
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -124,4 +135,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    stopped_main("fault_drills", main)

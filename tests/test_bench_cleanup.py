@@ -1,0 +1,100 @@
+"""Benches leave nothing behind, whatever stops them: each is started on its smallest settings with TMPDIR in
+tmp_path, signalled the way a terminal (SIGINT) or a scheduler (SIGTERM) does, and must exit with one line naming
+the signal, every process it started gone (by pid) and nothing it made left in TMPDIR."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench._common import descendants
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def leftovers(tmp) -> list[str]:
+    # torch._dynamo's import makes its compile cache, torchinductor_<user>, a folder shared by every run by design
+    return sorted(name for name in os.listdir(tmp) if not name.startswith("torchinductor_"))
+
+
+class Bench:
+    """`python bench/<script> <flags>` with TMPDIR in tmp_path; `family` is every process seen below it."""
+
+    def __init__(self, tmp_path, script: str, *flags: str):
+        self.tmp = tmp_path / "tmp"
+        self.tmp.mkdir()
+        self.out = tmp_path / "out.txt"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp)}
+        with open(self.out, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, os.path.join("bench", script), *flags], cwd=REPO, env=env,
+                                         stdout=out, stderr=subprocess.STDOUT)
+        self.family: set[int] = set()
+
+    def wait_for_family(self, count: int, then=lambda: True, timeout: float = 300.0) -> None:
+        """Until `count` processes run below the bench at once and `then()` holds (generous: a loaded machine)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            below = descendants(self.proc.pid)
+            self.family.update(below)
+            if len(below) >= count and then():
+                return
+            assert self.proc.poll() is None, self.output()
+            time.sleep(0.1)
+        raise AssertionError(f"no {count} processes below the bench in {timeout} s:\n{self.output()}")
+
+    def stop(self, sig) -> int:
+        self.family.update(descendants(self.proc.pid))
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(300)
+        finally:
+            for pid in [self.proc.pid, *self.family]:     # leave nothing behind, whatever the test found
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def output(self) -> str:
+        return self.out.read_text()
+
+    def gone(self, timeout: float = 60.0) -> list[int]:
+        """The family's pids still alive after `timeout` (a rank told to stop may take a moment)."""
+        deadline = time.monotonic() + timeout
+        while any(alive(pid) for pid in self.family) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [pid for pid in self.family if alive(pid)]
+
+
+def assert_stopped(bench: Bench, code: int, sig, name: str) -> None:
+    lines = bench.output().splitlines()
+    assert code == 128 + sig, bench.output()
+    assert lines[-1] == f"{name}: stopped by {signal.Signals(sig).name}", bench.output()
+    assert "Traceback" not in bench.output(), bench.output()
+    assert bench.gone() == []
+    assert leftovers(bench.tmp) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_fault_drills_stopped_mid_drill_stops_its_job_and_removes_its_folders(tmp_path, sig):
+    """SIGTERM killed fault_drills where it stood: the drill's torchrun job (its own session) trained on, and its
+    drill-* folder stayed; Ctrl-C printed a traceback; every drill, finished or not, left torchrun's torchelastic_*
+    folder in TMPDIR. Now the job is stopped, the drill's folder (torchrun's TMPDIR too) removed, one line, 128 + sig.
+
+    Mutant: main() instead of stopped_main -> SIGTERM: exit -15 and drill-* left; SIGINT: a traceback.
+    Mutant: no env={"TMPDIR": root} for the Job -> torchelastic_* left in TMPDIR.
+    """
+    bench = Bench(tmp_path, "fault_drills.py")
+    bench.wait_for_family(3, lambda: any(n.startswith("torchelastic_") for n in os.listdir(bench.tmp))
+                          or any(os.listdir(bench.tmp / n) for n in leftovers(bench.tmp)))
+    assert_stopped(bench, bench.stop(sig), sig, "fault_drills")
