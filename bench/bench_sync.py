@@ -30,7 +30,6 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench._common import rank_signals, run_child, stop_processes, stopped_main  # noqa: E402
 from dist.checkpoint_read import read_checkpoint  # noqa: E402
 from dist.errors import UsageError  # noqa: E402
 from sync import BucketConfig, PatchConfig, WeightSyncConfig, make_weight_syncer  # noqa: E402
@@ -242,6 +242,7 @@ def bench_checkpoints(rank: int, paths: list) -> list:
 def worker(rank: int, port: int, args, queue) -> None:
     """One of the two ranks: join the gloo group, run every table, rank 0 hands them back. Crosses ranks: the
     rendezvous, the tables' messages (bench_time, bench_bytes, bench_checkpoints) and a final barrier."""
+    rank_signals()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -260,8 +261,10 @@ def ppo_checkpoints() -> list:
     root = tempfile.mkdtemp(prefix="bench_sync_")
     atexit.register(shutil.rmtree, root, True)        # the checkpoints are only read by this run
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, os.path.join(repo, "train.py"), "tracking", "--max-iterations", "3",
-                    "--log.save-every", "1", "--log.root", root], check=True, cwd=repo)
+    code = run_child([sys.executable, os.path.join(repo, "train.py"), "tracking", "--max-iterations", "3",
+                      "--log.save-every", "1", "--log.root", root], cwd=repo)
+    if code:
+        sys.exit(f"bench_sync: --ppo's training run exited with {code} (its output is above)")
     return sorted(glob.glob(os.path.join(root, "*", "*", "model_*.pt")),
                   key=lambda p: int(p.rsplit("_", 1)[1].split(".")[0]))
 
@@ -335,15 +338,18 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [ctx.Process(target=worker, args=(rank, port, args, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    while queue.empty():  # a rank that died must not leave this waiting forever
-        if any(p.exitcode not in (None, 0) for p in procs):
-            sys.exit("bench_sync: a rank failed (its traceback is above)")
-        time.sleep(0.2)
-    tables = queue.get()
-    for p in procs:
-        p.join()
+    try:
+        for p in procs:
+            p.start()
+        while queue.empty():  # a rank that died must not leave this waiting forever
+            if any(p.exitcode not in (None, 0) for p in procs):
+                sys.exit("bench_sync: a rank failed (its traceback is above)")
+            time.sleep(0.2)
+        tables = queue.get()
+        for p in procs:
+            p.join()
+    finally:                  # a failed rank's partner, or both on Ctrl-C / SIGTERM, would wait in a collective
+        stop_processes(procs)
     where = "CPU" if args.device == "cpu" else f"{torch.cuda.get_device_name()} (weights and patch snapshot)"
     print(f"weight sync, 2 gloo ranks, time table on {where}, torch {torch.__version__}, 1 thread per rank, "
           f"bucket_size {BUCKET_SIZE // 2**20} MiB")
@@ -351,4 +357,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stopped_main("bench_sync", main)

@@ -98,3 +98,34 @@ def test_fault_drills_stopped_mid_drill_stops_its_job_and_removes_its_folders(tm
     bench.wait_for_family(3, lambda: any(n.startswith("torchelastic_") for n in os.listdir(bench.tmp))
                           or any(os.listdir(bench.tmp / n) for n in leftovers(bench.tmp)))
     assert_stopped(bench, bench.stop(sig), sig, "fault_drills")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, flags, phase", [
+    (signal.SIGTERM, ["--quick", "--ppo"], "training"),
+    (signal.SIGINT, ["--quick", "--ppo"], "training"),
+    (signal.SIGTERM, ["--size", "10M", "--repeats", "100"], "ranks"),
+    (signal.SIGINT, ["--size", "10M", "--repeats", "100"], "ranks"),
+])
+def test_bench_sync_stopped_stops_its_training_run_or_ranks_and_removes_its_folders(tmp_path, sig, flags, phase):
+    """SIGTERM killed bench_sync where it stood: --ppo's bench_sync_* checkpoint folder stayed (its atexit never ran)
+    and its ranks computed on; Ctrl-C printed a traceback (each rank's too). Now both stop the training run or the
+    ranks, remove the folder and exit 128 + sig with one line.
+
+    Mutant: main() instead of stopped_main -> SIGTERM: exit -15 (and bench_sync_* left); SIGINT: a traceback.
+    Mutant: no rank_signals() in worker -> SIGINT (the terminal's, to the group): each rank's KeyboardInterrupt
+    traceback.
+    """
+    bench = Bench(tmp_path, "bench_sync.py", *flags)
+    if phase == "training":
+        # past train.py's imports (a Ctrl-C there is train.py's own traceback): its run folder is made
+        bench.wait_for_family(1, lambda: any(os.listdir(bench.tmp / n) for n in os.listdir(bench.tmp)
+                                             if n.startswith("bench_sync_")))
+    else:
+        bench.wait_for_family(2, lambda: "Traceback" not in bench.output())
+        time.sleep(10)         # spawned ranks past their imports (a Ctrl-C there is Python's traceback), in the tables
+    if sig == signal.SIGINT:   # a terminal's Ctrl-C reaches the bench's whole process group
+        family = descendants(bench.proc.pid)
+        for pid in family:
+            os.kill(pid, sig)
+    assert_stopped(bench, bench.stop(sig), sig, "bench_sync")
