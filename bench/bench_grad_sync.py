@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  DDP's first use imports it (~800 modules): once here, before fork
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench._common import omp_threads, refuse_repeats  # noqa: E402
+from bench._common import omp_threads, rank_signals, refuse_repeats, stop_processes, stopped_main  # noqa: E402
 from dist.errors import out_of_memory  # noqa: E402
 from dist.grad_sync import GradSync  # noqa: E402
 
@@ -244,6 +244,7 @@ def teardown() -> None:
 def rank_main(target, *target_args) -> None:
     """`target` in one rank; an allocation it cannot get goes to the parent as one line (target_args[-1] is the
     queue), not a traceback per rank."""
+    rank_signals()
     try:
         target(*target_args)
     except Exception as exc:
@@ -262,14 +263,13 @@ def launch(args, target, *target_args) -> dict:
         port = s.getsockname()[1]
     procs = [ctx.Process(target=rank_main, args=(target, r, args.world, port, args, *target_args, queue))
              for r in range(args.world)]
-    for p in procs:
-        p.start()
-    while any(p.is_alive() for p in procs) and all(p.exitcode in (None, 0) for p in procs):
-        time.sleep(0.1)
-    for p in procs:                        # one rank failed: the others would wait in a collective until timeout
-        if p.is_alive():
-            p.terminate()
-        p.join()
+    try:
+        for p in procs:
+            p.start()
+        while any(p.is_alive() for p in procs) and all(p.exitcode in (None, 0) for p in procs):
+            time.sleep(0.1)
+    finally:     # one rank failed, or Ctrl-C / SIGTERM: the others would wait in a collective until timeout
+        stop_processes(procs)
     results = []
     while not queue.empty():
         results.append(queue.get())
@@ -367,4 +367,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stopped_main("bench_grad_sync", main)

@@ -129,3 +129,23 @@ def test_bench_sync_stopped_stops_its_training_run_or_ranks_and_removes_its_fold
         for pid in family:
             os.kill(pid, sig)
     assert_stopped(bench, bench.stop(sig), sig, "bench_sync")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_bench_grad_sync_stopped_stops_its_ranks(tmp_path, sig):
+    """SIGTERM killed bench_grad_sync and left its forked ranks computing on, orphaned; Ctrl-C printed a traceback
+    per rank and the bench's. Now both stop the ranks and exit 128 + sig with one line.
+
+    Mutant: no try/finally stop_processes(procs) in launch -> the bench waits at exit for its endless ranks
+    (multiprocessing joins them): TimeoutExpired in stop().
+    Mutant: no rank_signals() in rank_main -> SIGINT to the group: a rank's KeyboardInterrupt traceback.
+    """
+    bench = Bench(tmp_path, "bench_grad_sync.py", "--models", "10M", "--iters", "100000")   # ranks that never end
+    bench.wait_for_family(2)
+    time.sleep(3)              # the ranks past their set-up, in the timed rounds' collectives
+    if sig == signal.SIGINT:   # a terminal's Ctrl-C reaches the bench's whole process group
+        for pid in descendants(bench.proc.pid):
+            os.kill(pid, sig)
+    assert_stopped(bench, bench.stop(sig), sig, "bench_grad_sync")
+
