@@ -40,6 +40,7 @@ Designed and tested on CPU with the device syncs faked; not yet run on a GPU.
 import argparse
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from configs import preset, validate  # noqa: E402
 from dist.errors import UsageError, out_of_memory  # noqa: E402
-from bench._common import omp_threads, refuse_repeats  # noqa: E402
+from bench._common import omp_threads, refuse_repeats, run_child, stopped_main  # noqa: E402
 from bench.rsl_rl_adapter import rsl_rl_runner  # noqa: E402
 from envs import make_env  # noqa: E402
 
@@ -217,7 +218,7 @@ def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> 
         finally:
             baton.pass_on("rsl-rl", finished=True)
 
-    original = train.RunLogger
+    original, on_sigterm = train.RunLogger, signal.getsignal(signal.SIGTERM)
     train.RunLogger = TimedLogger
     # One redirect for both threads (sys.stdout is process-wide): both learners print every iteration.
     with contextlib.redirect_stdout(open(os.devnull, "w")):
@@ -227,6 +228,7 @@ def run_interleaved(cfg, tmp: str, limit_shapes: list, device: torch.device) -> 
             train.main(cfg)
         finally:
             train.RunLogger = original
+            signal.signal(signal.SIGTERM, on_sigterm)   # train.main leaves it at its default: no cleanup after
             thread_may_run_alone = len(rows["syncppo"]) == cfg.max_iterations
             baton.pass_on("syncppo", finished=True)
             thread.join()
@@ -244,11 +246,17 @@ def two_rank_rate(preset_name: str, num_envs: int, iterations: int, warmup: int,
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     root = os.path.join(tmp, "two-ranks")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py", preset_name, "--max-iterations",
-                    str(iterations), "--env.num-envs", str(num_envs), "--log.root", root, "--log.print-every",
-                    str(10**6), "--log.save-every", str(10**6)],
-                   check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                   stdout=subprocess.DEVNULL)
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "train.py", preset_name, "--max-iterations",
+           str(iterations), "--env.num-envs", str(num_envs), "--log.root", root, "--log.print-every", str(10**6),
+           "--log.save-every", str(10**6)]
+    # Its output goes to a log, shown if it fails: a torchrun stopped with the bench prints a traceback of its own.
+    with open(os.path.join(tmp, "two-ranks.log"), "w+") as log:
+        code = run_child(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=log,
+                         stderr=subprocess.STDOUT)
+        if code:
+            log.seek(0)
+            sys.stderr.write(log.read())
+            raise subprocess.CalledProcessError(code, cmd)
     events = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith("events.out")][0]
     acc = EventAccumulator(events)
     acc.Reload()
@@ -362,4 +370,4 @@ def bench(args, configs: dict, iterations: dict, device: torch.device) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stopped_main("bench_train", main)

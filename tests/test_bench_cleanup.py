@@ -149,3 +149,23 @@ def test_bench_grad_sync_stopped_stops_its_ranks(tmp_path, sig):
             os.kill(pid, sig)
     assert_stopped(bench, bench.stop(sig), sig, "bench_grad_sync")
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_bench_train_stopped_during_its_two_rank_row_stops_torchrun_and_its_folders(tmp_path, sig):
+    """The 2-rank row's torchrun ran after train.main had put SIGTERM back to its default: SIGTERM then killed the
+    bench where it stood, leaving torchrun and its ranks training and the bench's tmp* folder; Ctrl-C made
+    subprocess.run SIGKILL torchrun (its ranks left to notice alone) and print a traceback; every row left torchrun's
+    torchelastic_* folder in TMPDIR. Now torchrun is SIGTERMed (it stops its ranks), its TMPDIR is a folder removed
+    after it, and the bench exits 128 + sig with one line.
+
+    Mutant: the SIGTERM handler not put back after train.main -> SIGTERM: exit -15.
+    Mutant: subprocess.run(check=True) for the row, not run_child -> torchelastic_* left in TMPDIR.
+    """
+    bench = Bench(tmp_path, "bench_train.py", "--settings", "small", "--num-envs", "64")
+    bench.wait_for_family(3)   # torchrun and its 2 ranks, after the small table
+    if sig == signal.SIGINT:   # a terminal's Ctrl-C reaches the bench's whole process group
+        for pid in descendants(bench.proc.pid):
+            os.kill(pid, sig)
+    assert_stopped(bench, bench.stop(sig), sig, "bench_train")
+    assert "| syncppo |" in bench.output()      # the small table was printed before the row started

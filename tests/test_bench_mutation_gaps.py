@@ -240,7 +240,8 @@ def test_bench_train_two_rank_rate_leaves_out_the_warm_up(bench_train, monkeypat
         for step, value in enumerate([100.0, 1.0, 10.0, 20.0, 30.0, 40.0], start=1):
             writer.add_scalar("Perf/total_fps", value, step)
         writer.close()
-    monkeypatch.setattr(bench_train, "subprocess", types.SimpleNamespace(run=fake_torchrun, DEVNULL=None))
+        return 0
+    monkeypatch.setattr(bench_train, "run_child", fake_torchrun)
     assert bench_train.two_rank_rate("tracking", 16, 6, 2, str(tmp_path)) == 25.0
 
 
