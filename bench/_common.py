@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 
@@ -31,7 +32,9 @@ def refuse_repeats(parser: argparse.ArgumentParser, flag: str, values) -> None:
 # ---- stopping: what a bench starts ends with it, whatever stops it -------------------------------------
 
 GRACE_S = 30.0      # torchrun, SIGTERMed, stops its ranks and they finish their iteration and save
-LIVE: set = set()   # processes run_child is waiting for, from any thread: stopped by stopped_main on the way out
+LIVE: set = set()   # processes run_child is waiting for, from any thread: stopped by stop_all on the way out
+_STOPPING = threading.Event()
+_LOCK = threading.Lock()    # a thread's run_child either registers its child before stop_all looks, or starts none
 
 
 class Interrupted(KeyboardInterrupt):
@@ -58,7 +61,7 @@ def stopped_main(name: str, main) -> None:
         signum = getattr(exc, "signum", signal.SIGINT)
         signal.signal(signal.SIGINT, signal.SIG_IGN)    # a second Ctrl-C must not cut the stopping short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_processes(list(LIVE))
+        stop_all()
         print(f"{name}: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
 
@@ -122,13 +125,25 @@ def stop_processes(procs, grace: float = GRACE_S) -> None:
         _wait(p, None)
 
 
+def stop_all() -> None:
+    """Stop every run_child child, whichever thread waits for it, and let no thread start another: a thread pool's
+    threads wait for their jobs, and the pool for its threads (and its queued jobs) on the way out of its `with`."""
+    with _LOCK:
+        _STOPPING.set()
+        procs = list(LIVE)
+    stop_processes(procs)
+
+
 def run_child(cmd: list[str], env: dict | None = None, **popen) -> int:
     """`cmd` to its end, its exit status; whatever ends the wait (Ctrl-C, SIGTERM, an error) stops it first. Its
     TMPDIR is a folder removed after it: torchrun leaves its torchelastic_* log folders there even on a clean exit
     (torch 2.x never removes them)."""
     with tempfile.TemporaryDirectory(prefix="bench_child_") as tmp:
-        proc = subprocess.Popen(cmd, env={**(os.environ if env is None else env), "TMPDIR": tmp}, **popen)
-        LIVE.add(proc)
+        with _LOCK:
+            if _STOPPING.is_set():
+                raise RuntimeError("the bench is stopping: no new child")
+            proc = subprocess.Popen(cmd, env={**(os.environ if env is None else env), "TMPDIR": tmp}, **popen)
+            LIVE.add(proc)
         try:
             return proc.wait()
         finally:

@@ -32,6 +32,9 @@ thread each), read back from the TensorBoard file the learner writes.
    envs (the same 12,288 transitions per iteration), 2 seeds each, two jobs at a time under nice; and
    async with recompute off (ratio and KL against the stale copy) and on (the default: the learner's weights).
    Return = mean Train/mean_reward of the last 10 iterations. Finished jobs under --out are reused.
+
+Ctrl-C or SIGTERM stops the jobs running (SIGTERM to torchrun, which stops its ranks), removes this run's run_*
+folder (a failed job keeps it, to look at) and exits 130 or 143 with one line.
 """
 
 import argparse
@@ -54,7 +57,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench._common import refuse_repeats  # noqa: E402
+from bench._common import rank_signals, refuse_repeats, run_child, stop_all, stop_processes, stopped_main  # noqa: E402
 from configs.config import PolicyConfig  # noqa: E402
 from ppo.actor_critic import build_actor_critic  # noqa: E402
 from sync import WeightSyncConfig, make_weight_syncer  # noqa: E402
@@ -83,7 +86,7 @@ def train(preset: str, flags: list[str], root: str, name: str, nice: int = 0) ->
     log = os.path.join(root, f"{name}.log")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with open(log, "w") as out:
-        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+        code = run_child(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     if code:
         with open(log) as f:
             tail = "".join(f.readlines()[-15:])
@@ -177,6 +180,7 @@ def receiver_model(state: dict, policy: dict, dtype: torch.dtype):
 def replay_rank(rank: int, port: int, paths: list[str], dtype_name: str, queue) -> None:
     """Rank 0 sends the checkpoints' weights version by version, rank 1 applies them; patch and bucket take
     turns on every version. Crosses ranks: sync/'s messages, and one barrier before each timed call."""
+    rank_signals()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype_name)
@@ -216,16 +220,19 @@ def replay(paths: list[str], dtype_name: str) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=replay_rank, args=(r, port, paths, dtype_name, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in procs:
-        rank, times, stats = queue.get(timeout=600)
-        results[rank] = (times, stats)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"replay rank exited with {p.exitcode}")
+    try:
+        for p in procs:
+            p.start()
+        results = {}
+        for _ in procs:
+            rank, times, stats = queue.get(timeout=600)
+            results[rank] = (times, stats)
+        for p in procs:
+            p.join()
+            if p.exitcode:
+                raise RuntimeError(f"replay rank exited with {p.exitcode}")
+    finally:     # Ctrl-C, SIGTERM or a failed rank: its partner would wait in a collective
+        stop_processes(procs)
     return {"send": results[0][0], "apply": results[1][0], "stats": results[0][1]}
 
 
@@ -311,7 +318,11 @@ def learning(args, root: str) -> None:
         return key, statistics.fmean(rewards[-10:]), len(rewards), walls[-1] - walls[0]
 
     with ThreadPoolExecutor(2) as pool:     # two 2-process jobs at a time
-        results = dict((k, v) for k, *v in pool.map(run, jobs))
+        try:
+            results = dict((k, v) for k, *v in pool.map(run, jobs))
+        except BaseException:
+            stop_all()      # else the pool's exit waits for its running and queued jobs (an hour)
+            raise
     print("\nlearning: tracking preset, 400 iterations, 12,288 transitions per iteration; return = mean "
           "Train/mean_reward of the last 10 iterations")
     print("| variant | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean | wall (min, 2 jobs at a time) |")
@@ -360,6 +371,10 @@ def main() -> None:
             throughput(args, os.path.join(scratch, "throughput"))
         if "sync" in args.parts:
             weight_sync(args, os.path.join(scratch, "sync"))
+    except KeyboardInterrupt:    # Ctrl-C or SIGTERM: stopped on purpose, its jobs' directories are nothing to look at
+        stop_all()
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     except BaseException:
         print(f"bench_rollout: the jobs' run directories are kept in {scratch}", file=sys.stderr, flush=True)
         raise
@@ -370,4 +385,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stopped_main("bench_rollout", main)

@@ -169,3 +169,24 @@ def test_bench_train_stopped_during_its_two_rank_row_stops_torchrun_and_its_fold
             os.kill(pid, sig)
     assert_stopped(bench, bench.stop(sig), sig, "bench_train")
     assert "| syncppo |" in bench.output()      # the small table was printed before the row started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_bench_rollout_stopped_stops_its_torchrun_job_and_removes_its_run_folder(tmp_path, sig):
+    """SIGTERM killed bench_rollout alone: its torchrun job trained on, orphaned, and its run_* folder under --out
+    stayed; Ctrl-C printed a traceback and kept run_* as if a job had failed; every job left torchrun's torchelastic_*
+    folder in TMPDIR. Now the job is SIGTERMed (torchrun stops its ranks), run_* and torchrun's TMPDIR are removed,
+    and the bench exits 128 + sig with one line.
+
+    Mutant: main() instead of stopped_main -> SIGTERM: exit -15, the job outlives the bench; SIGINT: a traceback.
+    Mutant: no `except KeyboardInterrupt` in main (run_* kept as after a failure) -> out/ still holds run_*.
+    """
+    out = tmp_path / "out"
+    bench = Bench(tmp_path, "bench_rollout.py", "--quick", "--out", str(out))
+    bench.wait_for_family(3)   # torchrun and its 2 ranks
+    if sig == signal.SIGINT:   # a terminal's Ctrl-C reaches the bench's whole process group
+        for pid in descendants(bench.proc.pid):
+            os.kill(pid, sig)
+    assert_stopped(bench, bench.stop(sig), sig, "bench_rollout")
+    assert os.listdir(out) == []

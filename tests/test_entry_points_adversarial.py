@@ -187,14 +187,17 @@ def test_bench_mujoco_a_run_with_too_few_episodes_is_one_line(monkeypatch, tmp_p
 
 
 def _job_dirs(module, monkeypatch, name: str) -> list:
-    """Replace `module`'s subprocess.`name` by one that notes the folder each job's --log.root names, read from the
-    job's working directory, then stops the bench (Launched)."""
+    """Replace `module`'s subprocess.`name` (or its run_child) by one that notes the folder each job's --log.root
+    names, read from the job's working directory, then stops the bench (Launched)."""
     seen = []
 
     def job(cmd, cwd=None, **kwargs):
         seen.append(os.path.join(cwd or os.getcwd(), cmd[cmd.index("--log.root") + 1]))
         raise Launched(cmd)
-    monkeypatch.setattr(module, "subprocess", types.SimpleNamespace(**{name: job, "STDOUT": subprocess.STDOUT}))
+    if name == "run_child":        # bench/_common.py's runner, a name in the bench's own module
+        monkeypatch.setattr(module, name, job)
+    else:
+        monkeypatch.setattr(module, "subprocess", types.SimpleNamespace(**{name: job, "STDOUT": subprocess.STDOUT}))
     return seen
 
 
@@ -222,7 +225,7 @@ def test_bench_rollout_relative_out_is_where_the_jobs_write_from_any_folder(monk
     Mutant: --out used as typed (relative) for the jobs' --log.root.
     """
     module = load_bench("bench_rollout")
-    seen = _job_dirs(module, monkeypatch, "run")
+    seen = _job_dirs(module, monkeypatch, "run_child")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["bench_rollout.py", "--quick", "--parts", "throughput", "--out", "rel"])
     with pytest.raises(Launched):
