@@ -37,7 +37,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from bench._common import refuse_repeats  # noqa: E402
+from bench._common import refuse_repeats, run_child, stop_all, stopped_main  # noqa: E402
 from configs import preset  # noqa: E402
 from dist.log_root import check_writable_root  # noqa: E402
 from dist.errors import UsageError  # noqa: E402
@@ -84,8 +84,8 @@ def run(task: str, ranks: int, seed: int, total_steps: int, args) -> dict:
     print(f"[bench] {' '.join(command)}  > {log_path}", flush=True)
     start = time.time()
     with open(log_path, "w") as log:
-        code = subprocess.call(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        code = run_child(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     wall = time.time() - start
     if code:     # one line, not a traceback: the reason is in the run's log
         raise SystemExit(f"bench_mujoco: {task} ranks {ranks} seed {seed} exited with {code}; see {log_path}")
@@ -275,12 +275,17 @@ def main() -> None:
                       f"{result['wall_s'] / 60:.1f} min", flush=True)
 
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            for future in [pool.submit(run_and_record, *job) for job in todo]:
-                future.result()
+            try:
+                for future in [pool.submit(run_and_record, *job) for job in todo]:
+                    future.result()
+            except KeyboardInterrupt:    # Ctrl-C, SIGTERM: else the pool's exit waits for every run (hours)
+                failed.set()
+                stop_all()
+                raise
     if not results:
         raise SystemExit(f"bench_mujoco: no finished runs in {os.path.join(args.root, 'results.jsonl')}")
     print(table(with_windows(results, args), args.last_episodes, args.last_iterations))
 
 
 if __name__ == "__main__":
-    main()
+    stopped_main("bench_mujoco", main)

@@ -190,3 +190,25 @@ def test_bench_rollout_stopped_stops_its_torchrun_job_and_removes_its_run_folder
             os.kill(pid, sig)
     assert_stopped(bench, bench.stop(sig), sig, "bench_rollout")
     assert os.listdir(out) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_bench_mujoco_stopped_stops_its_run(tmp_path, sig):
+    """SIGTERM killed bench_mujoco alone: its torchrun run trained on for its hours, orphaned; Ctrl-C printed a
+    traceback once the thread pool had waited for the run to stop; every 2-rank run left torchrun's torchelastic_*
+    folder in TMPDIR. Now the run is SIGTERMed (it saves and stops), torchrun's TMPDIR removed, and the bench exits
+    128 + sig with one line; the run's own directory under --root stays, as any interrupted run's does.
+
+    Mutant: main() instead of stopped_main -> SIGTERM: exit -15, the run outlives the bench; SIGINT: a traceback.
+    Mutant: no stop_all() before the pool's exit -> SIGTERM: the pool waits for the 1000-iteration run,
+    TimeoutExpired in stop().
+    """
+    bench = Bench(tmp_path, "bench_mujoco.py", "--tasks", "Hopper-v4", "--seeds", "1", "--ranks", "2",
+                  "--total-steps", "2048000", "--last-episodes", "1", "--root", str(tmp_path / "root"))
+    bench.wait_for_family(3)   # torchrun and its 2 ranks
+    if sig == signal.SIGINT:   # a terminal's Ctrl-C reaches the bench's whole process group
+        for pid in descendants(bench.proc.pid):
+            os.kill(pid, sig)
+    assert_stopped(bench, bench.stop(sig), sig, "bench_mujoco")
+    assert not (tmp_path / "root" / "results.jsonl").exists()

@@ -315,7 +315,7 @@ def test_bench_mujoco_failed_run_is_one_line_naming_its_log(monkeypatch, tmp_pat
         calls.append(command)
         return 2
 
-    monkeypatch.setattr(bench_mujoco, "subprocess", types.SimpleNamespace(call=train_exits_2, STDOUT=-2))
+    monkeypatch.setattr(bench_mujoco, "run_child", train_exits_2)
     monkeypatch.setattr(sys, "argv", ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4",
                                       "--seeds", "1", "2", "--ranks", "1"])
     with pytest.raises(SystemExit) as exit_info:

@@ -5,7 +5,6 @@ import os
 import resource
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -175,7 +174,7 @@ def test_bench_mujoco_a_run_with_too_few_episodes_is_one_line(monkeypatch, tmp_p
             writer.add_scalar("Episode/return", value, 1)
         writer.close()
         return 0
-    monkeypatch.setattr(module, "subprocess", types.SimpleNamespace(call=finished_run, STDOUT=subprocess.STDOUT))
+    monkeypatch.setattr(module, "run_child", finished_run)
     monkeypatch.setattr("sys.argv", ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4", "--seeds",
                                      "1", "--ranks", "1", "--total-steps", "2048", "--last-iterations", "1",
                                      "--last-episodes", "5"])
@@ -187,17 +186,14 @@ def test_bench_mujoco_a_run_with_too_few_episodes_is_one_line(monkeypatch, tmp_p
 
 
 def _job_dirs(module, monkeypatch, name: str) -> list:
-    """Replace `module`'s subprocess.`name` (or its run_child) by one that notes the folder each job's --log.root
-    names, read from the job's working directory, then stops the bench (Launched)."""
+    """Replace `module`'s `name` (its run_child, bench/_common.py's) by one that notes the folder each job's
+    --log.root names, read from the job's working directory, then stops the bench (Launched)."""
     seen = []
 
     def job(cmd, cwd=None, **kwargs):
         seen.append(os.path.join(cwd or os.getcwd(), cmd[cmd.index("--log.root") + 1]))
         raise Launched(cmd)
-    if name == "run_child":        # bench/_common.py's runner, a name in the bench's own module
-        monkeypatch.setattr(module, name, job)
-    else:
-        monkeypatch.setattr(module, "subprocess", types.SimpleNamespace(**{name: job, "STDOUT": subprocess.STDOUT}))
+    monkeypatch.setattr(module, name, job)
     return seen
 
 
@@ -209,7 +205,7 @@ def test_bench_mujoco_relative_root_is_where_the_runs_write_from_any_folder(monk
     Mutant: --root passed on to train.py as typed (relative), not made absolute.
     """
     module = load_bench("bench_mujoco")
-    seen = _job_dirs(module, monkeypatch, "call")
+    seen = _job_dirs(module, monkeypatch, "run_child")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["bench_mujoco.py", "--root", "rel", "--tasks", "Hopper-v4", "--seeds", "1",
                                      "--ranks", "1", "--total-steps", "2048", "--last-iterations", "1"])
