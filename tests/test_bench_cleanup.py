@@ -11,16 +11,9 @@ import time
 import pytest
 
 from bench._common import descendants
+from tests.torchrun_job import alive
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def leftovers(tmp) -> list[str]:
