@@ -57,6 +57,17 @@ class Bench:
                 continue
         return count
 
+    def all_ignore_sigint(self) -> bool:
+        """Whether every process below the bench ignores SIGINT (its SigIgn mask in /proc)."""
+        masks = []
+        for pid in descendants(self.proc.pid):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    masks += [int(line.split()[1], 16) for line in f if line.startswith("SigIgn:")]
+            except OSError:
+                continue
+        return bool(masks) and all(mask >> (signal.SIGINT - 1) & 1 for mask in masks)
+
     def stop(self, sig) -> int:
         self.family.update(descendants(self.proc.pid))
         self.proc.send_signal(sig)
@@ -117,8 +128,8 @@ def test_bench_sync_stopped_stops_its_training_run_or_ranks_and_removes_its_fold
     ranks, remove the folder and exit 128 + sig with one line.
 
     Mutant: main() instead of stopped_main -> SIGTERM: exit -15 (and bench_sync_* left); SIGINT: a traceback.
-    Mutant: no rank_signals() in worker -> SIGINT (the terminal's, to the group): each rank's KeyboardInterrupt
-    traceback.
+    Mutant: no rank_signals() in worker -> the ranks never ignore the terminal's Ctrl-C: the wait for them fails
+    (AssertionError "no 2 processes below the bench").
     """
     bench = Bench(tmp_path, "bench_sync.py", *flags)
     if phase == "training":
@@ -126,8 +137,9 @@ def test_bench_sync_stopped_stops_its_training_run_or_ranks_and_removes_its_fold
         bench.wait_for_family(1, lambda: any(os.listdir(bench.tmp / n) for n in os.listdir(bench.tmp)
                                              if n.startswith("bench_sync_")))
     else:
-        bench.wait_for_family(2, lambda: "Traceback" not in bench.output())
-        time.sleep(10)         # spawned ranks past their imports (a Ctrl-C there is Python's traceback), in the tables
+        # both spawned ranks past their imports and rank_signals() (a Ctrl-C before it is Python's traceback): every
+        # process below the bench ignores SIGINT (multiprocessing's resource tracker does too)
+        bench.wait_for_family(2, lambda: bench.running("spawn_main") >= 2 and bench.all_ignore_sigint())
     if sig == signal.SIGINT:   # a terminal's Ctrl-C reaches the bench's whole process group
         family = descendants(bench.proc.pid)
         for pid in family:
