@@ -27,7 +27,7 @@ if __name__ == "__main__":    # Ctrl-C while torch and numpy import (~1.5 s): no
 import torch
 import tyro
 
-from configs import PRESETS, Config, resolve_num_envs, validate, validate_device
+from configs import PRESETS, Config, env_count_flag, resolve_num_envs, validate, validate_device
 from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, resolve_resume, resume_command,
                             settings_digest, shared_env_seed)
 from configs.typed_flags import env_label, experiment_dir, typed_flags, typed_task
@@ -352,9 +352,8 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
         first = str(exc).splitlines()[0] if str(exc) else ""
         message = f"error: unexpected {type(exc).__name__} (traceback above): {first}"
         if out_of_memory(exc):        # sizes the device cannot hold: not a bug, and the way out is a flag
-            count = "--env.global-num-envs" if cfg.env.global_num_envs else "--env.num-envs"   # the one it takes
             message = (f"error: out of memory (traceback above: where): {first}; this run's sizes need more memory "
-                       f"than the device has: lower {count}, --ppo.num-steps, --policy.actor-hidden/"
+                       f"than the device has: lower {env_count_flag(cfg)}, --ppo.num-steps, --policy.actor-hidden/"
                        "critic-hidden or the env's own sizes (tracking: --env.num-motions)")
     if say:
         print(f"{message}\n", end="", file=sys.stderr, flush=True)   # one write: no other thread's line inside

@@ -47,14 +47,10 @@ def _on_sigterm(signum, frame):
     raise Interrupted
 
 
-def catch_sigterm() -> None:
-    signal.signal(signal.SIGTERM, _on_sigterm)
-
-
 def stopped_main(name: str, main) -> None:
     """`main()`, with SIGTERM raised as Interrupted; a Ctrl-C or SIGTERM ends as one line and 128 + the signal's
     number (130, 143) once every child is stopped, not as a traceback."""
-    catch_sigterm()
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         main()
     except KeyboardInterrupt as exc:
@@ -74,8 +70,8 @@ def rank_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (from /proc): torchrun's ranks, which outlive a torchrun killed hard."""
+def live_parents() -> dict[int, int]:
+    """Every live (not zombie) process's parent, by pid, from /proc."""
     parents = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -86,6 +82,12 @@ def descendants(pid: int) -> list[int]:
                 continue
             if fields[0] != "Z":
                 parents[int(entry)] = int(fields[1])
+    return parents
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`: torchrun's ranks, which outlive a torchrun killed hard."""
+    parents = live_parents()
     found, frontier = [], [pid]
     while frontier:
         below = [child for child, parent in parents.items() if parent in frontier]

@@ -1,5 +1,5 @@
 from configs.config import (Config, DistConfig, EnvConfig, LogConfig, PolicyConfig, PPOConfig, RolloutConfig,
-                            resolve_num_envs, validate, validate_device)
+                            env_count_flag, resolve_num_envs, validate, validate_device)
 from configs.presets import PRESETS, preset
 
 __all__ = ["Config", "DistConfig", "EnvConfig", "LogConfig", "PolicyConfig", "PPOConfig", "RolloutConfig",

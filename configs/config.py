@@ -246,9 +246,8 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
     pooled = samples_per_rank * ((world_size - k if 0 < k < world_size else world_size) if cfg.ppo.advantage_norm ==
                                  "global" else 1)
     if cfg.ppo.advantage_norm in ("local", "global") and pooled < 2:   # (a - mean) / (0 + 1e-8): every advantage 0
-        count = "--env.global-num-envs" if cfg.env.global_num_envs else "--env.num-envs"   # the one that may be typed
         raise UsageError(f"--ppo.advantage-norm {cfg.ppo.advantage_norm} normalizes over 1 transition, which it turns "
-                         f"into 0 (no policy gradient); use more {count} or --ppo.num-steps, or another "
+                         f"into 0 (no policy gradient); use more {env_count_flag(cfg)} or --ppo.num-steps, or another "
                          "--ppo.advantage-norm")
     if not 0 < cfg.ppo.lr_min <= cfg.ppo.lr_max:
         raise UsageError(f"--ppo.lr-min {cfg.ppo.lr_min} must be positive and at most --ppo.lr-max {cfg.ppo.lr_max}")
@@ -272,6 +271,12 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
             raise UsageError(f"{flag} sizes must be positive, got {' '.join(map(str, sizes))}")
     validate_simulator_env(cfg)
     validate_rollout(cfg, world_size)
+
+
+def env_count_flag(cfg: Config) -> str:
+    """The flag that set the env count, the one advice names: --env.global-num-envs when given (--env.num-envs beside
+    it is refused)."""
+    return "--env.global-num-envs" if cfg.env.global_num_envs else "--env.num-envs"
 
 
 def check_experiment_name(name: str, root: str) -> None:

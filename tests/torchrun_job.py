@@ -13,23 +13,15 @@ import sys
 import threading
 import time
 
+from bench._common import live_parents
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
 def children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (from /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(entry))
-    return sorted(out)
+    """Live processes whose parent is `pid` (from /proc)."""
+    return sorted(child for child, parent in live_parents().items() if parent == pid)
 
 
 def alive(pid: int) -> bool:
