@@ -37,7 +37,7 @@ from dist.checkpoint import (agree_on_checkpoint, agree_plan_rows, checkpoint_pl
                              lock_run_dir, open_run_dir, release_run_dirs, rng_states, save_checkpoint)
 from dist.checkpoint_read import load_checkpoint
 from dist.log_root import check_writable_root
-from dist.errors import RunError, UsageError, one_line, out_of_memory, tell_torchrun
+from dist.errors import RunError, UsageError, first_line, one_line, out_of_memory, tell_torchrun
 from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows
 from dist.plan import format_plan
@@ -349,8 +349,9 @@ def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
     except Exception as exc:         # a bug, not bad input: its traceback, then the same teardown as a run-time failure
         traceback.print_exc()       # (without it, other ranks blocked on this one waited out --dist.timeout-s)
         code, failure, say = 1, exc, True
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        message = f"error: unexpected {type(exc).__name__} (traceback above): {first}"
+        first = first_line(exc)
+        said = f": {first}" if str(exc).strip() else ""        # not the type's name twice
+        message = f"error: unexpected {type(exc).__name__} (traceback above){said}"
         if out_of_memory(exc):        # sizes the device cannot hold: not a bug, and the way out is a flag
             message = (f"error: out of memory (traceback above: where): {first}; this run's sizes need more memory "
                        f"than the device has: lower {env_count_flag(cfg)}, --ppo.num-steps, --policy.actor-hidden/"

@@ -51,7 +51,7 @@ import torch._dynamo  # noqa: E402,F401  DDP's first use imports it (~800 module
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench._common import omp_threads, rank_signals, refuse_repeats, stop_processes, stopped_main  # noqa: E402
-from dist.errors import out_of_memory  # noqa: E402
+from dist.errors import first_line, out_of_memory  # noqa: E402
 from dist.grad_sync import GradSync  # noqa: E402
 
 MODELS = {"0.3M": (256, (512, 256, 128), 1), "10M": (1024, (2048, 2048, 1024, 1024, 512, 512), 1)}
@@ -250,7 +250,7 @@ def rank_main(target, *target_args) -> None:
     except Exception as exc:
         if not out_of_memory(exc):
             raise
-        target_args[-1].put(dict(oom=str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+        target_args[-1].put(dict(oom=first_line(exc)))
         sys.exit(3)
 
 

@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
 from configs import preset, validate  # noqa: E402
-from dist.errors import UsageError, out_of_memory  # noqa: E402
+from dist.errors import UsageError, first_line, out_of_memory  # noqa: E402
 from bench._common import omp_threads, refuse_repeats, run_child, stopped_main  # noqa: E402
 from bench.rsl_rl_adapter import rsl_rl_runner  # noqa: E402
 from envs import make_env  # noqa: E402
@@ -350,8 +350,7 @@ def main():
     except Exception as exc:     # as train.py: sizes this machine cannot hold are a flag to lower, not a traceback
         if not out_of_memory(exc):
             raise
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        sys.exit(f"bench_train: out of memory: {first}; lower --num-envs (or leave out --settings large)")
+        sys.exit(f"bench_train: out of memory: {first_line(exc)}; lower --num-envs (or leave out --settings large)")
 
 
 def bench(args, configs: dict, iterations: dict, device: torch.device) -> None:

@@ -92,6 +92,7 @@ def _named(kind: str, purpose: str):
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - every backend failure becomes the same named error
+        # (dist/errors.first_line, written out: this file is copied into other projects with plan.py alone)
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         # gloo's words for a peer whose process is gone: no timeout was waited out, so the timeout is not the lead
         closed = any(words in first_line for words in ("Connection closed by peer", "Connection reset by peer"))

@@ -37,6 +37,12 @@ def one_line(exc: BaseException) -> str:
     return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
+def first_line(exc: BaseException) -> str:
+    """`exc`'s first non-blank line, or its type's name when it has none: what a one-line report of a failure shows
+    where the rest of the message is a traceback's or a backend's detail."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
 def tell_torchrun(message: str, after_peer: bool = False) -> None:
     """Write this rank's error where torchrun's failure summary reads its root cause (else `error_file: <N/A>`).
 

@@ -82,6 +82,20 @@ def test_cli_prints_an_unexpected_exception_s_traceback_and_its_first_line(monke
     assert events == [("torchrun", said), "shutdown", "release"]
 
 
+@pytest.mark.parametrize("failure, said", [
+    (AssertionError(), "error: unexpected AssertionError (traceback above)"),
+    (KeyError(""), "error: unexpected KeyError (traceback above): ''"),
+    (RuntimeError("\n  gloo detail\nmore"), "error: unexpected RuntimeError (traceback above): gloo detail"),
+])
+def test_an_unexpected_exception_s_line_is_its_first_words_or_its_type_alone(monkeypatch, capsys, failure, said):
+    """A bare `assert` has no message: the line ends at its type, not ': ' (was 'AssertionError (traceback above): ');
+    a message whose first line is blank shows its first words (was ': ' and nothing).
+    Mutant: str(exc).splitlines()[0] for the first line -> the blank-first-line case shows nothing."""
+    status, err, events = _failing_cli(monkeypatch, capsys, failure)
+    assert status == 1 and err.endswith("\n" + said + "\n")
+    assert events == [("torchrun", said), "shutdown", "release"]
+
+
 def test_cli_says_an_allocation_the_device_cannot_serve_as_out_of_memory_naming_the_sizes(monkeypatch, capsys):
     """torch's CPU allocator raises a plain RuntimeError (here a real one, 2**62 bytes); it is not a bug but sizes
     too large (validation's memory estimate is a lower bound, so a size it passes can still fail here): status 1,
