@@ -331,12 +331,12 @@ def first_on_node() -> bool:
     return not value.strip().isdecimal() or int(value) == 0
 
 
-def cli(cfg: Config, typed: frozenset[str] | None = None) -> int:
-    """Run `main`; turn user errors into one line on stderr (status 2) and run-time failures into one line (1); an
-    unexpected exception prints its traceback and that line (1). Each tears the process group down at once.
-    Crosses ranks: what `main` does (every row of its sync plan), nothing of its own."""
+def cli(cfg: Config, argv: list[str] | None = None) -> int:
+    """Run `main` with the flags typed in `argv` (None: none known); turn user errors into one line on stderr (status
+    2) and run-time failures into one line (1); an unexpected exception prints its traceback and that line (1). Each
+    tears the process group down at once. Crosses ranks: what `main` does (every row of its sync plan), nothing else."""
     try:
-        main(cfg, typed)
+        main(cfg, None if argv is None else typed_flags(argv))
         return 0
     except UsageError as exc:        # identical on every rank: said once per node, unless only some ranks meet it
         code, failure, message, say = 2, exc, f"error: {exc}", first_on_node() if exc.say_here is None else exc.say_here
@@ -394,6 +394,6 @@ if __name__ == "__main__":
         if exc.code:                  # not --help
             tell_torchrun("error: the command line could not be parsed: see the parser's message (local rank 0)")
         raise
-    code = cli(config, typed_flags(sys.argv[1:]))
+    code = cli(config, sys.argv[1:])
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # finalizing, Python resets a handler to SIG_DFL (130, unsaid)
     sys.exit(code)

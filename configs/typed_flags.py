@@ -31,15 +31,9 @@ ROLLOUT_RANKS_ONLY = ("--rollout.mode", "--rollout.sync", "--rollout.dtype", "--
                       "--rollout.max-staleness")                          # read by rollout_ranks.py alone
 
 
-class TypedFlags(frozenset):
-    """typed_flags' set, with the refusal of a flag the command line gives more than once (`repeated`, else None):
-    tyro keeps the last value unsaid, and train.py's `cli(config, typed_flags(...))` is outside cli's error handling,
-    so the refusal travels with the set to main's first check (typed_task)."""
-    repeated: str | None = None
-
-
-def typed_flags(argv: list[str]) -> TypedFlags:
-    """The flags on a command line, spelled as in the errors: `--ppo.reward_clip=5` -> `--ppo.reward-clip`.
+def typed_flags(argv: list[str]) -> frozenset[str]:
+    """The flags on a command line, spelled as in the errors: `--ppo.reward_clip=5` -> `--ppo.reward-clip`; a flag
+    given more than once is refused (tyro keeps the last value, unsaid).
 
     tyro accepts `--a.b-c V`, `--a.b-c=V` and underscores; a boolean's off switch is `--a.no-b` (no field's
     name starts with no_). `--help`, or a value that starts with --, names no field: no rule refers to it.
@@ -56,9 +50,10 @@ def typed_flags(argv: list[str]) -> TypedFlags:
                 values = argv[i + 1:]
                 value = " ".join(values[:next((j for j, v in enumerate(values) if v.startswith("--")), len(values))])
             given.setdefault(f"--{section}.{name}" if section else f"--{name}", []).append((spelling, value))
-    flags = TypedFlags(given)
-    flags.repeated = next((repeated_message(flag, uses) for flag, uses in given.items() if len(uses) > 1), None)
-    return flags
+    repeated = next((repeated_message(flag, uses) for flag, uses in given.items() if len(uses) > 1), None)
+    if repeated:
+        raise UsageError(repeated)
+    return frozenset(given)
 
 
 def repeated_message(flag: str, uses: list[tuple[str, str]]) -> str:
@@ -75,8 +70,6 @@ def typed_task(cfg, typed: frozenset[str] | None) -> str | None:
     command line that need no checkpoint: before resolve_resume, whose "no checkpoint" would hide the thing to fix.
     Of the typed-flag rules only the env's: --env.name is never the checkpoint's (a launch setting), while the other
     rules read settings a resume may take from it (validate() checks those once it has)."""
-    if getattr(typed, "repeated", None):
-        raise UsageError(typed.repeated)
     check_typed_flags(cfg, frozenset(flag for flag in typed or () if not env_reads(cfg, flag)))
     return cfg.env.task if "--env.task" in (typed or ()) and env_reads(cfg, "--env.task") else None
 

@@ -38,15 +38,17 @@ from test_config_errors import run_cli, saved_run
     (["--seed", "1", "--seed", "1", "--seed", "3"], "--seed is given 3 times (1, 1, then 3); keep one"),
 ])
 def test_a_flag_given_twice_is_named_with_every_value(argv, message):
-    """Mutant: typed_flags without setting `repeated` -> it is None, not the message."""
-    flags = typed_flags(["cartpole", *argv])
-    assert flags.repeated == message
-    assert typed_flags(["cartpole", "--seed", "1", "--policy.actor-hidden", "64", "64", "--dry-run"]).repeated is None
+    """Mutant: typed_flags without the repeat check -> no UsageError."""
+    with pytest.raises(UsageError) as refused:
+        typed_flags(["cartpole", *argv])
+    assert str(refused.value) == message
+    once = typed_flags(["cartpole", "--seed", "1", "--policy.actor-hidden", "64", "64", "--dry-run"])
+    assert once == {"--seed", "--policy.actor-hidden", "--dry-run"}
 
 
 def test_cli_refuses_a_flag_given_twice_before_anything_is_written(tmp_path):
     """`train.py cartpole --seed 1 --seed 2` trained with seed 2, unsaid.
-    Mutant: typed_task without the `repeated` check -> the dry run exits 0."""
+    Mutant: cli's typed_flags(argv) outside its try -> a UsageError traceback, status 1."""
     root = tmp_path / "runs"
     out = run_cli("cartpole", "--seed", "1", "--dry-run", "--log.root", str(root), "--seed", "2")
     assert_one_line_error(out, "error: --seed is given twice (1, then 2); keep one")
