@@ -192,3 +192,29 @@ def _unlike_receivers(rank, world_size):
 def test_receivers_of_one_syncer_must_be_alike():
     for message in run_ranks(_unlike_receivers, 3):
         assert "receiver rank 2 differs from receiver rank 1" in message
+
+
+def test_make_weight_syncer_refuses_a_config_that_is_not_a_weight_sync_config():
+    """Mutant: the type check dropped, a YAML mapping given in place of the config failed with an AttributeError
+    (`dict` has no `type`) instead of a TypeError that names what to pass. No rank is needed: it fails first."""
+    with pytest.raises(TypeError, match="weight sync needs a WeightSyncConfig, got dict"):
+        make_weight_syncer({"type": "patch"}, src=0, dsts=[1])
+
+
+def _receiver_with_an_extra_key(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
+    state = {"w": torch.zeros(3)} if rank == 0 else {"w": torch.zeros(3), "extra": torch.zeros(2)}
+    with pytest.raises(ValueError) as caught:
+        if rank == 0:
+            syncer.init_sender(state)
+        else:
+            syncer.init_receiver(state)
+    return str(caught.value)
+
+
+@pytest.mark.slow
+def test_a_receiver_key_the_sender_lacks_fails_the_handshake_on_both_sides():
+    """Mutant: only missing keys ended the comparison; a receiver's extra key then reached the per-key shape
+    check, whose lookup raised a KeyError on the sender alone, and the receiver waited for a reply never sent."""
+    for message in run_ranks(_receiver_with_an_extra_key, 2, timeout=30):
+        assert "missing on the receiver [], unexpected on the receiver ['extra']" in message, message

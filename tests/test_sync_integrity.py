@@ -9,6 +9,7 @@ import sync.patch
 import sync.wire
 from multirank import run_ranks
 from sync import PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from sync.wire import DENSE, GAPS8
 from test_sync_common import bits_equal, make_state, random_update, snapshot
 
 
@@ -218,4 +219,47 @@ def test_a_sparse_tensor_found_wrong_after_writing_makes_the_receiver_refuse_unt
     """docs/weight_sync.md: a sparse tensor over 1/64 density is checked right after it is written, and a
     mismatch then makes the receiver refuse every update until resync()."""
     sender, receiver = run_ranks(_corrupted_after_writing, 2)
+    assert bits_equal(receiver, sender)
+
+
+def _corrupted_value(rank, world_size, step, table, written):
+    """One patch that sets every `step`-th of 256 zeros to 1.0; the receiver damages the value at position 0
+    after it arrived, applies it, and reports whether the model was written (then resync() recovers)."""
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    state = {"w": torch.zeros(256)}
+    if rank == 0:
+        syncer.init_sender(state)
+        state["w"][::step] = 1.0
+        syncer.sync(state, 1)
+        syncer.resync(state, 2)
+        return snapshot(state)
+    syncer.init_receiver(state)
+    update = syncer.recv_update()
+    assert update.table.tolist() == table
+    update.segments[0][1][0] = 2.0               # a wrong value at position 0
+    with pytest.raises(SyncIntegrityError) as caught:
+        syncer.apply_update(state, update)
+    assert caught.value.model_written == written and syncer.version == 0
+    assert state["w"][0] == (2.0 if written else 0.0)
+    assert syncer.resync(state) == 2
+    return snapshot(state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step, table, written", [
+    # 4 of 256, exactly 1/64, so not under it: checked after writing. Gaps 0, 63, 63, 63 as 1-byte symbols:
+    # 4 + 16 value bytes = 20, under a bitmap (32 + 16) and dense (1024).
+    (64, [[0, 4, GAPS8, 4]], True),
+    # 2 of 256, under 1/64: checked before writing (gaps 0, 127; 2 + 8 value bytes).
+    (128, [[0, 2, GAPS8, 2]], False),
+    # All 256 changed: dense (1024 bytes, under a bitmap's 32 + 1024), checked before anything is written.
+    (1, [[0, 256, DENSE, 0]], False),
+], ids=["sparse-at-one-sixty-fourth", "sparse-under-it", "dense"])
+def test_when_a_corrupted_tensor_is_caught_follows_the_documented_density_rule(step, table, written):
+    """docs/weight_sync.md: the receiver checks every whole tensor and every sparse tensor under 1/64 density
+    before writing anything; a denser sparse tensor right after it is written (model_written). Mutants:
+    `_incremental` with `<=` or INCREMENTAL_BELOW = 1/32 (the 1/64 tensor checked before writing) or 1/128 (the
+    1/128 tensor checked after), and a dense row's pre-write checksum dropped (the dense tensor written, then
+    found wrong)."""
+    sender, receiver = run_ranks(_corrupted_value, 2, args=(step, table, written), timeout=60)
     assert bits_equal(receiver, sender)

@@ -1,8 +1,8 @@
-"""Protocol rules of sync/ that mutation testing found unpinned: when the periodic verification runs, what a
-failed verify(model) leaves behind, a blocking apply after a non-blocking one, a non-blocking apply while a
-frame is still arriving, what the init handshake must
-refuse (receivers in another key order, other tied keys) and must accept (zero-sized views), bucket writes
-with frozen keys before synced ones, and a bucket resync draining updates sent in bucket_dtype."""
+"""Protocol rules of sync/: when the periodic verification runs, what a failed verify(model) leaves behind, a
+blocking apply after a non-blocking one, a non-blocking apply while a frame is still arriving, what the init
+handshake must refuse (receivers in another key order, other tied keys) and must accept (zero-sized views, views of
+one buffer at different offsets, which are not tied), bucket writes with frozen keys before synced ones, and a
+bucket resync draining updates sent in bucket_dtype."""
 
 import time
 
@@ -360,3 +360,29 @@ def test_a_sender_with_its_keys_permuted_syncs_each_tensor_to_the_receivers_tens
     assert sender_keys == ["d", "c", "b", "a"] and receiver_keys == ["a", "b", "c", "d"]
     assert bits_equal(received, sent)
     assert len({tuple(v.tolist()) for v in sent.values()}) == 4      # four different tensors: a swap would show
+
+
+def test_equal_shape_views_at_different_offsets_of_one_buffer_are_not_tied():
+    """Mutant: the tie key without storage_offset. Two same-shape views of one flat buffer (a split qkv) share
+    storage, shape, stride and dtype but not memory, so they are separate tensors, not tied ones; a view at the
+    same offset is tied."""
+    from sync.handshake import describe
+    flat = torch.zeros(8)
+    assert describe({"q": flat[:4], "k": flat[4:]}, WeightSyncConfig())["ties"] == []
+    assert describe({"q": flat[:4], "q_again": flat[:4], "k": flat[4:]}, WeightSyncConfig())["ties"] == [
+        ["q", "q_again"]]
+
+
+def _split_views(rank, world_size, kind):
+    flat = torch.zeros(8)
+    syncer = make_weight_syncer(WeightSyncConfig(type=kind), src=0, dsts=[1])
+    return sync_once(syncer, rank, {"q": flat[:4], "k": flat[4:]},
+                     lambda s: (s["q"].__setitem__(1, 2.0), s["k"].__setitem__(2, 3.0)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["patch", "bucket"])
+def test_split_views_of_one_buffer_both_arrive(kind):
+    """With the views taken for tied, only "q" would travel and the receiver's "k" would stay zero."""
+    sender, received = run_ranks(_split_views, 2, args=(kind,), timeout=60)
+    assert sender["k"].tolist() == [0.0, 0.0, 3.0, 0.0] and bits_equal(received, sender)

@@ -9,7 +9,7 @@ import sync.link
 import sync.wire
 from dist import comm
 from multirank import run_ranks
-from sync import SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from sync import PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
 from test_sync_common import bits_equal, damaged_receives, drain, make_state, random_update, snapshot
 
 
@@ -190,3 +190,28 @@ def _header_damaged_in_flight(rank, world_size):
 def test_a_header_refused_before_its_payload_says_the_link_cannot_be_resynced():
     _, message = run_ranks(_header_damaged_in_flight, 2)
     assert "resync() cannot recover this link: create both syncers again on a fresh process group" in message
+
+
+def _local_change_then_apply(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch", patch=PatchConfig(verify_every=0)), src=0, dsts=[1])
+    state = {"w": torch.zeros(10), "v": torch.zeros(10)}
+    if rank == 0:
+        syncer.init_sender(state)
+        for version in (1, 2):
+            state["w"][version] = 1.0
+            syncer.sync(state, version)
+        return None
+    syncer.init_receiver(state)
+    state["v"][3] = 5.0                          # the receiver's model changed outside the syncer
+    # verify_every=0: "only verify(model) on demand", so neither apply rescans "v" (an untouched tensor).
+    assert syncer.apply(state) == 1 and syncer.apply(state) == 2
+    with pytest.raises(SyncIntegrityError, match=r"\['v'\] changed on the receiver"):
+        syncer.verify(state)
+    return None
+
+
+@pytest.mark.slow
+def test_verify_every_zero_never_rescans_during_apply():
+    """Mutant: `verify_every=0` treated as 1 (a rescan after every patch), so a receiver whose model changed
+    outside the syncer was refused by apply() instead of only by an explicit verify()."""
+    run_ranks(_local_change_then_apply, 2, timeout=60)

@@ -363,3 +363,11 @@ def test_a_sender_that_fails_in_the_first_of_several_buckets_still_lets_resync_r
     assert refused == ("weight sync: the checksums of frame version 1 failed their check (trailer corrupted, or the "
                        "sender failed while computing them: see its error); call resync() on sender and receivers")
     assert bits_equal(received, sender)
+
+
+@pytest.mark.slow
+def test_resync_drains_a_queued_compressed_patch_that_would_not_decompress():
+    """Mutant: the drain decompresses queued blobs (zstd_discard -> zstd_decompress); a damaged one then made
+    resync() raise instead of recovering the link."""
+    sender, receiver = run_ranks(_zstd_queued_then_resync, 2, args=(True,), timeout=60)
+    assert bits_equal(receiver, sender)

@@ -230,3 +230,22 @@ def test_malformed_table_rows_are_refused():
         rows = valid[:1] + [bad]
         with pytest.raises(SyncIntegrityError, match="malformed table row"):
             _check_table(torch.tensor(rows), numels)
+
+
+def test_a_bitmap_bit_in_the_first_padding_position_is_flagged():
+    """Mutant: the padding check started one bit late (`bits[numel + 1:]`), so a bit set at position `numel`
+    (the first past the tensor) passed. 10 elements take 2 bytes; byte 1 bit 2 is element 10, outside."""
+    index, flags = _decode(torch.tensor([0b10, 0b110], dtype=torch.uint8), BITMAP, 10)  # bits 1, 9, 10
+    assert index.tolist() == [1, 9] and any(bool(f) for f in flags)
+    index, flags = _decode(torch.tensor([0b10, 0b10], dtype=torch.uint8), BITMAP, 10)   # bits 1, 9 only
+    assert index.tolist() == [1, 9] and not any(bool(f) for f in flags)
+
+
+def test_trainable_keys_leave_out_a_frozen_parameter_under_every_name_it_has():
+    """Mutant: trainable_keys listed parameters with duplicates removed, so a frozen module used twice was
+    frozen under its first name only and its second state_dict key counted as trainable (sent by every sync)."""
+    shared = nn.Linear(2, 2)
+    shared.weight.requires_grad_(False)
+    net = nn.Sequential(shared, shared)          # state_dict: 0.weight, 0.bias, 1.weight, 1.bias
+    assert list(net.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert trainable_keys(net) == ["0.bias", "1.bias"]
