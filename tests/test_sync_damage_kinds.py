@@ -1,6 +1,7 @@
-"""Damage an adversarial audit of sync/ put in flight that the checks met too late or not at all: a header word that
-sizes the table's receive (a wrong size ended the receiver's process in gloo), the init handshake's documents (they
-carried no check), and a refused init bootstrap (neither side could resync)."""
+"""Damage in flight on a sync/ link and what each kind leaves: a header word that sizes the table's receive (a wrong
+size ended the receiver's process in gloo), a table that fails the header's check word and a damaged handshake reply
+(both a lost link), the init handshake's documents (they carried no check), and a refused init bootstrap (resync()
+recovers it)."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 import sync.wire
 from multirank import run_ranks
 from sync import InitSyncConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
+from sync.wire import LINK_LOST
 from test_sync_common import bits_equal, damaged_frames, damaged_receives, drain, small_patch_sent, snapshot
 
 
@@ -133,3 +135,59 @@ def test_a_damaged_handshake_length_still_answers_every_receiver():
     assert sender == other == ("weight sync init: receiver rank 1: its handshake document arrived corrupted; create "
                                "the syncers again")
     assert lost == "weight sync init: lost"
+
+
+def _table_damaged(rank, world_size):
+    if rank == 0:
+        return small_patch_sent(rank)
+    syncer, state = small_patch_sent(rank)
+
+    def table_word_changed(tensor):
+        if tensor.dim() == 2 and tensor.shape[1] == 4:   # the table, [rows, 4]; its header words left intact
+            tensor[1, 1] += 1                            # v's count of values sent: 1 -> 2
+
+    with damaged_receives("recv", table_word_changed), pytest.raises(SyncIntegrityError) as error:
+        syncer.apply(state)
+    assert not state["w"].any() and not state["v"].any()
+    # The rest of the frame: one packed payload (w: 2 one-byte gaps and 2 float32 values; v: 1 gap and 1 value,
+    # 2 + 8 + 1 + 4 = 15 bytes) and the trailer (2 checksums and their check).
+    drain(0, torch.empty(15, dtype=torch.uint8), torch.empty(3, dtype=torch.int64))
+    return str(error.value), error.value.link_lost
+
+
+@pytest.mark.slow
+def test_a_damaged_table_is_a_lost_link():
+    """A table that fails the header's second check word is refused before its payload is received: that payload
+    is still queued and a resync() would read it as a header, so the refusal must say the link is lost (flag and
+    message). Mutant: recv_frame's check_header(link_lost=False), which told the caller that resync() recovers."""
+    _, (message, link_lost) = run_ranks(_table_damaged, 2, timeout=30)
+    assert link_lost is True
+    # Header words as sent: magic 0x53594E43, kind 2 (patch), version 1, base 0, 2 rows, 15 bytes on the wire and raw.
+    assert message == ("weight sync: frame header [1398361667, 2, 1, 0, 2, 15, 15] or its table failed its checksum "
+                       f"(corrupted); {LINK_LOST}")
+
+
+def _reply_damaged(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
+    state = {"w": torch.zeros(10)}     # every key synced: no start check follows the handshake
+    if rank == 0:
+        syncer.init_sender(state)      # its reply went out intact; the damage happens on the receiver's side
+        return None
+
+    def reply_byte_changed(tensor):
+        if tensor.dtype == torch.uint8:    # the sender's JSON reply: its first byte, '{', becomes '['
+            tensor[0] = ord("[")
+
+    with damaged_receives("recv", reply_byte_changed), pytest.raises(SyncIntegrityError) as error:
+        syncer.init_receiver(state)
+    return str(error.value), error.value.link_lost
+
+
+@pytest.mark.slow
+def test_a_damaged_handshake_reply_is_a_lost_link_on_the_receiver():
+    """The sender's reply fails its document checksum on the receiver: init_receiver raises a SyncIntegrityError
+    flagged link_lost (the sender went on to init's next messages), not an error from reading a reply that is not
+    there. Mutant: Link.agree without its `reply is None` test (a TypeError on None["error"])."""
+    _, (message, link_lost) = run_ranks(_reply_damaged, 2, timeout=30)
+    assert link_lost is True
+    assert message == f"weight sync init: the sender's handshake reply arrived corrupted; {LINK_LOST}"

@@ -1,5 +1,5 @@
 """The sync plan of a run that uses sync/ equals the ledger: init traffic and a few syncs, both modes, every
-rank; and the bytes of a plan row checked by hand."""
+rank; the bytes of a plan row checked by hand; and the handshake's rows on each side."""
 
 import pytest
 import torch
@@ -54,3 +54,27 @@ def test_plan_equals_ledger_for_setup_and_syncs(mode, frozen, pack_bytes):
         # a frame's payloads of at most 1 MiB travel as one message (148 + 4, then 1200 + 8000 + 6 bytes)
         frames = [[72, 2 * 32, 152, 3 * 8], [72, 32, 84_000, 16], [72, 4 * 32, 9206, 5 * 8]]
         assert sorted(receiver_update[0].call_bytes) == sorted(b for f in frames for b in f)
+
+
+def _handshake_rows(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
+    state = {"w": torch.zeros(10)}
+    syncer.init_sender(state) if rank == 0 else syncer.init_receiver(state)
+    return {r.rule: (r.collective, r.call_bytes) for r in syncer.plan_rows() if r.rule.startswith("handshake")}
+
+
+@pytest.mark.slow
+def test_the_receiver_s_plan_names_the_sizes_of_the_document_it_sent_and_the_reply_it_received():
+    """A receiver's plan rows of the handshake: it sends its metadata document and receives the sender's reply, each
+    a 24-byte head (length, checksum, check) then the JSON bytes. Mutant: the receiver's (sent, received) lengths
+    swapped in Link.agree, so its plan sent the reply's size and received the document's (the ledger, summed per
+    purpose, could not tell)."""
+    sender, receiver = run_ranks(_handshake_rows, 2, timeout=30)
+    # The sender's reply, as written in Link.agree: no error, version 0, wire format 3, the one synced key.
+    reply = len('{"error": null, "version": 0, "format": 3, "keys": ["w"]}')
+    assert receiver["handshake: reply (JSON)"] == ("recv", [24, reply])
+    assert sender["handshake: reply (JSON)"] == ("send", [24, reply])
+    # The document: its length as the sender measured it on arrival, the same bytes the receiver sent.
+    document = sender["handshake: metadata (JSON)"][1]
+    assert sender["handshake: metadata (JSON)"][0] == "recv" and document[0] == 24 and document[1] > reply
+    assert receiver["handshake: metadata (JSON)"] == ("send", document)
