@@ -1,4 +1,5 @@
-"""patch init bootstrap over gloo: prefixes, frozen parameters, tied weights sent once, checked starts."""
+"""patch init bootstrap over gloo: prefixes, frozen parameters, tied weights sent once, checked starts, and a
+disabled bootstrap (nothing sent, every key checked, its prefixes unused)."""
 
 import pytest
 import torch
@@ -127,3 +128,40 @@ def test_a_start_check_refuses_on_the_sender_when_any_one_receiver_differs():
     assert sender is not None and "(by receiver rank): {2: ['embed.weight']}" in sender
     assert equal is None
     assert differs is not None and "(by receiver rank): {2: ['embed.weight']}" in differs   # itself, not the sender
+
+
+def _bootstrap_disabled(rank, world_size, prefixes, receiver_doubles):
+    """init_sync disabled (prefixes as given); the receiver's `receiver_doubles` weight (if any) starts doubled.
+    Each rank returns its init error, else (sender) its stats after init, (receiver) whether it holds rank 0's."""
+    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(init_sync=InitSyncConfig(enabled=False, prefixes=prefixes)))
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    net = TiedNet(seed=0)
+    if rank == 1 and receiver_doubles:
+        with torch.no_grad():
+            getattr(net, receiver_doubles).weight.mul_(2.0)
+    try:
+        syncer.init_sender(net) if rank == 0 else syncer.init_receiver(net)
+    except (ValueError, SyncIntegrityError) as error:
+        return f"{type(error).__name__}: {error}"
+    return syncer.stats if rank == 0 else bits_equal(net.state_dict(), TiedNet(seed=0).state_dict())
+
+
+@pytest.mark.slow
+def test_a_disabled_bootstrap_sends_nothing_so_every_key_must_start_equal():
+    """docs (InitSyncConfig.enabled): the bootstrap is sent only when enabled. Disabled, nothing travels at init
+    and every key is in the start check: a receiver that differs is refused on both sides, naming the key.
+    Mutant: _bootstrap_keys ignored `enabled`, so the whole state_dict was bootstrapped anyway (and the
+    differing receiver silently overwritten)."""
+    for message in run_ranks(_bootstrap_disabled, 2, args=(None, "frozen")):
+        assert message.startswith("SyncIntegrityError") and "frozen.weight" in message and "embed" not in message
+    stats, equal = run_ranks(_bootstrap_disabled, 2, args=(None, None))
+    assert stats is None and equal is True          # equal starts: accepted, and no bootstrap was sent
+
+
+@pytest.mark.slow
+def test_prefixes_of_a_disabled_bootstrap_are_not_required_to_match():
+    """A prefix that matches no key is refused only while the bootstrap is enabled (the bootstrap test checks
+    that refusal): with enabled=false the prefixes are unused, and init succeeds. Mutant: the unmatched-prefix
+    check ignored `enabled`, so both sides refused init over a setting that does nothing."""
+    stats, equal = run_ranks(_bootstrap_disabled, 2, args=(("frozen.w",), None))
+    assert stats is None and equal is True

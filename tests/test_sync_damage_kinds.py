@@ -191,3 +191,69 @@ def test_a_damaged_handshake_reply_is_a_lost_link_on_the_receiver():
     _, (message, link_lost) = run_ranks(_reply_damaged, 2, timeout=30)
     assert link_lost is True
     assert message == f"weight sync init: the sender's handshake reply arrived corrupted; {LINK_LOST}"
+
+
+def _bootstrap_header_damaged(rank, world_size):
+    from dist.comm import CollectiveError
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    if rank == 0:
+        try:
+            syncer.init_sender({"w": torch.zeros(100)})
+        except CollectiveError:
+            pass  # the receiver, which gave up on the link, may have gone before the rest of the frame was sent
+        return None
+
+    def version_flipped(header):
+        if header.dtype == torch.int64 and header.numel() == 9:   # the 72-byte frame header only
+            header[2] += 1
+
+    with damaged_receives("recv_then_count", version_flipped), pytest.raises(SyncIntegrityError) as error:
+        syncer.init_receiver({"w": torch.ones(100)})
+    with pytest.raises(RuntimeError, match="call init_sender/init_receiver first") as uninitialized:
+        syncer.plan_rows()
+    return error.value.link_lost, str(error.value), str(uninitialized.value)
+
+
+@pytest.mark.slow
+def test_an_init_bootstrap_that_lost_the_link_leaves_the_receiver_uninitialized():
+    """A bootstrap header damaged in flight is a lost link (the rest of the frame cannot be drained): the
+    receiver raises at once and stays uninitialized, since resync() cannot recover it; only a refused bootstrap
+    with the link intact leaves it initialized and waiting for resync(). Mutant: init_receiver treated a lost
+    link like a refusal (took part in the start check, then counted as initialized, so apply() waited on a dead
+    link for a patch)."""
+    _, (link_lost, message, uninitialized) = run_ranks(_bootstrap_header_damaged, 2, timeout=60)
+    assert link_lost is True and "resync() cannot recover this link" in message
+    assert "call init_sender/init_receiver first" in uninitialized
+
+
+def _bootstrap_values_damaged_then_resync(rank, world_size):
+    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(init_sync=InitSyncConfig(prefixes=("w",))))
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    if rank == 0:
+        state = {"w": torch.arange(6.0), "b": torch.ones(2)}   # b: outside the bootstrap, checked at the start
+        syncer.init_sender(state)   # must return: the receiver's refusal of the bootstrap is its own to report
+        state["w"][1] = 7.0
+        syncer.resync(state, 1)
+        return snapshot(state)
+    model = {"w": torch.zeros(6), "b": torch.ones(2)}
+
+    def damaged(frame):
+        frame.wait()
+        frame.row(0)[1][3] += 100.0   # the value landed in the model, then found wrong by the trailer's check
+        frame.trailer[0] += 1
+
+    with damaged_frames(damaged), pytest.raises(SyncIntegrityError) as error:
+        syncer.init_receiver(model)
+    assert error.value.model_written and not error.value.link_lost and model["w"][3] == 103.0
+    assert syncer.resync(model) == 1
+    return model
+
+
+@pytest.mark.slow
+def test_a_bootstrap_the_receiver_refused_does_not_fail_the_sender_s_start_check():
+    """The start check compares only the keys outside the bootstrap (here "b"): a bootstrapped key the receiver
+    refused (its "w" left wrong in the model) is the receiver's to report, and the sender's init returns, so that
+    resync() recovers both. Mutant: the start check covered the bootstrapped keys too, so the sender's init
+    raised over "w" as well."""
+    sender, receiver = run_ranks(_bootstrap_values_damaged_then_resync, 2, timeout=60)
+    assert bits_equal(receiver, sender) and sender["w"].tolist() == [0.0, 7.0, 2.0, 3.0, 4.0, 5.0]

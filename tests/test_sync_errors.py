@@ -218,3 +218,21 @@ def test_a_receiver_key_the_sender_lacks_fails_the_handshake_on_both_sides():
     check, whose lookup raised a KeyError on the sender alone, and the receiver waited for a reply never sent."""
     for message in run_ranks(_receiver_with_an_extra_key, 2, timeout=30):
         assert "missing on the receiver [], unexpected on the receiver ['extra']" in message, message
+
+
+def _construct_without_zstandard(rank, world_size):
+    import sys
+    sys.modules["zstandard"] = None  # this rank's process only: `import zstandard` now fails
+    try:
+        make_weight_syncer(WeightSyncConfig(patch=PatchConfig(compression="zstd")), src=0, dsts=[1])
+    except ImportError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.slow
+def test_zstd_compression_without_the_package_fails_when_the_syncer_is_made():
+    """patch.py: compression=zstd without the zstandard package fails when the syncer is constructed, on every
+    rank, naming the package, not later at the first sync or apply. Mutant: the construction check dropped."""
+    for message in run_ranks(_construct_without_zstandard, 2):
+        assert message is not None and "pip install zstandard" in message

@@ -1,5 +1,6 @@
 """The sync plan of a run that uses sync/ equals the ledger: init traffic and a few syncs, both modes, every
-rank; the bytes of a plan row checked by hand; and the handshake's rows on each side."""
+rank, frozen keys' bootstrap included; the bytes of a plan row checked by hand; and the handshake's rows on each
+side."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from dist import comm
 from dist.plan import expected_ledger
 from multirank import run_ranks
 from sync import BucketConfig, WeightSyncConfig, make_weight_syncer, wire
-from test_sync_common import make_state, snapshot
+from test_sync_common import bits_equal, make_state, snapshot
 
 SYNCS = 3
 
@@ -78,3 +79,14 @@ def test_the_receiver_s_plan_names_the_sizes_of_the_document_it_sent_and_the_rep
     document = sender["handshake: metadata (JSON)"][1]
     assert sender["handshake: metadata (JSON)"][0] == "recv" and document[0] == 24 and document[1] > reply
     assert receiver["handshake: metadata (JSON)"] == ("send", document)
+
+
+@pytest.mark.slow
+def test_patch_plan_counts_the_bootstrap_of_keys_that_no_patch_carries():
+    """The plan's init rows bootstrap every key (init_sync.prefixes None), frozen ones included, while patches
+    carry only the synced keys; the plan must still equal the ledger (test_sync_plan covers patch mode without
+    frozen keys only). Mutant: plan_rows sized the bootstrap from the synced keys, leaving "steps" out."""
+    results = run_ranks(_plan_and_ledger, 3, args=("patch", ("steps",), wire.PACK_BYTES))
+    for rank, (rows, ledger, state) in enumerate(results):
+        assert expected_ledger(rows, SYNCS) == ledger, f"rank {rank}"
+        assert bits_equal(state, results[0][2])

@@ -1,5 +1,6 @@
 """Single-process pieces of sync/ and dist/checksum: encodings against sizes computed with numpy, frame
-layout, the checksum against a numpy reference, shifted writes, incremental updates, zstd, key helpers."""
+layout, the checksum against a numpy reference, shifted writes, incremental updates, zstd, key helpers; and the
+smallest encoding by exact size near the gap / bitmap crossover, worked out by hand."""
 
 import math
 
@@ -249,3 +250,43 @@ def test_trainable_keys_leave_out_a_frozen_parameter_under_every_name_it_has():
     net = nn.Sequential(shared, shared)          # state_dict: 0.weight, 0.bias, 1.weight, 1.bias
     assert list(net.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
     assert trainable_keys(net) == ["0.bias", "1.bias"]
+
+
+def _nbytes(parts) -> int:
+    return sum(p.numel() * p.element_size() for p in parts)
+
+
+@pytest.mark.parametrize("step, count", [(10, 100), (8, 124)], ids=["25-bytes-under", "1-byte-under"])
+def test_one_byte_gaps_win_whenever_they_are_smaller_than_the_bitmap(step, count):
+    """1000 float32 elements, every `step`-th changed from 0 (gaps of step - 1 < 255: no escapes). By definition:
+    1-byte gaps cost count + 4 count bytes, a bitmap 125 + 4 count, 2-byte gaps 2 count + 4 count, dense 4000.
+    count=100: 1-byte gaps 500 < bitmap 525 < 2-byte gaps 600; count=124 (0..984): 620 < bitmap 621 < 744.
+    Mutant: gap sizes were worked out only when the smaller of dense and bitmap exceeds count * (2 + v) rather
+    than count * (1 + v), so here the bitmap (the larger) was sent."""
+    positions = list(range(0, 1000, step))[:count]
+    mask = torch.zeros(1000, dtype=torch.bool)
+    mask[positions] = True
+    current = torch.arange(1000, dtype=torch.float32)
+    encoding, parts, _ = _encode(current, mask, count)
+    assert encoding == GAPS8
+    assert _nbytes(parts) == count + 4 * count < 125 + 4 * count
+    assert parts[0].tolist() == [0] + [step - 1] * (count - 1)
+    assert _decode(parts[0], GAPS8, 1000)[0].tolist() == positions
+
+
+def test_a_gap_encoding_pays_for_its_values_too_when_compared_with_the_bitmap():
+    """8000 int8 elements (1 byte each), 990 changed: 27 after gaps of exactly 255 (positions 255, 511, ..., 6911:
+    each gap one escape and a 0 in 1-byte gaps), then 963 adjacent ones (6912..7874). By definition: bitmap
+    1000 + 990 = 1990 bytes; 1-byte gaps (990 + 27 symbols) + 990 = 2007; 2-byte gaps 1980 + 990; dense 8000.
+    The bitmap is the smallest. Mutant: gap sizes counted their symbols only (1017 < 1990), so 1-byte gaps
+    were sent, 17 bytes more than the bitmap."""
+    positions = [256 * k + 255 for k in range(27)] + list(range(6912, 7875))
+    assert len(positions) == 990 and positions[26] == 6911
+    mask = torch.zeros(8000, dtype=torch.bool)
+    mask[positions] = True
+    current = (torch.arange(8000) % 100).to(torch.int8)
+    encoding, parts, _ = _encode(current, mask, 990)
+    assert encoding == BITMAP
+    assert [p.numel() * p.element_size() for p in parts] == [1000, 990]
+    index, flags = _decode(parts[0], BITMAP, 8000)
+    assert index.tolist() == positions and not any(bool(f) for f in flags)

@@ -1,6 +1,6 @@
 """sync/'s frames byte by byte against the wire format in docs/weight_sync.md, frames a sender never
-produces refused before anything is allocated, the encodings' tie and escape rules, and the config's
-documented defaults and refusals."""
+produces refused before anything is allocated, the encodings' tie and escape rules, the config's documented
+defaults and refusals, and the int64 range a version or rank must fit."""
 
 import pytest
 import torch
@@ -285,3 +285,13 @@ def test_segments_of_exactly_pack_bytes_cross_as_one_message_and_one_byte_more_a
     assert sent == ([72, rows, mib, 8 * 3] if not extra else [72, rows, mib - 16, 17, 8 * 3])
     assert torch.equal(received["a"], torch.arange(floats, dtype=torch.float32) * 0.5 - 7.0)
     assert received["m"].tolist() == [i % 3 == 0 for i in range(16 + extra)]
+
+
+def test_an_integer_fits_the_wire_only_inside_int64():
+    """sync/config.py is_int: what require() and the handshake accept as a version or a rank must fit an int64
+    word of the frame header, -2**63 .. 2**63 - 1 by the two's complement range. Mutant: the upper bound
+    inclusive, so sync(state, 2**63) passed the version check and failed later, converting the header."""
+    from sync.config import is_int
+    assert is_int(2**63 - 1) and is_int(-2**63) and is_int(0)
+    assert not is_int(2**63) and not is_int(-2**63 - 1)
+    assert not is_int(True) and not is_int(1.0) and not is_int(torch.tensor(1))
