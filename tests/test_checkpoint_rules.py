@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from configs import preset
+from dist.plan import PlanRow
+from dist.verify import verify_plan_rows
 from test_sync_common import bits_equal
 
 
@@ -219,6 +221,13 @@ def test_replica_check_plan_rows():
     assert [(r.purpose, r.collective, r.cadence, r.call_bytes, r.every) for r in rows] == \
         [("checksum", "all_gather", "every", [8], 3), ("checksum", "all_gather", "setup", [8], 1)]
     assert [(r.cadence, r.every) for r in verify_plan_rows(0, True)] == [("setup", 1)]
+
+
+def test_a_replica_check_every_iteration_has_its_plan_row():
+    """--dist.verify-every 1 checks the replicas after every iteration: the plan (compared with the ledger after a
+    run) must hold its 8-byte all-gather with every=1, not only for K > 1."""
+    assert verify_plan_rows(1, False) == [PlanRow("checksum", "all ranks equal rank 0", "all_gather", "every", [8],
+                                                  every=1)]
 
 
 def agree_body(rank, world_size, loads, roots=(None, None, None), max_restarts=None):

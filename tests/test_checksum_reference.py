@@ -1,6 +1,6 @@
 """dist/checksum.py against an independent reference written from its docstring in plain Python integers
-(splitmix64 weights checked against the published test vector, P = 2**31 - 1, rows of 2**14 lanes), and its
-incremental update at row boundaries."""
+(splitmix64 weights checked against the published test vector, P = 2**31 - 1, rows of 2**14 lanes), its
+incremental update at row boundaries, and the checksum of a list of names (one per line)."""
 
 import functools
 import os
@@ -233,3 +233,16 @@ def test_the_checksum_on_the_test_device_matches_the_host():
         changed = [x.to(DEVICE) for x in (index, old[index], new[index])]
         updated = update_checksum(on_device, *changed, old.numel())
         assert int(updated) == int(tensor_checksum(new)) == int(tensor_checksum(new.to(DEVICE)))
+
+
+def test_names_checksum_separates_the_names_so_a_shifted_boundary_differs():
+    """Ranks compare lists of names (metric keys packed into one all-reduce, a model's layout) by one checksum of
+    their UTF-8 bytes, one name per line: ["ab", "c"] and ["a", "bc"] are different lists and must not agree, and
+    the checksum is that of the bytes b"ab\\nc"."""
+    from dist.checksum import checksum
+    from dist.verify import names_checksum
+
+    assert names_checksum(["ab", "c"]) != names_checksum(["a", "bc"])
+    assert names_checksum(["loss", "kl"]) != names_checksum(["los", "skl"])
+    assert torch.equal(names_checksum(["ab", "c"]),
+                       checksum([torch.tensor([0x61, 0x62, 0x0A, 0x63], dtype=torch.uint8)]))

@@ -1,6 +1,7 @@
 """The per-iteration state syncs (coalesced buffer collectives, global mean/std in float64), the gradient
 buckets' launch rules, the learner/rollout roles and the sync plan's expected ledger, against values
-computed by hand."""
+computed by hand; float64 and int64 buffers and parameters keep every bit through the buffer sync and the
+start-up broadcast."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
 from dist.grad_sync import GradSync
+from dist.params import broadcast_module
 from tests.multirank import run_ranks
 
 
@@ -350,3 +352,42 @@ def test_a_gather_is_a_collective_that_a_one_member_group_does_not_run():
             PlanRow("batches", "r", "send", "setup", [4])]
     assert expected_ledger(rows, 1, collectives=False) == {"batches": [1, 4]}
     assert expected_ledger(rows, 1) == {"checkpoint": [1, 16], "metrics": [1, 8], "batches": [1, 4]}
+
+
+class Wide(nn.Module):
+    """float64 and int64 state whose values have no float32 twin (2**53 + 2 and 1 + 2**-40)."""
+    BUFFER_POLICY = {"b_*": "broadcast", "m_*": "mean"}
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor([1 + 2**-40, -3.0], dtype=torch.float64))
+        self.register_buffer("b_double", torch.tensor([1 + 2**-40, 2.0**53 + 2], dtype=torch.float64))
+        self.register_buffer("b_steps", torch.tensor([2**53 + 1], dtype=torch.int64))
+        self.register_buffer("m_double", torch.tensor([1 - 2**-45], dtype=torch.float64))
+
+
+def _state(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in [*m.named_parameters(), *m.named_buffers()]}
+
+
+def test_buffer_sync_keeps_every_bit_and_dtype_of_float64_and_int64_buffers():
+    """Normalizer statistics are float64 and step counters int64: the coalesced tensor must travel in the buffers'
+    own dtype, or a round trip through float32 rounds them (here on one rank, where the values must come back
+    exactly as they were)."""
+    m = Wide()
+    before = _state(m)
+    sync_buffers(m, resolve_buffer_policy(m, m.BUFFER_POLICY))
+    after = _state(m)
+    for name, value in before.items():
+        assert after[name].dtype == value.dtype and torch.equal(after[name], value), name
+
+
+def test_the_start_up_broadcast_keeps_every_bit_and_dtype_of_float64_and_int64_tensors():
+    """broadcast_module coalesces per dtype: a float64 parameter or an int64 counter must not pass through float32
+    (on one rank every tensor must come back bit for bit)."""
+    m = Wide()
+    before = _state(m)
+    broadcast_module(m)
+    after = _state(m)
+    for name, value in before.items():
+        assert after[name].dtype == value.dtype and torch.equal(after[name], value), name

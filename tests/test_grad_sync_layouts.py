@@ -1,6 +1,7 @@
 """GradSync against plain autograd where the layout or the order of calls is unusual (found by an adversarial audit
-against torch's DDP): a transposed parameter, a parameter with gaps, a collective between the armed backward and
-synchronize(), and a minibatch that does not split into equal micro-batches."""
+against torch's DDP): a transposed parameter, a parameter with gaps or a size-1 dimension of any stride, a
+collective between the armed backward and synchronize(), and a minibatch that does not split into equal
+micro-batches."""
 
 import pytest
 import torch
@@ -149,3 +150,19 @@ def test_reentrant_checkpointing_gives_every_bucket_its_whole_gradient(unused):
     for grads in run_ranks(checkpointed_body, 2, args=(unused,)):
         for got, want in zip(grads, mean):
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("strides", [(4, 4, 1), (4, 100, 1)])
+def test_a_parameter_with_a_size_1_dimension_is_dense_whatever_that_dimension_s_stride(strides):
+    """A size-1 dimension's stride never addresses a second element: a contiguous [3, 1, 4] parameter (strides
+    (4, 4, 1)) and one with any stride there fill 12 consecutive slots, so GradSync takes them, and their
+    gradient is autograd's."""
+    p = torch.nn.Parameter(torch.empty_strided((3, 1, 4), strides).copy_(torch.randn(3, 1, 4)))
+    w = torch.randn(3, 1, 4)
+    sync = GradSync([p])
+    sync.zero_grad()
+    sync.arm()
+    (p * w).sum().backward()
+    sync.synchronize()
+    assert p.grad.stride() == strides
+    torch.testing.assert_close(p.grad, w)

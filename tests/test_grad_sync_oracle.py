@@ -1,6 +1,7 @@
 """GradSync against torch's DistributedDataParallel (and plain autograd) on edge cases: frozen, zero-sized,
-transposed, tied and rank-dependently unused parameters; shared parameters passed twice; and calls made
-out of order, which must be a clear error rather than a silently wrong or local gradient."""
+transposed, tied and rank-dependently unused parameters; shared parameters passed twice; calls made
+out of order, which must be a clear error rather than a silently wrong or local gradient; and clip_ against torch's
+clip_grad_norm_."""
 
 import pytest
 import torch
@@ -165,3 +166,43 @@ def test_extras_without_num_extras_are_an_error():
     sync = GradSync(net.parameters(), "flat")
     with pytest.raises(ValueError, match="num_extras"):
         sync.arm(torch.tensor([0.5, 6.0]))
+
+
+def _grads_after_clip(mode: str, max_norm: float, scale: float):
+    """One process (world size 1): the gradients of a small net after GradSync.clip_(max_norm), torch's
+    clip_grad_norm_ on an identical copy, and both norms. `scale` multiplies the loss to set the gradient norm."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    ref = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    ref.load_state_dict(net.state_dict())
+    x = torch.randn(9, 5)
+    # bucket_mb of 100 bytes: three buckets (bias and weight of the last layer share one), so the norm spans buckets
+    sync = GradSync(net.parameters(), mode, bucket_mb=100 / 2**20)
+    sync.zero_grad()
+    sync.arm()
+    (scale * net(x).square().mean()).backward()
+    sync.synchronize()
+    norm = sync.clip_(max_norm)
+    (scale * ref(x).square().mean()).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    return sync, [p.grad.clone() for p in net.parameters()], [p.grad for p in ref.parameters()], norm, ref_norm
+
+
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+@pytest.mark.parametrize("max_norm_over_norm", [10.0, 0.3])
+@pytest.mark.parametrize("loss_scale", [1.0, 1e-4])
+def test_clip_only_scales_down_and_equals_torch_clip_grad_norm(mode, max_norm_over_norm, loss_scale):
+    """Below max_norm the gradient is left as it is (clip_grad_norm_'s clamp at 1: never scaled up); above, it is
+    scaled by max_norm / (norm + 1e-6) as torch's clip_grad_norm_ does (visible at a tiny norm), over all buckets
+    together; the returned norm is the one before clipping."""
+    _, _, _, unclipped_norm, _ = _grads_after_clip(mode, float("inf"), loss_scale)
+    max_norm = max_norm_over_norm * unclipped_norm.item()
+    sync, grads, ref_grads, norm, ref_norm = _grads_after_clip(mode, max_norm, loss_scale)
+    if mode == "bucketed":
+        assert len(sync.buckets) == 3   # [12 + 84 bytes], [28], [140]: the cap is reached in each
+    torch.testing.assert_close(norm, ref_norm)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+    total = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    n = unclipped_norm.item()
+    assert torch.isclose(total, torch.tensor(n * min(1.0, max_norm / (n + 1e-6))), rtol=1e-5)

@@ -84,6 +84,14 @@ def test_reduce_metrics_weights_each_rank_by_its_count():
         assert out["y"] == pytest.approx(7.0 / 2, rel=1e-12)   # a key only rank 1 counted: rank 0 adds (0, 0)
 
 
+def test_reduce_metrics_drops_a_key_of_zero_count_whatever_its_sum():
+    """"Keys with a zero total count are dropped": by the count alone, also when the sum is not 0 (a sum of NaN-free
+    junk with nothing counted is no mean; dividing by 0 must not be tried)."""
+    out = reduce_metrics({"a": torch.tensor(3.0, dtype=torch.float64), "b": torch.tensor(5.0, dtype=torch.float64)},
+                         {"a": torch.tensor(2.0, dtype=torch.float64), "b": torch.tensor(0.0, dtype=torch.float64)})
+    assert out == {"a": 1.5}
+
+
 def reordered_metrics_body(rank, world_size):
     """The same two keys inserted in opposite orders on the two ranks; "big" has a rank-0 sum of 2**24 + 1, which
     float64 holds and float32 does not (it rounds to 2**24)."""
