@@ -1,6 +1,7 @@
-"""Damage that passes the archive's CRC-32s (a file rewritten by torch.save) but holds state no healthy run saves,
-found by fuzzing real checkpoints: each is one UsageError naming the file and the entry, where it used to be a
-traceback from the first optimizer step, a sampler draw, or a resume that silently carried it on."""
+"""Damage that passes the archive's CRC-32s (a file rewritten by torch.save) but holds state no healthy run saves
+(optimizer settings and moments that are not Adam's, an LR that is no number, an RNG state that fits no generator,
+a negative std or count): each is one UsageError naming the file and the entry, where it used to be a traceback from
+the first optimizer step, a sampler draw, or a resume that silently carried it on."""
 
 import builtins
 import re
@@ -128,3 +129,72 @@ def test_a_saved_env_name_that_is_no_name_is_damage(trained, tmp_path):
     path = damaged(trained, tmp_path, lambda state: state["config"]["env"].update(name=None))
     with pytest.raises(UsageError, match=r"is damaged \(its config's env.name is None, not an env's name\)"):
         load_checkpoint(path)
+
+
+def test_adam_betas_of_three_numbers_are_damage(tmp_path):
+    """Adam unpacks `beta1, beta2 = group["betas"]` at its first step: a third number, each in [0, 1), is not Adam's
+    settings and must be refused when the file is read, not as a ValueError traceback after the first rollout."""
+    path = _saved(tmp_path, _with_group(betas=(0.9, 0.999, 0.5)))
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == (f"--resume {path!r} is damaged (its optimizer param group 0 has betas (0.9, 0.999, 0.5) "
+                              f"and weight_decay 0.0, not Adam's settings); resume from another checkpoint")
+
+
+def test_an_integer_tensor_lr_is_not_a_number(tmp_path):
+    """A run saves its LR as a number, or under --ppo.capture-step as a one-element float tensor: an integer tensor is
+    no LR any run writes (a damaged file), refused by name like a two-element one."""
+    path = _saved(tmp_path, _with_group(lr=torch.tensor(3)))
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == (f"--resume {path!r} is damaged (its optimizer param group 0 has lr tensor(3), not a "
+                              f"number); resume from another checkpoint")
+
+
+def test_adam_moments_with_an_extra_tensor_are_not_adam_s(tmp_path):
+    """Adam's state per parameter is exactly step, exp_avg and exp_avg_sq: a fourth tensor (AMSGrad's
+    max_exp_avg_sq, which this version never writes) is refused, not carried into the resumed optimizer."""
+    path = _saved(tmp_path, _with_moments(max_exp_avg_sq=torch.zeros(2)))
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == (f"--resume {path!r} is damaged (its optimizer state for parameter 0 is not Adam's "
+                              f"(tensors exp_avg, exp_avg_sq and a one-element step), got ['exp_avg', 'exp_avg_sq', "
+                              f"'max_exp_avg_sq', 'step']); resume from another checkpoint")
+
+
+def test_a_weight_decay_of_true_is_not_adam_s_setting(tmp_path):
+    """A bool is no number here (True is 1 to Python, and Adam would decay every weight by 1.0 per step): the group
+    is refused as not Adam's settings."""
+    path = _saved(tmp_path, _with_group(weight_decay=True))
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == (f"--resume {path!r} is damaged (its optimizer param group 0 has betas (0.9, 0.999) and "
+                              f"weight_decay True, not Adam's settings); resume from another checkpoint")
+
+
+def test_an_rng_state_shorter_than_a_gpu_generator_s_is_refused(tmp_path):
+    """A cuda generator's state is exactly 16 bytes (Philox seed and offset), a CPU one's 5056: a 12-byte state (a
+    truncated one, whose bytes past the 8th read as an offset of 0) fits neither generator."""
+    path = _saved(tmp_path, _state(rng=[{"torch": torch.get_rng_state(), "env": torch.zeros(12, dtype=torch.uint8)}]))
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == (f"--resume {path!r} is damaged (its rng[0]['env'] (12 bytes) is not the state of a torch "
+                              f"generator); resume from another checkpoint")
+
+
+@pytest.mark.parametrize("changes, what", [
+    # the observation normalizer's std, a model buffer: a negative one flips the sign of a normalized observation
+    ({"model": {"w": torch.tensor([0.5, -1.0]), "obs_normalizer.std": torch.tensor([1.0, -0.5])}},
+     "a negative value (-0.5) in its model['obs_normalizer.std'], a standard deviation"),
+    ({"reward_normalizer": {"count": torch.tensor(4.0, dtype=torch.float64), "std": torch.tensor(-2.0)}},
+     "a negative value (-2) in its reward_normalizer['std'], a standard deviation"),
+    # the motion sampler's counts of this rank's episodes, saved beside the summed ones (envs/motions.py)
+    ({"env": {"sampler": {"global_counts": torch.zeros(3, dtype=torch.float64),
+                          "local_counts": torch.tensor([1.0, -3.0, 0.0], dtype=torch.float64)}}},
+     "a negative value (-3) in its env['sampler']['local_counts'], a count"),
+], ids=["obs-std", "reward-std", "local-counts"])
+def test_a_negative_std_or_local_sampler_count_is_refused_naming_it(tmp_path, changes, what):
+    path = _saved(tmp_path, _state(**changes))
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == f"--resume {path!r} has {what}{DIVERGED}"

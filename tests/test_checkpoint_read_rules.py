@@ -1,6 +1,8 @@
 """dist/checkpoint_read.py at its edges: the boundary values a healthy run saves load (iteration 0, seed 2**32 - 1,
 an all-zero exp_avg_sq, an empty float tensor), the first value past each bound is refused by name, a nan inside
-a tuple (Adam's betas) is found, and a truncated file, a directory and a non-archive each get their own words."""
+a tuple (Adam's betas) is found, a truncated file, a directory and a non-archive each get their own words, a config
+lacking any one founding setting or with a section, seed or env_seed of the wrong type is damage, and a file written
+before "layout" was saved loads."""
 
 import dataclasses
 import math
@@ -179,3 +181,51 @@ def test_a_flipped_bit_in_the_archive_index_is_a_damaged_checkpoint_not_a_bad_zi
     with pytest.raises(UsageError, match=r"^--resume '.*' is a damaged checkpoint \(its zip archive's index is "
                                          r"unreadable: .*\); use another one$"):
         load_checkpoint(path)
+
+
+def test_a_checkpoint_of_two_learners_written_before_layout_was_saved_loads(tmp_path):
+    """Without "layout" a checkpoint says [one learner per saved RNG state, no rollout rank] (ppo/restore.py reads it
+    so too): a 2-rank run's file is not refused as a layout of 1 learner."""
+    state = _state(rng=[{"torch": torch.get_rng_state()}, {"torch": torch.get_rng_state()}])
+    del state["layout"]
+    loaded = load_checkpoint(_saved(tmp_path, state))
+    assert len(loaded["rng"]) == 2 and "layout" not in loaded
+
+
+@pytest.mark.parametrize("section", ["env", "policy", "ppo", "dist", "log", "rollout"])
+def test_every_config_section_that_is_not_a_dict_is_damage_naming_it(tmp_path, section):
+    path = _saved(tmp_path, _state(config={**_config_without(), section: 3}))
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == (f"--resume {path!r} is damaged (its config section {section!r} is not a dict); resume "
+                              f"from another checkpoint")
+
+
+@pytest.mark.parametrize("changes, shown", [
+    ({"env_seed": 3.0}, "its env_seed is 3.0"),
+    ({"config": {**_config_without(), "seed": True}}, "its config's seed is True"),
+], ids=["float-env_seed", "bool-seed"])
+def test_a_seed_that_is_a_float_or_a_bool_is_not_an_integer(tmp_path, changes, shown):
+    path = _saved(tmp_path, _state(**changes))
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == (f"--resume {path!r} is damaged ({shown}, not an integer in [0, 2**32)); resume from "
+                              f"another checkpoint")
+
+
+# The settings the first checkpoint format already saved, written out by hand (a config lacking one resumed at the
+# dataclass default instead of the run's value).
+FOUNDING = ["env.name", "env.num_envs", "env.episode_length_s", "env.num_motions", "env.sampling_uniform_floor",
+            "policy.actor_hidden", "policy.critic_hidden", "policy.activation", "policy.init_noise_std",
+            "policy.normalize_critic_obs", "policy.normalize_actor_obs", "ppo.num_steps", "ppo.num_epochs",
+            "ppo.num_mini_batches", "ppo.learning_rate", "ppo.schedule", "ppo.desired_kl", "ppo.lr_min", "ppo.lr_max",
+            "ppo.gamma", "ppo.lam", "ppo.clip_param", "ppo.clip_value_loss", "ppo.value_loss_coef",
+            "ppo.entropy_coef", "ppo.max_grad_norm", "ppo.advantage_norm", "max_iterations", "seed"]
+
+
+@pytest.mark.parametrize("name", FOUNDING)
+def test_a_config_lacking_any_one_founding_setting_is_damage_naming_it(tmp_path, name):
+    path = _saved(tmp_path, _state(config=_config_without(name)))       # a fresh config, one setting deleted
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == f"--resume {path!r} is damaged (its config lacks {name}); resume from another checkpoint"

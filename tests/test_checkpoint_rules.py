@@ -1,6 +1,6 @@
 """Checkpoints and resume: entries ppo.restore cannot use are refused by name, a run directory's newest checkpoint
 (which run a resume picks: test_resume_which_run.py), which saved configs fit, named tensors and RNG states
-round trips, and the replica check's plan rows."""
+round trips, and the plan rows of the replica check and of a save (RNG gather, env-state check)."""
 
 import contextlib
 import dataclasses
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from configs import preset
+from dist.checkpoint import checkpoint_plan_rows
 from dist.plan import PlanRow
 from dist.verify import verify_plan_rows
 from test_sync_common import bits_equal
@@ -228,6 +229,16 @@ def test_a_replica_check_every_iteration_has_its_plan_row():
     run) must hold its 8-byte all-gather with every=1, not only for K > 1."""
     assert verify_plan_rows(1, False) == [PlanRow("checksum", "all ranks equal rank 0", "all_gather", "every", [8],
                                                   every=1)]
+
+
+def test_the_env_state_check_is_planned_at_the_save_interval_like_the_rng_gather():
+    """Both rows of a save recur every --log.save-every iterations (5 here), so the ledger of a run saving every 5
+    iterations matches its plan; the env-state row only when the env is checkpointed."""
+    states = {"torch": torch.zeros(7, dtype=torch.uint8), "env": torch.zeros(16, dtype=torch.uint8)}
+    rng_row = PlanRow("checkpoint", "RNG states of every rank to rank 0", "gather", "checkpoint", [23], every=5)
+    assert checkpoint_plan_rows(states, 5, env_state=False) == [rng_row]
+    assert checkpoint_plan_rows(states, 5, env_state=True) == [
+        rng_row, PlanRow("env_state", "env state the same on every rank", "all_gather", "checkpoint", [16], every=5)]
 
 
 def agree_body(rank, world_size, loads, roots=(None, None, None), max_restarts=None):

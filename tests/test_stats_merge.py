@@ -1,13 +1,17 @@
-"""Cross-rank statistics equal numpy over the union of all ranks' samples (unequal batch sizes)."""
+"""Cross-rank statistics equal numpy over the union of all ranks' samples (unequal batch sizes), and the plan rows
+of the metrics and sampler-count all-reduces."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from dist import comm
-from dist.stats import global_mean_std, merge_moments, metrics_plan_rows, reduce_metrics, sum_counts
+from dist.plan import PlanRow
+from dist.stats import (global_mean_std, merge_moments, metrics_plan_rows, reduce_metrics, sum_counts,
+                        sum_counts_plan_rows)
 from envs.motions import AdaptiveMotionSampler
 from ppo.normalizer import ObsNormalizer
 from tests.multirank import run_ranks
@@ -148,6 +152,24 @@ def test_reduce_metrics_maxima_of_one_process_are_its_own_values():
     assert reduce_metrics({}, {}, {"t": -2.5}) == {"t": -2.5} and reduce_metrics({}, {}, {}) == {}
     with pytest.raises(ValueError, match=r"^reduce_metrics: \['t'\] are both means and maxima$"):
         reduce_metrics({"t": torch.tensor(1.0)}, {"t": torch.tensor(1.0)}, {"t": 2.0})   # the max replaced the mean
+
+
+def test_the_metrics_plan_row_says_max_only_when_there_are_maxima():
+    """The printed plan describes the metrics all-reduce: count-weighted means alone, or with the maxima's slot per
+    rank (one process: 8 bytes per maximum)."""
+    assert metrics_plan_rows(3) == [PlanRow("metrics", "count-weighted mean", "all_reduce", "iteration", [48])]
+    assert metrics_plan_rows(3, num_maxima=2) == [PlanRow("metrics", "count-weighted mean, max (a slot per rank)",
+                                                          "all_reduce", "iteration", [48 + 16])]
+
+
+def test_the_sampler_rows_plan_the_counts_in_their_own_dtype():
+    """sum_counts all-reduces the counts in their own dtype (float64 in envs/motions.py; a curriculum may keep int32):
+    6 int32 counts are 24 bytes a call, every 3 iterations and before each save (every 4)."""
+    sampler = SimpleNamespace(local_counts=torch.zeros(2, 3, dtype=torch.int32))
+    assert sum_counts_plan_rows(sampler, 3, 4) == [
+        PlanRow("sampler", "sum of counts", "all_reduce", "every", [24], every=3),
+        PlanRow("sampler", "sum of counts before save", "all_reduce", "checkpoint", [24], every=4)]
+    assert sum_counts_plan_rows(None, 3, 4) == []
 
 
 class ZeroLocalFirstSampler:
