@@ -1,13 +1,16 @@
 """GradSync against plain autograd where the layout or the order of calls is unusual (found by an adversarial audit
-against torch's DDP): a transposed parameter, a parameter with gaps or a size-1 dimension of any stride, a
-collective between the armed backward and synchronize(), and a minibatch that does not split into equal
-micro-batches."""
+against torch's DDP): a transposed parameter, a parameter with gaps, overlaps or a size-1 dimension of any stride
+(refused whole, or taken in any dimension order), a collective between the armed backward and synchronize(), and a
+minibatch that does not split into equal micro-batches; which buckets launch from backward and which at
+synchronize(); and the whole messages of its refusals (a parameter taken over or no longer served, a replaced .grad,
+a missing gradient, a second armed backward)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dist import comm
 from dist.grad_sync import GradSync
 from ppo.minibatch_step import backward_minibatch, build_optimizer
 from ppo.storage import RolloutStorage
@@ -56,6 +59,43 @@ def test_a_parameter_with_gaps_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^parameter #1 of shape \(4, 3\) has strides \(6, 2\), a view with gaps"):
         GradSync([nn.Parameter(torch.randn(2)), every_other])
     GradSync([nn.Parameter(torch.randn(0, 4)), nn.Parameter(torch.randn(4, 0))])   # zero-sized ones are dense
+
+
+REFUSED = ("a view with gaps or overlaps: its gradient cannot be a slice of a bucket; make it a parameter of its own "
+           "(.contiguous())")
+
+
+@pytest.mark.parametrize("make, shape, strides", [
+    (lambda: torch.randn(3).expand(4, 3), (4, 3), (0, 1)),       # every row the same 3 floats: overlaps
+    (lambda: torch.randn(2, 6)[:, :3], (2, 3), (6, 1)),          # a gap after each row of a 2-row dimension
+    (lambda: torch.randn(4)[::2], (2,), (2,)),                   # every other float of 4
+])
+def test_a_parameter_with_overlaps_or_a_gap_in_a_size_2_dimension_is_refused_whole_message(make, shape, strides):
+    """A view whose elements overlap (stride 0) or skip slots in a dimension of size 2 is no slice of a bucket: it is
+    refused naming its index, shape and strides and the fix (.contiguous()), not given a gradient laid out wrong.
+    Mutant: `stride > expected` (overlaps taken); `size > 2` instead of `size != 1`; the message without
+    (.contiguous())."""
+    p = nn.Parameter(make())
+    assert p.stride() == strides
+    with pytest.raises(ValueError) as exc:
+        GradSync([p])
+    assert str(exc.value) == f"parameter #0 of shape {shape} has strides {strides}, {REFUSED}"
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(2, 3, 4), lambda: torch.randn(4, 3, 2).permute(2, 1, 0)])
+def test_a_dense_3_d_parameter_in_any_dimension_order_is_taken_with_autograd_s_gradient(make):
+    """A [2, 3, 4] parameter, contiguous (strides (12, 4, 1)) or permuted (strides (1, 2, 6)), fills 24 consecutive
+    slots: GradSync takes it, its gradient keeps its strides and equals plain autograd's (the weights w).
+    Mutant: `expected = size` instead of `expected *= size` in _dense (a third dimension refused)."""
+    p = nn.Parameter(make())
+    w = torch.randn(2, 3, 4)
+    sync = GradSync([p])
+    sync.zero_grad()
+    sync.arm()
+    (p * w).sum().backward()
+    sync.synchronize()
+    assert p.grad.stride() == p.stride()
+    assert torch.equal(p.grad, w)
 
 
 def two_layers():
@@ -166,3 +206,114 @@ def test_a_parameter_with_a_size_1_dimension_is_dense_whatever_that_dimension_s_
     sync.synchronize()
     assert p.grad.stride() == strides
     torch.testing.assert_close(p.grad, w)
+
+
+@pytest.mark.parametrize("mode, unused, launched", [
+    ("bucketed", "error", ["backward", "backward"]),          # overlapping backward, one bucket per layer
+    ("bucketed", "zero", ["synchronize", "synchronize"]),    # all at synchronize(): a parameter may be unused somewhere
+    ("flat", "error", ["synchronize"]),                      # the one bucket, after backward
+])
+def test_which_buckets_launch_during_backward_and_which_at_synchronize(monkeypatch, mode, unused, launched):
+    """Bucketed with unused="error" each bucket's all-reduce is launched from the backward that completes it (the
+    overlap bucketing exists for); with unused="zero" and flat, every all-reduce is issued by synchronize(). One
+    process issues no collective, so comm.all_reduce is replaced by one that records the phase it was called in.
+    Mutant: the launch gate without `self.unused == "error"`, with "zero" for "error", or `mode == "bucketed" or
+    unused == "error"` (flat launching from backward)."""
+    phase, calls = ["backward"], []
+
+    class Done:
+        def wait(self):
+            pass
+
+    def recorded(tensor, purpose, async_op=False):
+        calls.append(phase[0])
+        return Done()
+    monkeypatch.setattr(comm, "all_reduce", recorded)
+    first, head = two_layers()
+    sync = GradSync([first.weight, head.weight], mode, bucket_mb=1e-6, unused=unused)   # bucketed: a bucket each
+    sync.zero_grad()
+    sync.arm()
+    head(first(torch.ones(2, 3))).sum().backward()
+    phase[0] = "synchronize"
+    sync.synchronize()
+    assert calls == launched
+
+
+NOT_SERVED = ("is no longer served by this GradSync: one built over it later took it over (its gradient view and "
+              "hooks), or remove_hooks() ran; build one GradSync over all the parameters (actor and critic with their "
+              "shared trunk together)")
+
+
+def armed_two_layers(unused="zero"):
+    """(GradSync over both weights of two_layers(), first layer, head), after zero_grad() and arm()."""
+    first, head = two_layers()
+    sync = GradSync([first.weight, head.weight], unused=unused)
+    sync.zero_grad()
+    sync.arm()
+    return sync, first, head
+
+
+def test_synchronize_after_a_takeover_of_parameter_0_names_it_and_the_fix():
+    """A second GradSync over the first weight only takes it over (and drops the first GradSync's hooks): the first's
+    synchronize() names parameter #0, what happened and the fix.
+    Mutant: the index off by one; the check skipping parameter #0; the message without the fix."""
+    sync, first, _ = armed_two_layers()
+    successor = GradSync([first.weight])     # kept: a freed one would serve nothing
+    with pytest.raises(RuntimeError) as exc:
+        sync.synchronize()
+    assert str(exc.value) == f"parameter #0 {NOT_SERVED}"
+    assert successor.params == [first.weight]
+
+
+def test_synchronize_after_remove_hooks_is_refused_although_the_gradient_views_are_intact():
+    """remove_hooks() leaves the .grad views in place but no longer serves the parameters (a later backward would not
+    be counted): synchronize() after it refuses by name rather than average what happens to be in the buckets.
+    Mutant: `_served_by(p) is not None and _served_by(p) is not self` (a parameter served by nobody passes)."""
+    sync, first, head = armed_two_layers()
+    head(first(torch.ones(2, 3))).sum().backward()
+    sync.remove_hooks()
+    with pytest.raises(RuntimeError) as exc:
+        sync.synchronize()
+    assert str(exc.value) == f"parameter #0 {NOT_SERVED}"
+
+
+def test_a_grad_replaced_after_the_armed_backward_is_refused_naming_every_cause():
+    """A .grad that is no longer the bucket view (here set to None, as optimizer.zero_grad() does; casting the model
+    or create_graph=True replace it too) is refused naming the parameter and all three causes.
+    Mutant: the message without "build the GradSync after casting or moving the model ... create_graph=True"."""
+    sync, first, head = armed_two_layers()
+    head(first(torch.ones(2, 3))).sum().backward()
+    head.weight.grad = None
+    with pytest.raises(RuntimeError) as exc:
+        sync.synchronize()
+    assert str(exc.value) == ("parameter #1's .grad is no longer a view into its gradient bucket, so it would not be "
+                              "synchronized: zero gradients with sync.zero_grad(), never with optimizer.zero_grad() or "
+                              "model.zero_grad() (they set grads to None); build the GradSync after casting or moving "
+                              "the model, and do not backward with create_graph=True (both replace the grads)")
+
+
+def test_a_missing_gradient_names_a_replaced_parameter_as_a_cause():
+    """A parameter with no gradient: the error names it, both fixes, and the third cause (a parameter replaced after
+    the GradSync was built, which then never gets a hook call).
+    Mutant: the message without "(or they were replaced ... build it again)"."""
+    sync, first, _ = armed_two_layers(unused="error")
+    first(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError) as exc:
+        sync.synchronize()
+    assert str(exc.value) == ("1 parameter(s) received no gradient this step (#1 of shape (3, 3)); fix the loss, or "
+                              "average them as zero gradients: GradSync(..., unused=\"zero\"), --dist.unused-params "
+                              "zero in train.py (or they were replaced after the GradSync was built, e.g. "
+                              "load_state_dict(assign=True): build it again)")
+
+
+def test_a_second_armed_backward_names_reentrant_checkpointing_as_a_cause():
+    """Two gradients for one parameter after arm(): the error says one backward was declared, and that a parameter
+    used inside and outside a reentrant checkpoint gets two as well.
+    Mutant: the message without the reentrant-checkpoint cause."""
+    sync, first, head = armed_two_layers()
+    head(first(torch.ones(2, 3))).sum().backward()
+    with pytest.raises(RuntimeError) as exc:
+        head(first(torch.ones(2, 3))).sum().backward()
+    assert str(exc.value) == ("a second backward after arm(): arm() declares that exactly one more backward (the "
+                              "minibatch's last micro-batch) follows before synchronize() (a parameter used inside "
+                              "and outside a reentrant torch.utils.checkpoint also gets two)")
