@@ -1,9 +1,13 @@
 """`make export`: the exported deterministic actor gives the checkpoint's model's mean actions on raw
 observations, as TorchScript, a torch.export program and ONNX, for checkpoints of two presets (one with an
-actor observation normalizer, one without)."""
+actor observation normalizer, one without); what it prints, a config without env settings, the ONNX exporter kept
+quiet (its log level given back, its pytree warning filtered), and which exporter or packages count as missing."""
 
+import functools
 import glob
+import logging
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ from ppo import export
 from ppo.actor_critic import build_actor_critic
 from tests.forked_python import run_python
 from tests.read_only import read_only_folder
+from tests.test_export_logger_env_rules import small_checkpoint, torchscript_only  # noqa: F401 (a fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,3 +198,81 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_policy_config_is_one_line(tmp
                                          r"RuntimeError: .*size mismatch"):
         export.export(path, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_config_without_env_settings_exports_with_nothing_to_note(tmp_path, capsys, torchscript_only):
+    """A config with no 'env' section (the env's settings are optional to export) means scale 1 and no clip: the
+    policy is written and no note about actions printed.
+    Mutant: `config["env"]` for `config.get("env", {})`."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    state = torch.load(path, weights_only=True)
+    del state["config"]["env"]
+    torch.save(state, path)
+    written = export.export(path, str(tmp_path / "out"))
+    assert written == {"torchscript": str(tmp_path / "out" / "model_3.policy.pt"),
+                       "torch.export": str(tmp_path / "out" / "model_3.policy.pt2")}
+    assert "note:" not in capsys.readouterr().out
+
+
+def test_each_file_written_is_printed_with_its_format(tmp_path, capsys, torchscript_only):
+    """After the summary line, one line per file: its format and where it went (what a user copies to the robot).
+    Mutant: the loop printing `[export] {fmt}: {file}` left out."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    export.export(path, str(tmp_path / "out"))
+    out = capsys.readouterr().out
+    assert (f"[export] torchscript: {tmp_path}/out/model_3.policy.pt\n"
+            f"[export] torch.export: {tmp_path}/out/model_3.policy.pt2\n") in out
+
+
+def test_the_onnx_exporter_is_quiet_while_it_runs_and_its_log_level_given_back(tmp_path, monkeypatch):
+    """The export sets the ONNX exporter's registration logger to ERROR while torch.onnx.export runs (it logs each
+    torchvision operator it skips: not installed here, so the level is read inside the call), then restores the
+    level it found: a program that exports and then debugs the exporter gets its own setting back.
+    Mutant: `registration.setLevel(logging.ERROR)` left out; the `finally` without `registration.setLevel(level)`."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    real, seen = torch.onnx.export, []
+
+    @functools.wraps(real)          # its signature too: onnx_missing reads the exporter's parameters
+    def watched(*args, **kwargs):
+        seen.append(registration.level)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch.onnx, "export", watched)
+    before = registration.level
+    registration.setLevel(logging.DEBUG)
+    try:
+        written = export.export(small_checkpoint(tmp_path / "model_3.pt", False), str(tmp_path / "out"))
+        assert "onnx" in written and seen == [logging.ERROR] and registration.level == logging.DEBUG
+    finally:
+        registration.setLevel(before)
+
+
+def test_the_exporter_s_pytree_deprecation_warning_is_not_passed_on(tmp_path):
+    """torch.onnx.export warns (FutureWarning) about torch's own pytree internals (LeafSpec), which no user can act
+    on: the export filters it even where every warning is shown.
+    Mutant: the LeafSpec filter left out."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        written = export.export(path, str(tmp_path / "out"))
+    assert "onnx" in written
+    assert [str(w.message) for w in shown if "LeafSpec" in str(w.message)] == []
+
+
+@pytest.mark.parametrize("absent, said", [({"onnx"}, "onnx"), ({"onnx", "onnxscript"}, "onnx, onnxscript")])
+def test_onnx_missing_names_each_package_not_installed(monkeypatch, absent, said):
+    """ONNX needs both onnx and onnxscript: either one absent is said by name, with the pip line.
+    Mutant: only onnxscript looked for."""
+    real = export.importlib.util.find_spec
+    monkeypatch.setattr(export.importlib.util, "find_spec", lambda name, *a: None if name in absent else real(name, *a))
+    assert export.onnx_missing() == f"not installed: {said} (pip install onnx onnxscript)"
+
+
+def test_an_exporter_without_the_dynamo_option_is_not_called(monkeypatch):
+    """export() passes dynamo=True: a torch.onnx.export without that parameter (nor the other two) is named as
+    lacking each of the three, in the order export() passes them.
+    Mutant: "dynamo" left out of EXPORTER_OPTIONS."""
+    def old_exporter(model, args, f=None, export_params=True, verbose=False, input_names=None, output_names=None):
+        raise AssertionError("called")
+    monkeypatch.setattr(torch.onnx, "export", old_exporter)
+    assert export.onnx_missing() == (f"torch {torch.__version__}'s torch.onnx.export has no dynamo, dynamic_shapes, "
+                                     f"external_data (torch 2.5 or later)")

@@ -1,5 +1,7 @@
 """What `make export` / `python -m ppo.export` does with inputs that are not a checkpoint it can deploy: one line,
-`error: ...`, status 2, before any file is written; and the Makefile passes CKPT to it as one word, as typed."""
+`error: ...`, status 2, before any file is written (a checkpoint that is a string, a device file, a model or policy
+config of the wrong kind, a dangling link at an output name, an --out below a file); and the Makefile passes CKPT to
+it as one word, as typed."""
 
 import os
 import subprocess
@@ -139,3 +141,73 @@ def test_a_fifo_at_an_output_name_is_refused_before_any_file_is_written(tmp_path
             if not reader.is_alive():
                 break
     assert os.listdir(out) == ["model_3.policy.pt"]   # nothing else written
+
+
+def test_a_checkpoint_that_is_a_string_is_not_a_train_py_checkpoint(tmp_path):
+    """A torch file holding a str that happens to contain the words "model" and "config" passes `in` tests: only the
+    dict check turns it into the one-line refusal instead of a TypeError traceback (string indices).
+    Mutant: `usable` without `not isinstance(state, dict)`."""
+    path = str(tmp_path / "model_1.pt")
+    torch.save("model and config", path)
+    with pytest.raises(ValueError) as caught:
+        export.export(path, str(tmp_path / "out"))
+    assert str(caught.value) == (f"CKPT {path!r} is not a train.py checkpoint (it needs 'model' and 'config' "
+                                 f"entries)")
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("policy config a list", "AttributeError: 'list' object has no attribute 'items'"),
+    ("first layer one-dimensional", "IndexError: tuple index out of range"),
+])
+def test_a_model_or_policy_config_of_the_wrong_kind_is_one_line(tmp_path, damage, said):
+    """A 'policy' config that is a list (no .items()), or an actor's first weight with one dimension (no input
+    size): the export says the checkpoint does not fit, naming the error, instead of a traceback.
+    Mutant: AttributeError or IndexError left out of load_policy's `except`."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    state = torch.load(path, weights_only=True)
+    if damage == "policy config a list":
+        state["config"]["policy"] = [8, 8]
+    else:
+        state["model"]["actor.0.weight"] = torch.zeros(8)
+    torch.save(state, path)
+    with pytest.raises(ValueError) as caught:
+        export.export(path, str(tmp_path / "out"))
+    assert str(caught.value) == (f"CKPT {path!r}: its model or policy config does not fit this version's "
+                                 f"actor-critic (damaged, or saved by another version?): {said}")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_dangling_symlink_at_an_output_name_is_refused_and_its_target_not_made(tmp_path):
+    """A symbolic link to nowhere where STEM.policy.pt goes is not a regular file: written through, the export would
+    land wherever the link points. It is refused as a folder of that name is, before anything is written.
+    Mutant: `os.path.exists` for `os.path.lexists` (a dangling link does not exist)."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model_3.policy.pt").symlink_to(tmp_path / "elsewhere.pt")
+    with pytest.raises(ValueError) as caught:
+        export.export(path, str(out))
+    assert str(caught.value) == (f"{str(out / 'model_3.policy.pt')!r} is a directory or not a regular file, where the "
+                                 f"export writes a file; move it, or pass --out with another folder")
+    assert os.listdir(out) == ["model_3.policy.pt"] and not os.path.lexists(tmp_path / "elsewhere.pt")
+
+
+def test_an_out_below_a_file_is_one_line(tmp_path):
+    """--out notes.txt/exported: makedirs fails with NotADirectoryError (not FileExistsError, as for --out notes.txt),
+    said as the same one-line refusal with the system's reason.
+    Mutant: `except FileExistsError` for `except OSError` around makedirs."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    (tmp_path / "notes.txt").write_text("hello")
+    out = str(tmp_path / "notes.txt" / "exported")
+    with pytest.raises(ValueError) as caught:
+        export.export(path, out)
+    assert str(caught.value) == f"--out {out!r} cannot be an output folder (Not a directory)"
+
+
+def test_a_device_given_as_the_checkpoint_is_not_a_regular_file():
+    """/dev/null exists and is no directory, but no regular file either: refused as such before it is opened (the
+    FIFO test of test_export_inputs.py blocks forever on this mutant instead of failing; a device reads as empty).
+    Mutant: the `not os.path.isfile(path)` check left out."""
+    with pytest.raises(ValueError) as caught:
+        export.export("/dev/null")
+    assert str(caught.value) == "CKPT '/dev/null' is not a regular file; pass a model_<iteration>.pt file"
