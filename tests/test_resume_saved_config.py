@@ -1,7 +1,7 @@
-"""Behaviours of configs/resume.py that a manual mutation campaign found no test noticing: the checkpoint a
-refusal names, why a taken setting is listed, saved values that are not even a sequence, the in-place resume
-command's absolute run directory, a newer version's top-level switch as it would be typed, the env seed of a
-checkpoint written before `env_seed` was saved, and which settings the cross-rank settings checksum leaves out."""
+"""configs/resume.py and a checkpoint's saved config: the checkpoint a refusal names, why a taken setting is listed,
+saved values that are not even a sequence, the in-place resume command's absolute run directory, a newer version's
+top-level switch as it would be typed, the env seed of a checkpoint written before `env_seed` was saved, and which
+settings the cross-rank settings checksum leaves out."""
 
 import os
 import shlex
