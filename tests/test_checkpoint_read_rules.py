@@ -1,6 +1,7 @@
 """dist/checkpoint_read.py at its edges: the boundary values a healthy run saves load (iteration 0, seed 2**32 - 1,
 an all-zero exp_avg_sq, an empty float tensor), the first value past each bound is refused by name, a nan inside
-a tuple (Adam's betas) is found, a truncated file, a directory and a non-archive each get their own words, a config
+a tuple (Adam's betas) is found, a truncated file, a directory, a non-archive, a dangling link, a file that fails its
+CRC-32s and one of another format version each get their own words, an entry missing or not a dict is named, a config
 lacking any one founding setting or with a section, seed or env_seed of the wrong type is damage, and a file written
 before "layout" was saved loads."""
 
@@ -229,3 +230,74 @@ def test_a_config_lacking_any_one_founding_setting_is_damage_naming_it(tmp_path,
     with pytest.raises(UsageError) as exc:
         load_checkpoint(path)
     assert str(exc.value) == f"--resume {path!r} is damaged (its config lacks {name}); resume from another checkpoint"
+
+
+@pytest.mark.parametrize("key", ["model", "optimizer", "env", "config"])
+def test_each_entry_restore_loads_as_a_dict_is_refused_by_name_when_it_is_not_one(tmp_path, key):
+    """restore passes 'model', 'optimizer' and 'env' to load_state_dict and reads 'config' by key: a list there is
+    one UsageError naming the entry when the file is read, not a TypeError from inside a load_state_dict."""
+    from dist.checkpoint_read import load_checkpoint
+    from tests.test_checkpoint_rules import _minimal_checkpoint
+    path = str(tmp_path / "model_2.pt")
+    save_checkpoint(path, _minimal_checkpoint(**{key: [1.0]}))
+    with pytest.raises(UsageError, match=f"^--resume '{path}' is damaged \\(its '{key}' is a list, not a dict\\); "
+                                         f"resume from another checkpoint$"):
+        load_checkpoint(path)
+
+
+def test_a_checkpoint_of_another_syncppo_format_version_says_so(tmp_path):
+    """A v2 file (a later version's) read by this v1 reader: the message names both formats and the way out (the
+    version that wrote it), not "not a syncppo checkpoint"."""
+    from dist.checkpoint_read import load_checkpoint
+    from tests.test_checkpoint_rules import _minimal_checkpoint
+    path = str(tmp_path / "model_2.pt")
+    save_checkpoint(path, _minimal_checkpoint())
+    state = torch.load(path, weights_only=True)
+    assert state["format"] == "syncppo-checkpoint-v1"
+    torch.save({**state, "format": "syncppo-checkpoint-v2"}, path)
+    with pytest.raises(UsageError, match=f"^--resume '{path}' was written by another syncppo version \\(format "
+                                         f"'syncppo-checkpoint-v2'; this one reads 'syncppo-checkpoint-v1'\\): "
+                                         f"resume it with the version that wrote it$"):
+        load_checkpoint(path)
+
+
+def test_a_resume_path_that_is_a_dangling_link_is_called_one_not_missing(tmp_path):
+    """os.path.exists follows links: a link to a deleted checkpoint reads as missing, which would send the user
+    looking for the link itself; the message says it is there and where the trouble is."""
+    from dist.checkpoint_read import load_checkpoint
+    link = tmp_path / "model_2.pt"
+    link.symlink_to(tmp_path / "deleted.pt")
+    with pytest.raises(UsageError, match=f"^--resume '{link}' is a symbolic link whose target does not exist \\(or "
+                                         f"that loops\\); pass an existing model_<iteration>.pt file"):
+        load_checkpoint(str(link))
+    with pytest.raises(UsageError, match=f"^--resume '{tmp_path / 'gone.pt'}' does not exist; pass an existing "):
+        load_checkpoint(str(tmp_path / "gone.pt"))
+
+
+def test_a_file_that_fails_its_crc_is_called_damaged_before_any_entry_is_judged(tmp_path):
+    """The CRC-32s come first: a flipped bit can turn any entry into nonsense, so a file that fails them is called
+    damaged (and the member named), not judged by the entry it happens to garble (a bool iteration here)."""
+    from dist.checkpoint_read import load_checkpoint
+    from tests.test_bad_input import flip_a_byte_of_tensor_data
+    from tests.test_checkpoint_rules import _minimal_checkpoint
+    path = tmp_path / "model_2.pt"
+    save_checkpoint(str(path), _minimal_checkpoint(iteration=True, model={"w": torch.ones(64)}))
+    flip_a_byte_of_tensor_data(path)
+    with pytest.raises(UsageError, match=r"^--resume .* is damaged \(archive/data/\d+ does not match its CRC-32\); "
+                                         r"resume from another checkpoint$"):
+        load_checkpoint(str(path))
+
+
+@pytest.mark.parametrize("key", ["model", "optimizer", "iteration", "learning_rate", "env", "config", "rng"])
+def test_a_checkpoint_without_any_entry_a_save_always_writes_is_refused_naming_it(tmp_path, key):
+    """dist/checkpoint.py writes the model and optimizer states, the iteration, the LR, the env's state, the config
+    and the RNG states every time: a file without one is truncated or another tool's, even where resume would not
+    read it (the LR: the optimizer's param groups hold it)."""
+    from dist.checkpoint_read import load_checkpoint
+    from tests.test_checkpoint_rules import _minimal_checkpoint
+    path = str(tmp_path / "model_2.pt")
+    state = _minimal_checkpoint()
+    del state[key]
+    save_checkpoint(path, state)
+    with pytest.raises(UsageError, match=f"^--resume '{path}' is missing \\['{key}'\\]; the file is truncated"):
+        load_checkpoint(path)

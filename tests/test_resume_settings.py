@@ -3,7 +3,9 @@ flags, its LR from the checkpoint only where it is the adaptive schedule's state
 with its own LR: a restart with the same command line continues the adapted LR exactly), and a policy's start
 (init std, orthogonal init) never: a checkpoint replaces it, so a flag that asks for another one is refused. A
 --seed other than the checkpoint run's restarts the RNG streams from it; what the envs share (the tracking motion
-library) stays the checkpoint's.
+library) stays the checkpoint's. A restored reward normalizer takes the checkpoint's merged statistics and keeps its
+own per-env running returns; a fixed schedule's LR line names the checkpoint's LR only where it differs; an env state
+lacking a key the env reads is one UsageError.
 From the command line, everything not typed (launch settings aside) continues the checkpoint run's settings."""
 
 import glob
@@ -16,8 +18,12 @@ from envs.motions import MotionLibrary
 from dist.errors import UsageError
 from configs.resume import continue_saved_config, resume_command
 from configs.typed_flags import typed_flags
+from dist.checkpoint import rng_states
 from ppo.minibatch_step import saved_state_for
+from ppo.normalizer import RewardNormalizer
+from ppo.restore import restore, resumed_lr
 from tests.test_config_errors import cfg_with
+from tests.test_step_restore_rules import CPU, N, _built, _checkpoint, _roles, _run
 
 
 def test_saved_state_for_replaces_the_named_settings_and_keeps_the_state():
@@ -267,3 +273,54 @@ def test_a_typed_global_env_count_of_0_continues_the_checkpoints_per_rank_count(
     assert (cfg.env.num_envs, cfg.env.global_num_envs) == (16, 0)
     assert "--env.global-num-envs 0 (the checkpoint's run: --env.global-num-envs 32)" in changed
     assert "--env.num-envs 16" in kept
+
+
+def test_a_restored_reward_normalizer_keeps_its_running_returns_and_takes_the_saved_statistics():
+    """The checkpoint's count, mean, M2 and std (rule `merge`) are restored; the per-env discounted returns (rule
+    `local`) stay the fresh run's zeros, as its envs restart their episodes rather than continue the saved ones."""
+    saved_norm = RewardNormalizer(N, 0.99, 10.0)
+    saved_norm.returns.fill_(7.0)
+    saved_norm.count.fill_(12.0)
+    saved_norm.mean64.fill_(2.5)
+    saved_norm.m2.fill_(30.0)
+    saved_norm.std.fill_(1.5)
+    built = _built(reward_normalizer=True)
+    built["reward_normalizer"] = saved_norm
+    saved = _checkpoint(built, [rng_states()])
+    fresh = _built(reward_normalizer=True)
+    restore(saved, "c.pt", fresh, None, _roles(), CPU, _run())
+    norm = fresh["reward_normalizer"]
+    assert torch.equal(norm.returns, torch.zeros(N))
+    assert (norm.count.item(), norm.mean64.tolist(), norm.m2.tolist(), norm.std.item()) == (12.0, [2.5], [30.0], 1.5)
+
+
+@pytest.mark.parametrize("restored, said", [(1e-3, ""), (3e-4, " (the checkpoint's LR was 0.0003)")])
+def test_a_fixed_schedule_resume_names_the_checkpoint_s_lr_only_where_it_differs(restored, said):
+    """--ppo.schedule fixed runs at --ppo.learning-rate 1e-3 whatever the checkpoint's LR; the line adds that LR only
+    when it was another one (an adaptive LR 3e-4 under the fixed run's own --ppo.learning-rate, say)."""
+    cfg = _run(ppo__schedule="fixed", ppo__learning_rate=1e-3, max_iterations=8)
+    lr, line = resumed_lr(cfg, {"ppo": {"learning_rate": 1e-3, "schedule": "fixed"}}, restored, 2)
+    assert lr == 1e-3 and line == "--ppo.schedule fixed: the LR is --ppo.learning-rate 0.001" + said
+
+
+def test_an_env_state_without_a_key_the_env_reads_is_one_usage_error_naming_the_env():
+    """An env's load_state_dict reads its entries by key: one missing (another env's state, an older version's) is
+    the KeyError restore turns into its one-line refusal, like a model or optimizer that does not fit; the state
+    that fits is loaded into the env."""
+    class KeyedEnv:
+        generator = torch.Generator()
+
+        def state_dict(self):
+            return {"counts": torch.zeros(3)}
+
+        def load_state_dict(self, state):
+            self.counts = state["counts"]
+    built = {**_built(), "env": KeyedEnv()}
+    saved = _checkpoint(built, [rng_states(built["env"])], env={"visits": torch.zeros(3)})
+    with pytest.raises(UsageError, match=r"^--resume 'c\.pt': its env does not fit this run \(other env or "
+                                         r"--policy\.\* sizes\?\): .*counts"):
+        restore(saved, "c.pt", {**_built(), "env": KeyedEnv()}, None, _roles(), CPU, _run())
+    env = KeyedEnv()
+    restore({**saved, "env": {"counts": torch.tensor([1.0, 2.0, 3.0])}}, "c.pt", {**_built(), "env": env}, None,
+            _roles(), CPU, _run())
+    assert env.counts.tolist() == [1.0, 2.0, 3.0]          # the sampler counts the checkpoint holds

@@ -1,5 +1,6 @@
 """Which run and checkpoint a resume starts from (configs.resume.resolve_resume): a torchrun restart, `--resume
-auto` (the newest run of this --env.name, and of a typed --env.task), a run directory given by hand."""
+auto` (the newest run of this --env.name, and of a typed --env.task, its env read from the newest start by number), a
+run directory given by hand, and a restart whose first attempt made no run directory."""
 
 import json
 import os
@@ -165,3 +166,30 @@ def test_a_newest_checkpoint_gone_before_it_is_read_gets_no_advice_to_move_it(tm
         load_checkpoint(path, run_dir=str(tmp_path))
     assert str(exc.value) == (f"--resume {path!r} does not exist; pass an existing model_<iteration>.pt file, a run "
                               f"directory, or auto")
+
+
+def test_a_restart_whose_first_attempt_made_no_run_directory_starts_as_a_first_attempt_would(tmp_path, monkeypatch):
+    """A torchrun restart (count 1) of a job whose first attempt died before creating its run directory: no
+    directory holds its run id, so --resume is resolved as on a first attempt (a fresh run, a checkpoint file in a
+    new directory, or auto's newest run), never a directory of None."""
+    from types import SimpleNamespace
+    from configs.resume import resolve_resume
+    other = tmp_path / "2024-01-01_00-00-00"
+    other.mkdir()
+    (other / "run_id").write_text("job-6")
+    (other / "model_4.pt").write_bytes(b"x")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resolve_resume(SimpleNamespace(resume=""), str(tmp_path)) == ("", None)
+    assert resolve_resume(SimpleNamespace(resume="/x/model_3.pt"), str(tmp_path)) == ("/x/model_3.pt", None)
+    assert resolve_resume(SimpleNamespace(resume="auto"), str(tmp_path)) == (str(other / "model_4.pt"), str(other))
+
+
+def test_resume_auto_reads_the_env_of_the_run_s_newest_start_by_number_not_by_name(tmp_path):
+    """config_9.json and config_10.json: the start at iteration 10 is the newest, though '9' sorts after '10'."""
+    import json
+    from configs.resume import saved_env
+    for start, task in ((9, "Hopper-v4"), (10, "Walker2d-v4")):
+        (tmp_path / f"config_{start}.json").write_text(json.dumps({"config": {"env": {"name": "gymnasium",
+                                                                                         "task": task}}}))
+    assert saved_env(str(tmp_path)) == {"name": "gymnasium", "task": "Walker2d-v4"}
