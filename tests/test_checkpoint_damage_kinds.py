@@ -1,7 +1,7 @@
 """Damage that passes the archive's CRC-32s (a file rewritten by torch.save) but holds state no healthy run saves
-(optimizer settings and moments that are not Adam's, an LR that is no number, an RNG state that fits no generator,
-a negative std or count): each is one UsageError naming the file and the entry, where it used to be a traceback from
-the first optimizer step, a sampler draw, or a resume that silently carried it on."""
+(optimizer settings and moments that are not those of the Adam syncppo builds, an LR that is no number, an RNG state
+that fits no generator, a negative std or count): each is one UsageError naming the file and the entry, where it used
+to be a traceback from the first optimizer step, a sampler draw, or a resume that silently carried it on."""
 
 import builtins
 import re
@@ -198,3 +198,16 @@ def test_a_negative_std_or_local_sampler_count_is_refused_naming_it(tmp_path, ch
     with pytest.raises(UsageError) as exc:
         load_checkpoint(path)
     assert str(exc.value) == f"--resume {path!r} has {what}{DIVERGED}"
+
+
+def test_an_optimizer_group_with_decoupled_weight_decay_is_refused(tmp_path):
+    """decoupled_weight_decay=True turns torch's Adam into AdamW, which no syncppo run builds: loaded as saved, it
+    would change how the weight decay acts.
+
+    Mutant: "decoupled_weight_decay" dropped from ADAM_VARIANTS."""
+    path = _saved(tmp_path, _with_group(decoupled_weight_decay=True))
+    with pytest.raises(UsageError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == (f"--resume {path!r} is damaged (its optimizer param group 0 has "
+                              f"{{'decoupled_weight_decay': True}}, which the Adam syncppo builds never has); resume "
+                              f"from another checkpoint")

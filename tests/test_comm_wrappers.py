@@ -1,12 +1,14 @@
 """dist/comm.py's wrappers at their edges, without a process group (torch.distributed's calls replaced): a call
 that fails when posted or received is named as the call made and its purpose, with the backend's first non-blank
 line and cause, a failed header receive counts nothing, the gather's buffer lands on the sent tensor's device, and
-point-to-point calls run in the group their caller passes."""
+point-to-point calls run in the group their caller passes; dist.batches.naming() names the peer and keeps the original
+error as its cause."""
 
 import pytest
 import torch
 
 from dist import comm
+from dist.batches import naming
 from tests.test_cli_comm_rules import STALLED, _Failing
 
 
@@ -99,3 +101,15 @@ def test_point_to_point_messages_run_in_the_group_they_are_given_not_use_group_s
     call(torch.zeros(1), *extra, **peer)
     call(torch.zeros(1), *extra, **peer, group=given)
     assert seen[0] is None and seen[1] is given
+
+
+def test_a_named_collective_error_keeps_the_original_as_its_cause():
+    """The traceback of a failed message shows gloo's own error beneath the one that names the peer.
+
+    Mutant: `raise error from None` in naming()."""
+    original = comm.CollectiveError("recv for 'batches' failed on rank 0: timed out")
+    with pytest.raises(comm.CollectiveError) as exc:
+        with naming(3):
+            raise original
+    assert str(exc.value) == "rollout rank 3 died or stalled: recv for 'batches' failed on rank 0: timed out"
+    assert exc.value.__cause__ is original and exc.value.peer == 3

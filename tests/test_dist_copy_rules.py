@@ -1,5 +1,6 @@
 """Edges that a researcher copying dist/ files into another project hits (a fresh-eyes walkthrough found them):
-imports that bind a package named `dist`, an empty merge, integer batch fields, the plan of integer counts."""
+imports that bind a package named `dist`, an empty merge, integer batch fields (those float32 would round refused,
+the narrow ones and half floats carried exactly), the plan of integer counts."""
 
 import os
 import shutil
@@ -66,6 +67,35 @@ def test_a_batch_layout_refuses_integers_that_float32_would_round(dtype):
     layout.pack(sent, buffers)
     back = layout.unpack(buffers)
     assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in sent.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.uint32, torch.uint64])
+def test_a_batch_layout_refuses_unsigned_wide_integers_too(dtype):
+    """uint32 and uint64 travel as float32 like int32 and int64, and lose the same digits past 2**24.
+
+    Mutant: torch.uint32 or torch.uint64 dropped from the refused dtypes."""
+    with pytest.raises(ValueError) as exc:
+        Layout({"x": ((2,), torch.float32), "ids": ((3,), dtype)})
+    assert str(exc.value) == (f"batch layout: fields {{'ids': '{dtype}'}} would travel as float32, which rounds "
+                              f"integers past 2**24; send them as float64")
+
+
+def test_a_batch_layout_carries_narrow_integers_and_half_floats_exactly():
+    """float32 holds every int8, uint8 and int16 value and every float16 and bfloat16 one: such fields are accepted
+    and come back bit for bit, in their own dtype (extremes and a subnormal float16 included).
+
+    Mutant: int16, int8 and uint8, or float16 and bfloat16, added to the refused dtypes."""
+    sent = {"a": torch.tensor([-128, 127, 0], dtype=torch.int8), "b": torch.tensor([0, 255], dtype=torch.uint8),
+            "c": torch.tensor([-32768, 32767, -1], dtype=torch.int16),
+            "d": torch.tensor([65504.0, 2.0**-24, -0.5], dtype=torch.float16),
+            "e": torch.tensor([3.0e38, -2.0**-126, 1.0 + 2.0**-7], dtype=torch.bfloat16)}
+    layout = Layout({name: (tuple(t.shape), t.dtype) for name, t in sent.items()})
+    buffers = layout.buffers("cpu")
+    layout.pack(sent, buffers)
+    back = layout.unpack(buffers)
+    assert buffers[torch.float32].numel() == 14 and buffers[torch.float64].numel() == 0
+    for name, tensor in sent.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
 
 
 def test_concat_batches_joins_time_major_fields_on_dim_1_and_the_last_critic_obs_on_dim_0():

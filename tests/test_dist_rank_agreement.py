@@ -1,16 +1,17 @@
 """Checks that every rank holds the same thing, on 2 or 3 gloo ranks: verify_replicas compares the buffers its rules
 declare broadcast, mean or merge and no local one; same_names_everywhere takes the order of the names into account;
 same_env_state refuses an entry of another dtype as a layout difference, compares every entry's values and names only
-the ranks that differ."""
+the ranks that differ; the rollout ranks' env states are compared bitwise, a 0-dim entry too."""
 
 import pytest
 import torch
 from torch import nn
 
 from dist.buffers import resolve_buffer_policy
-from dist.checkpoint import same_env_state
+from dist.checkpoint import same_env_state, to_bytes
 from dist.errors import RunError
 from dist.verify import same_names_everywhere, verify_replicas
+from rollout_ranks import unpack_team_states
 from tests.multirank import run_ranks
 
 
@@ -107,3 +108,21 @@ def test_env_state_of_another_dtype_is_a_layout_difference_and_only_the_ranks_th
                                        "keeps; "), values_apart
         assert only_one.startswith("env.state_dict() has other entries, shapes or dtypes on rank(s) [1] than on rank 0 "
                                    f"(this rank's: {'steps' if rank == 1 else 'none'}); "), only_one
+
+
+def test_rollout_ranks_env_states_with_a_scalar_entry_are_compared():
+    """An env state may hold a 0-dim tensor (a curriculum level): the bitwise comparison of the rollout ranks' states
+    flattens it first (a 0-dim float32 has no uint8 view), keeps it when equal and names it when not.
+
+    Mutant: .reshape(-1) dropped before .view(torch.uint8) in unpack_team_states."""
+    def blob(level):
+        state = {"rng/env": torch.zeros(4, dtype=torch.uint8), "env/level": torch.tensor(level)}
+        return to_bytes(state), {name: (tuple(v.shape), v.dtype) for name, v in state.items()}
+
+    (same, layout), (other, _) = blob(2.5), blob(3.0)
+    spec = {"state_bytes": same.numel(), "state_layout": layout}
+    rngs, env = unpack_team_states(torch.cat([same, same]), spec)
+    assert len(rngs) == 2 and env["level"].shape == () and env["level"].item() == 2.5
+    with pytest.raises(RunError, match=r"^env.state_dict\(\) differs across rollout ranks in 'level' \(nested names "
+                                       r"joined by '/'\): rollout rank\(s\) \[1\] hold other values"):
+        unpack_team_states(torch.cat([same, other]), spec)
