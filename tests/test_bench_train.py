@@ -1,8 +1,11 @@
 """bench/bench_train.py's logic with hand-made inputs: the interleaving with train.main, the clocks against a
-faked device, the matmul limit and its table. RSL-RL itself is never run here (a stand-in runner)."""
+faked device, the matmul limit and its table (GFLOP counts, warm-up rounds left out, ratios worked out by hand), the
+two-rank rate. RSL-RL itself is never run here (a stand-in runner)."""
 
+import os
 import sys
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -240,3 +243,94 @@ def test_bench_train_rsl_rl_wrapper_gives_the_env_a_copy_of_the_actions(bench_tr
     actions = torch.tensor([[3.0], [-0.5]])
     wrapper.step(actions)
     assert actions.tolist() == [[3.0], [-0.5]] and seen[0].tolist() == [[1.0], [-0.5]]
+
+
+def test_bench_train_table_gflop_limit_and_ratios_by_hand(bench_train, capsys):
+    # Shapes (1000, 1000, 1000) and (10, 20, 30): 2 * m * k * n = 2e9 + 12e3 FLOPs per minibatch step, x 2 epochs
+    # x 3 minibatches. 1 warm-up round (the 9s) left out, 2 rounds kept: medians of an even count are means. The
+    # limit is the least-loaded round's (0.25 s).
+    from configs import preset
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_epochs, cfg.ppo.num_mini_batches = 64, 8, 2, 3
+    shapes = [(1000, 1000, 1000), (10, 20, 30)]
+    flops = 2 * 3 * (2 * 1000**3 + 2 * 10 * 20 * 30)
+    sp, rl = [(0.5, 1.0), (1.0, 1.5)], [(1.0, 2.0, 0.5), (2.0, 2.5, 1.0)]
+    rows = {"syncppo": [(9.0, 9.0)] + sp, "rsl-rl": [(9.0, 9.0, 9.0)] + rl, "limit": [0.5, 0.25, 0.75]}
+    bench_train.report("large", cfg, rows, 1, shapes, torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert "2 interleaved rounds after 1 warm-up" in out
+    assert f"update GEMMs {flops / 1e9:.1f} GFLOP, matmul limit {flops / 0.25 / 1e9:.0f} GFLOP/s" in out
+    for label, mine in (("syncppo", sp), ("rsl-rl 5.5.1", rl)):
+        update = np.median([m[1] for m in mine])
+        cells = [f"{np.median([512 / (m[0] + m[1]) for m in mine]):,.0f}", f"{np.median([m[0] for m in mine]):.3f}",
+                 f"{update:.3f}", f"{np.median([flops / m[1] for m in mine]) / 1e9:.1f}", f"{100 * 0.25 / update:.0f}%",
+                 f"{np.median([(r[0] + r[1]) / (m[0] + m[1]) for m, r in zip(mine, rl)]):.2f}x",
+                 f"{np.median([m[1] / r[1] for m, r in zip(mine, rl)]):.2f}x"]
+        assert f"| {label} | " + " | ".join(cells) + " |" in out, out
+    # by hand, for syncppo: 512 / 1.5 and 512 / 2.5 -> 273; 12 / 1.0 and 12 / 1.5 GFLOP -> 10.0; 0.25 / 1.25 -> 20%
+    assert "| syncppo | 273 | 0.750 | 1.250 | 10.0 | 20% | 1.90x | 0.55x |" in out
+    # RSL-RL's own split: update = learn + compute_returns = 2.5, 3.5 -> 3.000; syncppo 1.0 / 2.5, 1.5 / 3.5 -> 0.41x
+    bench_train.report_notes(rows, 1)
+    assert "RSL-RL update 3.000 s/it, syncppo's update 0.41x of it" in capsys.readouterr().out
+
+
+def test_bench_train_limit_row_is_one_update_of_gemms(bench_train, monkeypatch, tmp_path):
+    # one update runs epochs x minibatches steps: the limit of an iteration is that many passes over the shapes
+    from configs import preset
+
+    class Runner:
+        logger = type("Logger", (), {"log": staticmethod(lambda **kw: None)})()
+        alg = type("PPO", (), {"compute_returns": staticmethod(lambda obs: None)})()
+
+        def learn(self, iterations):
+            for _ in range(iterations):
+                self.alg.compute_returns(None)
+                self.logger.log(collect_time=1.0, learn_time=2.0)
+
+    monkeypatch.setattr(bench_train, "rsl_rl_runner", lambda cfg, log_dir, device: Runner())
+    monkeypatch.setattr(bench_train, "matmul_limit_seconds", lambda shapes, device: 0.125)
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 16, 8, 2
+    cfg.ppo.num_epochs, cfg.ppo.num_mini_batches = 3, 2
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
+    rows = bench_train.run_interleaved(cfg, str(tmp_path), [(1, 1, 1)], torch.device("cpu"))
+    assert rows["limit"] == [3 * 2 * 0.125] * 2
+
+
+def test_bench_train_cpu_matmul_limit_sums_each_shape_s_best_of_3(bench_train, monkeypatch):
+    # shape 1: warm-up call 9 s, then 3, 1, 2 -> best 1; shape 2: warm-up 9, then 0.5, 0.25, 4 -> best 0.25
+    from tests.test_bench_train import FakeDevice
+    fake = FakeDevice()
+    monkeypatch.setattr(bench_train, "time", fake)
+    durations = iter([9.0, 3.0, 1.0, 2.0, 9.0, 0.5, 0.25, 4.0])
+    monkeypatch.setattr(torch, "mm", lambda a, b: fake.work(next(durations)))
+    assert bench_train.matmul_limit_seconds([(2, 3, 4), (5, 6, 7)], torch.device("cpu")) == pytest.approx(1.25)
+
+
+def test_bench_train_main_times_the_minibatch_gemms_and_leaves_out_the_warm_up(bench_train, monkeypatch):
+    # the GEMMs' M is the minibatch: num_envs x num_steps / num_mini_batches; report gets the setting's warm-up
+    from configs import preset
+    ppo = preset("tracking").ppo
+    monkeypatch.setitem(sys.modules, "rsl_rl", types.ModuleType("rsl_rl"))
+    got = {}
+    monkeypatch.setattr(bench_train, "run_interleaved", lambda cfg, tmp, shapes, device: got.setdefault("s", shapes))
+    monkeypatch.setattr(bench_train, "report", lambda name, cfg, rows, warmup, *a: got.setdefault("w", warmup))
+    monkeypatch.setattr(bench_train, "report_notes", lambda rows, warmup: None)
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--quick", "--settings", "large", "--num-envs", "64"])
+    bench_train.main()
+    assert got["s"][0][0] == 64 * ppo.num_steps // ppo.num_mini_batches
+    assert got["w"] == 1                    # --quick large: 3 iterations, the first left out
+
+
+def test_bench_train_two_rank_rate_leaves_out_the_warm_up(bench_train, monkeypatch, tmp_path):
+    # total_fps 100, 1 (warm-up), then 10, 20, 30, 40: median of the last four = 25
+    from torch.utils.tensorboard import SummaryWriter
+
+    def fake_torchrun(command, **kwargs):
+        writer = SummaryWriter(os.path.join(str(tmp_path), "two-ranks", "run"))
+        for step, value in enumerate([100.0, 1.0, 10.0, 20.0, 30.0, 40.0], start=1):
+            writer.add_scalar("Perf/total_fps", value, step)
+        writer.close()
+        return 0
+    monkeypatch.setattr(bench_train, "run_child", fake_torchrun)
+    assert bench_train.two_rank_rate("tracking", 16, 6, 2, str(tmp_path)) == 25.0

@@ -1,0 +1,92 @@
+"""bench/bench_grad_sync.py: its table's columns and ratios, the medians it takes of the slowest rank's times after
+the warm-up, the header's gradient size, and its flags' bounds (--warmup, --timeout, --bucket-mb). Every expected
+number is worked out by hand or with numpy from the inputs. No ranks start: the process group and the timed variants
+are replaced by stand-ins, or the launch raises where ranks would start."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_bench_flags import bench_grad_sync, launched_args  # noqa: F401 (fixtures)
+from tests.test_tools import load_bench
+
+
+def test_bench_grad_sync_table_columns_by_hand(capsys):
+    gs = load_bench("bench_grad_sync")
+    mb = gs.MB
+    rows = [dict(model="m", variant="fwd+bwd", buckets=0, step=10.0, bwd=4.0, allreduce=2.0, grad_comm=2 * mb,
+                 peak=3 * mb),
+            dict(model="m", variant="flat", buckets=1, step=12.0, bwd=6.0, allreduce=2.0, grad_comm=4 * mb,
+                 peak=6 * mb),
+            dict(model="m", variant="DDP", buckets=3, step=15.0, bwd=5.0, allreduce=2.0, grad_comm=8 * mb,
+                 peak=4 * mb)]
+    gs.print_table(rows)
+    out = capsys.readouterr().out.splitlines()
+    # flat: 12 / 15 = 0.80 of DDP; overhead 12 - 10; (bwd+sync)/bwd 6 / 4; grad+comm 4 / 8; peak 6 / 4
+    assert "| m | flat | 1 | 12.0 | 0.80 | 2.0 | 2.0 | 1.50 | 4.0 | 0.50 | 6.0 | 1.50 |" in out
+    assert "| m | fwd+bwd | - | 10.0 | 0.67 | - | 2.0 | - | 2.0 | 0.25 | 3.0 | 0.75 |" in out
+
+
+@pytest.mark.parametrize("a, b, reduce", [
+    ([100.0, 4.0, 1.0, 5.0], [100.0, 2.0, 3.0, 7.0], [100.0, 0.004, 0.001, 0.005]),
+    # 4 timed rounds: the median of an even count is the mean of the two middle rounds (torch.median gave the lower)
+    ([100.0, 4.0, 1.0, 5.0, 3.0], [100.0, 2.0, 3.0, 7.0, 9.0], [100.0, 0.004, 0.001, 0.005, 0.003]),
+])
+def test_bench_grad_sync_medians_of_the_slowest_rank_after_the_warm_up(monkeypatch, a, b, reduce):
+    # 1 warm-up round (the 100 s) left out; rank 1 (faked by all_gather) takes twice rank 0's time, so the slowest
+    # rank's times are 2x. Backward (+ sync) is a quarter of each step. Expected medians from numpy, in ms.
+    gs = load_bench("bench_grad_sync")
+    script = {"A": iter(a), "B": iter(b)}
+
+    class FakeVariant:
+        def __init__(self, kind, bucket_mb, model, device):
+            self.name, self.model = kind, model
+
+        def step(self, x, y, clock):
+            s = next(script[self.name])
+            return [s, 0.0, s / 4]
+    now, reduce_times = [0.0], iter(reduce)
+    all_reduce = lambda tensor, op=None: now.__setitem__(0, now[0] + next(reduce_times))  # noqa: E731
+
+    def all_gather(gathered, local):
+        gathered[0].copy_(local)
+        gathered[1].copy_(local * 2)
+    monkeypatch.setattr(gs, "Variant", FakeVariant)
+    monkeypatch.setattr(gs, "dist", types.SimpleNamespace(barrier=lambda: None, all_reduce=all_reduce,
+                                                          all_gather=all_gather))
+    monkeypatch.setattr(gs, "teardown", lambda: None)
+    monkeypatch.setattr(gs, "setup", lambda *args: (torch.device("cpu"), lambda: now[0],
+                                                    lambda: torch.nn.Linear(3, 2), None, None))
+    out = []
+    gs.time_model(0, 2, 0, types.SimpleNamespace(warmup=1, iters=len(a) - 1), "m", [("A", 0), ("B", 0)],
+                  types.SimpleNamespace(put=out.append))
+    (result,), ms = out, {name: 2e3 * np.median(t[1:]) for name, t in (("A", a), ("B", b), ("raw", reduce))}
+    assert result["params"] == 3 * 2 + 2
+    assert result["allreduce"] == pytest.approx(ms["raw"])
+    assert [(r["variant"], r["step"], r["bwd"]) for r in result["rows"]] == [
+        (name, pytest.approx(ms[name]), pytest.approx(ms[name] / 4)) for name in ("A", "B")]
+
+
+def test_bench_grad_sync_zero_warm_up_is_allowed(bench_grad_sync, monkeypatch):
+    # --warmup counts untimed steps: 0 is a valid count (the check is >= 0; -1 is refused elsewhere)
+    args = launched_args(bench_grad_sync.main, monkeypatch, ["bench_grad_sync.py", "--quick", "--warmup", "0"])
+    assert args.warmup == 0
+
+
+def test_bench_grad_sync_header_gives_fp32_gradient_megabytes(monkeypatch, capsys):
+    # 1,048,576 parameters of 4 bytes: 4.0 MB of fp32 gradients
+    gs = load_bench("bench_grad_sync")
+
+    def launch(args, target, *rest):
+        if target is gs.time_model:
+            names = ["fwd+bwd", "flat", "bucketed 4MB", "DDP"]
+            return dict(params=2**20, allreduce=1.0, rows=[dict(model="0.3M", variant=n, step=1.0, bwd=1.0)
+                                                          for n in names])
+        return dict(grad_comm=1.0, peak=1.0, buckets=1, source="VmHWM")
+    monkeypatch.setattr(gs, "launch", launch)
+    monkeypatch.setattr(sys, "argv", ["bench_grad_sync.py", "--models", "0.3M", "--bucket-mb", "4"])
+    gs.main()
+    assert "models: 0.3M = 1,048,576 params (4.0 MB of fp32 grads)" in capsys.readouterr().out
