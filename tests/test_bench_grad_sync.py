@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_bench_flags import bench_grad_sync, launched_args  # noqa: F401 (fixtures)
+from tests.test_bench_flags import bench_grad_sync, launched_args, usage_error  # noqa: F401 (fixtures)
 from tests.test_tools import load_bench
 
 
@@ -90,3 +90,31 @@ def test_bench_grad_sync_header_gives_fp32_gradient_megabytes(monkeypatch, capsy
     monkeypatch.setattr(sys, "argv", ["bench_grad_sync.py", "--models", "0.3M", "--bucket-mb", "4"])
     gs.main()
     assert "models: 0.3M = 1,048,576 params (4.0 MB of fp32 grads)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("timeout", ["1", "1e6"])
+def test_bench_grad_sync_timeout_bounds_are_inclusive(bench_grad_sync, monkeypatch, timeout):
+    """--timeout must be in [1, 1e6] seconds: both ends are usable values.
+
+    Mutant: `1 <= args.timeout` -> `1 < args.timeout`; `args.timeout <= 1e6` -> `args.timeout < 1e6`."""
+    args = launched_args(bench_grad_sync.main, monkeypatch, ["bench_grad_sync.py", "--quick", "--timeout", timeout])
+    assert args.timeout == float(timeout)
+
+
+@pytest.mark.parametrize("timeout, shown", [("1000001", "1000001.0"), ("nan", "nan"), ("0.999", "0.999")])
+def test_bench_grad_sync_timeout_just_outside_or_nan_is_refused(bench_grad_sync, monkeypatch, capsys, timeout, shown):
+    """Just past either end, and nan (every comparison with it is false), are refused in one line.
+
+    Mutant: the upper bound dropped or moved (1e6 -> 1e7); `not 1 <= t <= 1e6` -> `t < 1 or t > 1e6` (lets nan by)."""
+    line = usage_error(bench_grad_sync.main, monkeypatch, capsys,
+                       ["bench_grad_sync.py", "--quick", "--timeout", timeout])
+    assert line == f"bench_grad_sync.py: error: --timeout must be in [1, 1e6] seconds, got {shown}"
+
+
+def test_bench_grad_sync_nan_bucket_cap_is_refused(bench_grad_sync, monkeypatch, capsys):
+    """A nan cap is no cap: refused like 0 and inf.
+
+    Mutant: `not all(0 < mb < inf)` -> `any(mb <= 0 or mb == inf)` (lets nan by)."""
+    line = usage_error(bench_grad_sync.main, monkeypatch, capsys, ["bench_grad_sync.py", "--quick", "--bucket-mb",
+                                                                   "4", "nan"])
+    assert line == "bench_grad_sync.py: error: --bucket-mb must be distinct positive caps (inf is flat), got [4.0, nan]"

@@ -2,9 +2,13 @@
 each run's statistics line, and the flags and tasks it refuses because they cannot give that table. No run starts:
 train.py's runs are replaced by stand-ins or by a launch that raises."""
 
+import sys
+
+import gymnasium
 import pytest
 
-from tests.test_bench_flags import Launched, usage_error
+from tests.test_bench_flags import (Launched, bench_mujoco, launched_args, recorded_run,  # noqa: F401 (fixtures)
+                                    usage_error)
 from tests.test_tools import load_bench
 
 
@@ -37,3 +41,67 @@ def test_bench_mujoco_flags_that_cannot_give_the_table_are_refused(monkeypatch, 
     monkeypatch.setattr(bm, "run", lambda *a: (_ for _ in ()).throw(Launched(a)))
     line = usage_error(bm.main, monkeypatch, capsys, ["bench_mujoco.py", "--root", str(tmp_path), *flags])
     assert line == f"bench_mujoco.py: error: {error}"
+
+
+class BoxActions(gymnasium.Env):
+    """An env whose only point is its action space (check_tasks makes it and reads action_space)."""
+
+    def __init__(self, shape=(2, 3)):
+        self.observation_space = gymnasium.spaces.Box(-1.0, 1.0, (4,))
+        self.action_space = gymnasium.spaces.Box(-1.0, 1.0, shape)
+
+
+@pytest.mark.parametrize("shape", [(2, 3), ()])
+def test_bench_mujoco_task_with_a_box_of_other_than_one_dimension_is_refused(bench_mujoco, monkeypatch, capsys,
+                                                                           tmp_path, shape):
+    """train.py's adapter takes 1-D Box actions: a 2-D or a 0-D Box is refused before any run, naming the space.
+
+    Mutant: `or len(space.shape) != 1` dropped, `or` -> `and`, `!= 1` -> `> 1` (the 0-D Box)."""
+    from gymnasium.envs.registration import EnvSpec, registry
+    name = f"BoxActions{len(shape)}D-v0"
+    monkeypatch.setitem(registry, name, EnvSpec(name, entry_point=lambda **kw: BoxActions(shape)))
+    space = gymnasium.spaces.Box(-1.0, 1.0, shape)
+    line = usage_error(bench_mujoco.main, monkeypatch, capsys,
+                       ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", name])
+    assert line == f"bench_mujoco.py: error: --tasks {name!r}: needs a 1-D continuous (Box) action space, got {space}"
+
+
+def test_bench_mujoco_ranks_that_leave_exactly_two_per_minibatch_are_run(bench_mujoco, monkeypatch, tmp_path):
+    """32 ranks: 2048 / 32 = 64 steps per rank, 32 minibatches of exactly 2 (the least the check allows).
+
+    Mutant: `steps < 2 * minibatches` -> `steps <= 2 * minibatches`."""
+    monkeypatch.setattr(bench_mujoco.os, "cpu_count", lambda: 8)    # 32 ranks at once: within 4 per core
+    args = launched_args(bench_mujoco.main, monkeypatch, ["bench_mujoco.py", "--root", str(tmp_path), "--tasks",
+                                                          "Hopper-v4", "--seeds", "0", "--ranks", "32"])
+    assert args.ranks == [32]
+
+
+def test_bench_mujoco_each_finished_run_prints_its_statistics_line(monkeypatch, capsys, tmp_path):
+    """One line per run as it finishes: the last-episodes mean, the last-iterations mean, wall minutes (90 s = 1.5).
+
+    Mutant: the two means swapped in the line; `wall_s / 60` -> `wall_s / 3600`."""
+    bm = load_bench("bench_mujoco")
+    key = "Hopper-v4/ranks1/seed1/steps4096"
+
+    def finished(task, ranks, seed, total_steps, args):
+        return {"key": key, "task": task, "ranks": ranks, "seed": seed, "steps": 4096, "wall_s": 90.0,
+                "versions": {"torch": "x"}, "windows": [2, 3], "last_episodes_return": 12.5, "episodes": 5,
+                "last_iterations_return": 6.25}
+    monkeypatch.setattr(bm, "run", finished)
+    monkeypatch.setattr(sys, "argv", ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4", "--seeds",
+                                      "1", "--ranks", "1", "--total-steps", "40960", "--last-episodes", "2",
+                                      "--last-iterations", "3"])
+    bm.main()
+    out = capsys.readouterr().out.splitlines()
+    assert f"[bench] {key}: last 2 episodes 12.50, last 3 iterations 6.25, 1.5 min" in out
+
+
+def test_bench_mujoco_too_few_episodes_names_the_count_and_the_window(tmp_path):
+    """A run that finished 3 episodes cannot give the mean of the last 5: the error says both numbers.
+
+    Mutant: the window's value left out of the message."""
+    bm = load_bench("bench_mujoco")
+    recorded_run(tmp_path, "k", [1.0, 2.0, 3.0], [1.0], [5, 1], (0.0, 0.0))
+    with pytest.raises(RuntimeError) as error:
+        bm.final_returns(str(tmp_path / "k"), 5, 1)
+    assert str(error.value) == f"{tmp_path / 'k'}: only 3 episodes finished, fewer than --last-episodes 5"

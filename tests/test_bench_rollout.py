@@ -6,6 +6,7 @@ import types
 
 import torch
 
+from tests.test_bench_flags import checkpoint, usage_error
 from tests.test_tools import load_bench
 
 
@@ -37,3 +38,78 @@ def test_bench_rollout_iteration_time_starts_after_the_warm_up(monkeypatch, caps
     args = types.SimpleNamespace(envs=["tracking"], iterations={"tracking": 7}, rounds=1)
     br.throughput(args, "root")
     assert "| colocated | 4,915 | 2.50 | 1.00 | 1.00 | 1.00x | - | - |" in capsys.readouterr().out   # 12,288 / 2.5
+
+
+def learner_series(gap: float, wait: float, update: float) -> dict:
+    """7 iterations logged every `gap` s, each with learner wait `wait` and update `update`."""
+    return {"Perf/total_fps": [(i + 1, gap * i, 1.0) for i in range(7)],
+            "Perf/collection_time": [(i + 1, gap * i, wait) for i in range(7)],
+            "Perf/learning_time": [(i + 1, gap * i, update) for i in range(7)]}
+
+
+def test_bench_rollout_overlap_columns_use_the_sync_job_s_wait_and_this_job_s_update(monkeypatch, capsys):
+    """iteration / (C + U) and iteration / max(C, U), C the sync job's wait (3 s), U the row's own update.
+    sync: 4 s/it, 4 / (3 + 1) = 1.00, 4 / 3 = 1.33. async: 2 s/it, update 1.5, its own wait 0.5 (not C):
+    2 / (3 + 1.5) = 0.44, 2 / max(3, 1.5) = 0.67. Steps/s 12,288 / 4 and / 2; vs colocated (5 s/it) 1.25x, 2.50x.
+
+    Mutant: the row's own wait for C; min for max; the two columns swapped; a ratio inverted."""
+    br = load_bench("bench_rollout")
+    series = {"colocated": learner_series(5.0, 1.0, 1.0), "sync": learner_series(4.0, 3.0, 1.0),
+              "async": learner_series(2.0, 0.5, 1.5)}
+    monkeypatch.setattr(br, "train", lambda preset, flags, root, name: name.split("_")[1])
+    monkeypatch.setattr(br, "scalars", lambda variant: series[variant])
+    br.throughput(types.SimpleNamespace(envs=["tracking"], iterations={"tracking": 7}, rounds=1), "root")
+    out = capsys.readouterr().out.splitlines()
+    assert "| sync | 3,072 | 4.00 | 3.00 | 1.00 | 1.25x | 1.00 | 1.33 |" in out
+    assert "| async | 6,144 | 2.00 | 0.50 | 1.50 | 2.50x | 0.44 | 0.67 |" in out
+
+
+def test_bench_rollout_weight_sync_table_columns_by_hand(monkeypatch, capsys, tmp_path):
+    """Ledger medians after iteration 1: patch 200 B, bucket 1,000 B (0.20 of it), messages 3 / 5; replay medians:
+    sync patch 1 ms + apply 2 ms, bucket 2 + 8 ms, apply time patch / bucket 0.25 (sync's would be 0.50). Each
+    version changes actor.0.weight alone (all 40 of its elements): share 40 / all elements.
+
+    Mutant: patch / bucket bytes inverted; the sync time's ratio for apply's; sync and apply swapped in a cell;
+    the share printed as a fraction; bucket's bytes in patch's place in the progress line."""
+    br = load_bench("bench_rollout")
+    run = tmp_path / "ws_0_patch_float32"
+    run.mkdir()
+    first = torch.load(checkpoint(run / "model_1.pt"), weights_only=False)
+    for i in (2, 3, 4):
+        first["model"]["actor.0.weight"] += 1.0
+        torch.save(first, run / f"model_{i}.pt")
+    share = 100 * first["model"]["actor.0.weight"].numel() / sum(v.numel() for v in first["model"].values())
+    ledger = {"patch": ([9e9, 100.0, 200.0, 300.0], [0.0, 3.0, 3.0, 3.0]),
+              "bucket": ([9e9, 1000.0, 1000.0, 1000.0], [0.0, 5.0, 5.0, 5.0])}
+
+    def scalars(run_dir):
+        nbytes, calls = ledger["patch" if "patch" in run_dir else "bucket"]
+        return {"Comm/weight_sync_bytes": [(i, 0.0, v) for i, v in enumerate(nbytes)],
+                "Comm/weight_sync_calls": [(i, 0.0, v) for i, v in enumerate(calls)],
+                "Loss/learning_rate": [(i, 0.0, 1e-3) for i in range(4)]}
+    monkeypatch.setattr(br, "train", lambda preset, flags, root, name: str(tmp_path / name))
+    monkeypatch.setattr(br, "scalars", scalars)
+    monkeypatch.setattr(br, "replay", lambda paths, dtype: {
+        "send": {"patch": [0.001] * 3, "bucket": [0.002] * 3}, "apply": {"patch": [0.002] * 3, "bucket": [0.008] * 3},
+        "stats": {"patch": [(0, 0)] * 3, "bucket": [(0, 0)] * 3}})
+    br.weight_sync(types.SimpleNamespace(lrs={"L": []}, dtypes=["float32"], sync_iterations=4), str(tmp_path))
+    out = capsys.readouterr().out.splitlines()
+    assert f"  L, float32: {share:.1f}% changed, patch 200 B, bucket 1,000 B per iteration" in out
+    assert (f"| L | float32 | 1.0e-03 | {share:.1f}% | 200 | 1,000 | 0.20 | 1.00 + 2.00 | 2.00 + 8.00 | 0.25 | 3 / 5 |"
+            in out), out
+
+
+def test_bench_rollout_quick_learning_is_refused_before_any_part_or_folder(monkeypatch, capsys, tmp_path):
+    """--quick with learning among the parts: one line, exit 2, no part started and no --out made. (Every part is
+    stubbed: without them, a regression would start the real 400-iteration learning jobs rather than fail.)
+
+    Mutant: the `"learning" in args.parts` check under --quick dropped."""
+    br = load_bench("bench_rollout")
+    for part in ("throughput", "weight_sync", "learning"):
+        monkeypatch.setattr(br, part, lambda *a: (_ for _ in ()).throw(AssertionError("a part ran")))
+    out = tmp_path / "out"
+    line = usage_error(br.main, monkeypatch, capsys, ["bench_rollout.py", "--quick", "--parts", "throughput",
+                                                      "learning", "--out", str(out)])
+    assert line == ("bench_rollout.py: error: --quick has no learning part (its jobs run 400 iterations, about an "
+                    "hour): drop --quick or leave learning out of --parts")
+    assert not out.exists()

@@ -139,3 +139,61 @@ def test_bench_sync_one_checkpoint_is_a_usage_error(bench_sync, monkeypatch, cap
     one = checkpoint(tmp_path / "model_1.pt")
     line = usage_error(bench_sync.main, monkeypatch, capsys, ["bench_sync.py", "--checkpoints", one])
     assert line == "bench_sync.py: error: --checkpoints needs at least two consecutive checkpoints"
+
+
+def test_bench_sync_checkpoint_out_of_order_names_the_one_before_and_its_iteration(tmp_path):
+    """Iterations 1, 3, 2: the third is refused, naming the second file (not the first) and its iteration 3.
+
+    Mutant: the message names paths[0]; it gives the refused file's iteration for the one before."""
+    bs = load_bench("bench_sync")
+    paths = [checkpoint(tmp_path / f"model_{i}.pt", seed=i) for i in (1, 3, 2)]
+    with pytest.raises(ValueError) as error:
+        bs.checkpoint_models(paths)
+    assert str(error.value) == (f"--checkpoints {paths[2]!r} is of iteration 2, not after {paths[1]!r}'s 3: pass "
+                                f"consecutive checkpoints of one run, in order")
+
+
+@pytest.mark.parametrize("with_iteration", [(False, True), (True, False)])
+def test_bench_sync_checkpoints_without_an_iteration_are_not_ordered(tmp_path, with_iteration):
+    """A checkpoint with no 'iteration' entry (read_checkpoint does not require one) has no order to check, on
+    either side of one that has.
+
+    Mutant: either isinstance(..., int) guard dropped (None compared with an int: TypeError)."""
+    bs = load_bench("bench_sync")
+    paths = []
+    for i, keep in enumerate(with_iteration, start=1):
+        state = torch.load(checkpoint(tmp_path / f"model_{i}.pt", seed=i), weights_only=False)
+        if not keep:
+            del state["iteration"]
+        torch.save(state, tmp_path / f"model_{i}.pt")
+        paths.append(str(tmp_path / f"model_{i}.pt"))
+    assert len(bs.checkpoint_models(paths)) == 2
+
+
+@pytest.mark.parametrize("state", [{"model": {}}, {"model": {"w": 1.0}}, [1.0, 2.0]])
+def test_bench_sync_checkpoint_whose_model_is_empty_or_not_tensors_is_refused(tmp_path, state):
+    """An empty 'model' dict, one holding a float, or a torch file of a list is not a state_dict to sync.
+
+    Mutant: `not model` dropped; the all-tensors check dropped; the isinstance(state, dict) guard dropped."""
+    bs = load_bench("bench_sync")
+    good, bad = checkpoint(tmp_path / "model_1.pt"), str(tmp_path / "model_2.pt")
+    torch.save(state, bad)
+    with pytest.raises(ValueError) as error:
+        bs.checkpoint_models([good, bad])
+    assert str(error.value) == f"--checkpoints {bad!r} is not a train.py checkpoint (no 'model' state_dict entry)"
+
+
+def test_bench_sync_empty_bytes_table_says_why_even_when_the_time_table_has_rows(bench_sync, capsys):
+    """`--densities 1`: the time table has its density-1 rows, the bytes table none; and a bytes table with rows
+    has no such note.
+
+    Mutant: the note keyed on the time table's rows."""
+    args = types.SimpleNamespace(size="1M", repeats=1, quick=False, ppo=False)
+    time_row = dict(model="1M", mode="patch", density=1.0, naive=2.0, seconds=1.5, ratio=0.5, low=0.5, high=0.5)
+    bench_sync.print_tables({"time": [time_row], "bytes": []}, args)
+    assert ("1M fp32 parameters: none, as --densities has none below 1 (a whole tensor has no positions to encode)"
+            in capsys.readouterr().out)
+    bytes_row = dict(model="1M", receiver="float32", nominal=0.5, density=0.5, wire=1, limit=1.0, ratio=1.0)
+    bench_sync.print_tables({"time": [], "bytes": [bytes_row]}, args)
+    assert ("Bytes: patch wire bytes (headers, tables, trailers included) against the information limit, 1M fp32 "
+            "parameters") in capsys.readouterr().out.splitlines()

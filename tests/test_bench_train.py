@@ -334,3 +334,27 @@ def test_bench_train_two_rank_rate_leaves_out_the_warm_up(bench_train, monkeypat
         return 0
     monkeypatch.setattr(bench_train, "run_child", fake_torchrun)
     assert bench_train.two_rank_rate("tracking", 16, 6, 2, str(tmp_path)) == 25.0
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("rsl-rl broke"), InterruptedError("rsl-rl broke")])
+def test_bench_train_rsl_rl_failure_is_raised_not_a_table_without_it(monkeypatch, tmp_path, failure):
+    """RSL-RL failing in its thread (anything but the bench's own StopRslRl, an InterruptedError of RSL-RL's too) is
+    raised in the main thread once syncppo is done, rather than returning rows with no RSL-RL rounds.
+
+    Mutant: `if errors: raise errors[0]` dropped (an unchanged line next to the stop's, checked here too); rsl_thread
+    catching InterruptedError (the stop's exception before StopRslRl)."""
+    from configs import preset
+    bt = load_bench("bench_train")
+
+    class BrokenRunner:
+        logger = type("Logger", (), {"log": staticmethod(lambda **kw: None)})()
+        alg = type("PPO", (), {"compute_returns": staticmethod(lambda obs: None)})()
+
+        def learn(self, iterations):
+            raise failure
+    monkeypatch.setattr(bt, "rsl_rl_runner", lambda cfg, log_dir, device: BrokenRunner())
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 16, 8, 2
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
+    with pytest.raises(type(failure), match="^rsl-rl broke$"):
+        bt.run_interleaved(cfg, str(tmp_path), [(1, 1, 1)], torch.device("cpu"))
