@@ -1,8 +1,11 @@
 """bench/bench_grad_sync.py: its table's columns and ratios, the medians it takes of the slowest rank's times after
-the warm-up, the header's gradient size, and its flags' bounds (--warmup, --timeout, --bucket-mb). Every expected
-number is worked out by hand or with numpy from the inputs. No ranks start: the process group and the timed variants
-are replaced by stand-ins, or the launch raises where ranks would start."""
+the warm-up, the header's gradient size, its flags' bounds (--warmup, --timeout, --bucket-mb), and a rank out of
+memory said in one line naming --batch. Every expected number is worked out by hand or with numpy from the inputs.
+Only the slow end-to-end test starts ranks: elsewhere the process group and the timed variants are stand-ins, or the
+launch raises where ranks would start."""
 
+import os
+import subprocess
 import sys
 import types
 
@@ -11,7 +14,7 @@ import pytest
 import torch
 
 from tests.test_bench_flags import bench_grad_sync, launched_args, usage_error  # noqa: F401 (fixtures)
-from tests.test_tools import load_bench
+from tests.test_tools import REPO, load_bench
 
 
 def test_bench_grad_sync_table_columns_by_hand(capsys):
@@ -118,3 +121,34 @@ def test_bench_grad_sync_nan_bucket_cap_is_refused(bench_grad_sync, monkeypatch,
     line = usage_error(bench_grad_sync.main, monkeypatch, capsys, ["bench_grad_sync.py", "--quick", "--bucket-mb",
                                                                    "4", "nan"])
     assert line == "bench_grad_sync.py: error: --bucket-mb must be distinct positive caps (inf is flat), got [4.0, nan]"
+
+
+def _rank_out_of_memory(rank, world, port, args, queue):
+    raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes\nmore")
+
+
+def test_bench_grad_sync_rank_out_of_memory_is_one_line_naming_batch(capfd):
+    """A rank's allocation it cannot get (a huge --batch) printed each rank's traceback, then "a rank failed".
+
+    Mutant: launch starts `target` itself, not through rank_main -> each rank's traceback and "a rank failed".
+    """
+    module = load_bench("bench_grad_sync")
+    with pytest.raises(SystemExit) as info:
+        module.launch(types.SimpleNamespace(device="cpu", world=2), _rank_out_of_memory)
+    assert info.value.code == ("bench_grad_sync: out of memory: DefaultCPUAllocator: can't allocate memory: you tried "
+                               "to allocate 8 bytes; lower --batch")
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_grad_sync_huge_batch_is_one_line():
+    """`bench_grad_sync.py --batch 100000000000` end to end (2 gloo ranks): exit 1 with one line on stderr.
+
+    Mutant: rank_main re-raises every exception -> two allocator tracebacks before the summary line.
+    """
+    result = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_grad_sync.py"), "--quick", "--models",
+                             "20k", "--batch", "100000000000"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("bench_grad_sync: out of memory: ") and result.stderr.endswith("; lower --batch\n")
