@@ -1,12 +1,16 @@
-"""The actor-critic's in-place activations against torch's out-of-place modules on the same weights."""
+"""The actor-critic's in-place activations against torch's out-of-place modules on the same weights, and its
+constructor's defaults against the command line's."""
 
 import copy
+import inspect
 
 import pytest
 import torch
 from torch import nn
 
+from configs import PolicyConfig
 from ppo.actor_critic import ActorCritic
+from ppo.normalizer import ObsNormalizer
 
 OUT_OF_PLACE = {"elu": nn.ELU, "tanh": nn.Tanh, "relu": nn.ReLU}
 
@@ -45,3 +49,18 @@ def test_in_place_activations_compute_what_out_of_place_ones_do(activation):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
         else:                     # relu's mask and tanh's 1 - out^2 are the same either way
             assert torch.equal(ours, theirs)
+
+
+def test_actor_critic_defaults_are_the_command_lines_defaults():
+    """ActorCritic built directly (an evaluation script, an export, a user of the module) must be the model train.py
+    builds with default flags: a default without the critic's normalizer would give a model whose state_dict lacks
+    `critic_normalizer.*` (a checkpoint of a default run would not load) and whose critic sees raw observations."""
+    model = ActorCritic(3, 4, 2)
+    assert isinstance(model.critic_normalizer, ObsNormalizer) and isinstance(model.actor_normalizer, nn.Identity)
+    assert [m.out_features for m in model.actor if isinstance(m, nn.Linear)] == [128, 128, 2]
+    assert torch.equal(model.log_std.detach(), torch.zeros(2))                 # init_noise_std 1
+    defaults = {name: p.default for name, p in inspect.signature(ActorCritic).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    cfg = PolicyConfig()
+    assert defaults == {name: getattr(cfg, name) for name in defaults}
+    assert len(defaults) == 7

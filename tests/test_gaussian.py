@@ -1,5 +1,7 @@
-"""ppo.actor_critic.Gaussian gives torch.distributions.Normal's numbers, with the std terms on [A]."""
+"""ppo.actor_critic.Gaussian gives torch.distributions.Normal's numbers, with the std terms on [A], and its samples
+carry no graph, as Normal.sample's do."""
 
+import numpy as np
 import torch
 
 from ppo.actor_critic import Gaussian
@@ -35,3 +37,19 @@ def test_gaussian_gradients_match_torch_normal():
         grads.append((mean.grad, log_std.grad))
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-6, atol=1e-7)   # summation order only
+
+
+def test_gaussian_sample_is_a_constant_to_autograd():
+    """Like torch.distributions.Normal.sample, a sampled action carries no graph: an action drawn with gradients
+    enabled (an evaluation loop, a rollout outside inference mode) and then scored by log_prob must give the
+    score-function gradient (a - mu) / sigma^2, not one that also flows back through a = mu + sigma * eps
+    (which cancels the mean's gradient to 0)."""
+    mean = torch.tensor([[0.3, -1.2], [2.0, 0.5]], requires_grad=True)
+    log_std = torch.tensor([0.1, -0.4], requires_grad=True)
+    torch.manual_seed(0)
+    action = Gaussian(mean, log_std).sample()
+    assert not action.requires_grad
+    Gaussian(mean, log_std).log_prob(action).sum().backward()
+    a, mu, sigma = action.double().numpy(), mean.detach().double().numpy(), np.exp(log_std.detach().double().numpy())
+    np.testing.assert_allclose(mean.grad.double().numpy(), (a - mu) / sigma**2, rtol=1e-5)
+    np.testing.assert_allclose(log_std.grad.double().numpy(), ((a - mu) ** 2 / sigma**2 - 1.0).sum(0), rtol=1e-5)
