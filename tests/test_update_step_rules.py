@@ -1,6 +1,7 @@
 """Edges of ppo/update.py, ppo/restore.py and dist/comm.py that hand mutation testing found unpinned: the 1e-8 that
-keeps a constant advantage from becoming 0/0 (over the rollout and per minibatch), a transposed Adam moment, a
-checkpoint of another rollout layout with as many learners, and dist.comm's device setter.
+keeps a constant advantage from becoming 0/0 (over the rollout and per minibatch), the unusable-policy error's advice
+under the adaptive schedule, a transposed Adam moment, a checkpoint of another rollout layout with as many learners,
+the resume's lines (the seeds of the layout it resumes on, said by rank 0 alone), and dist.comm's device setter.
 
 Mutants of these files found equivalent (no test can tell them apart):
 - kl_schedule: clamping as max(min(lr, lr_max), lr_min) (validate ensures lr_min <= lr_max); `elif` -> `if` (the two
@@ -21,12 +22,12 @@ import torch
 
 from dist import comm
 from dist.checkpoint import rng_states
-from dist.errors import UsageError
+from dist.errors import RunError, UsageError
 from dist.grad_sync import GradSync
 from ppo.minibatch_step import CAPTURE_WARMUP_STEPS, build_optimizer, sync_free_step
 from ppo.restore import restore
 from ppo.storage import RolloutStorage
-from ppo.update import normalize_advantages, ppo_update
+from ppo.update import checked_noise_std, normalize_advantages, ppo_update
 from tests import fake_cuda_graph
 from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
 from tests.test_step_restore_rules import CPU, _built, _checkpoint, _run
@@ -132,6 +133,21 @@ def test_every_epoch_normalizes_each_minibatch_s_advantages(monkeypatch):
         assert abs(adv.mean()) < 1e-6 and abs(adv.std(ddof=1) - 1.0) < 1e-6
 
 
+def test_an_unusable_policy_names_lr_max_as_the_adaptive_runs_fix():
+    """Under --ppo.schedule adaptive the LR moves on its own between --ppo.lr-min and --ppo.lr-max: a step too large
+    comes from the LR having climbed to lr-max, so the error names --ppo.lr-max (lowering --ppo.learning-rate, where
+    the adaptive schedule only starts, fixes nothing; lr-min is the floor, not the ceiling).
+    Mutant: the error's advice names --ppo.lr-min for the adaptive schedule."""
+    model = make_model()
+    with torch.no_grad():
+        model.log_std[0] = 1e4                # exp() is inf in float32
+    with pytest.raises(RunError) as exc:
+        checked_noise_std(model, 3, 0.01)
+    message = str(exc.value)
+    assert "lower --ppo.learning-rate (adaptive: --ppo.lr-max) or the loss weights" in message, message
+    assert "lr-min" not in message
+
+
 # ---- ppo/minibatch_step.py ------------------------------------------------------------------------------------
 
 def _recorded_on_storage_rows(monkeypatch, widths: dict):
@@ -215,6 +231,53 @@ def test_a_checkpoint_of_as_many_learners_but_other_rollout_ranks_restarts_the_l
     assert torch.equal(shuffle.get_state(), expected_shuffle)
     assert "resuming a checkpoint of 1 learner(s) + 1 rollout rank(s) on 1 + 2: RNG streams restart" in \
         capsys.readouterr().out
+
+
+@pytest.mark.parametrize("learners, rollouts, seeds", [
+    (2, 0, "RNG streams restart from --seed + rank; everything else"),
+    (1, 2, "RNG streams restart from their seeds (--seed + rank on a learner, --seed + j on rollout rank L + j of L "
+           "learners); everything else")])
+def test_a_layout_change_names_the_seeds_of_the_layout_it_resumes_on(capsys, learners, rollouts, seeds):
+    """Resumed on another layout, every RNG stream restarts from its seed, and the line says which: --seed + rank
+    when every rank is a learner (however many), and a rollout rank's own seed as well when the run has rollout ranks
+    (however few learners). The choice follows the rollout ranks, not the number of learners.
+    Mutant: the rollout ranks' seeds named when there is more than one learner instead of when there are rollout
+    ranks."""
+    saved = _checkpoint(_built(), [rng_states()], layout=[3, 1])          # a layout neither run has
+    before = torch.get_rng_state()
+    try:
+        restore(saved, "c.pt", _built(), None, SimpleNamespace(rank=0, num_learners=learners, num_rollouts=rollouts),
+                CPU, _run())
+    finally:
+        torch.set_rng_state(before)
+    out = capsys.readouterr().out
+    assert f"resuming a checkpoint of 3 learner(s) + 1 rollout rank(s) on {learners} + {rollouts}: {seeds} is " \
+           f"restored" in out, out
+
+
+@pytest.mark.parametrize("case", ["restored", "another-seed", "states-misfit", "another-layout"])
+def test_only_rank_0_says_how_a_resume_went(capsys, case):
+    """Every rank restores the same file, and rank 0 alone prints (the start-up lines are the run's, said once): on
+    rank 1 of 2 learners nothing is printed, whether the RNG streams were restored, restart from another --seed,
+    restart because the saved states do not fit, or restart on another layout; rank 0 prints the resumed line.
+    Mutant: the resumed line (and the LR line with it), the "do not fit" line or the other-layout line printed on
+    every rank."""
+    fitting = rng_states(None, None, CPU)
+    rngs = [fitting, {"torch": torch.zeros(16, dtype=torch.uint8)} if case == "states-misfit" else fitting]
+    layout = [1, 1] if case == "another-layout" else [2, 0]
+    saved = _checkpoint(_built(), rngs, layout=layout, config={"seed": 5 if case == "another-seed" else 1,
+                                                               "ppo": {"learning_rate": 1e-3}})
+    before = torch.get_rng_state()
+    try:
+        for rank in (1, 0):
+            restore(saved, "c.pt", _built(), None, SimpleNamespace(rank=rank, num_learners=2, num_rollouts=0), CPU,
+                    _run(ppo__learning_rate=2e-3))
+            out = capsys.readouterr().out
+            if rank == 1:
+                assert out == ""
+    finally:
+        torch.set_rng_state(before)
+    assert "[syncppo] resumed c.pt at iteration 2\n" in out and "LR" in out, out
 
 
 # ---- dist/comm.py ----------------------------------------------------------------------------------------------
