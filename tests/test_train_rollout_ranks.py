@@ -1,0 +1,83 @@
+"""train.py's learners and rollout ranks (rollout_ranks.py) as docs/rollout_ranks.md describes them: --rollout.recompute
+off reaching fill_storage, a learner's metrics equal to the colocated run's, the weights a rollout rank asks for
+before it says done, the receives a resumed learner posts, and the device rollout ranks join on."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rollout_ranks
+import train
+from tests.multirank import run_ranks
+from tests.test_rollout_close_rules import ScriptedLearner, cartpole, run_against
+from tests.test_rollout_ranks import body as rollout_body, small as small_rollout
+
+
+def recompute_body(rank, world_size, cfg):
+    """train.main on this rank, recording the `recompute` every fill_storage call got (this rank's process only)."""
+    seen, fill = [], train.fill_storage
+
+    def recording(*args, recompute, **kwargs):
+        seen.append(recompute)
+        return fill(*args, recompute=recompute, **kwargs)
+
+    train.fill_storage = recording
+    try:
+        train.main(cfg)
+    finally:
+        train.fill_storage = fill
+    return seen
+
+
+@pytest.mark.slow
+def test_recompute_off_keeps_the_rollout_copy_s_old_policy_terms_in_async_mode(tmp_path):
+    """--rollout.recompute off in async mode (where auto would be on): the learner fills its storage with the stale
+    copy's log-probs, means, stds and values, as docs/rollout_ranks.md says, in each of its 2 iterations; the rollout
+    rank fills none."""
+    cfg = small_rollout(tmp_path, iterations=2, ranks=1, mode="async", recompute="off")
+    assert run_ranks(recompute_body, 2, args=(cfg,)) == [[False, False], []]
+
+
+@pytest.mark.slow
+def test_a_learner_logs_the_metrics_the_colocated_run_logs(tmp_path):
+    """Sync mode with an fp32 copy and 1 + 1 ranks is bit-identical to the colocated run on 1 rank
+    (docs/rollout_ranks.md), and its episode metrics are the rollout rank's (sum, count) pairs reduced by the same
+    count-weighted rule: every logged scalar but the timings and the message counts equals the colocated run's."""
+    _, colocated, _ = train.main(small_rollout(tmp_path / "colocated", iterations=2))
+    (_, split, _, _), _ = run_ranks(rollout_body, 2, args=(small_rollout(tmp_path / "split", iterations=2, ranks=1), 2))
+    same = {k for k in colocated if not k.startswith(("Perf/", "Comm/"))}
+    assert {"Train/mean_reward", "Train/mean_episode_length", "Loss/entropy"} <= same
+    assert {k: split[k] for k in same} == {k: colocated[k] for k in same}
+
+
+@pytest.mark.parametrize("mode, staleness", [("sync", 0), ("async", 1)])
+def test_a_rollout_rank_asks_for_the_weights_of_the_last_update_before_it_says_done(monkeypatch, mode, staleness):
+    """3 iterations: before collecting batch k a rollout rank needs version k (sync) or k - 1 but not below its start
+    (async, S = 1); after the last batch it asks for version 3, the weights of the last update, so the copy ends with
+    the final weights whenever the learner publishes them; then -1 says done. Asking for 2 there was answered at once
+    with the version it held when its request beat the learner's last publish."""
+    learner, needs = ScriptedLearner(0, 3, depth=staleness + 1, save_every=2), []
+
+    def request(syncer, copy, to, group, have, need):
+        needs.append(need)
+        return answer(syncer, copy, to, group, have, need)
+
+    answer, learner.request = learner.request, request
+    run_against(learner, cartpole(3, mode, staleness), monkeypatch)
+    assert needs == ([0, 1, 2] if mode == "sync" else [0, 0, 1]) + [3, -1]
+
+
+def test_a_resumed_learner_posts_its_receives_from_the_iteration_it_resumes_at(monkeypatch):
+    """A learner resumed at iteration 3 of 5, async with S = 2: its BatchReceiver counts from 3 (it keeps S + 1 = 3
+    receives posted, none past iteration 4), not from 0, which posted receives for batches no rollout rank sends."""
+    spec = {"obs_dims": {"policy": 4, "critic": 4}, "num_actions": 1, "num_envs": 4, "log_keys": (), "layout": None,
+            "state_bytes": 8}
+    posted = []
+    monkeypatch.setattr(rollout_ranks, "recv_object", lambda src, group, purpose: (spec, 10))
+    monkeypatch.setattr(rollout_ranks, "BatchReceiver", lambda *args: posted.append(args))
+    monkeypatch.setattr(rollout_ranks, "WeightServer", lambda *args: None)
+    roles = SimpleNamespace(rank=0, team=[0, 1], batches_group=None, weights_group=None)
+    rollout_ranks.LearnerTeam(cartpole(5, "async", 2), roles, torch.device("cpu"), 3)
+    ((rollouts, _, _, _, depth, start, end, _),) = posted
+    assert (rollouts, depth, start, end) == ([1], 3, 3, 5)
