@@ -1,14 +1,17 @@
-"""End to end through train.main: ranks stay bitwise equal, resume works, cartpole learns."""
+"""End to end through train.main: ranks stay bitwise equal, resume works, cartpole learns, and the first merge of
+the observation statistics is conditioned by the reset observations."""
 
 import glob
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
 import train
 from configs import preset
+from ppo.normalizer import ObsNormalizer
 from tests.multirank import run_ranks
 
 
@@ -236,3 +239,35 @@ def test_a_run_whose_every_update_step_is_skipped_says_so(tmp_path, capsys):
     assert [line[-16:] for line in out.splitlines() if line.startswith("it ")] == ["min  skipped 4/4"] * 2
     assert not [key for key in scalars if key.startswith("Loss/") and key != "Loss/learning_rate" or key == "Policy/kl"]
     assert [line.split("kl")[1].split()[0] for line in out.splitlines() if line.startswith("it ")] == ["-"] * 2
+
+
+def test_the_first_merge_of_far_off_observations_keeps_their_spread(tmp_path, monkeypatch):
+    """Mutant: the critic normalizer's first merge left unshifted (set_first_shift not called with the reset
+    observations). Critic observations moved 1e6 away (float32 keeps steps of 1/16 there) merge as plain sums of
+    squares of about 1e12 each: their variance then loses digits. With the shift, the statistics after the first
+    iteration equal numpy's float64 mean and variance of the very batch that was merged, to 1e-9."""
+    make_env, merged = train.make_env, []
+
+    def far_off_env(*args, **kwargs):
+        env = make_env(*args, **kwargs)
+        reset, step = env.reset, env.step
+
+        def moved(obs):
+            return {**obs, "critic": obs["critic"] + 1e6}
+        env.reset = lambda: (lambda obs, extras: (moved(obs), extras))(*reset())
+        env.step = lambda actions: (lambda obs, *rest: (moved(obs), *rest))(*step(actions))
+        return env
+    update = ObsNormalizer.update
+
+    def recorded(self, batch):
+        merged.append(batch.detach().double().numpy().copy())
+        update(self, batch)
+    monkeypatch.setattr(train, "make_env", far_off_env)
+    monkeypatch.setattr(ObsNormalizer, "update", recorded)
+    model = train.main(small_tracking(tmp_path, iterations=1))[0]
+    (batch,) = merged                                   # tracking normalizes the critic's observations only
+    assert batch.shape == (16 * 8, model.critic_normalizer.mean64.numel()) and batch.mean() > 1e6 - 100
+    stats = model.critic_normalizer
+    assert stats.count.item() == len(batch)
+    np.testing.assert_allclose(stats.mean64.numpy(), batch.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(stats.m2.numpy() / len(batch), batch.var(0), rtol=1e-9, atol=1e-9)

@@ -7,11 +7,13 @@ import fcntl
 import glob
 import io
 import os
+import re
 
 import pytest
 
 import rollout_weights
 import train
+from dist.errors import UsageError
 from tests.multirank import run_ranks
 from tests.test_rollout_ranks import small as small_rollout
 from tests.test_rollout_weights import learner as weight_learner
@@ -88,3 +90,21 @@ def test_a_dry_run_with_a_rollout_rank_closes_its_weight_server(tmp_path):
     results = run_ranks(dry_body, 2, args=(cfg, [str(tmp_path)] * 2))
     assert [(plan, handlers) for plan, handlers, _ in results] == [(True, 0)] * 2
     assert "\n[syncppo] 1 learner(s) x 16 envs x 8 steps = 128 transitions per iteration\n" in results[0][2]
+
+
+def test_a_live_run_s_directory_is_refused_before_the_process_group_forms(tmp_path, monkeypatch):
+    """Mutant: the early lock of a run continued in place dropped (the run directory is then locked only when it is
+    opened for writing, after the process group, the env and the model exist). While another open file holds the
+    lock, `--resume auto` is refused naming the directory as in use, and no process group was joined."""
+    train.main(small_tracking(tmp_path, iterations=1))
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "tracking", "*"))
+
+    def join(*args):
+        raise AssertionError("the process group was joined before the refusal")
+    monkeypatch.setattr(train, "init_distributed", join)
+    cfg = small_tracking(tmp_path, iterations=2)
+    cfg.resume = "auto"
+    with open(os.path.join(run_dir, ".lock"), "a+") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)   # another run's, through another open file
+        with pytest.raises(UsageError, match=f"^run directory {re.escape(run_dir)} is in use by another run"):
+            train.main(cfg)

@@ -12,6 +12,7 @@ import pytest
 import train
 from tests.multirank import run_ranks
 from tests.test_faults import tb_steps
+from tests.test_sync_contract import phase_times_body
 from tests.test_train import small_tracking, train_body
 
 
@@ -46,3 +47,15 @@ def test_the_logged_entropy_is_the_policy_s_whole_entropy(tmp_path):
     cfg.ppo.schedule, cfg.ppo.learning_rate = "fixed", 1e-9
     _, scalars, _ = train.main(cfg)
     assert scalars["Loss/entropy"] == pytest.approx(3 * math.log(2 * math.pi * math.e), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_every_rank_logs_the_least_waiting_update_not_its_own(tmp_path):
+    """Mutant: the learning time read from this rank's clock instead of the reduced one (the minimum over ranks). Rank
+    1's updates read 1000 s long; every rank logs rank 0's (real, under a minute) and total_fps uses it."""
+    logged = run_ranks(phase_times_body, 2, args=(str(tmp_path), "update"))
+    for scalars in logged:
+        assert 0.0 < scalars["Perf/learning_time"] < 60
+        both = scalars["Perf/collection_time"] + scalars["Perf/learning_time"]
+        assert scalars["Perf/total_fps"] == 2 * 8 * 8 / both
+    assert logged[0]["Perf/learning_time"] == logged[1]["Perf/learning_time"]

@@ -9,6 +9,7 @@ import torch
 
 import rollout_ranks
 import train
+from configs import preset
 from tests.multirank import run_ranks
 from tests.test_rollout_close_rules import ScriptedLearner, cartpole, run_against
 from tests.test_rollout_ranks import body as rollout_body, small as small_rollout
@@ -81,3 +82,29 @@ def test_a_resumed_learner_posts_its_receives_from_the_iteration_it_resumes_at(m
     rollout_ranks.LearnerTeam(cartpole(5, "async", 2), roles, torch.device("cpu"), 3)
     ((rollouts, _, _, _, depth, start, end, _),) = posted
     assert (rollouts, depth, start, end) == ([1], 3, 3, 5)
+
+
+class Joined(Exception):
+    """Raised in place of joining the process group: carries the device main() asked for."""
+
+
+def test_rollout_ranks_take_auto_as_cpu_where_cuda_exists(tmp_path, monkeypatch):
+    """Mutant: --dist.device auto left as it is with --rollout.ranks. Where torch sees a GPU, auto would mean cuda;
+    with rollout ranks main() joins the process group on cpu (docs/rollout_ranks.md) and checks the device as cpu."""
+    monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    checked = []
+    validate_device = train.validate_device
+    monkeypatch.setattr(train, "validate_device", lambda cfg, world, kind: checked.append(kind) or
+                        validate_device(cfg, world, kind))
+
+    def join(backend, device, timeout_s):
+        raise Joined(device)
+    monkeypatch.setattr(train, "init_distributed", join)
+    cfg = preset("cartpole")
+    cfg.rollout.ranks, cfg.log.root = 1, str(tmp_path)
+    assert cfg.dist.device == "auto"
+    with pytest.raises(Joined) as joined:
+        train.main(cfg)
+    assert joined.value.args == ("cpu",) and checked == ["cpu"]

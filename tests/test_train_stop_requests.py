@@ -6,6 +6,7 @@ except where a real signal handler is checked."""
 import glob
 import os
 import re
+import signal
 
 import pytest
 import torch
@@ -86,3 +87,18 @@ def test_a_signal_to_one_rank_of_two_stops_both_after_that_iteration(tmp_path):
     on to --max-iterations; the torchrun signal test caught that only by waiting out its time limit."""
     run_ranks(stop_on_one_rank_body, 2, args=(small_tracking(tmp_path, iterations=4),))
     assert checkpoints(tmp_path) == ["model_1.pt"]
+
+
+def test_a_finished_run_gives_the_signals_back(tmp_path):
+    """Mutant: main() returning with its stop-request handlers still installed. A program that trains and then goes on
+    (a sweep, a notebook) must get Ctrl-C back as KeyboardInterrupt and SIGTERM as the default end, not a stop request
+    noted for an iteration that never comes."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)          # something else, so that the test sees them set back
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        train.main(small_tracking(tmp_path, iterations=1))
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

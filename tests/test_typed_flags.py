@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+import train
 from configs import Config, preset, validate
 from configs.resume import check_resume_fits
 from configs.typed_flags import check_typed_flags, env_label, experiment_dir, typed_flags
@@ -176,3 +177,17 @@ def test_an_empty_experiment_name_puts_runs_under_the_env_name_even_where_a_task
     cfg.log.experiment, cfg.log.root = "", "some/root"
     assert experiment_dir(cfg) == os.path.join("some/root", cfg.env.name)
     assert cfg.env.name == {"cartpole": "cartpole", "mujoco": "gymnasium"}[name]
+
+
+def test_a_typed_env_task_the_env_does_not_read_is_refused_as_such_on_resume_auto(tmp_path):
+    """Mutant: a typed --env.task narrowing `--resume auto`'s search even where the env does not read it. Cart-pole
+    has no task: the run is found, and the flag is refused as one that applies only to the simulator adapters, not
+    as a missing checkpoint of that task."""
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.max_iterations = 8, 8, 1
+    cfg.log.root, cfg.log.print_every = str(tmp_path), 100
+    train.main(cfg)
+    cfg.max_iterations, cfg.resume, cfg.env.task = 2, "auto", "Hopper-v4"
+    with pytest.raises(UsageError, match=r"^--env.task applies only with --env.name gymnasium or isaaclab \(the run "
+                                         r"uses cartpole\)"):
+        train.main(cfg, frozenset({"--env.task", "--resume", "--max-iterations"}))
