@@ -1,5 +1,5 @@
-"""The gymnasium adapter on real gymnasium/MuJoCo envs: its autoreset, final observations and time-outs
-against single envs stepped by hand, then a short real training run."""
+"""The gymnasium adapter on real gymnasium/MuJoCo envs: its autoreset, final observations, time-outs and float32
+rewards against single envs stepped by hand, then a short real training run."""
 
 import re
 import sys
@@ -362,3 +362,11 @@ def test_minibatch_advantage_normalization_is_cleanrls():
         torch.testing.assert_close(state[key], oracle[key], rtol=1e-5, atol=1e-6, msg=key)
     rollout_wide = update_with("local")        # guards the oracle: normalizing the whole rollout differs
     assert max((state[k] - rollout_wide[k]).abs().max().item() for k in state if k.startswith("actor.")) > 1e-5
+
+
+def test_a_gymnasium_reward_is_float32():
+    """Mutant: the reward handed on as gymnasium's float64 array. The protocol (envs/base.py) says float32."""
+    env = GymnasiumEnv("Pendulum-v1", 2, torch.device("cpu"), seed=0)
+    env.reset()
+    _, reward, _, _, _ = env.step(torch.zeros(2, 1))
+    assert reward.dtype == torch.float32 and reward.shape == (2,)

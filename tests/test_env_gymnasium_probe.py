@@ -1,6 +1,7 @@
 """The gymnasium adapter's build-time probe step (envs/gymnasium.py check_reset_and_step): the action it takes is
 the one nearest 0 inside the action space's bounds, so an env that checks its actions accepts the probe; an env
-whose step still returns the old gym API's 4-tuple is one line while built."""
+whose step still returns the old gym API's 4-tuple is one line while built; a reward of an unsigned integer type is
+one number, and a 0-d Box observation space is refused."""
 
 import re
 
@@ -12,6 +13,7 @@ import torch
 import train
 from configs import preset
 from envs.gymnasium import GymnasiumEnv
+from tests.test_envs_by_hand import _Toy
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is out of date:DeprecationWarning")
 
@@ -211,3 +213,34 @@ def test_an_observation_of_another_shape_than_declared_is_named_while_built(monk
                                          r"the env declares observation_space Box\(-1.0, 1.0, \(3,\), float32\); "
                                          r"make the two agree$"):
         GymnasiumEnv("WrongShape-v0", 2, torch.device("cpu"), seed=0)
+
+
+class _UintReward(_Toy):
+    def step(self, action):
+        return self.observation_space.sample(), np.uint8(1), False, False, {}
+
+
+class _ScalarObs(_Toy):
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, ())
+
+
+def _register(monkeypatch, name, cls):
+    spec = gymnasium.envs.registration.EnvSpec(name, entry_point=cls, max_episode_steps=5)
+    monkeypatch.setitem(gymnasium.registry, name, spec)
+
+
+def test_an_unsigned_integer_reward_is_one_number(monkeypatch):
+    """Mutant: the probe step accepting float and signed int rewards only. A np.uint8 reward is one number (the
+    vector env's float array takes it): the env is built and steps, its reward 1.0."""
+    _register(monkeypatch, "UintReward-v0", _UintReward)
+    env = GymnasiumEnv("UintReward-v0", 2, torch.device("cpu"), seed=0)
+    env.reset()
+    _, reward, _, _, _ = env.step(torch.zeros(2, 1))
+    assert reward.tolist() == [1.0, 1.0]
+
+
+def test_a_0_d_box_observation_space_is_refused(monkeypatch):
+    """Mutant: only observation spaces of 2 or more dims refused. A 0-d Box (one scalar) is not 1-D either."""
+    _register(monkeypatch, "ScalarObs-v0", _ScalarObs)
+    with pytest.raises(ValueError, match="ScalarObs-v0: needs a 1-D Box observation space"):
+        GymnasiumEnv("ScalarObs-v0", 1, torch.device("cpu"), seed=0)

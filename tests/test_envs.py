@@ -1,9 +1,17 @@
+"""The built-in envs (cart-pole, tracking, the motion library and its sampler): the protocol's shapes and flags,
+seeding, time limits, the chain's dynamics and state dicts, and constants written out by hand (cart-pole's failure
+angle, tracking's PD gains and reference frames, the reset's spreads, the motions' frequency ranges)."""
+
+import math
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from envs import CartPole, Tracking
-from envs.motions import AdaptiveMotionSampler
+from envs.motions import AdaptiveMotionSampler, MotionLibrary
+from tests.test_envs_by_hand import numpy_substep, reference
 
 ENVS = {"cartpole": lambda seed: CartPole(32, "cpu", seed),
         "tracking": lambda seed: Tracking(32, "cpu", seed, base_seed=0, num_motions=8)}
@@ -249,3 +257,90 @@ def test_motion_library_ranges_follow_each_motion_s_difficulty():
         assert abs(np.corrcoef(per_motion.numpy(), m.difficulty.double().numpy())[0, 1]) < 0.2
     assert np.corrcoef(m.freq.double().amax((1, 2)).numpy(), m.difficulty.double().numpy())[0, 1] > 0.5
     assert np.corrcoef(m.amp.double().amax((1, 2)).numpy(), m.difficulty.double().numpy())[0, 1] > 0.5
+
+
+CHAIN = SimpleNamespace(num_joints=6, link_length=0.25, link_mass=0.5, gravity=9.81, sim_dt=0.005,
+                        kp=40.0, kd=2.0, joint_damping=0.1)        # the docstring's chain, written out
+
+
+def test_cartpole_fails_past_12_degrees_not_13():
+    """Mutant: theta_limit 13 degrees. A pole at rest at 12.5 degrees (falling further) fails; one at 11.5 does not."""
+    env = CartPole(2, "cpu", 0)
+    env.reset()
+    env.episode_length.zero_()
+    deg = math.pi / 180
+    env.state = torch.tensor([[0.0, 0.0, 12.5 * deg, 0.0], [0.0, 0.0, -11.5 * deg, 0.0]])
+    _, _, terminated, truncated, _ = env.step(torch.zeros(2, 1))
+    assert terminated.tolist() == [True, False] and truncated.tolist() == [False, False]
+
+
+def test_tracking_substep_uses_kp_40_and_damping_2_1():
+    """Mutants: kp 45, kd 2.5, joint damping 0. One substep against numpy float64 with the gains written out here,
+    not read back from the env (the earlier float64 test took env.kp, env.kd and env.joint_damping)."""
+    env = Tracking(3, "cpu", 0, base_seed=0, num_motions=4)
+    env.decimation = 1
+    g = torch.Generator().manual_seed(5)
+    q, qd = torch.randn(3, 6, generator=g) * 0.6, torch.randn(3, 6, generator=g) * 3.0
+    target = torch.randn(3, 6, generator=g) * 0.5
+    env.q, env.qd = q.clone(), qd.clone()
+    env._simulate(target)
+    for i in range(3):
+        want_q, want_qd = numpy_substep(CHAIN, q[i].double().numpy(), qd[i].double().numpy(),
+                                        target[i].double().numpy())
+        np.testing.assert_allclose(env.q[i].double().numpy(), want_q, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(env.qd[i].double().numpy(), want_qd, rtol=0,
+                                   atol=2e-4 * max(1, np.abs(want_qd).max()))
+
+
+def test_tracking_observes_the_reference_1_2_5_and_10_steps_ahead():
+    """Mutant: future_steps (1, 2, 5, 11). policy[18:42] holds the reference at t + 0.02 k for k = 1, 2, 5, 10,
+    the offsets written out here (the earlier test iterated env.future_steps)."""
+    env = Tracking(4, "cpu", 0, base_seed=0, num_motions=4, episode_length_s=100.0)
+    obs, _ = env.reset()
+    for n in range(4):
+        motion, t = int(env.motion_ids[n]), float(env.motion_time[n])
+        want = np.concatenate([reference(env.motions, motion, t + 0.02 * k)[0] for k in (1, 2, 5, 10)])
+        np.testing.assert_allclose(obs["policy"][n, 18:42].double().numpy(), want, rtol=0, atol=2e-5)
+
+
+def test_tracking_short_limits_start_every_episode_at_step_0():
+    """Mutant: the reset's spread max(limit // 2, 2). For a 1- or 3-step limit the range [0, max(limit // 2, 1)) is
+    {0}: every env starts at step 0, phase 0 in the critic observation."""
+    for seconds in (0.02, 0.06):
+        env = Tracking(64, "cpu", 0, base_seed=0, num_motions=4, episode_length_s=seconds)
+        obs, _ = env.reset()
+        assert env.episode_length.tolist() == [0] * 64
+        assert obs["critic"][:, -1].tolist() == [0.0] * 64
+
+
+def test_tracking_resets_draw_motions_start_times_and_lengths_from_the_env_seed():
+    """Mutants: the motion draw, the start time or the episode-length spread from a fixed generator instead of
+    env.generator: every rank (rank seeds 0 and 1 here) would start the same episodes. Each of the three differs
+    between the two seeds (64 envs: equal by chance with probability far below 1e-20)."""
+    a = Tracking(64, "cpu", 0, base_seed=0, num_motions=8)
+    b = Tracking(64, "cpu", 1, base_seed=0, num_motions=8)
+    a.reset()
+    b.reset()
+    assert not torch.equal(a.motion_ids, b.motion_ids)
+    fraction_a = a.motion_time / a.motions.duration[a.motion_ids]
+    fraction_b = b.motion_time / b.motions.duration[b.motion_ids]
+    assert not torch.allclose(fraction_a, fraction_b)
+    assert not torch.equal(a.episode_length, b.episode_length)
+
+
+def test_the_hardest_motions_reach_the_top_of_their_frequency_range():
+    """Mutant: max_freq = 0.2 + 0.7 d. Motions of difficulty above 0.9 draw frequencies up to 0.1 + 0.9 (0.2 + 0.8 d)
+    Hz: over their ~900 draws the largest share of that range is above 0.97 (under 0.91 with the slope 0.7)."""
+    m = MotionLibrary(512, 6, seed=7, device="cpu")
+    d = m.difficulty.double()
+    hard = d > 0.9
+    share = (m.freq.double()[hard] - 0.1) / (0.9 * (0.2 + 0.8 * d[hard]))[:, None, None]
+    assert hard.sum() >= 30 and share.max() > 0.97 and share.max() < 1 + 1e-6
+
+
+def test_the_motion_library_follows_its_seed():
+    """Mutant: the library generated from seed 0 whatever it is given. Seeds 1 and 2 give different motions, seed 1
+    twice the same ones."""
+    one, again, two = (MotionLibrary(8, 6, seed=s, device="cpu") for s in (1, 1, 2))
+    assert torch.equal(one.sines, again.sines) and torch.equal(one.duration, again.duration)
+    assert not torch.equal(one.freq, two.freq) and not torch.equal(one.duration, two.duration)
