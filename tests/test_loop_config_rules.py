@@ -3,7 +3,9 @@ mutation testing found them unpinned.
 
 Each "must be positive" flag is refused at 0 (dropping any one entry of the table passed every earlier test); the
 bounds are tried on both sides (seed 0, a 256-byte experiment name, --dist.verify-every 0, the init-noise-std whose
-square leaves float32); the simulator adapters' checks, the global env budget's sign and int64 bound, and
+square leaves float32, and the one whose square is float32's smallest normal; --dist.timeout-s's top, int64's lowest
+value and the log section's 64-bit integers); a backslash in --log.experiment; a simulator package that is not
+installed; the simulator adapters' checks, the global env budget's sign and int64 bound, and
 validate() alone refusing a global budget with rollout ranks (train.py's resolve_num_envs says it first, bench_train
 calls validate alone); train.py's linear LR at the last iteration, its last console line, each rank's own seeds and
 the checkpoint's learner count; the isaaclab preset as docs/simulators.md lists it, and preset()'s refusal. No mutant
@@ -11,6 +13,7 @@ of config.py, presets.py or train.py was found equivalent (those of other files:
 """
 
 import glob
+import importlib.util
 import os
 import re
 
@@ -93,6 +96,60 @@ def test_the_simulator_adapter_settings_are_checked_before_a_simulator_starts(fi
     setattr(cfg.env, field, value)
     with pytest.raises(UsageError, match=message):
         validate(cfg)
+    validate(preset("mujoco"))
+
+
+def test_a_backslash_in_the_experiment_name_is_refused_on_posix_too():
+    """Mutant: the separators ("/", os.sep) without the backslash. On Linux os.sep is "/": only the backslash entry
+    refuses a Windows-style name; the same name without it is accepted."""
+    with pytest.raises(UsageError, match="^--log.experiment " + re.escape(repr("a\\b")) + " must be a plain name "):
+        validate(cfg_with(log__experiment="a\\b"))
+    validate(cfg_with(log__experiment="ab"))
+
+
+def test_a_collective_timeout_just_past_1e9_seconds_is_refused():
+    """Mutant: the timeout's upper bound 1e10. 1e9 s is the documented top of [0.001, 1e9]; 1.5e9 is past it."""
+    validate(cfg_with(dist__timeout_s=1e9))
+    with pytest.raises(UsageError, match=r"^--dist.timeout-s must be in \[0.001, 1e9\] seconds .* got 1500000000.0$"):
+        validate(cfg_with(dist__timeout_s=1.5e9))
+
+
+def test_an_init_noise_std_whose_square_is_float32_s_smallest_normal_is_accepted():
+    """Mutant: FLOAT32_TINY < std**2 (strict). std 2**-63 squares exactly to 2**-126 = 1.1754943508222875e-38, the
+    smallest normal float32: the inclusive bound takes it."""
+    std = 2.0 ** -63
+    assert std * std == 2.0 ** -126 == 1.1754943508222875e-38      # exact in float64: powers of two
+    validate(cfg_with(policy__init_noise_std=std))
+    with pytest.raises(UsageError, match=r"^--policy.init-noise-std 5.4"):
+        validate(cfg_with(policy__init_noise_std=std / 2))
+
+
+def test_int64_s_lowest_value_passes_the_64_bit_range_and_meets_the_sign_check():
+    """Mutant: -2**63 < v (strict). -2**63 fits int64, so the 64-bit check lets it through and the error is the
+    one that names the fix, --dist.verify-every's sign; -2**63 - 1 does not fit and is refused as such."""
+    with pytest.raises(UsageError, match=r"^--dist.verify-every must be >= 0, got -9223372036854775808$"):
+        validate(cfg_with(dist__verify_every=-2**63))
+    with pytest.raises(UsageError, match=r"^--dist.verify-every must fit in 64 bits"):
+        validate(cfg_with(dist__verify_every=-2**63 - 1))
+
+
+@pytest.mark.parametrize("field, flag", [("save_every", "--log.save-every"), ("print_every", "--log.print-every")])
+def test_the_log_section_s_integers_must_fit_64_bits(field, flag):
+    """Mutant: check_finite's sections without "log.". 2**63 = 9223372036854775808 is one past int64's top."""
+    with pytest.raises(UsageError, match=f"^{flag} must fit in 64 bits \\(\\[-2\\*\\*63, 2\\*\\*63 - 1\\]\\), "
+                                         f"got 9223372036854775808$"):
+        validate(cfg_with(**{f"log__{field}": 2**63}))
+    validate(cfg_with(**{f"log__{field}": 2**63 - 1}))
+
+
+def test_a_simulator_package_that_is_not_installed_is_refused_before_anything_starts(monkeypatch):
+    """Mutant: the find_spec check dropped. With the package reported missing, the mujoco preset is refused naming
+    the package and the make target that installs it; with it found, the same config passes."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "gymnasium" else object())
+    with pytest.raises(UsageError, match=r"^--env.name gymnasium needs the gymnasium package, which is not installed: "
+                                         r"`make setup-mujoco`$"):
+        validate(preset("mujoco"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     validate(preset("mujoco"))
 
 
