@@ -139,3 +139,25 @@ def test_train_py_exits_with_its_status_whatever_ctrl_c_meets_in_the_teardown(tm
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert "SIGINT at exit: True" in result.stderr, result.stderr[-2000:]
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_ctrl_c_exactly_one_second_after_the_first_is_still_the_forwarded_copy(monkeypatch, handlers):
+    """The module docstring: a second Ctrl-C is a SIGINT MORE than a second after the first. At exactly 1.0 s it is
+    still within the window (a `>=` interrupted the iteration there); just past it, it interrupts."""
+    clock(monkeypatch, 50.0, 51.0, 51.0625)           # exact in binary: no rounding decides the comparison
+    stop = StopRequests(watch_launcher=False)
+    on_signal = functools.partial(stop._on_signal, frame=None)
+    not_interrupted(on_signal, signal.SIGINT)
+    not_interrupted(on_signal, signal.SIGINT)        # 1.0 s after the first
+    interrupted(on_signal, signal.SIGINT)            # 1.0625 s after the first
+
+
+def test_an_unwatched_run_never_reports_its_launcher_gone_even_when_its_parent_changes(monkeypatch, handlers):
+    """Without torchrun (watch_launcher False) the parent is no launcher: a plain `python train.py` whose shell exits
+    (re-parented to pid 1) must keep training, not stop every rank as orphans. Recording the parent regardless made
+    such a run report launcher_gone once its parent changed."""
+    parent = itertools.chain([4242], itertools.repeat(1))      # at construction, then re-parented
+    monkeypatch.setattr("dist.stop.os.getppid", lambda: next(parent))
+    stop = StopRequests(watch_launcher=False)
+    assert not stop.launcher_gone()
+    assert flags(stop) == ((0.0, 1.0), (0.0, 1.0))

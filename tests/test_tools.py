@@ -372,3 +372,18 @@ def test_a_restart_in_the_same_second_writes_an_event_file_that_sorts_last(tmp_p
     RunLogger(str(tmp_path), 10, 3, 4).writer.close()
     names = sorted(os.listdir(tmp_path))
     assert names[0] == earlier.name and len(names) == 2
+
+
+def test_closing_the_logger_ends_the_writer_s_thread(tmp_path):
+    """Every log() flushes, so what close() adds is the end of TensorBoard's writer thread and event file; a close()
+    that only flushed left both open for the life of the process (a thread per RunLogger when one process runs
+    train.main again: tests, a notebook, a sweep)."""
+    import threading
+
+    from ppo.logger import RunLogger
+    before = set(threading.enumerate())
+    logger = RunLogger(str(tmp_path / "run"), max_iterations=5, start_iteration=0, steps_per_iteration=4)
+    logger.log({"Policy/kl": 0.25}, step=1)
+    assert set(threading.enumerate()) - before                # the writer's own thread, while open
+    logger.close()
+    assert not set(threading.enumerate()) - before

@@ -1,7 +1,9 @@
-"""Edges of ppo/update.py, ppo/restore.py and dist/comm.py that hand mutation testing found unpinned: the 1e-8 that
-keeps a constant advantage from becoming 0/0 (over the rollout and per minibatch), the unusable-policy error's advice
-under the adaptive schedule, a transposed Adam moment, a checkpoint of another rollout layout with as many learners,
-the resume's lines (the seeds of the layout it resumes on, said by rank 0 alone), and dist.comm's device setter.
+"""Edges of ppo/update.py, ppo/minibatch_step.py, ppo/restore.py and dist/comm.py that hand mutation testing found
+unpinned: the 1e-8 that keeps a constant advantage from becoming 0/0 (over the rollout and per minibatch), the
+unusable-policy error's advice under the adaptive schedule, q micro-batches adding up to the whole minibatch's step,
+a captured step's all-reduce counted once per replay, a resumed checkpoint keeping this run's capturable setting, a
+transposed Adam moment, a checkpoint of another rollout layout with as many learners, the resume's lines (the seeds
+of the layout it resumes on, said by rank 0 alone), and dist.comm's device setter.
 
 Mutants of these files found equivalent (no test can tell them apart):
 - kl_schedule: clamping as max(min(lr, lr_max), lr_min) (validate ensures lr_min <= lr_max); `elif` -> `if` (the two
@@ -15,6 +17,8 @@ The CUDA-graph replay path (shape check, ledger per replay, warm-up count) runs 
 tests/fake_cuda_graph.py (tests/test_minibatch_step.py, and below: the recorded step's own input and field widths).
 """
 
+import copy
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +28,8 @@ from dist import comm
 from dist.checkpoint import rng_states
 from dist.errors import RunError, UsageError
 from dist.grad_sync import GradSync
-from ppo.minibatch_step import CAPTURE_WARMUP_STEPS, build_optimizer, sync_free_step
+from ppo.loss import gaussian_kl, ppo_loss
+from ppo.minibatch_step import CAPTURE_WARMUP_STEPS, backward_minibatch, build_optimizer, sync_free_step
 from ppo.restore import restore
 from ppo.storage import RolloutStorage
 from ppo.update import checked_noise_std, normalize_advantages, ppo_update
@@ -192,6 +197,80 @@ def test_a_replay_refuses_field_widths_changed_in_the_dict_the_step_was_recorded
     with pytest.raises(ValueError, match=r"^--ppo\.capture-step: the minibatch has \(shape, strides, field widths\)"):
         step(other, widths)
     assert step.graph.replays == 1
+
+
+def whole_minibatch_reference(model, batch, cfg):
+    """(gradients, KL sum, loss terms) of one backward over the whole minibatch, in one process with no GradSync:
+    what q equal micro-batches must add up to (the mean of their means is the whole minibatch's mean)."""
+    model = copy.deepcopy(model)
+    pi = model.distribution(batch["actor_obs"])
+    terms = ppo_loss(pi.log_prob(batch["actions"]).sum(-1), batch["log_probs"], batch["advantages"],
+                     model.value(batch["critic_obs"]), batch["values"], batch["returns"], pi.entropy().sum(-1),
+                     cfg.clip_param, cfg.clip_value_loss, cfg.value_loss_coef, cfg.entropy_coef)
+    grads = torch.autograd.grad(terms["loss"], list(model.parameters()))
+    kl_sum = gaussian_kl(batch["action_mean"], batch["action_std"], pi.mean, pi.stddev).sum()
+    return grads, kl_sum.item(), [terms[k].item() for k in ("surrogate", "value_function", "entropy")]
+
+
+@pytest.mark.parametrize("q", [1, 2, 4])
+def test_micro_batches_give_the_whole_minibatch_s_gradient_norm_clip_kl_and_loss_terms(q):
+    """backward_minibatch with q micro-batches against one backward over the whole minibatch: each micro-batch's
+    loss divided by q (without it the gradient was q times too large, hidden by Adam's scale invariance), the
+    returned terms the mean over micro-batches (without / q the logged losses were q times too large), the norm
+    that of the unclipped gradient, and the gradient clipped to exactly cfg.max_grad_norm (set below the norm here
+    so that clipping acts; with a doubled threshold only every other test passed)."""
+    model = make_model()
+    storage = RolloutStorage(T, N, OBS, A, torch.device("cpu"))
+    fill(storage, 0, model)
+    batch = storage.split(storage.data.flatten(0, 1))        # all T x N = 48 transitions as one minibatch
+    cfg = ppo_cfg(num_micro_batches=q)
+    grads, kl_sum, terms = whole_minibatch_reference(model, batch, cfg)
+    norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    cfg = ppo_cfg(num_micro_batches=q, max_grad_norm=norm / 3)     # clipping scales the gradient by 1/3
+    sync = GradSync(model.parameters(), num_extras=2)
+    kl_stats, got_norm, got_terms = backward_minibatch(model, batch, sync, cfg)
+    assert got_norm.item() == pytest.approx(norm, rel=1e-5)
+    assert kl_stats.tolist() == pytest.approx([kl_sum, T * N], rel=1e-5)
+    assert got_terms.tolist() == pytest.approx(terms, rel=1e-5, abs=1e-7)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g / 3, rtol=1e-4, atol=1e-7)
+
+
+def test_a_recorded_step_counts_its_all_reduce_once_per_replay_and_not_for_the_recording(monkeypatch):
+    """The ledger (plan == ledger) counts a replayed step's gradient all-reduce at each replay, since no Python runs
+    then, and takes back what the recording counted, since recording issues nothing. One process counts no
+    collective, so here comm.all_reduce counts each call it is given as a multi-rank run would: 3 updates x 3 epochs x
+    2 minibatches = 18 steps are 18 all-reduces of every gradient plus the KL (sum, count), in float32, whether a step
+    ran eagerly (the 3 warm-up steps), was recorded and replayed, or only replayed."""
+    from dist import comm
+    from tests import fake_cuda_graph
+    from tests.test_minibatch_step import run_update
+    fake_cuda_graph.install(monkeypatch)
+    issue = comm.all_reduce
+
+    def counted(tensor, purpose, async_op=False):
+        comm.ledger_add(purpose, 1, tensor.numel() * tensor.element_size())
+        return issue(tensor, purpose, async_op=async_op)
+    monkeypatch.setattr(comm, "all_reduce", counted)
+    monkeypatch.setattr(comm, "LEDGER", type(comm.LEDGER)(comm.LEDGER.default_factory))
+    model, optimizer, _ = run_update(True, iterations=3, graph=True)
+    assert optimizer.sync_free_step.graph.replays == 18 - 3        # all but the warm-up steps were replays
+    floats = sum(p.numel() for p in model.parameters()) + 2
+    assert list(comm.LEDGER["gradients"]) == [18, 18 * floats * 4]
+
+
+def test_a_capturable_checkpoint_resumes_with_the_capturable_setting_this_run_built():
+    """A checkpoint of --ppo.capture-step on CUDA saves capturable=True; resumed by the host path (or on CPU, where
+    build_optimizer never makes it capturable), saved_state_for must keep this run's False, as it keeps fused and
+    foreach. On CPU the file of such a run is stood in for by a saved group marked capturable by hand (the existing
+    test of this, run on CPU, saves and resumes with capturable False on both sides, so dropping it passed there)."""
+    from ppo.minibatch_step import build_optimizer, saved_state_for
+    model = make_model()
+    optimizer = build_optimizer(model.parameters(), ppo_cfg(capture_step=False), torch.device("cpu"))
+    saved = copy.deepcopy(optimizer.state_dict())
+    saved["param_groups"][0]["capturable"] = True                 # as a CUDA --ppo.capture-step run saved it
+    optimizer.load_state_dict(saved_state_for(optimizer, saved))
+    assert optimizer.param_groups[0]["capturable"] is False and optimizer.param_groups[0]["fused"] is True
 
 
 # ---- ppo/restore.py --------------------------------------------------------------------------------------------
