@@ -1,5 +1,6 @@
-"""A flag the user typed that the resulting config never reads is refused by name (configs/typed_flags.py);
-the same value set by a preset, or the flag where it applies, is accepted."""
+"""A flag the user typed that the resulting config never reads is refused by name (configs/typed_flags.py), before
+--resume looks for a run; the same value set by a preset, or the flag where it applies, is accepted. A flag typed
+twice is refused with every value it was given."""
 
 import dataclasses
 import os
@@ -11,6 +12,7 @@ from configs import Config, preset, validate
 from configs.resume import check_resume_fits
 from configs.typed_flags import check_typed_flags, env_label, experiment_dir, typed_flags
 from dist.errors import UsageError
+from test_cli_adversarial import assert_one_line_error
 from test_config_errors import cfg_with, run_cli
 
 
@@ -191,3 +193,43 @@ def test_a_typed_env_task_the_env_does_not_read_is_refused_as_such_on_resume_aut
     with pytest.raises(UsageError, match=r"^--env.task applies only with --env.name gymnasium or isaaclab \(the run "
                                          r"uses cartpole\)"):
         train.main(cfg, frozenset({"--env.task", "--resume", "--max-iterations"}))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", "1", "--seed", "2"], "--seed is given twice (1, then 2); keep one"),
+    (["--seed=1", "--dry-run", "--seed", "2"], "--seed is given twice (1, then 2); keep one"),
+    (["--policy.actor-hidden", "64", "64", "--policy.actor-hidden", "8"],
+     "--policy.actor-hidden is given twice (64 64, then 8); keep one"),
+    (["--ppo.num-epochs", "3", "--ppo.num_epochs", "4"],      # tyro takes both spellings of the field
+     "--ppo.num-epochs is given twice (--ppo.num-epochs 3, then --ppo.num_epochs 4); keep one"),
+    (["--ppo.normalize-rewards", "--ppo.no_normalize_rewards"],
+     "--ppo.normalize-rewards is given twice (--ppo.normalize-rewards, then --ppo.no_normalize_rewards); keep one"),
+    (["--log.experiment=", "--seed", "1", "--log.experiment", "x"],
+     "--log.experiment is given twice ('', then x); keep one"),
+    (["--seed", "1", "--seed", "1", "--seed", "3"], "--seed is given 3 times (1, 1, then 3); keep one"),
+])
+def test_a_flag_given_twice_is_named_with_every_value(argv, message):
+    """Mutant: typed_flags without the repeat check -> no UsageError."""
+    with pytest.raises(UsageError) as refused:
+        typed_flags(["cartpole", *argv])
+    assert str(refused.value) == message
+    once = typed_flags(["cartpole", "--seed", "1", "--policy.actor-hidden", "64", "64", "--dry-run"])
+    assert once == {"--seed", "--policy.actor-hidden", "--dry-run"}
+
+
+def test_cli_refuses_a_flag_given_twice_before_anything_is_written(tmp_path):
+    """`train.py cartpole --seed 1 --seed 2` trained with seed 2, unsaid.
+    Mutant: cli's typed_flags(argv) outside its try -> a UsageError traceback, status 1."""
+    root = tmp_path / "runs"
+    out = run_cli("cartpole", "--seed", "1", "--dry-run", "--log.root", str(root), "--seed", "2")
+    assert_one_line_error(out, "error: --seed is given twice (1, then 2); keep one")
+    assert not os.path.exists(root)
+
+
+def test_a_flag_of_another_env_is_refused_before_resume_auto_looks_for_a_run(tmp_path):
+    """`cartpole --env.num-motions 5 --resume auto` with no run said "--resume auto: no checkpoint": fixed, the run
+    would still refuse the flag. --env.name is a launch setting, never the checkpoint's: no checkpoint is needed.
+    Mutant: typed_task without check_typed_flags of the env's flags -> the first line is resume's."""
+    out = run_cli("cartpole", "--env.num-motions", "5", "--resume", "auto", "--log.root", str(tmp_path / "runs"))
+    assert_one_line_error(out, "error: --env.num-motions applies only with --env.name tracking (the run uses cartpole)")
+    assert not os.path.exists(tmp_path / "runs")
