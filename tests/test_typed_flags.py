@@ -6,12 +6,15 @@ import dataclasses
 import os
 
 import pytest
+import torch
 
 import train
 from configs import Config, preset, validate
 from configs.resume import check_resume_fits
 from configs.typed_flags import check_typed_flags, env_label, experiment_dir, typed_flags
 from dist.errors import UsageError
+from ppo.gae import compute_gae
+from ppo.kl_schedule import adaptive_lr
 from test_cli_adversarial import assert_one_line_error
 from test_config_errors import cfg_with, run_cli
 
@@ -233,3 +236,43 @@ def test_a_flag_of_another_env_is_refused_before_resume_auto_looks_for_a_run(tmp
     out = run_cli("cartpole", "--env.num-motions", "5", "--resume", "auto", "--log.root", str(tmp_path / "runs"))
     assert_one_line_error(out, "error: --env.num-motions applies only with --env.name tracking (the run uses cartpole)")
     assert not os.path.exists(tmp_path / "runs")
+
+
+def test_lam_typed_with_gamma_0_is_refused_since_gae_multiplies_it_by_gamma():
+    """Mutant: the --ppo.lam rule removed from requirement() -> check_typed_flags raises nothing."""
+    rewards, values, dones = torch.randn(5, 3), torch.randn(5, 3), torch.zeros(5, 3)
+    last = torch.randn(3)
+    a, _ = compute_gae(rewards, values, dones, last, gamma=0.0, lam=0.95)
+    b, _ = compute_gae(rewards, values, dones, last, gamma=0.0, lam=0.0)
+    assert torch.equal(a, b)                        # the premise: lambda is unread in value with gamma 0
+    with pytest.raises(UsageError) as exc:
+        check_typed_flags(cfg_with(ppo__gamma=0.0), frozenset({"--ppo.lam", "--ppo.gamma"}))
+    assert str(exc.value) == ("--ppo.lam applies only with --ppo.gamma above 0 (the run uses 0: each advantage is its "
+                              "own step's TD error, lambda times 0)")
+    check_typed_flags(cfg_with(ppo__gamma=0.5), frozenset({"--ppo.lam"}))
+    check_typed_flags(cfg_with(ppo__gamma=0.0), frozenset({"--ppo.gamma"}))     # the preset's lam: not typed
+
+
+def test_cli_refuses_lam_with_gamma_0_in_one_line(tmp_path):
+    """Mutant: the --ppo.lam rule removed -> the dry run succeeds (exit 0) and prints the plan."""
+    out = run_cli("cartpole", "--ppo.gamma", "0", "--ppo.lam=0.9", "--dry-run", "--log.root", str(tmp_path / "runs"))
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: --ppo.lam applies only with --ppo.gamma above 0 ") \
+        and out.stderr.count("\n") == 1, out.stderr
+    assert out.stdout == "" and not (tmp_path / "runs").exists()
+
+
+def test_desired_kl_typed_with_equal_lr_bounds_is_refused_since_the_lr_cannot_move():
+    """Mutant: the --ppo.desired-kl bounds rule removed from requirement() -> check_typed_flags raises nothing."""
+    for kl in (0.0, 1e-6, 0.05, 10.0):              # the premise: whatever the KL and its target, the LR is the bound
+        for desired in (1e-3, 0.01, 1.0):
+            assert adaptive_lr(1e-3, kl, desired, 1e-3, 1e-3) == 1e-3
+    same = {"ppo__lr_min": 1e-3, "ppo__lr_max": 1e-3, "ppo__learning_rate": 1e-3}
+    with pytest.raises(UsageError) as exc:
+        validate(cfg_with(**same), 1, frozenset({"--ppo.desired-kl"}))
+    assert str(exc.value) == ("--ppo.desired-kl applies only with --ppo.lr-min below --ppo.lr-max (the run uses 0.001 "
+                              "for both: the adaptive LR cannot move)")
+    validate(cfg_with(**same), 1, frozenset({"--ppo.lr-min", "--ppo.lr-max"}))   # a constant LR is fine, untyped KL
+    validate(cfg_with(ppo__lr_min=1e-3), 1, frozenset({"--ppo.desired-kl"}))
+    with pytest.raises(UsageError, match=r"^--ppo\.desired-kl applies only with --ppo\.schedule adaptive"):
+        check_typed_flags(cfg_with(ppo__schedule="fixed", **same), frozenset({"--ppo.desired-kl"}))   # that first
