@@ -3,6 +3,9 @@ and how it stops what it started."""
 
 import argparse
 import contextlib
+import ctypes
+import functools
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -63,11 +66,52 @@ def stopped_main(name: str, main) -> None:
 
 
 def rank_signals() -> None:
-    """In a rank process the bench started: a terminal's Ctrl-C reaches the whole process group, and it is the
-    bench's to act on (it stops the ranks), not a traceback per rank; SIGTERM ends the rank (a forked rank
-    inherits the bench's handler)."""
+    """In a rank process the bench started with multiprocessing (fork or spawn): a terminal's Ctrl-C reaches the
+    whole process group, and it is the bench's to act on (it stops the ranks), not a traceback per rank; SIGTERM
+    ends the rank (a forked rank inherits the bench's handler), and so does the bench's death, SIGKILL included.
+    Every bench's rank calls it first: the thread that started the ranks (the main thread, in bench_grad_sync.launch,
+    bench_sync.main, bench_rollout.replay) waits for them until they end, as die_with_parent needs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)     # before asking for it: the bench's own handler would raise
+    die_with_parent(multiprocessing.parent_process().pid, libc_prctl())
+
+
+PR_SET_PDEATHSIG = 1    # <linux/prctl.h>
+
+
+def libc_prctl():
+    """libc's prctl, to look up in the parent before a fork (a child between fork and exec then only calls it);
+    elsewhere than Linux, where there is none, a RuntimeError: the benches that start processes refuse to run
+    there (they also read /proc), rather than leave their children running when SIGKILLed."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError("a bench that starts processes runs on Linux only: it needs prctl(PR_SET_PDEATHSIG) "
+                           "so that its children end with it, and /proc to find them")
+    return ctypes.CDLL(None).prctl
+
+
+def die_with_parent(parent: int, prctl) -> None:
+    """In a child of `parent` (its pid, taken before the fork): ask the kernel for SIGTERM when the parent dies,
+    however it dies (a SIGKILLed bench runs nothing to stop its children); SIGTERM, not SIGKILL, so that torchrun
+    stops its own ranks (they get no such request: the kernel clears it in a fork's child). Ends the child at once
+    if `parent` died before the request, which then never fires: the child is someone else's already.
+
+    The kernel sends it when the *thread* that forked the child ends, not the process: each caller forks from a
+    thread that waits for the child until it ends (run_child, rank_signals, tests/torchrun_job.Job say which).
+
+    As Popen's preexec_fn it runs between fork and exec of a threaded bench, where Python's docs warn that a call
+    may deadlock on a lock another thread held at the fork: it stays trivial on purpose (a libc function looked up
+    in the parent, getppid, _exit: no lock taken). A wrapper process doing the same before exec would be safe by
+    construction but would cost a Python start per child and turn a missing program into the wrapper's traceback;
+    this one function also serves the multiprocessing ranks, which exec nothing."""
+    if prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError("prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(1)     # not sys.exit: a forked rank's atexit handlers are the bench's (bench_sync's rmtree)
+
+
+def dying_with_this_process():
+    """A preexec_fn for Popen: its child dies with this process (die_with_parent), the lookup done here."""
+    return functools.partial(die_with_parent, os.getpid(), libc_prctl())
 
 
 def live_parents() -> dict[int, int]:
@@ -137,14 +181,20 @@ def stop_all() -> None:
 
 
 def run_child(cmd: list[str], env: dict | None = None, **popen) -> int:
-    """`cmd` to its end, its exit status; whatever ends the wait (Ctrl-C, SIGTERM, an error) stops it first. Its
-    TMPDIR is a folder removed after it: torchrun leaves its torchelastic_* log folders there even on a clean exit
-    (torch 2.x never removes them)."""
+    """`cmd` to its end, its exit status; whatever ends the wait (Ctrl-C, SIGTERM, an error) stops it first, and
+    a SIGKILLed bench's death SIGTERMs it (die_with_parent). Its TMPDIR is a folder removed after it: torchrun
+    leaves its torchelastic_* log folders there even on a clean exit (torch 2.x never removes them).
+
+    The calling thread waits for the child until it ends (the `finally` reaps it), as die_with_parent needs: callers
+    in a thread pool's threads (bench_mujoco.run, bench_rollout.train in `learning`) stay in run_child meanwhile,
+    and the main thread's callers (bench_train.two_rank_rate, bench_sync.ppo_checkpoints, bench_rollout.train)
+    too; the pool outlives its jobs."""
     with tempfile.TemporaryDirectory(prefix="bench_child_") as tmp:
         with _LOCK:
             if _STOPPING.is_set():
                 raise RuntimeError("the bench is stopping: no new child")
-            proc = subprocess.Popen(cmd, env={**(os.environ if env is None else env), "TMPDIR": tmp}, **popen)
+            proc = subprocess.Popen(cmd, env={**(os.environ if env is None else env), "TMPDIR": tmp},
+                                    preexec_fn=dying_with_this_process(), **popen)
             LIVE.add(proc)
         try:
             return proc.wait()

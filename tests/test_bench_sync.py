@@ -125,6 +125,7 @@ def test_bench_sync_bytes_table_leaves_out_density_one(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "x")      # worker sets these: put back after the test
     monkeypatch.setenv("MASTER_PORT", "1")
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(bs, "rank_signals", lambda: None)   # a rank's: pytest is no bench's multiprocessing child
     monkeypatch.setattr(bs, "dist", types.SimpleNamespace(init_process_group=lambda *a, **k: None,
                                                           barrier=lambda: None, destroy_process_group=lambda: None))
     monkeypatch.setattr(bs, "bench_time", lambda rank, size, densities, *a: seen.setdefault("t", densities))

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from bench._common import live_parents
+from bench._common import dying_with_this_process, live_parents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -46,8 +46,11 @@ class Job:
             cmd = [sys.executable, "-c", f"{prelude}\nimport runpy\nrunpy.run_path('train.py', run_name='__main__')"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.started = time.monotonic()
+        # SIGTERMed when the thread creating the Job ends, the process SIGKILLed included (fault_drills, a test):
+        # fault_drills.drill and the tests create it in the main thread, which waits for it (finish, kill_all).
         self.proc = subprocess.Popen(cmd + args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, start_new_session=True)
+                                     text=True, env=env, start_new_session=True,
+                                     preexec_fn=dying_with_this_process())
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
