@@ -3,6 +3,7 @@ rollout rank, which waits on the learner, says that the learner may itself be wa
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +16,10 @@ TIMEOUT_S = 3.0
 
 
 def stall_body(rank, world_size, root, stalled):
-    """1 learner (rank 0) + rollout ranks 1, 2: rollout rank `stalled` stops, inside its second collection, for
-    4 timeouts; every rank returns the line it failed with."""
+    """1 learner (rank 0) + rollout ranks 1, 2: rollout rank `stalled` stops, inside its second collection, until
+    both other ranks have failed (past every wait on it; then its own next wait fails too); every rank returns the
+    line it failed with."""
+    done = [Path(root) / f"done_{other}" for other in range(world_size) if other != stalled]
     if rank == stalled:
         collect = rollout_ranks.collect_rollout
         calls = []
@@ -24,7 +27,9 @@ def stall_body(rank, world_size, root, stalled):
         def stalling(*args, **kwargs):
             calls.append(1)
             if len(calls) == 2:
-                time.sleep(4 * TIMEOUT_S)        # past every wait on it; then its own next wait fails too
+                deadline = time.monotonic() + 10 * TIMEOUT_S
+                while not all(path.exists() for path in done) and time.monotonic() < deadline:
+                    time.sleep(0.05)
             return collect(*args, **kwargs)
         rollout_ranks.collect_rollout = stalling
     cfg = preset("cartpole")
@@ -34,9 +39,12 @@ def stall_body(rank, world_size, root, stalled):
     cfg.rollout.ranks, cfg.dist.timeout_s = 2, TIMEOUT_S
     try:
         train.main(cfg)
+        said = "finished"
     except Exception as error:  # noqa: BLE001 - the line each rank fails with is what is tested
-        return str(error)
-    return "finished"
+        said = str(error)
+    if rank != stalled:
+        (Path(root) / f"done_{rank}").touch()
+    return said
 
 
 @pytest.mark.slow
