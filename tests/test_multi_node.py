@@ -36,11 +36,11 @@ def test_two_nodes_train_what_one_node_with_as_many_ranks_trains(tmp_path):
     """Rank r seeds with --seed + r (its global rank, not its local one), so 2 nodes x 1 rank and 1 node x 2 ranks
     learn the same weights bit for bit. Node 1's agent runs in a directory of its own: --log.root is absolute,
     so both nodes see the run (a relative one would be refused under --max-restarts, tests/test_checkpoint_rules.py)."""
-    one_node = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", *TRAIN,
-                               "--log.root", str(tmp_path / "one")], cwd=REPO, env=ENV, capture_output=True,
-                              text=True, timeout=120)
-    assert one_node.returncode == 0, one_node.stderr
-
+    # The one-node run and the two nodes run at once (independent runs in folders of their own): their start-ups
+    # (torch's import, the rendezvous) overlap instead of following each other.
+    one_node = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node", "2", *TRAIN, "--log.root",
+                                 str(tmp_path / "one")], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
     rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "two-nodes"]
     (tmp_path / "node1").mkdir()
@@ -48,10 +48,11 @@ def test_two_nodes_train_what_one_node_with_as_many_ranks_trains(tmp_path):
                                str(tmp_path / "two")], cwd=cwd, env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for cwd in (REPO, tmp_path / "node1")]
     try:
-        outputs = [node.communicate(timeout=120) for node in nodes]
+        one_output, *outputs = [job.communicate(timeout=120) for job in (one_node, *nodes)]
     finally:
-        for node in nodes:
-            node.kill()
+        for job in (one_node, *nodes):
+            job.kill()
+    assert one_node.returncode == 0, one_output[1]
     assert [node.returncode for node in nodes] == [0, 0], [err for _, err in outputs]
     # Rank 0 (on whichever node the rendezvous made node 0) prints the run; the other node's rank prints nothing.
     printed = sorted(("world size 2" in out, "it     2/2" in out) for out, _ in outputs)
