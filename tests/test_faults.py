@@ -237,21 +237,26 @@ def test_ctrl_c_while_torch_imports_ends_at_once_without_a_traceback(tmp_path):
     assert (job.returncode, out, err) == (130, "", "")
 
 
-def stalled_body(rank, world_size):
+def stalled_body(rank, world_size, failed):
+    """Rank 1 stalls until rank 0's all_reduce has failed (`failed` exists; 30 s at most): past the 2 s timeout."""
     init_distributed("gloo", "cpu", timeout_s=2.0)
     if rank == 1:
-        time.sleep(6.0)                                 # stalls past the 2 s timeout
+        deadline = time.monotonic() + 30
+        while not os.path.exists(failed) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return "stalled"
     try:
         comm.all_reduce(torch.ones(3), "metrics")
     except comm.CollectiveError as exc:
         return str(exc)
+    finally:
+        open(failed, "w").close()
     return "no error"
 
 
 @pytest.mark.slow
-def test_a_stalled_rank_fails_the_others_naming_the_collective():
-    message, _ = run_ranks(stalled_body, 2, init_group=False)
+def test_a_stalled_rank_fails_the_others_naming_the_collective(tmp_path):
+    message, _ = run_ranks(stalled_body, 2, args=(str(tmp_path / "failed"),), init_group=False)
     assert "all_reduce for 'metrics' failed on rank 0" in message and "--dist.timeout-s" in message
     assert "Timed out waiting 2000ms" in message            # --dist.timeout-s reached the backend
 
