@@ -155,11 +155,12 @@ def test_bench_grad_sync_stopped_stops_its_ranks(tmp_path, sig):
 
     Mutant: no try/finally stop_processes(procs) in launch -> the bench waits at exit for its endless ranks
     (multiprocessing joins them): TimeoutExpired in stop().
-    Mutant: no rank_signals() in rank_main -> SIGINT to the group: a rank's KeyboardInterrupt traceback.
+    Mutant: no rank_signals() in rank_main -> the ranks never ignore the terminal's Ctrl-C: the wait for them fails
+    (AssertionError "no 2 processes below the bench").
     """
     bench = Bench(tmp_path, "bench_grad_sync.py", "--models", "10M", "--iters", "100000")   # ranks that never end
-    bench.wait_for_family(2)
-    time.sleep(3)              # the ranks past their set-up, in the timed rounds' collectives
+    # both forked ranks (the bench's command line) past rank_signals(): every process below the bench ignores SIGINT
+    bench.wait_for_family(2, lambda: bench.running("bench_grad_sync.py") >= 2 and bench.all_ignore_sigint())
     if sig == signal.SIGINT:   # a terminal's Ctrl-C reaches the bench's whole process group
         for pid in descendants(bench.proc.pid):
             os.kill(pid, sig)
