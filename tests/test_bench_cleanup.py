@@ -24,14 +24,18 @@ def leftovers(tmp) -> list[str]:
 class Bench:
     """`python bench/<script> <flags>` with TMPDIR in tmp_path; `family` is every process seen below it."""
 
-    def __init__(self, tmp_path, script: str, *flags: str):
+    def __init__(self, tmp_path, script: str, *flags: str, prelude: str | None = None):
+        """`prelude`: code run first in the bench's process, which then runs the script as `__main__` (runpy)."""
         self.tmp = tmp_path / "tmp"
         self.tmp.mkdir()
         self.out = tmp_path / "out.txt"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp)}
+        path = os.path.join("bench", script)
+        cmd = [sys.executable, path] if prelude is None else [
+            sys.executable, "-c", f"{prelude}\nimport runpy, sys\nsys.argv = {[path]!r} + sys.argv[1:]\n"
+                                  f"runpy.run_path({path!r}, run_name='__main__')"]
         with open(self.out, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, os.path.join("bench", script), *flags], cwd=REPO, env=env,
-                                         stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([*cmd, *flags], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.family: set[int] = set()
 
     def wait_for_family(self, count: int, then=lambda: True, timeout: float = 300.0) -> None:
@@ -167,6 +171,20 @@ def test_bench_grad_sync_stopped_stops_its_ranks(tmp_path, sig):
     assert_stopped(bench, bench.stop(sig), sig, "bench_grad_sync")
 
 
+# bench_train's small setting in 4 iterations (3 warm-up), not 20: the table and the 2-rank row are the same code, in
+# a fifth of the table's time. Set through stopped_main, which the script's `__main__` block calls with its main.
+FEWER_ITERATIONS = """
+import sys
+sys.path.insert(0, ".")
+import bench._common
+stopped_main = bench._common.stopped_main
+def fewer_iterations(name, main):
+    main.__globals__["ITERATIONS"]["cpu"]["small"] = (4, 3)
+    return stopped_main(name, main)
+bench._common.stopped_main = fewer_iterations
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_bench_train_stopped_during_its_two_rank_row_stops_torchrun_and_its_folders(tmp_path, sig):
@@ -179,7 +197,7 @@ def test_bench_train_stopped_during_its_two_rank_row_stops_torchrun_and_its_fold
     Mutant: the SIGTERM handler not put back after train.main -> SIGTERM: exit -15.
     Mutant: subprocess.run(check=True) for the row, not run_child -> torchelastic_* left in TMPDIR.
     """
-    bench = Bench(tmp_path, "bench_train.py", "--settings", "small", "--num-envs", "64")
+    bench = Bench(tmp_path, "bench_train.py", "--settings", "small", "--num-envs", "64", prelude=FEWER_ITERATIONS)
     # torchrun and its 2 ranks (train.py in each command line), after the small table: counting processes alone was
     # met by torch's compile workers during the in-process rows, and the stop then came during train.main
     bench.wait_for_family(3, lambda: bench.running("train.py") >= 3)
