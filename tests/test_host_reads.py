@@ -33,6 +33,9 @@ HOST_READS = {"aten::_local_scalar_dense", "aten::_linalg_check_errors", "aten::
 # Host reads that exist only on CPU: the CPU LU kernel checks its pivots (its CUDA kernel does not), and the
 # time-out bootstrap picks the timed-out rows on CPU (on other devices it masks instead; ppo/gae.py).
 CPU_ONLY = ("aten::linalg_lu_solve", "bootstrap_time_outs")
+# Steps per profiled run: episodes end (and envs reset) from the 3rd step of tracking and the 7th of cartpole, and the
+# tests assert that some did; the profiler's events, the tests' time, grow with the steps.
+STEPS = 16
 
 
 def make_env(name: str, num_envs: int = 64):
@@ -70,11 +73,14 @@ def test_env_step_reads_nothing_back_to_the_host(name):
     env.reset()
     actions = torch.randn(env.num_envs, env.num_actions, device=DEVICE)
 
+    terminated = []
+
     def steps():
-        for _ in range(40):   # episodes end and reset within these steps
-            env.step(actions)
+        for _ in range(STEPS):
+            terminated.append(env.step(actions)[2])
 
     assert host_reads(steps) == [], f"{name}.step reads device values on the host: a device sync per step on a GPU"
+    assert torch.stack(terminated).any()      # episodes ended and envs reset within these steps
 
 
 def test_rollout_step_reads_nothing_back_to_the_host():
@@ -85,18 +91,18 @@ def test_rollout_step_reads_nothing_back_to_the_host():
     obs = env.reset()[0]
     device = obs["policy"].device                   # indexed, as train.py's (the protocol checks compare devices)
     stats = EpisodeStats(env.num_envs, TRAIN_KEYS + env.log_keys, device)
-    storage = RolloutStorage(40, env.num_envs, env.obs_dims, env.num_actions, device)
+    storage = RolloutStorage(STEPS, env.num_envs, env.obs_dims, env.num_actions, device)
     rewards = RewardNormalizer(env.num_envs, 0.99, 10.0).to(device)
     check = step_checker(env, "tracking", device, bootstrap=True)
 
     def rollout():
-        batch, _ = collect_rollout(model, env, obs, 40, 0.99, True, stats, record_returns=True, check=check)
+        batch, _ = collect_rollout(model, env, obs, STEPS, 0.99, True, stats, record_returns=True, check=check)
         fill_storage(storage, batch, model, rewards, 0.99, 0.95)
 
     reads = host_reads(rollout)
     assert reads == [], "sampling, the critic, the bootstrap, the checks, the episode statistics or the storage's " \
         "rewards and GAE read the device on the host"
-    assert len(stats.ended) == 40 and storage.dones.any()    # the rollout ran, with episodes ending in it
+    assert len(stats.ended) == STEPS and storage.dones.any()    # the rollout ran, with episodes ending in it
 
 
 def test_the_update_s_statistics_read_nothing_back_to_the_host(monkeypatch):
