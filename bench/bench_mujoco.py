@@ -176,6 +176,32 @@ def table(results: list[dict], last_episodes: int, last_iterations: int) -> str:
     return "\n".join(lines)
 
 
+def check_rows(results: list[dict], path: str) -> None:
+    """Refuse a table row (task, ranks, whole-iteration steps) whose runs are not seeds of one setting: one seed twice
+    (two --total-steps that round to one iteration count give one training command: the same run twice), or runs
+    under other gymnasium, mujoco or torch versions. The row would average them as independent seeds, and shows
+    neither the keys nor which run had which versions."""
+    def named(versions: dict) -> str:
+        """Versions as the table's versions line writes them."""
+        return ", ".join(f"{name} {value}" for name, value in versions.items())
+
+    rows: dict[tuple, list[dict]] = {}
+    for r in sorted(results, key=lambda r: r["key"]):
+        rows.setdefault((r["task"], r["ranks"], r["steps"]), []).append(r)
+    for (task, ranks, steps), runs in rows.items():
+        for i, r in enumerate(runs):
+            for other in runs[:i]:
+                if other["seed"] == r["seed"]:
+                    reason = f"are seed {r['seed']} twice"
+                elif other["versions"] != r["versions"]:
+                    reason = f"ran under other versions ({named(other['versions'])}; {named(r['versions'])})"
+                else:
+                    continue
+                raise SystemExit(f"bench_mujoco: {other['key']} and {r['key']} {reason} in one table row ({task}, "
+                                 f"ranks {ranks}, {steps:,} steps); delete the lines of one from {path}, or pass "
+                                 f"another --root")
+
+
 def check_tasks(parser: argparse.ArgumentParser, tasks: list[str]) -> None:
     """Refuse a task id gymnasium does not know (train.py would exit on it after the run started)."""
     import gymnasium     # only here: --table-only does not need it
@@ -284,7 +310,9 @@ def main() -> None:
                 raise
     if not results:
         raise SystemExit(f"bench_mujoco: no finished runs in {os.path.join(args.root, 'results.jsonl')}")
-    print(table(with_windows(results, args), args.last_episodes, args.last_iterations))
+    finished = with_windows(results, args)
+    check_rows(finished, results_path)
+    print(table(finished, args.last_episodes, args.last_iterations))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 each run's statistics line, and the flags and tasks it refuses because they cannot give that table. No run starts:
 train.py's runs are replaced by stand-ins or by a launch that raises."""
 
+import json
 import sys
 
 import gymnasium
@@ -105,3 +106,37 @@ def test_bench_mujoco_too_few_episodes_names_the_count_and_the_window(tmp_path):
     with pytest.raises(RuntimeError) as error:
         bm.final_returns(str(tmp_path / "k"), 5, 1)
     assert str(error.value) == f"{tmp_path / 'k'}: only 3 episodes finished, fewer than --last-episodes 5"
+
+
+@pytest.mark.parametrize("second, reason", [
+    (("seed1/steps5000", 1, {"torch": "a"}), "are seed 1 twice"),
+    (("seed2/steps4096", 2, {"torch": "b"}), "ran under other versions (torch a; torch b)"),
+    (("seed2/steps5000", 2, {"torch": "a"}), None),
+])
+def test_bench_mujoco_table_refuses_a_row_that_is_not_seeds_of_one_setting(monkeypatch, capsys, tmp_path, second,
+                                                                            reason):
+    """--table-only over runs recorded before check_rounding (or by --table-only runs, which skip it): --total-steps
+    4096 and 5000 are both 2 iterations, one training command, so seed 1 under both keys is one run counted as two
+    seeds; a run under other versions is not a seed of the same setting either. Both were averaged into one row.
+    Seed 2 of --total-steps 5000 is a seed of that one command: its row is printed.
+
+    Mutant: no check_rows call in main -> the table is printed (no exit); `other["seed"] == r["seed"]` -> `!=`;
+    the keys (so --total-steps) compared instead of the seeds -> the third row refused."""
+    bm = load_bench("bench_mujoco")
+    tail, seed, versions = second
+    records = [(f"Hopper-v4/ranks1/{tail}", seed, versions), ("Hopper-v4/ranks1/seed1/steps4096", 1, {"torch": "a"})]
+    lines = [json.dumps({"key": key, "task": "Hopper-v4", "ranks": 1, "seed": seed, "steps": 4096, "wall_s": 1.0,
+                         "versions": versions, "windows": [100, 10], "last_episodes_return": 1.0,
+                         "last_iterations_return": 1.0}) for key, seed, versions in records]
+    (tmp_path / "results.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(sys, "argv", ["bench_mujoco.py", "--root", str(tmp_path), "--table-only"])
+    if reason is None:
+        bm.main()
+        assert "| Hopper-v4 | 1 x 2048 | 4,096 | 1, 2 | 1.00 ± 0.00 |" in capsys.readouterr().out
+        return
+    with pytest.raises(SystemExit) as code:
+        bm.main()
+    first, later = sorted(["Hopper-v4/ranks1/seed1/steps4096", f"Hopper-v4/ranks1/{tail}"])
+    assert code.value.code == (f"bench_mujoco: {first} and {later} {reason} in one table row (Hopper-v4, ranks 1, "
+                               f"4,096 steps); delete the lines of one from {tmp_path / 'results.jsonl'}, or pass "
+                               f"another --root")
