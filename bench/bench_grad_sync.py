@@ -241,17 +241,21 @@ def teardown() -> None:
     dist.destroy_process_group()
 
 
-def rank_main(target, *target_args) -> None:
+def rank_main(peer_oom, target, *target_args) -> None:
     """`target` in one rank; an allocation it cannot get goes to the parent as one line (target_args[-1] is the
-    queue), not a traceback per rank."""
+    queue), not a traceback per rank. `peer_oom` (an Event) is set by a rank out of memory before it exits, so before
+    its partners' collectives fail on its closed connection: their gloo errors are then left to that one line."""
     rank_signals()
     try:
         target(*target_args)
     except Exception as exc:
-        if not out_of_memory(exc):
-            raise
-        target_args[-1].put(dict(oom=first_line(exc)))
-        sys.exit(3)
+        if out_of_memory(exc):
+            target_args[-1].put(dict(oom=first_line(exc)))
+            peer_oom.set()
+            sys.exit(3)
+        if peer_oom.is_set():
+            sys.exit(1)
+        raise
 
 
 def launch(args, target, *target_args) -> dict:
@@ -261,7 +265,8 @@ def launch(args, target, *target_args) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=rank_main, args=(target, r, args.world, port, args, *target_args, queue))
+    peer_oom = ctx.Event()
+    procs = [ctx.Process(target=rank_main, args=(peer_oom, target, r, args.world, port, args, *target_args, queue))
              for r in range(args.world)]
     try:
         for p in procs:

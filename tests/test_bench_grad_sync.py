@@ -140,6 +140,31 @@ def test_bench_grad_sync_rank_out_of_memory_is_one_line_naming_batch(capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+def _one_rank_out_of_memory(rank, world, port, args, queue):
+    """Rank args.oom_rank fails to allocate once in the process group; its partner then waits in a barrier."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    if rank == args.oom_rank:
+        _rank_out_of_memory(rank, world, port, args, queue)
+    torch.distributed.barrier()
+
+
+@pytest.mark.parametrize("oom_rank", [0, 1])
+def test_bench_grad_sync_one_rank_out_of_memory_is_its_one_line_alone(capfd, oom_rank):
+    """One rank out of memory (a size it alone cannot hold): its partner's barrier failed on the closed connection
+    and printed gloo's connection error (a traceback) before the bench's one line. Now only that line (the
+    SystemExit's message, exit 1), nothing else on stderr.
+
+    Mutant: `if peer_oom.is_set(): sys.exit(1)` dropped from rank_main -> the partner's gloo traceback on stderr.
+    """
+    module = load_bench("bench_grad_sync")
+    with pytest.raises(SystemExit) as info:
+        module.launch(types.SimpleNamespace(device="cpu", world=2, oom_rank=oom_rank), _one_rank_out_of_memory)
+    assert info.value.code == ("bench_grad_sync: out of memory: DefaultCPUAllocator: can't allocate memory: you tried "
+                               "to allocate 8 bytes; lower --batch")
+    assert capfd.readouterr().err == ""
+
+
 @pytest.mark.slow
 def test_bench_grad_sync_huge_batch_is_one_line():
     """`bench_grad_sync.py --batch 100000000000` end to end (2 gloo ranks): exit 1 with one line on stderr.
