@@ -11,7 +11,7 @@ import torch
 
 from tests.forked_python import run_python
 from tests.test_bench_flags import Launched, bench_mujoco, usage_error  # noqa: F401 (bench_mujoco: a fixture)
-from tests.test_export_logger_env_rules import small_checkpoint
+from tests.test_export import small_checkpoint
 from tests.test_tools import exit_code, load_bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

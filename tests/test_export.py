@@ -1,12 +1,17 @@
 """`make export`: the exported deterministic actor gives the checkpoint's model's mean actions on raw
 observations, as TorchScript, a torch.export program and ONNX, for checkpoints of two presets (one with an
 actor observation normalizer, one without); what it prints, a config without env settings, the ONNX exporter kept
-quiet (its log level given back, its pytree warning filtered), and which exporter or packages count as missing."""
+quiet (its log level given back, its pytree warning filtered), and which exporter or packages count as missing; the
+ONNX graph's interface (input `obs`, output `actions`, a free batch dimension), where the files go when no --out is
+given, the refusal of an unwritable --out and of a checkpoint dict without a run config, the summary line and the
+note about the run's action scale/clip."""
 
+import dataclasses
 import functools
 import glob
 import logging
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -20,7 +25,7 @@ from ppo import export
 from ppo.actor_critic import build_actor_critic
 from tests.forked_python import run_python
 from tests.read_only import read_only_folder
-from tests.test_export_logger_env_rules import small_checkpoint, torchscript_only  # noqa: F401 (a fixture)
+from tests.test_tools import numpy_actions as numpy_actions_of_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,7 +136,6 @@ def test_the_script_path_exports_from_any_folder_like_the_module(tmp_path):
     """`python ppo/export.py CKPT`, the way one runs a forked file, failed with ModuleNotFoundError ('configs'):
     only `python -m ppo.export` from the repository root put the root on the import path. Run from another folder
     by path, it writes the same policy, acting like the checkpoint's actor."""
-    from test_export_logger_env_rules import numpy_actions, small_checkpoint
     path = small_checkpoint(tmp_path / "model_3.pt")
     result = run_python([os.path.join(REPO, "ppo", "export.py"), path, "--out", str(tmp_path / "out")],
                         cwd=str(tmp_path), timeout=120)
@@ -145,7 +149,6 @@ def test_the_script_path_exports_from_any_folder_like_the_module(tmp_path):
 def test_an_out_folder_that_refuses_writes_is_one_line_even_for_root(tmp_path):
     """os.access says yes to root where writing fails (/proc here; an NFS mount that squashes root): the export
     passed that check and died in torch.jit.save with a RuntimeError traceback, status 1."""
-    from test_export_logger_env_rules import small_checkpoint
     path = small_checkpoint(tmp_path / "model_3.pt", False)
     result = run_python(["-m", "ppo.export", path, "--out", "/proc"], cwd=REPO, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -154,7 +157,6 @@ def test_an_out_folder_that_refuses_writes_is_one_line_even_for_root(tmp_path):
 
 def test_a_read_only_run_folder_names_itself_and_the_way_out_not_an_out_never_typed(tmp_path):
     """Exporting from a finished run kept read-only (no --out): the error said `--out '<run dir>' is not writable`."""
-    from test_export_logger_env_rules import small_checkpoint
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     path = small_checkpoint(run_dir / "model_3.pt", False)
@@ -189,7 +191,6 @@ def test_a_checkpoint_written_on_a_gpu_resumes_and_exports_on_a_cpu_only_machine
 def test_a_checkpoint_whose_weights_do_not_fit_its_policy_config_is_one_line(tmp_path):
     """Sizes come from the weights, the hidden layers from the config: a checkpoint whose config names other hidden
     sizes than its weights have (edited, or from another version) fails load_state_dict, said as one ValueError."""
-    from test_export_logger_env_rules import small_checkpoint
     path = small_checkpoint(tmp_path / "model_3.pt", False)
     state = torch.load(path, weights_only=True)
     state["config"]["policy"]["actor_hidden"] = [16, 16]           # the weights are 8 -> 8
@@ -276,3 +277,118 @@ def test_an_exporter_without_the_dynamo_option_is_not_called(monkeypatch):
     monkeypatch.setattr(torch.onnx, "export", old_exporter)
     assert export.onnx_missing() == (f"torch {torch.__version__}'s torch.onnx.export has no dynamo, dynamic_shapes, "
                                      f"external_data (torch 2.5 or later)")
+
+
+def small_checkpoint(path, normalize_actor_obs: bool = True, env: dict | None = None) -> str:
+    """A checkpoint with the entries export reads: actor 5 -> 8 -> 8 -> 3 (ELU), critic 6 -> 8 -> 1."""
+    torch.manual_seed(0)
+    cfg = PolicyConfig(actor_hidden=(8, 8), critic_hidden=(8,), normalize_actor_obs=normalize_actor_obs)
+    model = build_actor_critic(cfg, {"policy": 5, "critic": 6}, 3)
+    if normalize_actor_obs:
+        model.actor_normalizer.mean.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0, 100.0]))
+        model.actor_normalizer.std.copy_(torch.tensor([2.0, 0.5, 1.0, 1e-3, 10.0]))
+    torch.save({"model": model.state_dict(), "config": {"policy": dataclasses.asdict(cfg), "env": env or {}}}, path)
+    return str(path)
+
+
+def numpy_actions(path: str, obs: np.ndarray) -> np.ndarray:
+    """The mean action by hand in float64 (tests/test_tools.py), from the checkpoint at `path`."""
+    state = torch.load(path, weights_only=True)["model"]
+    return numpy_actions_of_state(state, obs, "actor_normalizer.mean" in state)
+
+
+@pytest.fixture
+def torchscript_only(monkeypatch):
+    """Skip the ONNX file (seconds per export) in tests about other things than the ONNX graph."""
+    monkeypatch.setattr(export, "onnx_missing", lambda: "not installed: onnx (left out by this test)")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in expm1:RuntimeWarning")
+def test_onnx_graph_reads_obs_writes_actions_for_any_batch(tmp_path):
+    """A deployment feeds `obs` and fetches `actions` by name, with its own batch size (not the export's 1)."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    path = small_checkpoint(tmp_path / "model_3.pt")
+    written = export.export(path, str(tmp_path / "out"))
+    graph = onnx.load(written["onnx"])
+    assert [i.name for i in graph.graph.input] == ["obs"] and [o.name for o in graph.graph.output] == ["actions"]
+    (batch, obs_dim) = graph.graph.input[0].type.tensor_type.shape.dim
+    assert batch.dim_param and not batch.HasField("dim_value") and obs_dim.dim_value == 5
+    (batch_out, actions_dim) = graph.graph.output[0].type.tensor_type.shape.dim
+    assert batch_out.dim_param and actions_dim.dim_value == 3
+    obs = np.random.default_rng(0).normal(size=(7, 5)).astype(np.float32) * 30.0
+    (actions,) = ReferenceEvaluator(graph).run(["actions"], {"obs": obs})
+    assert actions.shape == (7, 3) and actions.dtype == np.float32
+    np.testing.assert_allclose(actions, numpy_actions(path, obs), rtol=1e-4, atol=1e-5)
+
+
+def test_without_out_the_files_go_next_to_the_checkpoint(tmp_path, monkeypatch, torchscript_only):
+    """Not into the working directory: also from the command line, whose --out defaults to the same folder."""
+    run_dir, elsewhere = tmp_path / "runs" / "cartpole" / "2026", tmp_path / "elsewhere"
+    run_dir.mkdir(parents=True)
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    path = small_checkpoint(run_dir / "model_3.pt")
+    written = export.export(path)
+    assert written["torchscript"] == str(run_dir / "model_3.policy.pt")
+    assert os.listdir(elsewhere) == []
+    os.remove(written["torchscript"])
+    monkeypatch.setattr(sys, "argv", ["ppo.export", path])
+    export.main()
+    assert os.path.isfile(run_dir / "model_3.policy.pt") and os.listdir(elsewhere) == []
+
+
+def test_an_unwritable_out_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    # The tests run as root, for whom every folder is writable: the write probe is refused here instead.
+    from dist import log_root as write_check       # dist.log_root.write_refusal, export's probe
+    path = small_checkpoint(tmp_path / "model_3.pt")
+    out = tmp_path / "read-only"
+    out.mkdir()
+    real_mkdtemp = write_check.tempfile.mkdtemp
+
+    def mkdtemp(prefix, dir):
+        if os.path.samefile(dir, out):
+            raise PermissionError(13, "Permission denied")
+        return real_mkdtemp(prefix=prefix, dir=dir)
+    monkeypatch.setattr(write_check.tempfile, "mkdtemp", mkdtemp)
+    with pytest.raises(ValueError, match=r"--out .*read-only.* is not writable"):
+        export.export(path, str(out))
+    assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("state", [{"model": {}}, {"config": {}}, [1, 2]])
+def test_a_checkpoint_without_model_or_config_is_a_one_line_error(tmp_path, state):
+    path = tmp_path / "model_1.pt"
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=r"is not a train.py checkpoint \(it needs 'model' and 'config' entries\)"):
+        export.export(str(path), str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("normalized, words", [(True, "with"), (False, "no")])
+def test_summary_line_names_sizes_and_the_normalizer(tmp_path, capsys, torchscript_only, normalized, words):
+    path = small_checkpoint(tmp_path / "model_3.pt", normalized)
+    export.export(path, str(tmp_path / "out"))
+    out = capsys.readouterr().out
+    assert f"[export] {path}: obs dim 5 -> 3 actions ({words} observation normalizer)\n" in out
+
+
+@pytest.mark.parametrize("env, note", [
+    ({}, None),
+    ({"action_scale": 1.0, "action_clip": None}, None),
+    ({"action_scale": 0.5}, "scaled them by 0.5"),                               # was "... clipped them to None"
+    ({"action_scale": 1.0, "action_clip": 2.0}, "clipped them to [-2.0, 2.0]"),
+    ({"action_scale": 0.25, "action_clip": 3.0}, "scaled them by 0.25, then clipped them to [-3.0, 3.0]"),
+    ({"name": "gymnasium", "action_scale": 2.0}, "scaled them by 2.0, then clipped them to the action space's bounds"),
+    ({"name": "gymnasium"}, "clipped them to the action space's bounds"),      # always: envs/gymnasium.py
+])
+def test_export_notes_what_the_run_did_to_actions_before_the_simulator(tmp_path, capsys, torchscript_only, env,
+                                                                       note):
+    path = small_checkpoint(tmp_path / "model_3.pt", env=env)
+    export.export(path, str(tmp_path / "out"))
+    out = capsys.readouterr().out
+    if note is None:
+        assert "note:" not in out
+    else:
+        assert (f"[export] note: before the simulator, the run {note}; the exported policy outputs actions without "
+                f"that") in out

@@ -12,7 +12,7 @@ import torch
 
 from ppo import export
 from tests.forked_python import run_python
-from tests.test_export_logger_env_rules import small_checkpoint
+from tests.test_export import small_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
