@@ -1,6 +1,7 @@
 """train.py's learners and rollout ranks (rollout_ranks.py) as docs/rollout_ranks.md describes them: --rollout.recompute
 off reaching fill_storage, a learner's metrics equal to the colocated run's, the weights a rollout rank asks for
-before it says done, the receives a resumed learner posts, and the device rollout ranks join on."""
+before it says done, the receives a resumed learner posts, the device rollout ranks join on, and the layout
+team_checkpoint records (learners, then rollout ranks)."""
 
 from types import SimpleNamespace
 
@@ -108,3 +109,19 @@ def test_rollout_ranks_take_auto_as_cpu_where_cuda_exists(tmp_path, monkeypatch)
     with pytest.raises(Joined) as joined:
         train.main(cfg)
     assert joined.value.args == ("cpu",) and checked == ["cpu"]
+
+
+def test_team_checkpoint_records_learners_then_rollout_ranks(monkeypatch):
+    """The layout of a checkpoint of 1 learner + 2 rollout ranks is [1, 2], in that order (load_checkpoint checks its
+    first entry against the learners' RNG list); the rollout ranks' RNGs and the first one's env state come from the
+    gathered blobs, flattened on the host."""
+    seen = []
+
+    def states(gathered, spec):
+        seen.append((gathered.device.type, tuple(gathered.shape), spec))
+        return [{"torch": 1}, {"torch": 2}], {"steps": 3}
+    monkeypatch.setattr(train, "unpack_team_states", states)
+    roles = SimpleNamespace(num_learners=1, num_rollouts=2)
+    entries = train.team_checkpoint(torch.zeros(2, 5, dtype=torch.uint8), {"state_bytes": 5}, roles)
+    assert entries == {"env": {"steps": 3}, "rollout_rng": [{"torch": 1}, {"torch": 2}], "layout": [1, 2]}
+    assert seen == [("cpu", (10,), {"state_bytes": 5})]
