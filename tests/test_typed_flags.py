@@ -1,17 +1,24 @@
 """A flag the user typed that the resulting config never reads is refused by name (configs/typed_flags.py), before
 --resume looks for a run; the same value set by a preset, or the flag where it applies, is accepted. A flag typed
-twice is refused with every value it was given."""
+twice is refused with every value it was given. Which env reads each --env.* flag (READ_BY, ENVS: every --env.name,
+and the help strings that name the envs), which of several refused flags is named, and a run directory reached
+through a symlinked --log.root."""
 
+import ast
 import dataclasses
+import inspect
 import os
+import textwrap
+import typing
 
 import pytest
 import torch
 
 import train
 from configs import Config, preset, validate
+from configs.config import EnvConfig
 from configs.resume import check_resume_fits
-from configs.typed_flags import check_typed_flags, env_label, experiment_dir, typed_flags
+from configs.typed_flags import check_typed_flags, env_label, env_reads, experiment_dir, typed_flags
 from dist.errors import UsageError
 from ppo.gae import compute_gae
 from ppo.kl_schedule import adaptive_lr
@@ -276,3 +283,82 @@ def test_desired_kl_typed_with_equal_lr_bounds_is_refused_since_the_lr_cannot_mo
     validate(cfg_with(ppo__lr_min=1e-3), 1, frozenset({"--ppo.desired-kl"}))
     with pytest.raises(UsageError, match=r"^--ppo\.desired-kl applies only with --ppo\.schedule adaptive"):
         check_typed_flags(cfg_with(ppo__schedule="fixed", **same), frozenset({"--ppo.desired-kl"}))   # that first
+
+
+# Which env reads each env-specific flag, read off make_env (envs/__init__.py) and train.py (the sampler).
+READ_BY = {
+    "--env.episode-length-s": {"cartpole", "tracking"},
+    "--env.num-motions": {"tracking"},
+    "--env.sampling-uniform-floor": {"tracking"},
+    "--dist.sampler-sync-every": {"tracking"},
+    "--env.task": {"gymnasium", "isaaclab"},
+    "--env.action-scale": {"gymnasium", "isaaclab"},
+    "--env.action-clip": {"gymnasium", "isaaclab"},
+    "--env.actor-obs-groups": {"isaaclab"},
+    "--env.critic-obs-groups": {"isaaclab"},
+    "--env.launcher-args": {"isaaclab"},
+    "--env.task-overrides": {"isaaclab"},
+}
+ENVS = ("cartpole", "tracking", "gymnasium", "isaaclab")
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_every_env_specific_flag_is_accepted_exactly_by_the_envs_that_read_it(env):
+    cfg = cfg_with(env__name=env)
+    for flag, envs in READ_BY.items():
+        assert env_reads(cfg, flag) == (env in envs), flag
+        if env in envs:
+            check_typed_flags(cfg, frozenset({flag}))
+        else:
+            with pytest.raises(UsageError, match=rf"^{flag} applies only with --env\.name .*\(the run uses {env}\)"):
+                check_typed_flags(cfg, frozenset({flag}))
+    assert env_reads(cfg, "--ppo.gamma") and env_reads(cfg, "--env.num-envs")     # read by every env
+
+
+def test_envs_and_read_by_cover_every_env_name_and_its_help_strings_name_the_envs_that_read_them():
+    """An env added by docs/design.md's five edits must be in ENVS (and READ_BY), so that the test above checks its
+    ENV_ONLY entries; and --env.name's help and every env flag's help name the envs (`cartpole/tracking: ...`)."""
+    assert set(ENVS) == set(typing.get_args(typing.get_type_hints(EnvConfig)["name"]))
+    helps = field_helps(EnvConfig)
+    assert all(env in helps["name"] for env in ENVS), helps["name"]
+    for flag, envs in READ_BY.items():
+        if flag.startswith("--env."):
+            named = helps[flag.removeprefix("--env.").replace("-", "_")].split(":")[0].removesuffix(" only")
+            assert set(named.split("/")) == envs, (flag, named)
+
+
+def field_helps(cls) -> dict[str, str]:
+    """{field: the help string under it} read off the class's source, as tyro reads it."""
+    (tree,) = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
+    return {field.target.id: doc.value.value for field, doc in zip(tree.body, tree.body[1:])
+            if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)}
+
+
+def test_of_several_refused_flags_the_first_in_sorted_order_is_named():
+    cfg = cfg_with(env__name="cartpole", ppo__schedule="fixed")
+    typed = frozenset({"--rollout.mode", "--ppo.lr-max", "--env.num-motions", "--seed"})
+    with pytest.raises(UsageError, match=r"^--env\.num-motions applies only with --env\.name tracking"):
+        check_typed_flags(cfg, typed)
+    with pytest.raises(UsageError, match=r"^--ppo\.lr-max applies only with --ppo\.schedule adaptive"):
+        check_typed_flags(cfg, typed - {"--env.num-motions"})
+
+
+def test_a_global_env_count_of_one_still_overrides_a_typed_env_count():
+    with pytest.raises(UsageError, match=r"^--env\.num-envs applies only with --env\.global-num-envs 0 \(the run "
+                                         r"uses 1, split across the ranks\)"):
+        check_typed_flags(cfg_with(env__global_num_envs=1), frozenset({"--env.num-envs"}))
+    check_typed_flags(cfg_with(env__global_num_envs=0), frozenset({"--env.num-envs"}))
+
+
+def test_a_run_directory_reached_through_a_symlinked_log_root_is_in_the_experiment(tmp_path):
+    """The comparison is of real paths: --log.root given as a link to where the run directory lies holds it."""
+    run_dir = tmp_path / "real" / "tracking" / "2026-12-01_09-00-00"
+    run_dir.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    flags = frozenset({"--log.root", "--log.experiment"})
+    check_typed_flags(cfg_with(resume=str(run_dir), log__root=str(tmp_path / "link"), log__experiment="tracking"),
+                      flags)
+    linked_run = tmp_path / "link" / "tracking" / run_dir.name
+    check_typed_flags(cfg_with(resume=str(linked_run), log__root=str(tmp_path / "real")), flags)
+    with pytest.raises(UsageError, match=r"^--log\.root applies only with --resume auto"):
+        check_typed_flags(cfg_with(resume=str(linked_run), log__root=str(tmp_path)), frozenset({"--log.root"}))
