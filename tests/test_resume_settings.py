@@ -23,7 +23,7 @@ from ppo.minibatch_step import saved_state_for
 from ppo.normalizer import RewardNormalizer
 from ppo.restore import restore, resumed_lr
 from tests.test_config_errors import cfg_with
-from tests.test_step_restore_rules import CPU, N, _built, _checkpoint, _roles, _run
+from tests.test_restore import CPU, N, _built, _checkpoint, _roles, _run
 
 
 def test_saved_state_for_replaces_the_named_settings_and_keeps_the_state():

@@ -35,7 +35,7 @@ from ppo.storage import RolloutStorage
 from ppo.update import checked_noise_std, normalize_advantages, ppo_update
 from tests import fake_cuda_graph
 from tests.ppo_fixtures import A, N, OBS, T, fill, make_model, ppo_cfg
-from tests.test_step_restore_rules import CPU, _built, _checkpoint, _run
+from tests.test_restore import CPU, _built, _checkpoint, _run
 
 
 # ---- ppo/update.py ---------------------------------------------------------------------------------------------
