@@ -1,8 +1,13 @@
-"""EpisodeStats (ppo/rollout.py): the per-iteration (sum, count) of episode returns, lengths and env log values."""
+"""EpisodeStats (ppo/rollout.py): the per-iteration (sum, count) of episode returns, lengths and env log values;
+start_iteration forgetting the last iteration's ended returns; every rank's ended returns gathered to rank 0 in end
+order, logged to TensorBoard by a 2-rank run with --log.episode-returns (their mean is Train/mean_reward), and their
+gather's plan row."""
 
+import pytest
 import torch
 
-from ppo.rollout import TRAIN_KEYS, EpisodeStats
+from ppo.rollout import TRAIN_KEYS, EpisodeStats, episode_returns_plan_rows
+from tests.multirank import run_ranks
 
 
 def test_episode_stats_count_each_log_key_once_per_step_that_logs_it():
@@ -76,3 +81,68 @@ def test_episode_stats_accumulate_sums_and_counts_in_float64():
 
 
 # ---- ppo/update.py, ppo/minibatch_step.py ------------------------------------------------------------
+
+
+def test_start_iteration_forgets_the_previous_iterations_ended_returns_and_sums():
+    stats = EpisodeStats(2, TRAIN_KEYS, torch.device("cpu"))
+    stats.step(torch.tensor([1.0, 2.0]), torch.tensor([True, False]), {}, record_returns=True)
+    assert len(stats.ended) == 1
+    stats.start_iteration()
+    assert stats.ended == [] and stats.sums.abs().sum() == 0 and stats.counts.abs().sum() == 0
+    stats.step(torch.tensor([5.0, 1.0]), torch.tensor([False, True]), {}, record_returns=True)
+    assert len(stats.ended) == 1 and torch.isnan(stats.ended[0][0]) and stats.ended[0][1].item() == 2.0 + 1.0
+
+
+def ended_returns_of_two_ranks(rank, world_size):
+    """Rank r ends, over 2 steps of 2 envs: step 0 env 1 (10 + r), step 1 env 0 (20 + r) and, on rank 1 only,
+    step 1 env 1 (30): different numbers of episodes per rank."""
+    stats = EpisodeStats(2, TRAIN_KEYS, torch.device("cpu"))
+    stats.step(torch.tensor([1.0, 10.0 + rank]), torch.tensor([False, True]), {}, record_returns=True)
+    stats.step(torch.tensor([19.0 + rank, 30.0]), torch.tensor([True, rank == 1]), {}, record_returns=True)
+    torch.distributed.all_gather = _no_all_gather           # this forked rank's own copy of torch
+    return stats.ended_returns()
+
+
+def _no_all_gather(*args, **kwargs):
+    raise AssertionError("an all-gather: every rank would receive W x T x N returns that rank 0 alone writes")
+
+
+@pytest.mark.slow
+def test_ended_returns_are_every_ranks_in_end_order():
+    """By step, then rank, then env, worked out by hand from the per-rank endings above, on rank 0, which logs them;
+    the other sends its own by a gather (no all-gather) and keeps nothing."""
+    assert run_ranks(ended_returns_of_two_ranks, 2) == [[10.0, 11.0, 20.0, 21.0, 30.0], []]
+
+
+@pytest.mark.slow
+def test_every_ranks_episode_returns_reach_tensorboard_and_the_plan(tmp_path):
+    """--log.episode-returns on 2 ranks: Episode/return holds the episodes that ended on either rank (per iteration
+    they average to Train/mean_reward, computed over both ranks by the separate (sum, count) all-reduce; until this
+    version rank 0 logged its own alone), and their gather to rank 0 is in the sync plan: plan == ledger on each
+    rank."""
+    import glob
+
+    import numpy as np
+    from test_rollout_ranks import body, small
+    from test_tools import tb_scalars
+    cfg = small(tmp_path, iterations=3)
+    cfg.log.episode_returns = True
+    for rank, (_, _, ledger, expected) in enumerate(run_ranks(body, 2, args=(cfg, 3))):
+        assert ledger == expected and ledger["episode_returns"] == [3, 3 * 8 * 16 * 4], rank   # 3 x [T, N] float32
+    (run,) = glob.glob(str(tmp_path / "tracking" / "*"))
+    returns: dict[int, list[float]] = {}
+    for step, value in tb_scalars(run, "Episode/return"):
+        returns.setdefault(step, []).append(value)
+    means = dict(tb_scalars(run, "Train/mean_reward"))
+    assert set(returns) == set(means) == {1, 2, 3}
+    for step, values in returns.items():
+        assert np.mean(values) == pytest.approx(means[step], rel=1e-5), step
+
+
+def test_the_episode_returns_plan_row_is_one_gather_of_a_ranks_t_by_n_float32_returns_each_iteration():
+    """The printed sync plan names the collective: the returns go to rank 0 alone (a gather); the ledger counts a
+    gather as an all-gather (this rank's tensor), so plan == ledger cannot tell the two apart. None unrecorded."""
+    (row,) = episode_returns_plan_rows(True, 8, 16)
+    assert (row.purpose, row.collective, row.cadence, row.call_bytes) == ("episode_returns", "gather", "iteration",
+                                                                         [8 * 16 * 4])
+    assert episode_returns_plan_rows(False, 8, 16) == []

@@ -97,3 +97,12 @@ def test_ppo_loss_ratio_of_log_probs_beyond_float32_exp_range():
     expected = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv).mean()
     assert torch.isfinite(terms["loss"])
     assert abs(terms["surrogate"].item() - expected) < 1e-5
+
+
+def test_ppo_loss_refuses_seven_inputs_of_one_shape_other_than_b():
+    """Equal shapes are not enough: [B, 1] everywhere (an unsqueezed critic and unsummed log-probs) is refused too,
+    as the docstring says: every input is [B]."""
+    for shape in ((4, 1), ()):
+        t = torch.zeros(shape)
+        with pytest.raises(ValueError, match=r"shape \[B\]"):
+            ppo_loss(t, t, t, t, t, t, t, 0.2, True, 0.5, 0.0)

@@ -198,6 +198,39 @@ def test_collect_rollout_takes_a_step_flagged_terminated_and_truncated_as_a_term
     assert torch.equal(batch["bootstrap"], torch.zeros(4, 2))
 
 
+class ThreeActionEnv:
+    """4 envs, 3 actions, random observations; nothing ends."""
+
+    num_envs, num_actions = 4, 3
+
+    def __init__(self):
+        self.g = torch.Generator().manual_seed(7)
+
+    def observe(self):
+        obs = torch.randn(self.num_envs, 2, generator=self.g)
+        return {"policy": obs, "critic": obs.clone()}
+
+    def step(self, actions):
+        no = torch.zeros(self.num_envs, dtype=torch.bool)
+        return self.observe(), torch.ones(self.num_envs), no, no.clone(), {"log": {}}
+
+
+def test_collect_rollout_sums_log_probs_over_action_dims_and_checks_every_step():
+    torch.manual_seed(0)
+    model = ActorCritic(2, 2, 3, (8,), (8,), normalize_critic_obs=False)
+    env = ThreeActionEnv()
+    stats = EpisodeStats(env.num_envs, TRAIN_KEYS, torch.device("cpu"))
+    checked = []
+    batch, _ = collect_rollout(model, env, env.observe(), 3, 0.9, False, stats, check=checked.append)
+    assert len(checked) == 3          # every step's result (step_checker: all of the first, the others' extras)
+    with torch.no_grad():
+        mean = model.actor(batch["actor_obs"])
+        ref = torch.distributions.Normal(mean, model.log_std.exp().expand_as(mean))
+        log_probs = ref.log_prob(batch["actions"]).sum(-1)
+    assert batch["actions"].shape == (3, 4, 3) and batch["log_probs"].shape == (3, 4)
+    torch.testing.assert_close(batch["log_probs"], log_probs)
+
+
 def test_local_and_none_advantage_normalization():
     """"local": (A - mean) / (population std + 1e-8) over this rank's rollout (the same statistic the
     "global" mode computes over all ranks, so 1 rank of "global" == "local"); "none" leaves A untouched, and so

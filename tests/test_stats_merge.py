@@ -1,5 +1,6 @@
 """Cross-rank statistics equal numpy over the union of all ranks' samples (unequal batch sizes), and the plan rows
-of the metrics and sampler-count all-reduces."""
+of the metrics and sampler-count all-reduces; reduce_metrics matches keys by name, not by the order each rank
+inserted them, and gives no entries for no keys."""
 
 import math
 from types import SimpleNamespace
@@ -340,3 +341,24 @@ def test_statistics_of_a_tensor_that_requires_grad_are_values_without_autograd_h
     assert not any(t.requires_grad for t in (mean, std, count, running_mean, m2))
     np.testing.assert_allclose([mean.item(), std.item()], [values.mean(), values.std()], rtol=1e-12)
     np.testing.assert_allclose(m2.numpy(), ((values - values.mean(0)) ** 2).sum(0), rtol=1e-12)
+
+
+def metrics_in_rank_order(rank, world_size):
+    # Rank 1 builds its dicts in the other order: the keys must still meet their own key on rank 0.
+    order = ["a", "b"] if rank == 0 else ["b", "a"]
+    sums = {"a": [1.0, 5.0], "b": [100.0, 300.0]}
+    counts = {"a": [1.0, 3.0], "b": [10.0, 10.0]}
+    return reduce_metrics({k: torch.tensor(sums[k][rank]) for k in order},
+                          {k: torch.tensor(counts[k][rank]) for k in order})
+
+
+@pytest.mark.slow
+def test_reduce_metrics_matches_keys_by_name_whatever_order_each_rank_built_them_in():
+    for out in run_ranks(metrics_in_rank_order, 2):
+        assert out == {"a": pytest.approx((1.0 + 5.0) / (1 + 3), rel=1e-12),
+                       "b": pytest.approx((100.0 + 300.0) / (10 + 10), rel=1e-12)}
+
+
+def test_reduce_metrics_of_no_keys_is_an_empty_dict():
+    """Nothing to log (no metric registered): no entries, not an error from stacking an empty list."""
+    assert reduce_metrics({}, {}) == {}
