@@ -1,5 +1,10 @@
-"""Rules of the gymnasium and Isaac Lab adapters and of the actor-critic that earlier tests left open (found by
-hand mutation testing). Expected values come from the spaces, the registry and the formulas, not from the code."""
+"""The gymnasium and Isaac Lab adapters and the actor-critic at their edges: the gymnasium adapter's clipping inside
+float64 and float16 action spaces, its refusal of matrix and integer action spaces and of an observation of another
+shape than its space, an unknown task version listing the registered ones, and the protocol sizes; the Isaac Lab
+adapter's checks (one rank of a process group, the learner's device, the action space, compute_final_obs and the
+final observations, a termination that survives the next step, observation groups, logged values); the actor's mean
+and the value as the MLPs computed by hand, and build_actor_critic honouring every policy setting. Expected values
+come from the spaces, the registry and the formulas, not from the code."""
 
 import re
 import sys

@@ -1,15 +1,14 @@
-"""configs/config.py's checks at their bounds, flag by flag, configs/presets.py, and train.py's loop: where hand
-mutation testing found them unpinned.
+"""configs/config.py's checks at their bounds, flag by flag, configs/presets.py, and train.py's loop.
 
-Each "must be positive" flag is refused at 0 (dropping any one entry of the table passed every earlier test); the
-bounds are tried on both sides (seed 0, a 256-byte experiment name, --dist.verify-every 0, the init-noise-std whose
-square leaves float32, and the one whose square is float32's smallest normal; --dist.timeout-s's top, int64's lowest
-value and the log section's 64-bit integers); a backslash in --log.experiment; a simulator package that is not
-installed; the simulator adapters' checks, the global env budget's sign and int64 bound, and
-validate() alone refusing a global budget with rollout ranks (train.py's resolve_num_envs says it first, bench_train
-calls validate alone); train.py's linear LR at the last iteration, its last console line, each rank's own seeds and
-the checkpoint's learner count; the isaaclab preset as docs/simulators.md lists it, and preset()'s refusal. No mutant
-of config.py, presets.py or train.py was found equivalent (those of other files: tests/test_update_step_rules.py).
+Each "must be positive" flag is refused at 0 (every entry of the table, one by one); the bounds are tried on both
+sides (seed 0, a 256-byte experiment name, --dist.verify-every 0, the init-noise-std whose square leaves float32, and
+the one whose square is float32's smallest normal; --dist.timeout-s's top, int64's lowest value and the log section's
+64-bit integers); a backslash in --log.experiment; a simulator package that is not installed; the simulator adapters'
+checks, the global env budget's sign and int64 bound, and validate() alone refusing a global budget with rollout
+ranks (train.py's resolve_num_envs says it first, bench_train calls validate alone); train.py's linear LR at the last
+iteration, its last console line, each rank's own seeds and the checkpoint's learner count; the isaaclab preset as
+docs/simulators.md lists it, and preset()'s refusal. No mutant of config.py, presets.py or train.py was found
+equivalent (those of other files: tests/test_update_step_rules.py).
 """
 
 import glob

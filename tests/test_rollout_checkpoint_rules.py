@@ -1,10 +1,10 @@
-"""Rules of dist/checkpoint.py and dist/setup.py that the earlier tests left open: a save fsyncs its temporary,
+"""dist/checkpoint.py and dist/setup.py's join of the process group, piece by piece: a save fsyncs its temporary,
 renames it over the path, then fsyncs the directory, and a failed save leaves the old file as it was (a non-disk
 error raised as itself); which run and which file a resume takes; the run lock never blocks and names its holder
 alone; a read-only --root is only checked to be a directory; every rank's RNG states come back from the gather as
 that rank's, and a learner team's rollout states go to learner 0 by a gather; init_distributed hands the process
 group torchrun's store under a prefix of the restart count, this rank's number, the --dist.timeout-s and the rank's
-GPU. (Rollout-rank rules: test_rollout_resume_rules.py.)"""
+GPU. (Rollout ranks at a resume: tests/test_rollout_resume_rules.py.)"""
 
 import fnmatch
 import os

@@ -1,5 +1,5 @@
-"""How a rollout rank and its learner end a run, and the rollout rank's check of its env's numbers; from mutation
-testing of rollout_ranks.py, where these mutants either survived or were caught only by a run waiting out a timeout:
+"""How a rollout rank and its learner end a run, and the rollout rank's check of its env's numbers (rollout_ranks.py),
+each caught at once rather than by a run waiting out a timeout. The faults these tests catch:
 
 - the rollout rank's bookkeeping of decisions read (`decided`) one off, its last decision read skipped, or a stop
   read after its last collection ignored: the learner waits for a read or a state that never comes (or the rollout
@@ -12,13 +12,13 @@ testing of rollout_ranks.py, where these mutants either survived or were caught 
 - a rollout rank past its own stop flag (it collects nothing more, resending its last batch) skipping the
   sampler-count sums the other rollout ranks still enter: their collective pairs with its save's.
 
-Found equivalent: LearnerTeam.close without `receiver.close()`. A rollout rank says `done` only after reading every
-decision sent to it, and `weights.close()` right after waits for that `done`, so every `control` send has completed
-by then (the gloo works left unwaited are complete; runs of real processes exit 0 without an abort).
-Also equivalent, of the stopping path: the resent batch's stop flags cleared (the learners stop at the flagged
-batch's iteration at the latest and never take the resent ones), the stopping branch taken only in async mode (in
-sync mode the flagged batch's decision, a stop, is read before the next collection), `sent` starting as None (read
-only once a batch has set `stopping`).
+Equivalent (no test can tell it apart): LearnerTeam.close without `receiver.close()`. A rollout rank says `done` only
+after reading every decision sent to it, and `weights.close()` right after waits for that `done`, so every `control`
+send has completed by then (the gloo works left unwaited are complete; runs of real processes exit 0 without an
+abort). Also equivalent, of the stopping path: the resent batch's stop flags cleared (the learners stop at the
+flagged batch's iteration at the latest and never take the resent ones), the stopping branch taken only in async mode
+(in sync mode the flagged batch's decision, a stop, is read before the next collection), `sent` starting as None
+(read only once a batch has set `stopping`).
 """
 
 import time

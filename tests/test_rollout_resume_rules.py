@@ -1,6 +1,6 @@
-"""Rollout-rank rules (rollout_ranks.py, rollout_weights.py) the earlier tests left open: only the first rollout
-rank says an env error; a resume of the same layout and --seed hands the rollout rank its saved RNG states, also
-from a checkpoint that records no seed (as a learner does); a bfloat16 copy holds its parameters in bfloat16,
+"""Rollout ranks (rollout_ranks.py, rollout_weights.py) at an env error, a resume and weight serving: only the first
+rollout rank says an env error; a resume of the same layout and --seed hands the rollout rank its saved RNG states,
+also from a checkpoint that records no seed (as a learner does); a bfloat16 copy holds its parameters in bfloat16,
 each the learner's weight rounded; with --log.episode-returns the returns that ended on a rollout rank reach the
 learner's TensorBoard as a colocated run logs them; WeightServer holds its lock while an answer is sent, ends a
 thread on a done request without an answer, and says nothing of a failure after the learner abandoned its team."""

@@ -1,7 +1,6 @@
-"""Rules of the rollout-rank transport (dist/batches.py) and of the learner's side of it (rollout_ranks.py) that
-the end-to-end runs do not pin: how a layout packs each dtype, how batches of several rollout ranks are joined and
-checked, the order of their states, what the plan rows count for a team of two, and which saved RNG state each
-rollout rank takes back."""
+"""The rollout-rank transport (dist/batches.py) and the learner's side of it (rollout_ranks.py), piece by piece: how
+a layout packs each dtype, how batches of several rollout ranks are joined and checked, the order of their states,
+what the plan rows count for a team of two, and which saved RNG state each rollout rank takes back."""
 
 from types import SimpleNamespace
 

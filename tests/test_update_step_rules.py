@@ -1,9 +1,9 @@
-"""Edges of ppo/update.py, ppo/minibatch_step.py, ppo/restore.py and dist/comm.py that hand mutation testing found
-unpinned: the 1e-8 that keeps a constant advantage from becoming 0/0 (over the rollout and per minibatch), the
-unusable-policy error's advice under the adaptive schedule, q micro-batches adding up to the whole minibatch's step,
-a captured step's all-reduce counted once per replay, a resumed checkpoint keeping this run's capturable setting, a
-transposed Adam moment, a checkpoint of another rollout layout with as many learners, the resume's lines (the seeds
-of the layout it resumes on, said by rank 0 alone), and dist.comm's device setter.
+"""ppo/update.py, ppo/minibatch_step.py, ppo/restore.py and dist/comm.py at their edges: the 1e-8 that keeps a
+constant advantage from becoming 0/0 (over the rollout and per minibatch), the unusable-policy error's advice under
+the adaptive schedule, q micro-batches adding up to the whole minibatch's step, a captured step's all-reduce counted
+once per replay, a resumed checkpoint keeping this run's capturable setting, a transposed Adam moment, a checkpoint
+of another rollout layout with as many learners, the resume's lines (the seeds of the layout it resumes on, said by
+rank 0 alone), and dist.comm's device setter.
 
 Mutants of these files found equivalent (no test can tell them apart):
 - kl_schedule: clamping as max(min(lr, lr_max), lr_min) (validate ensures lr_min <= lr_max); `elif` -> `if` (the two
