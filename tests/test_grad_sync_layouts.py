@@ -1,9 +1,9 @@
-"""GradSync against plain autograd where the layout or the order of calls is unusual (found by an adversarial audit
-against torch's DDP): a transposed parameter, a parameter with gaps, overlaps or a size-1 dimension of any stride
-(refused whole, or taken in any dimension order), a collective between the armed backward and synchronize(), and a
-minibatch that does not split into equal micro-batches; which buckets launch from backward and which at
-synchronize(); and the whole messages of its refusals (a parameter taken over or no longer served, a replaced .grad,
-a missing gradient, a second armed backward)."""
+"""GradSync against plain autograd where the layout or the order of calls is unusual: a transposed parameter, a
+parameter with gaps, overlaps or a size-1 dimension of any stride (refused whole, or taken in any dimension order),
+a collective between the armed backward and synchronize(), and a minibatch that does not split into equal
+micro-batches; which buckets launch from backward and which at synchronize(); and the whole messages of its
+refusals (a parameter taken over or no longer served, a replaced .grad, a missing gradient, a second armed
+backward)."""
 
 import pytest
 import torch
