@@ -172,8 +172,13 @@ def table(results: list[dict], last_episodes: int, last_iterations: int) -> str:
                      f"{', '.join(str(r['seed']) for r in runs)} | {spread(episodes)} | {spread(iterations)} | "
                      f"{published} | {verdict(episodes, task)} | {walls.mean():.1f} min |")
     versions = sorted({json.dumps(r["versions"], sort_keys=True) for r in results})
-    lines.append("versions: " + "; ".join(", ".join(f"{k} {v}" for k, v in json.loads(v).items()) for v in versions))
+    lines.append("versions: " + "; ".join(named_versions(json.loads(v)) for v in versions))
     return "\n".join(lines)
+
+
+def named_versions(versions: dict) -> str:
+    """A run's versions as the table's versions line and its refusals write them (`gymnasium 1.0.0, torch ...`)."""
+    return ", ".join(f"{name} {value}" for name, value in versions.items())
 
 
 def check_rows(results: list[dict], path: str) -> None:
@@ -181,10 +186,6 @@ def check_rows(results: list[dict], path: str) -> None:
     (two --total-steps that round to one iteration count give one training command: the same run twice), or runs
     under other gymnasium, mujoco or torch versions. The row would average them as independent seeds, and shows
     neither the keys nor which run had which versions."""
-    def named(versions: dict) -> str:
-        """Versions as the table's versions line writes them."""
-        return ", ".join(f"{name} {value}" for name, value in versions.items())
-
     rows: dict[tuple, list[dict]] = {}
     for r in sorted(results, key=lambda r: r["key"]):
         rows.setdefault((r["task"], r["ranks"], r["steps"]), []).append(r)
@@ -194,7 +195,8 @@ def check_rows(results: list[dict], path: str) -> None:
                 if other["seed"] == r["seed"]:
                     reason = f"are seed {r['seed']} twice"
                 elif other["versions"] != r["versions"]:
-                    reason = f"ran under other versions ({named(other['versions'])}; {named(r['versions'])})"
+                    theirs, its = named_versions(other["versions"]), named_versions(r["versions"])
+                    reason = f"ran under other versions ({theirs}; {its})"
                 else:
                     continue
                 raise SystemExit(f"bench_mujoco: {other['key']} and {r['key']} {reason} in one table row ({task}, "
