@@ -165,9 +165,10 @@ def test_docs_name_only_flags_that_exist(ours):
     """Mutant: a doc naming --ppo.num-epoch (typo) -> fails naming README.md, the line and the flag.
     Mutant: tyro_fields without the `--no-` forms -> fails on README.md's --ppo.no-normalize-rewards.
     Mutant: a doc naming --ppo.* changed to --ppox.* -> fails: no flag of ours starts with --ppox.
-    Mutant: a doc naming bench_sync.py's --densities as --density -> fails.
+    Mutant: docs/weight_sync.md naming bench_sync.py's --densities as --density -> fails.
     Mutant: tyro_fields keeping `_` in names (--ppo.num_epochs) -> fails on every hyphenated one, --ppo.num-epochs.
-    Mutant: script_flags skipping bench/bench_sync.py -> fails on --densities."""
+    Mutant: script_flags skipping bench/bench_mujoco.py -> fails on its --root, --tasks, --seeds.
+    Mutant: PPOConfig.num_epochs renamed num_passes (presets too) -> fails on the docs' --ppo.num-epochs."""
     problems = doc_problems(doc_texts(), ours, ALLOWLIST)
     assert not problems, ("the docs name flags that do not exist; fix the doc, or if the flag is another tool's "
                           "(torchrun, pip, Isaac Lab, ...) add it to ALLOWLIST in tests/test_doc_flags.py with a "
