@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,7 @@ from ppo.actor_critic import build_actor_critic  # noqa: E402
 from sync import WeightSyncConfig, make_weight_syncer  # noqa: E402
 
 WARMUP = 3          # iterations dropped from timing (start-up, async pipeline filling)
+ANSWER_S = 600      # replay's wait for a rank's answer (from the start or the previous answer)
 VARIANTS = {"colocated": [], "sync": ["--rollout.ranks", "1", "--rollout.mode", "sync"],
             "async": ["--rollout.ranks", "1", "--rollout.mode", "async", "--rollout.max-staleness", "1"]}
 # Same transitions per iteration in every variant: (colocated flags per rank, 1 + 1 flags for the rollout rank).
@@ -223,10 +225,20 @@ def replay(paths: list[str], dtype_name: str) -> dict:
     try:
         for p in procs:
             p.start()
-        results = {}
-        for _ in procs:
-            rank, times, stats = queue.get(timeout=600)
-            results[rank] = (times, stats)
+        results, deadline = {}, time.monotonic() + ANSWER_S
+        while len(results) < len(procs):
+            try:
+                rank, times, stats = queue.get(timeout=1.0)
+            except Empty:
+                # a rank that died before its answer (its partner then fails or waits in a collective) sends
+                # none: waiting out ANSWER_S for it took 10 minutes and hid its exit code
+                failed = [p.exitcode for p in procs if p.exitcode]
+                if failed:
+                    raise RuntimeError(f"replay rank exited with {failed[0]}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"replay: no rank answered in {ANSWER_S} s") from None
+                continue
+            results[rank], deadline = (times, stats), time.monotonic() + ANSWER_S
         for p in procs:
             p.join()
             if p.exitcode:

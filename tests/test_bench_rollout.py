@@ -1,11 +1,18 @@
 """bench/bench_rollout.py: the medians, ratios and changed shares behind its tables, each table's columns worked out
-by hand (throughput, the overlap columns, weight sync), and --quick refusing the learning part. The train jobs and
-replays are replaced by stand-ins: nothing is trained."""
+by hand (throughput, the overlap columns, weight sync), --quick refusing the learning part, and how it stops: a
+replay rank that fails, a learning job that fails or is interrupted, Ctrl-C or a failed job in the first two parts.
+The train jobs are replaced by stand-ins: nothing is trained. Replays run 2 spawned processes: stand-in ranks, or
+(the slow tests) real gloo ranks on tiny checkpoints."""
 
+import os
+import signal
+import threading
 import types
 
+import pytest
 import torch
 
+import bench.bench_rollout as bench_rollout     # by name, for replay: its spawned ranks unpickle their target from it
 from tests.test_bench_flags import checkpoint, usage_error
 from tests.test_tools import load_bench
 
@@ -113,3 +120,86 @@ def test_bench_rollout_quick_learning_is_refused_before_any_part_or_folder(monke
     assert line == ("bench_rollout.py: error: --quick has no learning part (its jobs run 400 iterations, about an "
                     "hour): drop --quick or leave learning out of --parts")
     assert not out.exists()
+
+
+# ---- stopping: a failed rank, job or part, and Ctrl-C ----------------------------------------------------
+
+BOUND_S = 60.0      # a bounded wait for what the code does at once: only a regression reaches it
+
+
+def exiting_or_waiting_rank(rank, port, paths, dtype_name, queue):
+    """replay's rank stand-in (spawned: a function of this module): rank 1 exits 3 before its answer, rank 0 waits
+    as in a collective whose partner is gone, until it is stopped."""
+    from bench._common import rank_signals
+    rank_signals()      # as the real rank: ends with the test's process, whatever happens to the test
+    if rank == 1:
+        os._exit(3)
+    threading.Event().wait()
+
+
+def recording_spawn(monkeypatch, br) -> list:
+    """replay's processes, recorded as it makes them (its spawn context otherwise)."""
+    made, real = [], br.mp.get_context("spawn")
+
+    def process(*a, **k):
+        made.append(real.Process(*a, **k))
+        return made[-1]
+    context = types.SimpleNamespace(Queue=real.Queue, Process=process)
+    monkeypatch.setattr(br, "mp", types.SimpleNamespace(get_context=lambda method: context))
+    return made
+
+
+def test_bench_rollout_replay_rank_failing_before_its_answer_names_its_code_and_stops_the_other(monkeypatch):
+    """Rank 1 exits 3 without an answer while rank 0 waits: replay waited out its 600 s for the answer, then raised
+    queue.Empty (no exit code), rank 0 waiting meanwhile. Now it raises naming the code as soon as the rank is gone,
+    and has stopped rank 0 (SIGTERM) by the time it returns.
+
+    Mutant: the exit-code check in replay's wait for answers dropped -> no rank answered in ANSWER_S (here 60 s).
+    Mutant: no stop_processes(procs) in replay's finally -> rank 0 still alive when replay has raised."""
+    br = bench_rollout
+    monkeypatch.setattr(br, "replay_rank", exiting_or_waiting_rank)
+    monkeypatch.setattr(br, "ANSWER_S", BOUND_S)
+    made = recording_spawn(monkeypatch, br)
+    try:
+        with pytest.raises(RuntimeError) as error:
+            br.replay(["unused"], "float32")
+        alive = [p.pid for p in made if p.is_alive()]
+    finally:
+        for p in made:      # a failing case leaves no process behind
+            if p.is_alive():
+                p.kill()
+            p.join()
+    assert str(error.value) == "replay rank exited with 3"
+    assert len(made) == 2 and alive == []
+    assert [p.exitcode for p in made] == [-signal.SIGTERM, 3]     # rank 0 was stopped, not ended by itself
+
+
+@pytest.mark.slow
+def test_bench_rollout_replay_of_an_unreadable_checkpoint_fails_in_seconds_naming_the_exit_code(monkeypatch,
+                                                                                                 tmp_path):
+    """Real gloo ranks: rank 0 cannot load the second checkpoint (FileNotFoundError, exit 1) and rank 1 fails in
+    its barrier. Neither answers: replay waited 600 s for them and raised queue.Empty.
+
+    Mutant: the exit-code check in replay's wait for answers dropped -> no rank answered in ANSWER_S (here 60 s)."""
+    monkeypatch.setattr(bench_rollout, "ANSWER_S", BOUND_S)
+    with pytest.raises(RuntimeError) as error:
+        bench_rollout.replay([checkpoint(tmp_path / "model_1.pt"), str(tmp_path / "model_2.pt")], "float32")
+    assert str(error.value) == "replay rank exited with 1"
+
+
+@pytest.mark.slow
+def test_bench_rollout_replay_of_three_versions_counts_what_each_changed(tmp_path):
+    """The answers still arrive through the wait that watches for failed ranks: version 2 changes every element
+    of actor.0.weight (8 x 5 = 40), version 3 one element of critic.0.bias; patch counts 40 then 1, and each
+    syncer is timed on both versions.
+
+    Mutant: replay's wait keeps only the first answer -> KeyError for rank 1's."""
+    state = torch.load(checkpoint(tmp_path / "model_1.pt"), weights_only=False)
+    state["model"]["actor.0.weight"] += 1.0
+    torch.save(state, tmp_path / "model_2.pt")
+    state["model"]["critic.0.bias"][0] += 1.0
+    torch.save(state, tmp_path / "model_3.pt")
+    timed = bench_rollout.replay([str(tmp_path / f"model_{i}.pt") for i in (1, 2, 3)], "float32")
+    assert [c for _, c in timed["stats"]["patch"]] == [40, 1]
+    assert {m: (len(timed["send"][m]), len(timed["apply"][m])) for m in ("patch", "bucket")} == {
+        "patch": (2, 2), "bucket": (2, 2)}
