@@ -203,3 +203,44 @@ def test_bench_rollout_replay_of_three_versions_counts_what_each_changed(tmp_pat
     assert [c for _, c in timed["stats"]["patch"]] == [40, 1]
     assert {m: (len(timed["send"][m]), len(timed["apply"][m])) for m in ("patch", "bucket")} == {
         "patch": (2, 2), "bucket": (2, 2)}
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_bench_rollout_learning_stops_its_jobs_when_one_fails_or_is_interrupted(monkeypatch, tmp_path, error):
+    """One job fails (or Ctrl-C arrives) while the other runs its hour-long job: learning calls stop_all, which
+    stops the running job and lets no queued one start, before the pool's exit waits for them, then re-raises.
+    Here each other job waits until stop_all (a stand-in that records the call) releases it.
+
+    Mutant: no stop_all() in learning's except -> the pool's exit waits for the running job: learning does not
+    return. Mutant: `except Exception` for `except BaseException` -> the same for KeyboardInterrupt."""
+    br = load_bench("bench_rollout")
+    running, released, stops, outcome = threading.Event(), threading.Event(), [], {}
+
+    def train(preset, flags, root, name, nice=0):
+        if name == "coloc_s1":
+            running.wait(BOUND_S)          # the pool's other thread is in its job when this one fails
+            raise error("coloc_s1 failed")
+        running.set()
+        released.wait()
+        raise RuntimeError(f"{name} stopped")      # as run_child's job, once stopped
+
+    def stop_all():
+        stops.append(running.is_set())
+        released.set()
+
+    def call():
+        try:
+            br.learning(types.SimpleNamespace(seeds=[1, 2]), str(tmp_path))
+        except BaseException as exc:   # KeyboardInterrupt included
+            outcome["raised"] = exc
+    monkeypatch.setattr(br, "train", train)
+    monkeypatch.setattr(br, "stop_all", stop_all)
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join(BOUND_S)
+    returned = not thread.is_alive()
+    released.set()      # a failing case: let the jobs and the test end
+    thread.join()
+    assert returned, "learning waited for its running job: stop_all was not called before the pool's exit"
+    assert stops == [True]              # once, while the other job ran
+    assert type(outcome["raised"]) is error and str(outcome["raised"]) == "coloc_s1 failed"
