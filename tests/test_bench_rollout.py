@@ -6,8 +6,10 @@ The train jobs are replaced by stand-ins: nothing is trained. Replays run 2 spaw
 
 import os
 import signal
+import sys
 import threading
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,3 +246,58 @@ def test_bench_rollout_learning_stops_its_jobs_when_one_fails_or_is_interrupted(
     assert returned, "learning waited for its running job: stop_all was not called before the pool's exit"
     assert stops == [True]              # once, while the other job ran
     assert type(outcome["raised"]) is error and str(outcome["raised"]) == "coloc_s1 failed"
+
+
+def stopped_part(monkeypatch, br, failing: str, error) -> tuple[list, list]:
+    """br with every part stubbed: `failing` makes its root, leaves a job's log there and raises `error`; the others
+    raise AssertionError if they run. Returns (the failing part's roots, stop_all's calls)."""
+    roots, stops = [], []
+
+    def fail(args, root):
+        os.makedirs(root)
+        (Path(root) / "job.log").write_text("a job's output")
+        roots.append(root)
+        raise error("stopped in " + failing)
+    for part in ("throughput", "weight_sync", "learning"):
+        monkeypatch.setattr(br, part, fail if part == failing else lambda *a, part=part: (_ for _ in ()).throw(
+            AssertionError(f"{part} ran")))
+    monkeypatch.setattr(br, "stop_all", lambda: stops.append(True))
+    return roots, stops
+
+
+def test_bench_rollout_interrupted_throughput_removes_its_run_folder_and_stops_all(monkeypatch, capsys, tmp_path):
+    """Ctrl-C (or SIGTERM, raised as KeyboardInterrupt) in the throughput part: its jobs are stopped and the run_*
+    folder under --out goes, with what the jobs wrote in it; the interrupt goes on up (stopped_main's one line).
+
+    Mutant: the `except KeyboardInterrupt` branch dropped -> run_* kept as after a failure.
+    Mutant: no stop_all() in it -> no call recorded. Mutant: no rmtree in it -> run_* kept."""
+    br = load_bench("bench_rollout")
+    roots, stops = stopped_part(monkeypatch, br, "throughput", KeyboardInterrupt)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--quick", "--parts", "throughput", "sync", "--out",
+                                      str(out)])
+    with pytest.raises(KeyboardInterrupt):
+        br.main()
+    assert len(roots) == 1 and Path(roots[0]).parent.parent == out and Path(roots[0]).parent.name.startswith("run_")
+    assert os.listdir(out) == [] and stops == [True]
+    assert "kept" not in capsys.readouterr().err
+
+
+def test_bench_rollout_failed_sync_part_keeps_its_run_folder_and_names_it(monkeypatch, capsys, tmp_path):
+    """A job of the sync part fails (RuntimeError with the log's tail): run_* stays, with the job's log, and the
+    last line on stderr says where, before the error goes on up.
+
+    Mutant: the `except BaseException` branch dropped -> nothing on stderr. Mutant: it removes run_* as the
+    KeyboardInterrupt branch does -> the log is gone."""
+    br = load_bench("bench_rollout")
+    roots, _ = stopped_part(monkeypatch, br, "weight_sync", RuntimeError)
+    monkeypatch.setattr(br, "throughput", lambda args, root: None)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--quick", "--parts", "throughput", "sync", "--out",
+                                      str(out)])
+    with pytest.raises(RuntimeError, match="^stopped in weight_sync$"):
+        br.main()
+    [scratch] = out.glob("run_*")
+    assert roots == [str(scratch / "sync")]
+    assert (scratch / "sync" / "job.log").read_text() == "a job's output"
+    assert capsys.readouterr().err.splitlines()[-1] == f"bench_rollout: the jobs' run directories are kept in {scratch}"
