@@ -300,4 +300,5 @@ def test_bench_rollout_failed_sync_part_keeps_its_run_folder_and_names_it(monkey
     [scratch] = out.glob("run_*")
     assert roots == [str(scratch / "sync")]
     assert (scratch / "sync" / "job.log").read_text() == "a job's output"
-    assert capsys.readouterr().err.splitlines()[-1] == f"bench_rollout: the jobs' run directories are kept in {scratch}"
+    said = capsys.readouterr().err.splitlines()
+    assert said[-1:] == [f"bench_rollout: the jobs' run directories are kept in {scratch}"]
