@@ -52,6 +52,25 @@ def test_a_stop_request_saves_and_ends_the_run_after_that_iteration(tmp_path, mo
     assert re.findall(said, out) == [("1", "1")]
 
 
+
+@pytest.mark.parametrize("under_torchrun", [False, True])
+def test_the_stop_line_says_to_keep_torchrun_s_options_only_under_torchrun(tmp_path, monkeypatch, capsys,
+                                                                           under_torchrun):
+    """docs/fault_tolerance.md: under torchrun the command to continue adds "under the same torchrun options" (its
+    --nproc-per-node and the like are not in train.py's argv); a plain python run's line does not.
+    Mutant: the stop line without " (under the same torchrun options)" (or with it whatever the launcher)."""
+    monkeypatch.setattr(train, "StopRequests", FlagAt(1))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    if under_torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    monkeypatch.setattr("sys.argv", ["train.py", "tracking", "--seed", "3"])
+    train.main(small_tracking(tmp_path, iterations=4))
+    run_dir = os.path.dirname(glob.glob(os.path.join(tmp_path, "tracking", "*", "model_1.pt"))[0])
+    options = " (under the same torchrun options)" if under_torchrun else ""
+    said = [line for line in capsys.readouterr().out.splitlines() if "stopped on request" in line]
+    assert said == [f"[syncppo] stopped on request (SIGINT/SIGTERM) after iteration 1; saved {run_dir}/model_1.pt; "
+                    f"continue it in place{options} with: train.py tracking --seed 3 --resume {run_dir}"]
+
 def test_a_stop_request_in_the_last_iteration_is_a_finished_run_not_one_to_continue(tmp_path, monkeypatch, capsys):
     """A signal during the last of 3 iterations: the final checkpoint is saved as always, and the run, complete,
     does not say it stopped on request nor offer a command to continue it (there is nothing left to train)."""
