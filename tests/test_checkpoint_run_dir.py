@@ -1,5 +1,5 @@
 """dist/checkpoint.py and a run directory: a save to a bare file name fsyncs the working directory, continuing a run
-removes checkpoint temporaries only, and a file system without locks is said once and the run goes on."""
+removes checkpoint temporaries only and says which, and a file system without locks is said once and the run goes on."""
 
 import os
 
@@ -45,3 +45,22 @@ def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monke
         assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
     finally:
         checkpoint.release_run_dirs()
+
+
+def test_continuing_a_run_says_which_interrupted_save_it_removed(tmp_path, capsys):
+    """docs/fault_tolerance.md: the next start in a run directory removes stale temporaries "and says so", one line
+    per file, so a user who finds a file gone knows why; a run with none to remove says nothing of it.
+    Mutant: open_run_dir removing the temporaries without the `removed PATH` line."""
+    from dist.checkpoint import open_run_dir, release_run_dirs
+    run = tmp_path / "2026-12-01_06-00-00"
+    run.mkdir()
+    for name in ("model_4.pt", "model_6.pt.tmp-12-0123abcd"):
+        (run / name).write_bytes(b"x")
+    try:
+        open_run_dir(str(run), str(tmp_path), None)
+        assert capsys.readouterr().out == (f"[syncppo] removed {run / 'model_6.pt.tmp-12-0123abcd'}, a checkpoint "
+                                           f"whose save was interrupted\n")
+        open_run_dir(str(run), str(tmp_path), None)      # held already, nothing left to remove
+        assert capsys.readouterr().out == ""
+    finally:
+        release_run_dirs()
