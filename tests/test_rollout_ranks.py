@@ -165,11 +165,16 @@ def plain_ranks(tmp_path, *args, prelude=None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_sigterm_on_a_rollout_rank_stops_both_after_a_checkpoint(tmp_path, mode):
+@pytest.mark.parametrize("signalled", [1, 0])
+def test_sigterm_on_either_rank_stops_both_after_a_checkpoint(tmp_path, mode, signalled):
+    """docs/rollout_ranks.md: a signal on any rank, learner or rollout, stops every rank after the same iteration with
+    a checkpoint, and every rank exits 0.
+    Mutant: the learner's own stop flag dropped when it has a team (`flag + remote[key]` -> `remote[key]`): a SIGTERM
+    to the learner is then ignored and the run goes on."""
     ranks = plain_ranks(tmp_path, "--rollout.mode", mode)
     try:
         ranks[0].wait_for(r"^it +3/")
-        os.kill(ranks[1].proc.pid, signal.SIGTERM)          # the flag rides in the rollout rank's next batch
+        os.kill(ranks[signalled].proc.pid, signal.SIGTERM)  # a rollout rank's flag rides in its next batch
         assert [job.finish(60) for job in ranks] == [0, 0], ranks[0].output() + ranks[1].output()
         k, path = (lambda m: (int(m.group(1)), m.group(2)))(ranks[0].wait_for(r"after iteration (\d+); saved (\S+);"))
         saved = torch.load(path, weights_only=True)
