@@ -1,0 +1,47 @@
+"""What a run prints, as docs/running.md's Start-up section says: with rollout ranks the start-up counts the envs of all
+of a learner's rollout ranks and names the mapping; rank 0 prints a console line every --log.print-every iterations
+and at the last (1 by default, 10 in the mujoco preset)."""
+
+import contextlib
+import io
+
+import pytest
+
+import train
+from configs import preset
+from tests.multirank import run_ranks
+from tests.test_rollout_ranks import small as small_rollout
+from tests.test_train import small_tracking
+
+
+def test_rank_0_prints_every_print_every_iterations_and_the_last(tmp_path, capsys):
+    """5 iterations with --log.print-every 2: lines after iterations 2 and 4, and after 5, the last.
+    Mutant: the cadence counted from iteration 0 (`iteration % print_every`): lines after 1, 3 and 5."""
+    cfg = small_tracking(tmp_path, iterations=5)
+    cfg.log.print_every = 2
+    train.main(cfg)
+    lines = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("it ")]
+    assert lines == ["2/5", "4/5", "5/5"]
+    assert preset("tracking").log.print_every == 1 and preset("mujoco").log.print_every == 10
+
+
+def dry_run_output(rank, world_size, cfg):
+    """A dry run on this rank; what it printed (rank 0 alone prints the start-up)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train.main(cfg)
+    return printed.getvalue()
+
+
+@pytest.mark.slow
+def test_the_start_up_counts_the_envs_of_all_a_learner_s_rollout_ranks(tmp_path):
+    """1 learner + 2 rollout ranks of 16 envs x 8 steps: --env.num-envs is per rollout rank, the learner trains on
+    1 x 32 envs x 8 steps = 256 transitions per iteration (N is the envs of both its rollout ranks), and the mapping
+    line names both.
+    Mutant: the start-up's transitions line counts --env.num-envs (one rollout rank's envs) in place of N."""
+    cfg = small_rollout(tmp_path, iterations=1, ranks=2)
+    cfg.dry_run = True
+    out = run_ranks(dry_run_output, 3, args=(cfg,))[0]
+    assert "; --env.num-envs 16 is per rollout rank\n" in out
+    assert "\n[syncppo] 1 learner(s) + 2 rollout rank(s): learner 0 <- rollout ranks [1, 2]; sync (on-policy)" in out
+    assert "\n[syncppo] 1 learner(s) x 32 envs x 8 steps = 256 transitions per iteration\n" in out
