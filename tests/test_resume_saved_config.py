@@ -89,14 +89,16 @@ def test_a_checkpoint_without_env_seed_keeps_its_run_s_seed_for_the_shared_env()
 
 
 @pytest.mark.parametrize("per_node", [("dist__timeout_s", 30.0), ("log__root", "/elsewhere"),
-                                      ("env__launcher_args", "--headless")])
+                                      ("env__launcher_args", "--headless"), ("resume", "/node1/runs/model_2.pt")])
 def test_the_settings_checksum_leaves_out_only_what_may_differ_between_nodes(per_node, monkeypatch):
-    """Ranks compare settings_digest at start-up: a node with its own --dist.timeout-s, --log.root or
-    --env.launcher-args must not stop the run, while a setting every rank computes with (--ppo.num-epochs) must."""
+    """Ranks compare settings_digest at start-up: a node with its own --dist.timeout-s, --log.root, --resume (the same
+    checkpoint at its own path: agree_on_checkpoint compares what was loaded) or --env.launcher-args must not stop the
+    run (docs/running.md), while a setting every rank computes with (--ppo.num-epochs) must.
+    Mutant: --resume dropped from PER_NODE."""
     monkeypatch.setattr(resume, "source_digest", lambda: 12345)     # the code is the same on both "nodes"
     field, value = per_node
     base = settings_digest(cfg_with())
-    assert getattr(cfg_with(), field.split("__")[0]).__dict__[field.split("__")[1]] != value
+    assert cfg_with(**{field: value}) != cfg_with()
     assert settings_digest(cfg_with(**{field: value})) == base
     assert settings_digest(cfg_with(ppo__num_epochs=cfg_with().ppo.num_epochs + 1)) != base
 
