@@ -134,6 +134,20 @@ def test_the_noise_std_read_after_an_update_refuses_a_policy_it_left_unusable():
         checked_noise_std(model, 1, 1e4)
 
 
+def test_a_run_whose_update_leaves_the_policy_unusable_stops_before_that_iteration_is_saved(tmp_path):
+    """docs/running.md: an update that leaves the noise std 0 or inf (too large an LR) stops the run before its
+    iteration is saved, naming the LR. A fixed LR of 1e4 with a save every iteration: Adam's first step moves log_std
+    by about 1e4, so iteration 1 fails and no checkpoint is written.
+    Mutant: the loop logs the noise std without checked_noise_std (`model.log_std.exp().mean().item()`)."""
+    cfg = cfg_with(log__root=str(tmp_path), log__save_every=1, log__print_every=100, max_iterations=2,
+                   env__num_envs=16, ppo__num_steps=8, ppo__schedule="fixed", ppo__learning_rate=1e4)
+    with pytest.raises(RunError, match=r"^the update of iteration 1 left the policy unusable: .* at LR 10000; .*"
+                                       r"\(nothing of this iteration was saved\)$"):
+        train.main(cfg)
+    assert glob.glob(str(tmp_path / "tracking" / "*" / "config_0.json"))     # the run had started
+    assert not glob.glob(str(tmp_path / "tracking" / "*" / "*.pt"))
+
+
 @pytest.mark.parametrize("broken, named", [
     (("actor.0.bias", "actor.2.weight", "critic.0.bias"), "actor.0.bias, actor.2.weight, critic.0.bias"),
     (("actor.0.bias", "actor.2.weight", "critic.0.bias", "critic.4.bias"),
