@@ -3,7 +3,9 @@ of a learner's rollout ranks and names the mapping; rank 0 prints a console line
 and at the last (1 by default, 10 in the mujoco preset)."""
 
 import contextlib
+import glob
 import io
+import os
 
 import pytest
 
@@ -15,12 +17,17 @@ from tests.test_train import small_tracking
 
 
 def test_rank_0_prints_every_print_every_iterations_and_the_last(tmp_path, capsys):
-    """5 iterations with --log.print-every 2: lines after iterations 2 and 4, and after 5, the last.
-    Mutant: the cadence counted from iteration 0 (`iteration % print_every`): lines after 1, 3 and 5."""
+    """5 iterations with --log.print-every 2: lines after iterations 2 and 4, and after 5, the last; before them the
+    start-up names the run directory it writes to.
+    Mutant: the cadence counted from iteration 0 (`iteration % print_every`): lines after 1, 3 and 5.
+    Mutant: the `writing to` line dropped."""
     cfg = small_tracking(tmp_path, iterations=5)
     cfg.log.print_every = 2
     train.main(cfg)
-    lines = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("it ")]
+    out = capsys.readouterr().out
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "tracking", "*"))
+    assert f"\n[syncppo] writing to {run_dir}\n" in out
+    lines = [line.split()[1] for line in out.splitlines() if line.startswith("it ")]
     assert lines == ["2/5", "4/5", "5/5"]
     assert preset("tracking").log.print_every == 1 and preset("mujoco").log.print_every == 10
 
@@ -42,6 +49,7 @@ def test_the_start_up_counts_the_envs_of_all_a_learner_s_rollout_ranks(tmp_path)
     cfg = small_rollout(tmp_path, iterations=1, ranks=2)
     cfg.dry_run = True
     out = run_ranks(dry_run_output, 3, args=(cfg,))[0]
-    assert "; --env.num-envs 16 is per rollout rank\n" in out
+    assert out.startswith("[syncppo] world size 3, backend gloo, device cpu (one per rank); --env.num-envs 16 is per "
+                          "rollout rank\n"), out
     assert "\n[syncppo] 1 learner(s) + 2 rollout rank(s): learner 0 <- rollout ranks [1, 2]; sync (on-policy)" in out
     assert "\n[syncppo] 1 learner(s) x 32 envs x 8 steps = 256 transitions per iteration\n" in out
