@@ -40,3 +40,21 @@ def test_each_preset_writes_its_runs_under_its_own_name():
     runs/cartpole/; docs/simulators.md: runs/isaaclab/), so --resume auto of one preset never meets another's."""
     for name in ("cartpole", "tracking", "mujoco", "isaaclab"):
         assert preset(name).log.experiment == name
+
+
+def test_the_isaaclab_preset_is_isaac_lab_s_g1_rough_rsl_rl_runner():
+    """Mutants: the isaaclab preset's entropy coefficient 0.005 (Anymal-C's), 2 minibatches, minibatches of whole
+    env sequences, observation normalization on, advantage normalization per rank (RSL-RL's `local`). The values are
+    docs/simulators.md's list of G1RoughPPORunnerCfg's and of the deliberate differences (global advantages,
+    time-outs bootstrapped, base seed 1)."""
+    cfg = preset("isaaclab")
+    env, pol, p = cfg.env, cfg.policy, cfg.ppo
+    assert (env.name, env.task, env.num_envs) == ("isaaclab", "Isaac-Velocity-Rough-G1", 4096)
+    assert env.actor_obs_groups == env.critic_obs_groups == ("policy",)
+    assert (p.num_steps, cfg.max_iterations, p.num_epochs, p.num_mini_batches) == (24, 5000, 5, 4)
+    assert pol.actor_hidden == pol.critic_hidden == (512, 256, 128) and pol.activation == "elu"
+    assert not pol.normalize_actor_obs and not pol.normalize_critic_obs and pol.init_noise_std == 1.0
+    assert (p.minibatch_unit, p.learning_rate, p.schedule, p.desired_kl) == ("transition", 1e-3, "adaptive", 0.01)
+    assert (p.gamma, p.lam, p.clip_param, p.clip_value_loss) == (0.99, 0.95, 0.2, True)
+    assert (p.value_loss_coef, p.entropy_coef, p.max_grad_norm) == (1.0, 0.008, 1.0)
+    assert p.advantage_norm == "global" and p.bootstrap_time_outs and not p.normalize_rewards and cfg.seed == 1

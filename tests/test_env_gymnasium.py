@@ -318,6 +318,7 @@ def test_mujoco_preset_is_cleanrl_ppo_continuous_action():
     assert cfg.log.episode_returns                             # CleanRL's statistic needs every episode's return
     assert (cfg.policy.actor_hidden, cfg.policy.critic_hidden, cfg.policy.activation) == ((64, 64), (64, 64), "tanh")
     assert cfg.policy.orthogonal_init and cfg.policy.normalize_actor_obs and cfg.policy.normalize_critic_obs
+    assert cfg.policy.init_noise_std == 1.0                    # state-independent std starting at 1
     validate(cfg)
 
 
