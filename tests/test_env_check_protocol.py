@@ -1,5 +1,6 @@
 """ppo/env_check.py's protocol checks called directly on a cart-pole: a sampler needs both a tensor local_counts and
-a commit_global method, reset() returns exactly (obs, extras), and a logged value is a real number."""
+a commit_global method, reset() returns exactly (obs, extras), a logged value is a real number, and a non-finite
+reset observation stops train.main before anything of the run is written."""
 
 from types import SimpleNamespace
 
@@ -50,3 +51,29 @@ def test_a_complex_number_logged_by_the_env_is_refused():
     with pytest.raises(RunError, match=r"^env 'mine': step\(\)'s extras\['log'\]\['Episode/height'\] must be a "
                                        r"scalar .* got a complex"):
         check_extras(env, {"log": {"Episode/height": 1 + 2j}}, "mine", False, torch.device("cpu"))
+
+
+class NanAtReset(CartPole):
+    """Cart-pole whose reset puts inf into env 1's critic feature 2."""
+
+    def reset(self):
+        obs, extras = super().reset()
+        obs["critic"][1, 2] = torch.inf
+        return obs, extras
+
+
+def test_a_non_finite_reset_observation_stops_the_run_before_anything_of_it_is_written(tmp_path, monkeypatch):
+    """docs/design.md: a NaN/inf in the reset's observations is named at start-up, before anything of the run is
+    written (no run directory, config, event file or checkpoint).
+
+    Mutant: train.main taking env.reset() without check_reset (the rollout's check_finite names it later, after the
+    run directory and its config are written)."""
+    import train
+    from configs import preset
+    monkeypatch.setattr(train, "make_env", lambda cfg, device, seed, base_seed: NanAtReset(cfg.num_envs, device, seed))
+    cfg = preset("cartpole")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.max_iterations = 8, 4, 2, 1
+    cfg.log.root = str(tmp_path)
+    with pytest.raises(RunError, match=r"^env 'cartpole': reset\(\)'s obs\['critic'\] holds inf at env 1 feature 2;"):
+        train.main(cfg)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
