@@ -1,7 +1,10 @@
 """The Makefile's settings checks and its mujoco install: `make train` refuses an OMP_NUM_THREADS or NPROC that is
-not a count before building anything (spaces around a value are dropped), and `make bench-mujoco` installs mujoco
-once. make runs for real, with a fake venv whose tools only note their arguments, or with a Python that fails."""
+not a count before building anything (spaces around a value are dropped), `make bench-mujoco` installs mujoco
+once, and `make test` installs gymnasium + MuJoCo, never Isaac Lab. make runs for real, with a fake venv whose tools
+only note their arguments, or with a Python that fails."""
 
+import os
+import re
 import subprocess
 
 import pytest
@@ -83,3 +86,30 @@ def test_make_train_still_refuses_a_space_inside_nproc(tmp_path):
     result = _make_train(tmp_path, "NPROC=2 x ")
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.splitlines()[0] == "error: NPROC=2 x must be a positive number of ranks"
+
+
+def _requirements(path) -> list[str]:
+    """The requirement lines of a requirements file, `-r` includes followed, comments dropped."""
+    lines = []
+    for line in open(os.path.join(REPO, path)).read().splitlines():
+        line = line.split("#")[0].strip()
+        if line.startswith("-r "):
+            lines += _requirements(line[3:].strip())
+        elif line:
+            lines.append(line)
+    return lines
+
+
+def test_make_test_installs_gymnasium_and_mujoco_but_never_isaac_lab(tmp_path):
+    """docs/simulators.md: `make test` installs gymnasium + MuJoCo (the adapter's tests run real envs) but never
+    Isaac Lab: its one install is requirements-dev.txt, before the suite runs.
+
+    Mutant: gymnasium[mujoco] moved from requirements-dev.txt to setup-mujoco alone."""
+    venv, calls = _fake_venv(tmp_path)
+    result = subprocess.run(["make", "test", f"VENV={venv}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert calls.read_text().splitlines() == ["pip install -q -r requirements-dev.txt", "python -m pytest -q tests"]
+    requirements = _requirements("requirements-dev.txt")
+    names = [re.match(r"[\w.-]+(\[[\w,]+\])?", line)[0] for line in requirements]
+    assert "gymnasium[mujoco]" in names and "mujoco" in names, requirements
+    assert not [name for name in names if "isaac" in name.lower()], requirements
