@@ -1,6 +1,7 @@
 """bench/bench_mujoco.py's limits on the runs it starts, each refused in one line before any run: no more ranks at
 once than 4 per CPU core, and no --total-steps that rounds onto the step count of runs already recorded under
-another --total-steps (one table row would hold both). Where a run would start, the bench raises Launched."""
+another --total-steps (one table row would hold both). Where a run would start, the bench raises Launched. A
+finished run is never started again."""
 
 import json
 
@@ -99,3 +100,30 @@ def test_bench_mujoco_total_steps_of_their_own_row_still_run(bench_mujoco, monke
     argv = ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4", "--seeds", "1", "2",
             "--last-iterations", "1", *flags]
     assert launched_args(bench_mujoco.main, monkeypatch, argv if "--ranks" in flags else argv + ["--ranks", "1"])
+
+
+def test_bench_mujoco_never_repeats_a_finished_run(monkeypatch, capsys, tmp_path):
+    """docs/simulators.md: results accumulate in results.jsonl and finished runs are never repeated, so the table is
+    completed piece by piece: with seed 1 recorded, seeds 1 and 2 run seed 2 alone, and the same command again none.
+
+    Mutant: todo built from every (task, ranks, seed), recorded or not."""
+    module = load_bench("bench_mujoco")
+    monkeypatch.setattr(module.os, "cpu_count", lambda: 2)
+    started = []
+
+    def run(task, ranks, seed, total_steps, args):
+        started.append(seed)
+        return {"key": module.run_key(task, ranks, seed, total_steps), "task": task, "ranks": ranks, "seed": seed,
+                "steps": 4096, "wall_s": 60.0, "versions": {"torch": "x"}, "windows": [100, 1],
+                "last_episodes_return": 2.0, "episodes": 100, "last_iterations_return": 2.0}
+    (tmp_path / "results.jsonl").write_text(json.dumps(run("Hopper-v4", 1, 1, 4096, None)) + "\n")
+    started.clear()
+    monkeypatch.setattr(module, "run", run)
+    argv = ["bench_mujoco.py", "--root", str(tmp_path), "--tasks", "Hopper-v4", "--seeds", "1", "2", "--ranks", "1",
+            "--total-steps", "4096", "--last-iterations", "1"]
+    for _ in range(2):
+        monkeypatch.setattr(module.sys, "argv", argv)
+        module.main()
+    assert started == [2]
+    seeds = [json.loads(line)["seed"] for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert seeds == [1, 2] and "| Hopper-v4 | 1 x 2048 | 4,096 | 1, 2 |" in capsys.readouterr().out
