@@ -107,3 +107,46 @@ def test_the_script_exits_1_when_cuda_a_step_or_a_part_failed(tmp_path, parts, f
     assert result.returncode == status, summary
     assert "sync_tests_cuda rc=0" in summary and "bench_sync_cuda rc=0" in summary     # every part still ran
     assert ("failed (see summary.txt)" in summary) == bool(status)
+
+
+def script_blocks() -> dict[str, list[tuple[str, int]]]:
+    """Each part's (step name, time box) in the script's order."""
+    text = open(SCRIPT).read()
+    blocks = dict(re.findall(r"^    (\w+)\)\n(.*?);;$", text, re.M | re.S))
+    return {part: [(name, int(box)) for name, box in re.findall(r"\bstep (\w+) (\d+) ", body)]
+            for part, body in blocks.items()}
+
+
+def test_docs_gpu_md_lists_the_script_s_steps_boxes_and_commands():
+    """docs/gpu.md is what a GPU session plans its 15 minutes from: its table of the default run's steps (name and
+    time box, in order), their count and total, the other parts' boxes and the commands its notes quote must be the
+    script's.
+
+    Mutant: sync_tests_cuda's -k selection or bench_sync_cuda's box changed in the script -> it fails here."""
+    doc = open(os.path.join(REPO, "docs", "gpu.md")).read()
+    blocks = script_blocks()
+    table = [(name, int(box)) for name, box in re.findall(r"^\| `(\w+)` \((\d+) s\) \|", doc, re.M)]
+    assert table == blocks["learner"] + blocks["sync"]
+    assert f"`learner sync`\n   run {len(table)} steps whose time boxes total {sum(b for _, b in table)} s" in doc
+    others = doc[doc.index("Other parts, named after OUT"):doc.index("## What is designed")]
+    listed = re.findall(r"`(\w+)` (\d+) s", others)
+    assert [(name, int(box)) for name, box in listed] == blocks["train"] + blocks["tests"] + blocks["grad"]
+    argv = dict(steps())
+    text = open(SCRIPT).read()
+    flat = " ".join(doc.split())
+    for name, quoted in (("capture_tests", "SYNCPPO_TEST_DEVICE=cuda pytest tests/test_minibatch_step.py"),
+                         ("sync_tests_cuda", "SYNCPPO_TEST_DEVICE=cuda pytest tests/test_sync_patch.py")):
+        command = shlex.split(flat[flat.index(quoted):].split("`")[0])
+        assert argv[name][:6] == [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        assert command[1:] == ["pytest", *argv[name][6:]], name
+        assert re.search(rf"^\s*SYNCPPO_TEST_DEVICE=cuda step {name} ", text, re.M), name
+    bench_sync = shlex.split(flat[flat.index("python bench/bench_sync.py"):].split("`")[0])
+    assert bench_sync[1:] == argv["bench_sync_cuda"][1:]
+    note_c = shlex.split(flat[flat.index("train.py tracking --env.num-envs 16384"):].split("`")[0])
+    pairs = dict(zip(note_c[2::2], note_c[3::2]))
+    for name in ("train_16384_capture", "train_16384_host", "train_16384_preset_capture"):
+        step_argv = argv[name][argv[name].index("train.py"):]
+        assert step_argv[:2] == note_c[:2] and all(pairs[k] == step_argv[step_argv.index(k) + 1] for k in pairs)
+        assert ("--ppo.capture-step" in step_argv) == name.endswith("capture"), name
+        assert ("512" in step_argv) == ("preset" not in name), name        # (512, 256, 128), or the preset's
+
