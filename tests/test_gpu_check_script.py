@@ -150,3 +150,49 @@ def test_docs_gpu_md_lists_the_script_s_steps_boxes_and_commands():
         assert ("--ppo.capture-step" in step_argv) == name.endswith("capture"), name
         assert ("512" in step_argv) == ("preset" not in name), name        # (512, 256, 128), or the preset's
 
+
+def test_the_script_writes_gpu_txt_a_summary_line_and_a_logged_header_per_step_and_installs_the_wheels(tmp_path):
+    """What docs/gpu.md says comes back: gpu.txt (nvidia-smi -L, torch's version and device name), one summary line
+    per step (`NAME rc=N`, seconds since the start, the step's seconds), one log per part with each step under a
+    `===== NAME: command` line; a failed step makes the exit status 1 and the other steps still run. Before them,
+    .whl/*.whl go into /tmp/site, which every later python finds on PYTHONPATH, with GIT_PYTHON_REFRESH=quiet.
+    The python here is a stand-in that notes how it was called and fails bench_sync.py only.
+
+    Mutant: no `failed=$((failed + 1))` after a step's non-zero rc -> exit 0. Mutant: no export of
+    GIT_PYTHON_REFRESH -> the steps see it unset."""
+    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    (work / ".whl").mkdir(parents=True)
+    (work / ".whl" / "a-1.0-py3-none-any.whl").write_text("")
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    stub = {"nvidia-smi": "echo 'GPU 0: Fake H200'\n",
+            "py": f'echo "$*|${{PYTHONPATH:-}}|${{GIT_PYTHON_REFRESH:-}}|${{SYNCPPO_TEST_DEVICE:-}}" >> {calls}\n'
+                  'case "$*" in *get_device_name*) echo "9.9.9 Fake H200";; *bench_sync.py*) echo boom; exit 3;; '
+                  '*) echo "ran $1";; esac\n'}
+    for name, body in stub.items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "py")}
+    env.pop("PYTHONPATH", None)
+    env.pop("GIT_PYTHON_REFRESH", None)
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", SCRIPT, str(out), "sync"], cwd=work, env=env, capture_output=True, text=True,
+                            timeout=60)
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert result.returncode == 1, summary
+    assert re.fullmatch(r"sync_tests_cuda rc=0 \d+s total, \d+s", summary[0]), summary
+    assert re.fullmatch(r"bench_sync_cuda rc=3 \d+s total, \d+s", summary[1]), summary
+    assert summary[2:] == ["1 failed (see summary.txt)"]
+    assert (out / "gpu.txt").read_text() == "GPU 0: Fake H200\n9.9.9 Fake H200\n"
+    log = (out / "sync.txt").read_text().splitlines()
+    py = str(bin_dir / "py")
+    assert log == [f"===== sync_tests_cuda: {py} -m pytest -q -p no:cacheprovider tests/test_sync_patch.py "
+                   "tests/test_sync_bucket.py tests/test_checksum_reference.py -k every_update or load_instant or "
+                   "test_device", "ran -m",
+                   f"===== bench_sync_cuda: {py} bench/bench_sync.py --device cuda --densities 0.001 0.01 0.1 1.0 "
+                   "--repeats 5", "boom"]
+    install, *rest = [line.split("|") for line in calls.read_text().splitlines()]
+    assert install[0] == ("-m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
+                          "/tmp/site .whl/a-1.0-py3-none-any.whl")
+    assert [call[1:] for call in rest] == [["/tmp/site", "quiet", ""], ["/tmp/site", "quiet", "cuda"],
+                                           ["/tmp/site", "quiet", ""]]     # the torch line, then the two steps
