@@ -1,5 +1,13 @@
 """Checks that more than one bench makes, kept in one place (bench/_common.py): each bench reads OMP_NUM_THREADS
-through the one function, and refuses a value listed twice in one line naming the flag, before any run starts."""
+through the one function, and refuses a value listed twice in one line naming the flag, before any run starts; a
+stopped child gets SIGTERM, then SIGKILL (with what it started) after the grace."""
+
+import inspect
+import os
+import select
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -41,3 +49,34 @@ def test_a_value_listed_twice_is_one_line_naming_the_flag(monkeypatch, capsys, t
     out = ["--out", str(tmp_path)] if name == "bench_rollout" else []
     line = usage_error(module.main, monkeypatch, capsys, [f"{name}.py", *flags, *out])
     assert line == f"{name}.py: error: {twice}; list each once"
+
+
+def test_stopping_sends_sigterm_then_sigkill_after_the_grace_to_a_child_and_what_it_started():
+    """docs/benchmarks.md: a stopped bench SIGTERMs its children (so torchrun stops its ranks), SIGKILL after 30 s.
+    One child ends on SIGTERM; the other ignores it and started a process that ignores it too: both of those get
+    SIGKILL once the grace is over (a short one here; the benches' default is the documented 30 s).
+
+    Mutant: SIGKILL in place of terminate() -> the first child ends by SIGKILL, not SIGTERM. Mutant: no SIGKILL
+    of the family -> the grandchild still runs (its end is awaited through a pidfd, not by sleeping)."""
+    assert bench._common.GRACE_S == 30
+    assert inspect.signature(bench._common.stop_processes).parameters["grace"].default == bench._common.GRACE_S
+    polite = subprocess.Popen(["sleep", "60"])
+    stubborn = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 60 & echo $!; wait"], stdout=subprocess.PIPE,
+                                text=True)
+    grandchild = int(stubborn.stdout.readline())       # printed after the trap: TERM is ignored from here on
+    pidfd = os.pidfd_open(grandchild)
+    try:
+        bench._common.stop_processes([polite, stubborn], grace=2.0)
+        assert polite.returncode == -signal.SIGTERM
+        assert stubborn.returncode == -signal.SIGKILL
+        assert select.select([pidfd], [], [], 30)[0] == [pidfd], "the grandchild still runs"
+    finally:
+        os.close(pidfd)
+        for proc in (polite, stubborn):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        stubborn.stdout.close()
+        if os.path.exists(f"/proc/{grandchild}"):
+            os.kill(grandchild, signal.SIGKILL)
+
