@@ -1,6 +1,7 @@
 """Checks that more than one bench makes, kept in one place (bench/_common.py): each bench reads OMP_NUM_THREADS
 through the one function, and refuses a value listed twice in one line naming the flag, before any run starts; a
-stopped child gets SIGTERM, then SIGKILL (with what it started) after the grace."""
+stopped child gets SIGTERM, then SIGKILL (with what it started) after the grace; elsewhere than Linux no child
+starts."""
 
 import inspect
 import os
@@ -8,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -80,3 +82,22 @@ def test_stopping_sends_sigterm_then_sigkill_after_the_grace_to_a_child_and_what
         if os.path.exists(f"/proc/{grandchild}"):
             os.kill(grandchild, signal.SIGKILL)
 
+
+def test_elsewhere_than_linux_run_child_starts_nothing_and_a_rank_stops_at_once(monkeypatch):
+    """docs/benchmarks.md: with no PR_SET_PDEATHSIG to ask for, a bench refuses to start a process (a RuntimeError)
+    rather than leave it running: run_child raises before any Popen; a multiprocessing rank, already started,
+    raises the same error in rank_signals before it does anything.
+
+    Mutant: libc_prctl returns a no-op prctl elsewhere than Linux -> run_child calls Popen."""
+    started = []
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(bench._common.subprocess, "Popen", lambda *a, **kw: started.append(a))
+    with pytest.raises(RuntimeError, match="runs on Linux only"):
+        bench._common.run_child(["true"])
+    assert started == [] and bench._common.LIVE == set()
+    monkeypatch.setattr(bench._common.multiprocessing, "parent_process", lambda: types.SimpleNamespace(pid=1))
+    monkeypatch.setattr(bench._common.signal, "signal", lambda *args: None)     # this process's handlers stay
+    monkeypatch.setattr(bench._common, "die_with_parent", lambda parent, prctl: started.append(prctl))
+    with pytest.raises(RuntimeError, match="runs on Linux only"):
+        bench._common.rank_signals()
+    assert started == []
