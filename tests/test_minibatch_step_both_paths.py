@@ -1,10 +1,12 @@
 """ppo/minibatch_step.py on the host path and the sync-free one (--ppo.capture-step): the device LR rule against the
 host rule (bit for bit, and at exactly 2x and 0.5x the desired KL), an update whose every step is skipped, the
-optimizer's implementation and settings as each path builds it, one SyncFreeStep per optimizer and its refusal of
-two param groups, an optimizer state of another param-group count kept for load_state_dict to refuse, minibatch
-advantage normalization on both paths, and a minibatch that micro-batches do not divide."""
+optimizer's implementation and settings as each path builds it, one SyncFreeStep per optimizer (freed with it) and its
+refusal of two param groups, an optimizer state of another param-group count kept for load_state_dict to refuse,
+minibatch advantage normalization on both paths, and a minibatch that micro-batches do not divide."""
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -118,6 +120,22 @@ def test_one_sync_free_step_serves_every_update_of_its_optimizer():
     storage.advantages, storage.returns = advantages, returns
     ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(1))
     assert optimizer.sync_free_step is first and isinstance(first, SyncFreeStep)
+
+
+def test_the_sync_free_step_lives_no_longer_than_its_optimizer():
+    """docs/gpu.md: a module-level cache of steps kept every optimizer, model and graph pool alive until exit; the
+    step lives on its optimizer, so once a run drops its model and optimizer all three are freed.
+
+    Mutant: sync_free_step also keeps each step in a module-level dict (by id(optimizer)) -> the weakrefs live."""
+    model, storage = _storage_and_model()
+    cfg = ppo_cfg(capture_step=True)
+    optimizer = build_optimizer(model.parameters(), cfg, CPU)
+    sync = GradSync(model.parameters(), num_extras=2)
+    ppo_update(model, optimizer, storage, sync, cfg, generator=torch.Generator().manual_seed(0))
+    refs = [weakref.ref(x) for x in (model, optimizer, optimizer.sync_free_step)]
+    del model, optimizer, sync, storage
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]
 
 
 def test_the_sync_free_step_refuses_a_fused_adam_with_two_param_groups():
