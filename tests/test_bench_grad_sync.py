@@ -1,6 +1,6 @@
 """bench/bench_grad_sync.py: its table's columns and ratios, the medians it takes of the slowest rank's times after
-the warm-up, the header's gradient size, its flags' bounds (--warmup, --timeout, --bucket-mb), and a rank out of
-memory said in one line naming --batch. Every expected number is worked out by hand or with numpy from the inputs.
+the warm-up, the header's gradient size, its flags' bounds (--warmup, --timeout, --bucket-mb), one NCCL rank per
+visible GPU with --device cuda, its default variants, and a rank out of memory said in one line naming --batch. Every expected number is worked out by hand or with numpy from the inputs.
 Only the slow end-to-end test starts ranks: elsewhere the process group and the timed variants are stand-ins, or the
 launch raises where ranks would start."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_bench_flags import bench_grad_sync, launched_args, usage_error  # noqa: F401 (fixtures)
+from tests.test_bench_flags import Launched, bench_grad_sync, launched_args, usage_error  # noqa: F401 (fixtures)
 from tests.test_tools import REPO, load_bench
 
 
@@ -177,3 +177,25 @@ def test_bench_grad_sync_huge_batch_is_one_line():
     assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith("bench_grad_sync: out of memory: ") and result.stderr.endswith("; lower --batch\n")
+
+
+def test_bench_grad_sync_on_cuda_runs_one_nccl_process_per_visible_gpu(bench_grad_sync, monkeypatch, capsys):
+    """docs/benchmarks.md: `--device cuda` runs one process per visible GPU (NCCL), and the default variants are
+    forward + backward alone, flat, bucketed at 25 and 4 MB, then DDP. Three GPUs faked; the launch raises.
+
+    Mutant: the CUDA world size defaults to 2 as on CPU -> 2 ranks on 3 GPUs. Mutant: no check of --world-size
+    against the GPU count -> 4 ranks launched on 3 GPUs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    args = launched_args(bench_grad_sync.main, monkeypatch, ["bench_grad_sync.py", "--device", "cuda"])
+    assert (args.world, args.backend) == (3, "nccl")
+    line = usage_error(bench_grad_sync.main, monkeypatch, capsys,
+                       ["bench_grad_sync.py", "--device", "cuda", "--world-size", "4"])
+    assert line == "bench_grad_sync.py: error: --world-size 4 but only 3 GPU(s): one process per GPU"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = usage_error(bench_grad_sync.main, monkeypatch, capsys, ["bench_grad_sync.py", "--device", "cuda"])
+    assert line == "bench_grad_sync.py: error: --device cuda but torch sees no CUDA device"
+    monkeypatch.setattr(bench_grad_sync, "launch", lambda args, target, name, *rest: (_ for _ in ()).throw(
+        Launched(rest)))
+    variants = launched_args(bench_grad_sync.main, monkeypatch, ["bench_grad_sync.py"])[0]
+    assert variants == [("fwd+bwd", 0), ("flat", 25.0), ("bucketed", 25.0), ("bucketed", 4.0), ("DDP", 0)]
