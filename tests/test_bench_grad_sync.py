@@ -1,8 +1,8 @@
 """bench/bench_grad_sync.py: its table's columns and ratios, the medians it takes of the slowest rank's times after
 the warm-up, the header's gradient size, its flags' bounds (--warmup, --timeout, --bucket-mb), one NCCL rank per
-visible GPU with --device cuda, its default variants, and a rank out of memory said in one line naming --batch. Every expected number is worked out by hand or with numpy from the inputs.
-Only the slow end-to-end test starts ranks: elsewhere the process group and the timed variants are stand-ins, or the
-launch raises where ranks would start."""
+visible GPU with --device cuda, its default variants, and a rank out of memory said in one line naming --batch.
+Every expected number is worked out by hand or with numpy from the inputs. Only the slow end-to-end test starts ranks:
+elsewhere the process group and the timed variants are stand-ins, or the launch raises where ranks would start."""
 
 import os
 import subprocess
