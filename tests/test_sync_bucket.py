@@ -108,3 +108,34 @@ def test_frozen_keys_are_compared_in_the_receivers_dtype():
     sender, receiver = run_ranks(_frozen_equal_after_conversion, 2)
     assert not torch.equal(sender["frozen"], sender["frozen"].bfloat16().float())
     assert bits_equal(receiver, cast_floats(sender, torch.bfloat16))
+
+
+def _narrow_wire(rank, world_size, bucket_dtype):
+    syncer = make_weight_syncer(WeightSyncConfig(type="bucket", bucket=BucketConfig(bucket_dtype=bucket_dtype)),
+                                src=0, dsts=[1])
+    state = {"w": torch.zeros(7)}
+    if rank == 0:
+        syncer.init_sender(state)
+        state["w"][:] = torch.tensor([1e5, -1e5, 65504.0, 1e-9, -1e-9, 1.0, 3e38])
+        syncer.sync(state, 1)
+        return None
+    syncer.init_receiver(state)
+    assert syncer.apply(state) == 1  # no error: the checksums are of the values on the wire
+    return state["w"]
+
+
+@pytest.mark.slow
+def test_a_narrow_bucket_dtype_rounds_without_error_float16_to_inf_and_zero_bfloat16_in_range():
+    """docs/weight_sync.md, bucket.bucket_dtype: "A narrower one rounds, with no error: bfloat16 keeps float32's
+    range, float16 turns values beyond ±65504 into ±inf and flushes those under about 6e-8 to 0". Expected values by
+    the IEEE half format (largest finite 65504, smallest subnormal 2**-24 ~ 6e-8) and bfloat16's 8-bit mantissa.
+    Mutant: BUCKET_DTYPES["float16"] = torch.bfloat16 (1e5 then arrives finite)."""
+    _, half = run_ranks(_narrow_wire, 2, args=("float16",))
+    inf = float("inf")
+    assert half[[0, 1, 2, 5, 6]].tolist() == [inf, -inf, 65504.0, 1.0, inf]
+    assert half[3].item() == 0.0 and half[4].item() == 0.0
+    assert [torch.signbit(half[i]).item() for i in (3, 4)] == [False, True]  # flushed to zero, sign kept
+    _, brain = run_ranks(_narrow_wire, 2, args=("bfloat16",))
+    assert brain[:3].tolist() == [99840.0, -99840.0, 65536.0]  # 0x47C35000 -> 0x47C3; 65504 rounds up to 2**16
+    assert torch.isfinite(brain).all() and abs(brain[6].item() / 3e38 - 1) < 2**-8
+    assert abs(brain[3].item() / 1e-9 - 1) < 2**-8 and brain[5].item() == 1.0
