@@ -11,8 +11,8 @@ import torch
 from multirank import run_ranks
 from sync import PatchConfig, WeightSyncConfig, make_weight_syncer
 from sync.encodings import BITMAP, DENSE, GAPS8, _bits as as_bits
-from test_sync_common import (DEVICE, bits_equal, cast_floats, converted, make_state, on_device, random_update_via_host,
-                              snapshot)
+from test_sync_common import (DEVICE, bits_equal, cast_floats, converted, make_state, on_device, random_update,
+                              random_update_via_host, snapshot)
 
 DENSITIES = [0.0, 0.001, 0.1, 1.0, 0.1, 0.001, 0.0]
 
@@ -182,3 +182,37 @@ def test_a_staging_buffer_large_enough_for_the_next_patch_is_reused_not_made_aga
     sent, (size, buffers, same, positions) = run_ranks(_staging_reused, 2)
     assert sent == [3, 2, 2] and (size, buffers, same) == (3, 1, True)
     assert positions == [10, 20, 310]
+
+
+def _one_sender_two_syncers(rank, world_size):
+    """Rank 0 feeds an fp32 copy (rank 1) and a bf16 copy (rank 2) through a patch syncer each."""
+    fp32 = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1]) if rank in (0, 1) else None
+    bf16 = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[2]) if rank in (0, 2) else None
+    if rank == 0:
+        state, g = make_state(seed=0), torch.Generator().manual_seed(3)
+        fp32.init_sender(state)
+        bf16.init_sender(state)
+        history = []
+        for version, density in enumerate((0.01, 0.3, 1.0), start=1):
+            random_update(state, g, density)
+            fp32.sync(state, version)
+            bf16.sync(state, version)
+            history.append(snapshot(state))
+        return history
+    syncer = fp32 if rank == 1 else bf16
+    model = cast_floats(make_state(seed=10 + rank), torch.float32 if rank == 1 else torch.bfloat16)
+    syncer.init_receiver(model)
+    return [snapshot(model) for version in (1, 2, 3) if syncer.apply(model) == version]
+
+
+@pytest.mark.slow
+def test_an_fp32_and_a_bf16_copy_take_a_syncer_each_from_the_same_sender():
+    """docs/weight_sync.md, Frozen parameters: "an fp32 and a bf16 copy need a syncer each (both may have the same
+    sender)". Each copy ends every version bit-equal to the sender's weights in its own dtype. Mutant: the sender's
+    snapshot dict shared by all PatchSyncers (a class attribute), so the bf16 syncer's snapshot replaced the fp32
+    one's and the fp32 copy's patches were computed against bf16 values."""
+    history, full, half = run_ranks(_one_sender_two_syncers, 3)
+    assert len(full) == len(half) == 3
+    for step in range(3):
+        assert bits_equal(full[step], history[step]), f"fp32 copy, version {step + 1}"
+        assert bits_equal(half[step], cast_floats(history[step], torch.bfloat16)), f"bf16 copy, version {step + 1}"
