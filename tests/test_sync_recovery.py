@@ -215,3 +215,36 @@ def test_verify_every_zero_never_rescans_during_apply():
     """Mutant: `verify_every=0` treated as 1 (a rescan after every patch), so a receiver whose model changed
     outside the syncer was refused by apply() instead of only by an explicit verify()."""
     run_ranks(_local_change_then_apply, 2, timeout=60)
+
+
+def _drained_ledger(rank, world_size, mode, compression):
+    cfg = WeightSyncConfig(type=mode, patch=PatchConfig(compression=compression))
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    state = make_state(seed=0)
+    if rank == 0:
+        g = torch.Generator().manual_seed(2)
+        syncer.init_sender(state)
+        comm.reset_ledger()
+        for version in (1, 2):            # both still queued when the receiver resyncs
+            random_update(state, g, 0.2)
+            syncer.sync(state, version)
+        updates = comm.ledger_snapshot()["weight_sync"]
+        syncer.resync(state, 3)
+    else:
+        syncer.init_receiver(state)
+        comm.reset_ledger()
+        assert syncer.resync(state) == 3
+        updates = None
+    return updates, {k: list(v) for k, v in comm.ledger_snapshot().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, compression", [("patch", "none"), ("patch", "zstd"), ("bucket", "none")])
+def test_updates_a_resync_drains_are_counted_under_weight_sync_as_the_sender_counted_them(mode, compression):
+    """docs/weight_sync.md, Wire format: "A receiver draining queued updates before a resync counts them under
+    `weight_sync`, as the sender did"; the resync itself is `weight_sync_setup`. The sender's ledger after its two
+    syncs, alone, is what the receiver counts under `weight_sync`. Mutant: recv_whole's drain counted queued
+    updates under the resync's purpose (`other = (SETUP, drop, ...)`)."""
+    (updates, sent), (_, received) = run_ranks(_drained_ledger, 2, args=(mode, compression))
+    assert received["weight_sync"] == sent["weight_sync"] == list(updates) and updates[0] >= 2
+    assert received["weight_sync_setup"] == sent["weight_sync_setup"]
