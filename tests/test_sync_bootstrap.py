@@ -1,5 +1,5 @@
 """patch init bootstrap over gloo: prefixes, frozen parameters, tied weights sent once, checked starts, and a
-disabled bootstrap (nothing sent, every key checked, its prefixes unused)."""
+disabled bootstrap (nothing sent, every key checked, its prefixes unused); bucket mode's resync (synced keys only)."""
 
 import pytest
 import torch
@@ -165,3 +165,28 @@ def test_prefixes_of_a_disabled_bootstrap_are_not_required_to_match():
     check ignored `enabled`, so both sides refused init over a setting that does nothing."""
     stats, equal = run_ranks(_bootstrap_disabled, 2, args=(("frozen.w",), None))
     assert stats is None and equal is True
+
+
+def _bucket_resync_with_a_frozen_key(rank, world_size):
+    syncer = make_weight_syncer(WeightSyncConfig(type="bucket"), src=0, dsts=[1])
+    state = {"w": torch.zeros(10), "frozen": torch.arange(6.0)}  # equal on both sides, as init checks
+    if rank == 0:
+        syncer.init_sender(state, keys=["w"])
+        state["w"][:] = 3.0
+        state["frozen"][:] = -1.0   # a later change to a key no sync carries
+        syncer.resync(state, 1)
+        return syncer.stats.payload_bytes
+    syncer.init_receiver(state)
+    assert syncer.resync(state) == 1
+    return snapshot(state)
+
+
+@pytest.mark.slow
+def test_a_bucket_resync_resends_the_synced_keys_only():
+    """docs/weight_sync.md, Frozen parameters: bucket mode "has no bootstrap, and its resync() resends the synced
+    keys only" (unlike patch's resync, which resends the bootstrap keys too). Mutant: BucketSyncer.resync sent every
+    key (`self.once_per_tie(self.keys)`), frozen ones included."""
+    payload, receiver = run_ranks(_bucket_resync_with_a_frozen_key, 2)
+    assert payload == 10 * 4                       # w's 10 float32 values alone
+    assert receiver["w"].tolist() == [3.0] * 10
+    assert receiver["frozen"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
