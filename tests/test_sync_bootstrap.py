@@ -190,3 +190,31 @@ def test_a_bucket_resync_resends_the_synced_keys_only():
     assert payload == 10 * 4                       # w's 10 float32 values alone
     assert receiver["w"].tolist() == [3.0] * 10
     assert receiver["frozen"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def _bootstrap_and_resync_sizes(rank, world_size):
+    cfg = WeightSyncConfig(type="patch", patch=PatchConfig(init_sync=InitSyncConfig(bucket_size=80)))
+    syncer = make_weight_syncer(cfg, src=0, dsts=[1])
+    state = {"a": torch.zeros(10), "b": torch.zeros(10), "c": torch.zeros(10)}  # 40 bytes each
+    if rank == 0:
+        syncer.init_sender(state)
+        bootstrap = syncer.stats
+        for key, value in state.items():
+            value += ord(key)
+        syncer.resync(state, 1)
+        return [(s.wire_bytes, s.payload_bytes) for s in (bootstrap, syncer.stats)]
+    syncer.init_receiver(state)
+    assert syncer.resync(state) == 1
+    return snapshot(state)
+
+
+@pytest.mark.slow
+def test_init_sync_bucket_size_sizes_the_bootstrap_and_every_resync():
+    """docs/weight_sync.md, Config: `patch.init_sync.bucket_size` is the "bucket size of that bootstrap (and of
+    `resync()`)". Three 40-byte tensors in buckets of 80 bytes: [a, b] then [c], two frames of header (72), a
+    32-byte table row and an 8-byte checksum per tensor and a trailer check (8). Mutant: PatchSyncer.resync sized its
+    buckets by `bucket.bucket_size` (512 MiB: one frame)."""
+    stats, receiver = run_ranks(_bootstrap_and_resync_sizes, 2)
+    frames = (72 + 2 * 40 + 8) + (72 + 40 + 8) + 120
+    assert stats == [(frames, 120), (frames, 120)]
+    assert [receiver[k].tolist() for k in "abc"] == [[float(ord(k))] * 10 for k in "abc"]
