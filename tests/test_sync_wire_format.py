@@ -1,6 +1,6 @@
 """sync/'s frames byte by byte against the wire format in docs/weight_sync.md, frames a sender never
 produces refused before anything is allocated, the encodings' tie and escape rules, the config's documented
-defaults and refusals, and the int64 range a version or rank must fit."""
+defaults and refusals, the int64 range a version or rank must fit, and whole tensors sent from their own memory."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ import torch.distributed as dist
 from multirank import run_ranks
 from sync import BucketConfig, InitSyncConfig, PatchConfig, SyncIntegrityError, WeightSyncConfig, make_weight_syncer
 from test_checksum_reference import ref_checksum, ref_tensor_checksum
+from test_sync_common import snapshot
 
 
 # ----- frames on the wire, byte by byte -----------------------------------------------------------------------
@@ -295,3 +296,34 @@ def test_an_integer_fits_the_wire_only_inside_int64():
     assert is_int(2**63 - 1) and is_int(-2**63) and is_int(0)
     assert not is_int(2**63) and not is_int(-2**63 - 1)
     assert not is_int(True) and not is_int(1.0) and not is_int(torch.tensor(1))
+
+
+def _sent_from_own_memory(rank, world_size, mode):
+    """One sync of a 1.2 MB and a 40-byte float32 tensor, every element changed (whole rows in both modes); the
+    sender records the memory of every message it posts."""
+    from dist import comm
+    syncer = make_weight_syncer(WeightSyncConfig(type=mode), src=0, dsts=[1])
+    state = {"big": torch.zeros(300_000), "small": torch.zeros(10)}
+    if rank == 0:
+        syncer.init_sender(state)
+        posted, real = [], comm.isend
+        comm.isend = lambda t, *a: (posted.append(t.data_ptr()), real(t, *a))[1]
+        for key, value in state.items():
+            value.copy_(torch.arange(value.numel(), dtype=torch.float32) + len(key))  # no element stays 0
+        syncer.sync(state, 1)
+        return [state[k].data_ptr() in posted for k in state]
+    syncer.init_receiver(state)
+    assert syncer.apply(state) == 1
+    return snapshot(state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["patch", "bucket"])
+def test_a_whole_tensor_in_its_wire_dtype_is_sent_from_its_own_memory(mode):
+    """docs/weight_sync.md, Wire format: "A whole tensor already in the wire dtype is sent from its own memory (no
+    packing copy)", here in a frame over 1 MiB (wire.PACK_BYTES), so not packed. Mutant: send_frame cloned each
+    payload segment (`segments[i].reshape(-1).clone().view(torch.uint8)`)."""
+    sent, received = run_ranks(_sent_from_own_memory, 2, args=(mode,))
+    assert sent == [True, True]
+    assert torch.equal(received["big"], torch.arange(300_000, dtype=torch.float32) + 3)
+    assert torch.equal(received["small"], torch.arange(10, dtype=torch.float32) + 5)
