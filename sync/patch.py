@@ -197,8 +197,8 @@ class PatchSyncer(Link):
         return frame
 
     def _write(self, tensors: dict, frame: Frame) -> int:
-        """Check, decode and apply a patch; returns its version. Host syncs: a few per patch and one or two per
-        sparse tensor (its positions; whether its gaps hold escapes). Waits for the payload that _recv posted."""
+        """Check, decode and apply a patch; returns its version. Host syncs: a few per patch and one to three per
+        sparse tensor (positions, escapes, a check after writing). Waits for the payload that _recv posted."""
         frame.check_header()
         if [tensors[k].data_ptr() for k in self.synced] != self._memory:  # patches apply to what the last ones wrote
             self._verify(tensors, "were given to apply() in other memory than the last patch wrote, and hold other "
