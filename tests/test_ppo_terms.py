@@ -170,6 +170,30 @@ def test_reward_normalizer_clips_scaled_rewards_on_both_sides_at_its_clip():
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6)
 
 
+def test_obs_normalizer_uses_the_statistics_of_a_single_merged_sample():
+    """Mutant: `seen = self.count > 0` -> `self.count > 1` (one sample in all kept the identity forward).
+    One observation (3, -1) merged: mean (3, -1), population std 0, so the forward reads a deviation d as
+    d / 1e-8 (by hand: 5e-8 -> 5) and the sample itself as 0; the identity forward would return x unchanged."""
+    norm = ObsNormalizer(2)
+    norm.update(torch.tensor([[3.0, -1.0]]))
+    assert norm.count.item() == 1 and norm.mean.tolist() == [3.0, -1.0] and norm.std.tolist() == [0.0, 0.0]
+    assert norm(torch.tensor([[3.0, -1.0]])).tolist() == [[0.0, 0.0]]
+    torch.testing.assert_close(norm(torch.tensor([[3.0, -1.0]], dtype=torch.float64) + 5e-8),
+                               torch.tensor([[5.0, 5.0]], dtype=torch.float64), rtol=1e-4, atol=0)
+
+
+def test_reward_normalizer_uses_the_std_of_a_single_merged_return():
+    """Mutant: `torch.where(self.count > 0, ...)` -> `self.count > 1` in RewardNormalizer.update (one return in
+    all kept std 1). One env, one step of reward 2: one return (2), population std 0, so a later reward r scales
+    to r / (0 + 1e-8) (by hand: 3e-8 -> 3; 1 -> clipped to the clip 10), not to r / 1."""
+    rn = RewardNormalizer(num_envs=1, gamma=0.99, clip=10.0)
+    rn(torch.tensor([2.0]), torch.tensor([True]))
+    rn.update()
+    assert rn.count.item() == 1 and rn.std.item() == 0.0
+    assert rn(torch.tensor([3e-8]), torch.tensor([True])).item() == pytest.approx(3.0, rel=1e-4)
+    assert rn(torch.tensor([1.0]), torch.tensor([True])).item() == 10.0
+
+
 # ---- ppo/actor_critic.py ---------------------------------------------------------------------------
 
 def test_actor_and_critic_see_their_fitted_normalizers_output():
