@@ -106,3 +106,18 @@ def test_ppo_loss_refuses_seven_inputs_of_one_shape_other_than_b():
         t = torch.zeros(shape)
         with pytest.raises(ValueError, match=r"shape \[B\]"):
             ppo_loss(t, t, t, t, t, t, t, 0.2, True, 0.5, 0.0)
+
+
+def test_gaussian_kl_sums_over_the_last_dim_whatever_the_leading_dims():
+    """Mutant: `.sum(-1)` -> `.sum(1)` in gaussian_kl (the same for [B, A], not for [T, B, A]).
+    The action dims are the last: a [2, 3, 4] batch gives [2, 3] KLs, each row's equal to that [3, 4] slice's
+    KL (torch.distributions, summed over the last dim)."""
+    g = torch.Generator().manual_seed(3)
+    mu0, mu1 = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    s0, s1 = torch.rand(2, 3, 4, generator=g) + 0.1, torch.rand(2, 3, 4, generator=g) + 0.1
+    kl = gaussian_kl(mu0, s0, mu1, s1)
+    assert kl.shape == (2, 3)
+    for t in range(2):
+        ref = torch.distributions.kl_divergence(torch.distributions.Normal(mu0[t], s0[t]),
+                                                torch.distributions.Normal(mu1[t], s1[t])).sum(-1)
+        torch.testing.assert_close(kl[t], ref)
