@@ -66,6 +66,22 @@ def test_time_out_bootstrap_of_a_bfloat16_critic_adds_in_the_rewards_float32():
     assert out.dtype == torch.float32 and out.tolist() == [1.0, float(expected), 3.0]
 
 
+def test_time_out_bootstrap_on_cpu_runs_no_critic_when_no_env_timed_out():
+    """Mutant: the CPU path's `if ids.numel() == 0: return reward` dropped (the critic then ran on 0 rows).
+    No env timed out: the critic is not called at all (a critic may refuse an empty batch; either way it is a wasted
+    forward each env step), and the rewards come back as they are."""
+    from ppo.gae import bootstrap_time_outs
+    calls = []
+
+    def value(obs):
+        calls.append(obs.shape[0])
+        return obs.sum(-1)
+
+    reward = torch.tensor([1.0, -2.0, 0.5])
+    out = bootstrap_time_outs(reward, torch.zeros(3, dtype=torch.bool), torch.ones(3, 2), value, 0.99)
+    assert calls == [] and out.tolist() == [1.0, -2.0, 0.5]
+
+
 class _OnAnAccelerator(torch.Tensor):
     """A CPU tensor that reports a non-CPU device, so bootstrap_time_outs takes its accelerator branch here."""
 
