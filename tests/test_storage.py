@@ -43,6 +43,17 @@ def test_indivisible_minibatches_raise():
         raise AssertionError("expected ValueError")
 
 
+
+@pytest.mark.parametrize("unit, count, message", [
+    ("trajectory", 4, r"^10 trajectories \(envs\) per rank are not divisible by num_mini_batches \(4\)$"),
+    ("transition", 3, r"^20 transitions per rank are not divisible by num_mini_batches \(3\)$")])
+def test_indivisible_minibatches_name_the_unit_and_the_count_they_split(unit, count, message):
+    """Mutant: `what = "trajectories (envs)" if unit == "trajectory" else "transitions"` with the condition negated.
+    T=2, N=10: the trajectory unit splits the 10 envs, the transition unit the 2 * 10 = 20 transitions; the message
+    names which, so the fix (change the env count or the minibatch count) is clear."""
+    with pytest.raises(ValueError, match=message):
+        next(filled_storage(2, 10).minibatches(count, unit=unit))
+
 def test_transition_minibatches_cover_every_transition_once():
     T, N, M = 5, 12, 6
     s = filled_storage(T, N)
