@@ -1,7 +1,7 @@
 """EpisodeStats (ppo/rollout.py): the per-iteration (sum, count) of episode returns, lengths and env log values;
 start_iteration forgetting the last iteration's ended returns; every rank's ended returns gathered to rank 0 in end
 order, logged to TensorBoard by a 2-rank run with --log.episode-returns (their mean is Train/mean_reward), and their
-gather's plan row."""
+gather's plan row; one rank's own ended returns without a process group."""
 
 import pytest
 import torch
@@ -146,3 +146,15 @@ def test_the_episode_returns_plan_row_is_one_gather_of_a_ranks_t_by_n_float32_re
     assert (row.purpose, row.collective, row.cadence, row.call_bytes) == ("episode_returns", "gather", "iteration",
                                                                          [8 * 16 * 4])
     assert episode_returns_plan_rows(False, 8, 16) == []
+
+
+def test_one_rank_s_ended_returns_are_its_own_in_end_order():
+    """One process (no process group; the gather is a stack of one): the raw return of every episode that ended, by
+    step then env, worked out by hand (env 1 at step 0: 2; envs 0 and 2 at step 1: 1 + 4, 3 + 6; env 2 again at
+    step 2: 10), none of the NaN placeholders of the envs that did not end.
+    Mutant: `if gathered is None` negated (one rank got []); `flat[~flat.isnan()]` -> `flat[flat.isnan()]`."""
+    stats = EpisodeStats(3, TRAIN_KEYS, torch.device("cpu"))
+    for rewards, done in (([1.0, 2.0, 3.0], [False, True, False]), ([4.0, 5.0, 6.0], [True, False, True]),
+                          ([7.0, 8.0, 10.0], [False, False, True])):
+        stats.step(torch.tensor(rewards), torch.tensor(done), {}, record_returns=True)
+    assert stats.ended_returns() == [2.0, 5.0, 9.0, 10.0]
