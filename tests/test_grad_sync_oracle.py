@@ -206,3 +206,14 @@ def test_clip_only_scales_down_and_equals_torch_clip_grad_norm(mode, max_norm_ov
     total = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
     n = unclipped_norm.item()
     assert torch.isclose(total, torch.tensor(n * min(1.0, max_norm / (n + 1e-6))), rtol=1e-5)
+
+
+def test_buckets_fill_from_the_last_parameter_each_one_up_to_exactly_the_cap():
+    """A tensor joins the current bucket while it stays at or under the cap, counting every bucket's bytes from 0:
+    at an 8-byte cap, float32 parameters of 2, 1, 1, 1, 1 elements make [4 + 4], [4 + 4], [8], last parameter first.
+    Mutant: a bucket after the first started its count at 1 byte (`current, size = [], 1`), splitting [4 + 4]."""
+    params = [nn.Parameter(torch.zeros(n)) for n in (2, 1, 1, 1, 1)]
+    sync = GradSync(params, "bucketed", bucket_mb=8 / 2**20)
+    assert [[id(p) for p in b.params] for b in sync.buckets] == [[id(params[4]), id(params[3])],
+                                                                  [id(params[2]), id(params[1])], [id(params[0])]]
+    assert sync.bucket_bytes() == [8, 8, 8]
