@@ -362,3 +362,22 @@ def test_reduce_metrics_matches_keys_by_name_whatever_order_each_rank_built_them
 def test_reduce_metrics_of_no_keys_is_an_empty_dict():
     """Nothing to log (no metric registered): no entries, not an error from stacking an empty list."""
     assert reduce_metrics({}, {}) == {}
+
+
+def test_reduce_metrics_packs_the_metrics_where_they_live_python_numbers_included(monkeypatch):
+    """Metrics on the GPU are packed there and moved once: no per-key copy to the host (a host sync each); a count
+    given as a Python number joins them. The meta device stands for the GPU: a metric copied to the host fails
+    there (no data), and the stand-in all-reduce is handed one packed vector (sums, counts, the maximum's slot).
+    Mutant: the packing device taken from the first value that is not a tensor (`if not isinstance(v, ...)`)."""
+    seen = []
+
+    def all_reduce(tensor, purpose, async_op=False):
+        seen.append((purpose, tensor.device.type, tuple(tensor.shape)))
+        return torch.tensor([6.0, 3.0, 4.0, 2.0, 1.5], dtype=tensor.dtype)
+
+    monkeypatch.setattr(comm, "_DEVICE", torch.device("meta"))
+    monkeypatch.setattr(comm, "all_reduce", all_reduce)
+    meta = torch.device("meta")
+    out = reduce_metrics({"a": torch.tensor(6.0, device=meta), "b": torch.tensor(4.0, device=meta)},
+                         {"a": 3, "b": torch.tensor(2.0, device=meta)}, {"m": 1.5})
+    assert seen == [("metrics", "meta", (5,))] and out == {"a": 2.0, "b": 2.0, "m": 1.5}
