@@ -1,5 +1,5 @@
-"""What more than one bench does, in one place so it stays the same: checks on its command line (their wording)
-and how it stops what it started."""
+"""What more than one bench does, in one place so it stays the same: checks on its command line (their wording),
+how it waits for the answers of its own ranks, and how it stops what it started."""
 
 import argparse
 import contextlib
@@ -8,11 +8,13 @@ import functools
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 
 
 def omp_threads(parser: argparse.ArgumentParser) -> int:
@@ -169,6 +171,32 @@ def stop_processes(procs, grace: float = GRACE_S) -> None:
             os.kill(pid, signal.SIGKILL)
     for p in live:
         _wait(p, None)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now: the rendezvous (MASTER_PORT) of a bench's own ranks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_answers(procs, queue, count: int, patience: Optional[float] = None) -> list:
+    """The first `count` results the rank processes `procs` put in `queue` (a multiprocessing queue), in arrival
+    order. Raises RuntimeError("rank exited with N") as soon as a rank exited non-zero: its partner fails or waits
+    in a collective, so no answer is coming; `patience`: seconds to wait for each answer (None: no bound)."""
+    answers, deadline = [], None if patience is None else time.monotonic() + patience
+    while len(answers) < count:
+        if not queue.empty():
+            answers.append(queue.get())
+            deadline = None if patience is None else time.monotonic() + patience
+            continue
+        failed = [p.exitcode for p in procs if p.exitcode]
+        if failed:
+            raise RuntimeError(f"rank exited with {failed[0]}")
+        if deadline is not None and time.monotonic() > deadline:
+            raise RuntimeError(f"rank answered nothing in {patience} s")
+        time.sleep(0.2)
+    return answers
 
 
 def stop_all() -> None:

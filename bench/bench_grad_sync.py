@@ -38,7 +38,6 @@ import faulthandler
 import gc
 import os
 import resource
-import socket
 import sys
 import time
 
@@ -50,7 +49,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  DDP's first use imports it (~800 modules): once here, before fork
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench._common import omp_threads, rank_signals, refuse_repeats, stop_processes, stopped_main  # noqa: E402
+from bench._common import (free_port, omp_threads, rank_signals, refuse_repeats, stop_processes,  # noqa: E402
+                           stopped_main)
 from dist.errors import first_line, out_of_memory  # noqa: E402
 from dist.grad_sync import GradSync  # noqa: E402
 
@@ -261,10 +261,7 @@ def rank_main(peer_oom, target, *target_args) -> None:
 def launch(args, target, *target_args) -> dict:
     """Start `args.world` fresh processes (fork on CPU, spawn on CUDA) running `target`; return rank 0's result."""
     ctx = mp.get_context("spawn" if args.device == "cuda" else "fork")
-    queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    queue, port = ctx.SimpleQueue(), free_port()
     peer_oom = ctx.Event()
     procs = [ctx.Process(target=rank_main, args=(peer_oom, target, r, args.world, port, args, *target_args, queue))
              for r in range(args.world)]

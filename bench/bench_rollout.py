@@ -41,14 +41,12 @@ import argparse
 import glob
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -58,7 +56,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench._common import rank_signals, refuse_repeats, run_child, stop_all, stop_processes, stopped_main  # noqa: E402
+from bench._common import (free_port, rank_answers, rank_signals, refuse_repeats, run_child, stop_all,  # noqa: E402
+                           stop_processes, stopped_main)
 from configs.config import PolicyConfig  # noqa: E402
 from ppo.actor_critic import build_actor_critic  # noqa: E402
 from sync import WeightSyncConfig, make_weight_syncer  # noqa: E402
@@ -216,33 +215,21 @@ def replay_rank(rank: int, port: int, paths: list[str], dtype_name: str, queue) 
 
 
 def replay(paths: list[str], dtype_name: str) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx, port = mp.get_context("spawn"), free_port()
     queue = ctx.Queue()
     procs = [ctx.Process(target=replay_rank, args=(r, port, paths, dtype_name, queue)) for r in range(2)]
     try:
         for p in procs:
             p.start()
-        results, deadline = {}, time.monotonic() + ANSWER_S
-        while len(results) < len(procs):
-            try:
-                rank, times, stats = queue.get(timeout=1.0)
-            except Empty:
-                # a rank that died before its answer (its partner then fails or waits in a collective) sends
-                # none: waiting out ANSWER_S for it took 10 minutes and hid its exit code
-                failed = [p.exitcode for p in procs if p.exitcode]
-                if failed:
-                    raise RuntimeError(f"replay rank exited with {failed[0]}") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"replay: no rank answered in {ANSWER_S} s") from None
-                continue
-            results[rank], deadline = (times, stats), time.monotonic() + ANSWER_S
+        # a rank that died before its answer (its partner then fails or waits in a collective) sends none: waiting
+        # out ANSWER_S for it took 10 minutes and hid its exit code
+        results = {rank: (times, stats) for rank, times, stats in rank_answers(procs, queue, len(procs), ANSWER_S)}
         for p in procs:
             p.join()
             if p.exitcode:
-                raise RuntimeError(f"replay rank exited with {p.exitcode}")
+                raise RuntimeError(f"rank exited with {p.exitcode}")
+    except RuntimeError as exc:
+        raise RuntimeError(f"replay {exc}") from None
     finally:     # Ctrl-C, SIGTERM or a failed rank: its partner would wait in a collective
         stop_processes(procs)
     return {"send": results[0][0], "apply": results[1][0], "stats": results[0][1]}

@@ -28,7 +28,6 @@ import glob
 import math
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench._common import rank_signals, run_child, stop_processes, stopped_main  # noqa: E402
+from bench._common import free_port, rank_answers, rank_signals, run_child, stop_processes, stopped_main  # noqa: E402
 from dist.checkpoint_read import read_checkpoint  # noqa: E402
 from dist.errors import UsageError  # noqa: E402
 from sync import BucketConfig, PatchConfig, WeightSyncConfig, make_weight_syncer  # noqa: E402
@@ -332,20 +331,16 @@ def main() -> None:
     if args.ppo:
         args.checkpoints = ppo_checkpoints()
 
-    ctx = mp.get_context("spawn")
+    ctx, port = mp.get_context("spawn"), free_port()
     queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     procs = [ctx.Process(target=worker, args=(rank, port, args, queue)) for rank in range(2)]
     try:
         for p in procs:
             p.start()
-        while queue.empty():  # a rank that died must not leave this waiting forever
-            if any(p.exitcode not in (None, 0) for p in procs):
-                sys.exit("bench_sync: a rank failed (its traceback is above)")
-            time.sleep(0.2)
-        tables = queue.get()
+        try:
+            tables, = rank_answers(procs, queue, 1)  # a rank that died must not leave this waiting forever
+        except RuntimeError:
+            sys.exit("bench_sync: a rank failed (its traceback is above)")
         for p in procs:
             p.join()
     finally:                  # a failed rank's partner, or both on Ctrl-C / SIGTERM, would wait in a collective

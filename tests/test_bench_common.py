@@ -101,3 +101,23 @@ def test_elsewhere_than_linux_run_child_starts_nothing_and_a_rank_stops_at_once(
     with pytest.raises(RuntimeError, match="runs on Linux only"):
         bench._common.rank_signals()
     assert started == []
+
+
+def test_rank_answers_are_taken_in_arrival_order_and_a_dead_rank_or_a_silent_wait_raises():
+    """rank_answers, which bench_sync and bench_rollout's replay wait with: the answers in the order they came; a rank
+    that exited non-zero before answering is named by its exit code at once (no answer is coming from its partner
+    either); with a patience, a wait with no answer ends naming it.
+
+    Mutant: no exit-code check -> the dead rank's wait runs out its patience instead of naming exit code 3."""
+    class Queue(list):
+        def empty(self):
+            return not self
+
+        def get(self):
+            return self.pop(0)
+    alive, dead = types.SimpleNamespace(exitcode=None), types.SimpleNamespace(exitcode=3)
+    assert bench._common.rank_answers([alive, alive], Queue(["a", "b", "c"]), 2) == ["a", "b"]
+    with pytest.raises(RuntimeError, match=r"^rank exited with 3$"):
+        bench._common.rank_answers([alive, dead], Queue(["a"]), 2, patience=0.0)
+    with pytest.raises(RuntimeError, match=r"^rank answered nothing in 0.0 s$"):
+        bench._common.rank_answers([alive, alive], Queue(), 1, patience=0.0)

@@ -11,7 +11,6 @@ placeholders); a group mention (`--dist.*`, `--ppo.num-*`) must be the prefix of
 import argparse
 import copy
 import dataclasses
-import importlib.util
 import re
 import sys
 import typing
@@ -21,6 +20,7 @@ import pytest
 import tyro
 
 from configs.presets import PRESETS
+from tests.test_tools import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/*.md")
@@ -85,20 +85,13 @@ class _Parser(Exception):
     """Raised by parse_args in place of parsing: carries the parser main() built."""
 
 
-def load_script(path: Path):
-    spec = importlib.util.spec_from_file_location(f"doc_flags_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def script_flags() -> dict[str, frozenset[str]]:
     """Each script's `--` flags (its argparse parser's option strings, --help included), by path."""
     found = {}
     for path in sorted(p for pattern in SCRIPTS for p in ROOT.glob(pattern)):
         if "ArgumentParser(" not in path.read_text():
             continue
-        module = load_script(path)
+        module = load_bench(path.stem, path.parent.name)
 
         def catch(parser, *args, **kwargs):
             raise _Parser(parser)

@@ -22,8 +22,9 @@ from tests.forked_python import run_python
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(REPO, "bench", f"{name}.py"))
+def load_bench(name: str, folder: str = "bench"):
+    """The script `folder`/`name`.py as a fresh module (a bench's main() and helpers, without running it)."""
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", os.path.join(REPO, folder, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
