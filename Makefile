@@ -48,9 +48,10 @@ $(VENV)/.runtime: requirements.txt | $(BIN)/python
 	$(BIN)/pip install -q -r requirements.txt
 	touch $@
 
+# requirements-dev.txt holds setup-mujoco's packages too: its stamp saves a later `make bench-mujoco` a pip run.
 $(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
 	$(BIN)/pip install -q -r requirements-dev.txt
-	touch $@
+	touch $@ $(VENV)/.mujoco
 
 setup: $(VENV)/.dev  ## create .venv with everything the tests need
 

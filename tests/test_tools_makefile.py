@@ -6,6 +6,7 @@ only note their arguments, or with a Python that fails."""
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,19 @@ def test_make_test_installs_gymnasium_and_mujoco_but_never_isaac_lab(tmp_path):
     names = [re.match(r"[\w.-]+(\[[\w,]+\])?", line)[0] for line in requirements]
     assert "gymnasium[mujoco]" in names and "mujoco" in names, requirements
     assert not [name for name in names if "isaac" in name.lower()], requirements
+
+
+def test_after_make_test_setup_mujoco_installs_nothing(tmp_path):
+    """requirements-dev.txt (what `make test` installs) holds gymnasium[mujoco] and mujoco under the pins of
+    setup-mujoco, so a later `make setup-mujoco` (or bench-mujoco) ran pip again for nothing: setup now leaves the
+    .mujoco stamp too.
+
+    Mutant: the .dev recipe touches only its own stamp -> the second make runs pip install gymnasium[mujoco]."""
+    venv, calls = _fake_venv(tmp_path)
+    for target in ("setup", "setup-mujoco"):
+        result = subprocess.run(["make", target, f"VENV={venv}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert calls.read_text().splitlines() == ["pip install -q -r requirements-dev.txt"]
+    makefile = (Path(REPO) / "Makefile").read_text()
+    mujoco_pins = re.search(r'\.mujoco: .*\n\t\$\(BIN\)/pip install -q (.*)\n', makefile)[1].replace('"', "").split()
+    assert set(mujoco_pins) <= set(_requirements("requirements-dev.txt")), mujoco_pins
