@@ -271,3 +271,13 @@ def test_the_first_merge_of_far_off_observations_keeps_their_spread(tmp_path, mo
     assert stats.count.item() == len(batch)
     np.testing.assert_allclose(stats.mean64.numpy(), batch.mean(0), rtol=1e-12)
     np.testing.assert_allclose(stats.m2.numpy() / len(batch), batch.var(0), rtol=1e-9, atol=1e-9)
+
+
+def test_a_run_leaves_float32_matmuls_at_full_precision(tmp_path):
+    """docs/gpu.md: TF32 stays off (torch's default), which nothing here changes, so a GPU run rounds as a CPU run.
+    allow_tf32 reflects both torch.backends.cuda.matmul.allow_tf32 and set_float32_matmul_precision("high").
+
+    Mutant: train.main sets torch.backends.cuda.matmul.allow_tf32 = True -> True after the run."""
+    assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
+    train.main(small_tracking(tmp_path, iterations=1))
+    assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
