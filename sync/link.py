@@ -40,6 +40,9 @@ class Link:
             raise ValueError(f"weight sync: need distinct receiver ranks other than the sender {src}, got {list(dsts)}")
         if rank != src and rank not in self.dsts:
             raise ValueError(f"weight sync: rank {rank} is neither the sender ({src}) nor a receiver ({list(dsts)})")
+        ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)  # else init waits for ever
+        if src not in ranks or not set(self.dsts) <= set(ranks):
+            raise ValueError(f"weight sync: src={src}, dsts={list(dsts)} name ranks outside the group's {ranks}")
         # By device: a group made without naming a backend is "undefined" to get_backend(), cuda:nccl alone on a GPU
         config = dist.get_backend_config(group)
         backend = dict(pair.split(":") for pair in config.split(",")).get(device, "no backend")

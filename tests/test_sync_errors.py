@@ -129,6 +129,8 @@ def _bad_calls(rank, world_size):
         make_weight_syncer(WeightSyncConfig(), src=0, dsts=[0, 1])
     with pytest.raises(ValueError, match="distinct receiver ranks other than the sender 0"):
         make_weight_syncer(WeightSyncConfig(), src=0, dsts=[1, 1])
+    with pytest.raises(ValueError, match=r"src=0, dsts=\[1, 2\] name ranks outside the group's \[0, 1\]"):
+        make_weight_syncer(WeightSyncConfig(), src=0, dsts=[1, 2])   # the docs' example on 2 ranks: init hung
     with pytest.raises(ValueError, match="sends cuda tensors with gloo"):
         make_weight_syncer(WeightSyncConfig(type="bucket", bucket=BucketConfig(bucket_device="cuda")), 0, [1])
     if not torch.cuda.is_available():
@@ -175,6 +177,10 @@ def _bad_calls(rank, world_size):
 
 @pytest.mark.slow
 def test_bad_calls_are_clear_errors():
+    """Each wrong call raises, naming what to fix.
+
+    Mutant: Link's check that src and dsts are ranks of the group dropped: dsts=[1, 2] on 2 ranks (the docs' example
+    run on 2) was taken, and init waited for rank 2's handshake until the process group's timeout."""
     assert run_ranks(_bad_calls, 2) == [True, True]
 
 
