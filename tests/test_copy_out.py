@@ -5,7 +5,7 @@
   gradient equals the mean of the ranks' own gradients bit for bit (flat and bucketed, micro-batches,
   extras), and merge_moments equals numpy over all ranks' samples;
 - sync/ with dist/comm.py, dist/plan.py and dist/checksum.py as a top-level `dist` (docs/weight_sync.md):
-  patch and bucket copies equal the sender's weights.
+  patch and bucket copies equal the sender's weights, from a test's script and from that doc's own example.
 Each script runs in a fresh interpreter whose path holds only the copy (not this repository).
 """
 
@@ -24,14 +24,14 @@ import os, sys
 import torch.distributed as tdist, torch.multiprocessing as mp
 
 def main(rank):      # a rendezvous file, not a port: nothing to race for, nothing left listening
-    tdist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+    tdist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=int(sys.argv[2]))
     try:
         body(rank)
     finally:
         tdist.destroy_process_group()
 
 if __name__ == "__main__":
-    mp.spawn(main, nprocs=2)
+    mp.spawn(main, nprocs=int(sys.argv[2]))
 """
 
 GRAD_AND_STATS = """
@@ -106,11 +106,11 @@ def body(rank):
 """
 
 
-def run_copy(tmp_path, script):
+def run_copy(tmp_path, script, ranks=2):
     (tmp_path / "check.py").write_text(script)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(tmp_path), OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "check.py", str(tmp_path / "rendezvous")], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "check.py", str(tmp_path / "rendezvous"), str(ranks)], cwd=tmp_path,
                             capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
@@ -147,8 +147,49 @@ def test_grad_sync_and_stats_copied_into_another_package_on_2_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_sync_copied_with_a_top_level_dist_on_2_ranks(tmp_path):
+    copy_sync(tmp_path)
+    run_copy(tmp_path, SYNC + SPAWN)
+
+
+def copy_sync(tmp_path):
+    """What docs/weight_sync.md says to take: sync/*.py, and dist/comm.py, plan.py, checksum.py as `dist`."""
     shutil.copytree(os.path.join(REPO, "sync"), tmp_path / "sync", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "dist").mkdir()
     for name in ("comm.py", "plan.py", "checksum.py"):
         shutil.copy(os.path.join(REPO, "dist", name), tmp_path / "dist" / name)
-    run_copy(tmp_path, SYNC + SPAWN)
+
+
+DOC_EXAMPLE = """
+import torch
+
+def body(rank):
+    for kind in ("patch", "bucket"):
+        torch.manual_seed(rank)                       # every rank starts from other weights
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+        def step(model):                              # the example's `...`: the trainer's step, nothing on a copy
+            if rank == 0:
+                with torch.no_grad():
+                    model[2].weight.add_(0.5)
+        names = dict(rank=rank, model=model, iteration=0, step=step)
+        exec(EXAMPLE.replace('type="patch"', f'type="{kind}"'), names)
+        assert rank == 0 or names["version"] == 1, (kind, names["version"])
+        state = torch.cat([t.flatten() for t in model.state_dict().values()])
+        every = [torch.empty_like(state) for _ in range(3)]
+        torch.distributed.all_gather(every, state)
+        assert all(torch.equal(every[0], other) for other in every[1:]), kind
+"""
+
+
+@pytest.mark.slow
+def test_the_weight_sync_docs_example_runs_on_a_copy_on_3_ranks(tmp_path):
+    """docs/weight_sync.md's first python block, run as written on the copy (its `...` made the trainer's step, its
+    `type="patch"` also "bucket"): both kinds, the receivers end with the sender's weights and version 1.
+
+    Mutant: the doc's example passes `synced_keys=trainable_keys(model)` to init_sender (no such argument)."""
+    with open(os.path.join(REPO, "docs", "weight_sync.md")) as f:
+        example = f.read().split("```python\n", 1)[1].split("```", 1)[0]
+    assert example.count("...;") == 2 and 'type="patch"' in example, example
+    copy_sync(tmp_path)
+    script = f"EXAMPLE = {example.replace('...;', 'step(model);')!r}\n" + DOC_EXAMPLE + SPAWN
+    run_copy(tmp_path, script, ranks=3)
