@@ -19,11 +19,14 @@ significant bits, so a count of 1001 travels as 1000).
 
 GradSync averages gradients only. Unlike DDP it broadcasts nothing at construction: start every rank
 from the same parameters and buffers (same seed, or broadcast them from rank 0 before the first step),
-or the ranks apply identical gradients to different weights and never notice. Nor does it compare the
-parameter lists: every rank must serve the same shapes and dtypes in the same order (train.py builds one
-model from settings it checks are the same everywhere); otherwise buckets pair wrong, silently when the
-sizes agree. Gradients are summed, then divided: float16 ones past 65504 / world size overflow to inf, and
-the step is skipped (DDP divides first).
+or the ranks apply identical gradients to different weights and never notice. Nor does it touch buffers
+later: BatchNorm's running statistics stay each rank's own (DDP broadcasts rank 0's before every forward);
+give them a rule (dist/buffers.py) or broadcast them yourself. Nor does it compare the parameter lists:
+every rank must serve the same shapes and dtypes in the same order (train.py builds one model from
+settings it checks are the same everywhere); otherwise buckets pair wrong, silently when the sizes agree
+(when they differ, gloo aborts a rank: "Received data size doesn't match expected size", and the others wait
+out the process group's timeout). Gradients are summed, then divided: float16 ones past 65504 / world size
+overflow to inf, and the step is skipped (DDP divides first).
 
 Per optimizer step, with q micro-batches (gradients accumulate locally; only the last backward
 communicates, so the accumulation window is exactly one minibatch):
