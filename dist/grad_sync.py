@@ -50,7 +50,9 @@ nothing refers to any more is freed, its hooks removed, whether or not its model
 
 Parameters that got no gradient in a step: `unused="error"` (default) raises naming them, because a
 silently missing gradient usually means a bug in the loss; `unused="zero"` treats it as a zero
-gradient (still averaged, so ranks stay identical). Calls out of that order raise rather than return a
+gradient (still averaged, so ranks stay identical). Unlike DDP: there a parameter no rank used keeps the
+.grad None that optimizer.zero_grad() left, and torch's optimizers skip it; a zero gradient still moves it
+under momentum, Adam or weight decay. Calls out of that order raise rather than return a
 wrong gradient: arm() again after the armed backward, zero_grad() or clip_() between arm() and
 synchronize(), a backward after synchronize() before the next zero_grad() (its gradient would stay on its
 rank). A parameter listed twice (a trunk shared by actor and critic) is synchronized once.
