@@ -11,6 +11,10 @@ Every parameter's `.grad` is a view into a bucket buffer (no packing copy, ever)
   rest of backward. Buckets launch strictly in index order so every rank issues the same sequence;
   with unused="zero" all of them launch at `synchronize()` (no overlap: a parameter unused on one rank only
   would leave its bucket to launch there later than elsewhere, out of step with any collective in between).
+  With micro-batches, unused="error" has the same gap: a parameter whose gradient came from an earlier
+  micro-batch but not the armed one holds its bucket and every later one back to `synchronize()` on that rank.
+  Where that can differ between ranks, issue no collective between the armed backward and `synchronize()` (a
+  loss all-reduced there for logging was summed with a gradient bucket, then the ranks hung), or use unused="zero".
 
 A few `extras` scalars (e.g. the KL sum and count of the adaptive-LR rule) ride at the end of the
 last bucket to launch, saving a separate collective: they are summed, the gradients averaged. They

@@ -239,6 +239,39 @@ def test_which_buckets_launch_during_backward_and_which_at_synchronize(monkeypat
     assert calls == launched
 
 
+def test_a_parameter_used_only_before_the_armed_micro_batch_holds_its_bucket_and_the_later_ones_to_synchronize(
+        monkeypatch):
+    """Bucketed, unused="error", two micro-batches: the head is used in the first only. Its bucket (launched first:
+    reverse order) never completes in the armed backward, so it and the first layer's bucket behind it launch at
+    synchronize() (the module docstring's warning about a collective issued in between); the gradients are still
+    the sum over both micro-batches.
+    Mutant: arm() counting parameters that already have a gradient as arrived (`b.pending = sum(id(q) not in
+    self._received for q in b.params)`): the buckets launch during backward, before the armed gradients are in."""
+    phase, calls = ["backward"], []
+
+    class Done:
+        def wait(self):
+            pass
+
+    def recorded(tensor, purpose, async_op=False):
+        calls.append(phase[0])
+        return Done()
+    monkeypatch.setattr(comm, "all_reduce", recorded)
+    first, head = two_layers()
+    sync = GradSync([first.weight, head.weight], "bucketed", bucket_mb=1e-6)   # a bucket each, the head's first
+    x = torch.ones(2, 3)
+    sync.zero_grad()
+    head(first(x)).sum().backward()
+    sync.arm()
+    first(x).square().sum().backward()
+    phase[0] = "synchronize"
+    sync.synchronize()
+    assert calls == ["synchronize", "synchronize"]
+    expected = torch.autograd.grad(head(first(x)).sum() + first(x).square().sum(), [first.weight, head.weight])
+    torch.testing.assert_close(first.weight.grad, expected[0])
+    torch.testing.assert_close(head.weight.grad, expected[1])
+
+
 NOT_SERVED = ("is no longer served by this GradSync: one built over it later took it over (its gradient view and "
               "hooks), or remove_hooks() ran; build one GradSync over all the parameters (actor and critic with their "
               "shared trunk together)")
