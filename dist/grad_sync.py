@@ -59,7 +59,7 @@ gradient (still averaged, so ranks stay identical). Unlike DDP: there a paramete
 under momentum, Adam or weight decay. Calls out of that order raise rather than return a
 wrong gradient: arm() again after the armed backward, zero_grad() or clip_() between arm() and
 synchronize(), a backward after synchronize() before the next zero_grad() (its gradient would stay on its
-rank). A parameter listed twice (a trunk shared by actor and critic) is synchronized once.
+rank), synchronize() twice. A parameter listed twice (a trunk shared by actor and critic) is synchronized once.
 
 The all-reduces run in dist.comm's current group (the whole world unless `comm.use_group(group)` set one)
 and are counted in `dist.comm.LEDGER`. To copy this file into another project, take dist/comm.py and
@@ -287,6 +287,9 @@ class GradSync:
         per-bucket all-reduces launched during backward, waited on here. Afterwards every rank holds
         the bit-identical mean gradient.
         """
+        if not self._armed and self._synchronized:
+            raise RuntimeError("synchronize() twice in one step: the gradients are already averaged; call it once per "
+                               "optimizer step (zero_grad(), backwards with arm() before the last, synchronize())")
         if not self._armed:
             raise RuntimeError("synchronize() without arm(): call arm() before the last micro-batch's backward")
         for i, p in enumerate(self.params):

@@ -160,6 +160,28 @@ def test_clip_before_synchronize_is_an_error():
         sync.clip_(0.01)
 
 
+def test_synchronize_twice_in_a_step_says_so_and_leaves_the_gradient_alone():
+    """A second synchronize() in one step (a helper that synchronizes, then the loop again) was told "synchronize()
+    without arm(): call arm() before the last micro-batch's backward", though arm() had been called; it now says
+    twice, and the averaged gradient stays as the first call left it. Without any arm() the old message stays.
+    Mutant: the `self._synchronized` branch removed (the second call gets the "without arm()" message)."""
+    torch.manual_seed(0)
+    net = nn.Linear(5, 3)
+    sync = GradSync(net.parameters(), "flat")
+    with pytest.raises(RuntimeError, match=r"^synchronize\(\) without arm\(\)"):
+        sync.synchronize()
+    sync.zero_grad()
+    sync.arm()
+    x, y = data(0)
+    (net(x) - y).square().mean().backward()
+    sync.synchronize()
+    expected = torch.autograd.grad((net(x) - y).square().mean(), list(net.parameters()))
+    with pytest.raises(RuntimeError, match=r"^synchronize\(\) twice in one step: the gradients are already averaged"):
+        sync.synchronize()
+    for p, g in zip(net.parameters(), expected):
+        torch.testing.assert_close(p.grad, g)
+
+
 def test_extras_without_num_extras_are_an_error():
     # They were dropped silently: synchronize() returned an empty tensor instead of their sum.
     net = nn.Linear(5, 3)
