@@ -1,5 +1,6 @@
-"""Rank-0 logging: TensorBoard scalars under RSL-RL's tag names, and a console line every --log.print-every
-iterations (and after the last)."""
+"""Rank-0 logging: TensorBoard scalars under RSL-RL's tag names where RSL-RL has the quantity (not
+`Perf/collection_time`: RSL-RL's has a space), and a console line every --log.print-every iterations (and after the
+last). docs/running.md lists every tag."""
 
 import contextlib
 import math

@@ -6,6 +6,7 @@ import glob
 import math
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,28 @@ def test_every_rank_logs_the_least_waiting_update_not_its_own(tmp_path):
         both = scalars["Perf/collection_time"] + scalars["Perf/learning_time"]
         assert scalars["Perf/total_fps"] == 2 * 8 * 8 / both
     assert logged[0]["Perf/learning_time"] == logged[1]["Perf/learning_time"]
+
+
+def documented_tags() -> set[str]:
+    """The backticked names in the first column of docs/running.md's table of TensorBoard tags."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "running.md").read_text()
+    rows = text.split("\n## What a run writes\n", 1)[1].split("\n\n| tag |", 1)[1].split("\n\n", 1)[0]
+    return {name for row in rows.splitlines()[2:] for name in re.findall(r"`([^`]+)`", row.split(" | ")[0])}
+
+
+def test_every_tag_a_run_logs_is_in_the_docs_table(tmp_path):
+    """Every scalar tag in a tracking run's event file, Episode/return included, is a row of docs/running.md's table
+    (Loss/, Policy/ and tracking's Episode/ tags were documented nowhere); Comm/ tags by their pattern.
+    Mutant: train.py logs the noise std as Policy/noise_std (or its row is dropped from the table)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    cfg = small_tracking(tmp_path, iterations=3)
+    cfg.log.episode_returns = True
+    train.main(cfg)
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "tracking", "*"))
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"Train/mean_reward", "Episode/return", "Episode/body_error", "Policy/mean_noise_std"} <= tags
+    patterns = {re.sub(r"Comm/\w+_(calls|bytes)", r"Comm/<purpose>_\1", tag) for tag in tags}
+    assert patterns - documented_tags() == set()
+    assert {"Comm/<purpose>_calls", "Comm/<purpose>_bytes", "Perf/policy_lag"} <= documented_tags()
