@@ -25,7 +25,8 @@ def verify_replicas(module: torch.nn.Module, what: str = "parameters", buffer_ru
 
     Crosses ranks: one all-gather of a single int64 per rank. Called every --dist.verify-every
     iterations and after every checkpoint load. Only when that finds a divergence (every rank sees it, so all
-    take this path), one more all-gather of an int64 per checked tensor, to name them before the run stops.
+    take this path), one more of an int64 per rank (the tensors' names, shapes and dtypes: ranks holding other
+    tensors are named as such), then one of an int64 per checked tensor, to name them before the run stops.
     """
     named = _checked(module, buffer_rules or {}, "")
     for other, rules in also:
@@ -34,7 +35,15 @@ def verify_replicas(module: torch.nn.Module, what: str = "parameters", buffer_ru
         same_everywhere(checksum([t.detach() for _, t in named]), "checksum", f"{what} diverged across ranks",
                         "something updated some replicas without the others", _Diverged)
     except _Diverged as exc:
-        raise RuntimeError(f"{exc}; tensors that differ: {differing_tensors(named, 'checksum')}") from None
+        diverged = str(exc)
+    else:
+        return
+    # Other tensors on some rank (an extra head, another shape) cannot be compared one by one: the per-tensor
+    # all-gather below then differs in length, and gloo aborted a rank there while the others waited out the timeout.
+    same_everywhere(names_checksum([f"{n} {list(t.shape)} {t.dtype}" for n, t in named]), "checksum",
+                    f"{what} are not the same tensors (names, shapes, dtypes) on every rank",
+                    f"the ranks built other modules (this rank checks {len(named)} tensors)")
+    raise RuntimeError(f"{diverged}; tensors that differ: {differing_tensors(named, 'checksum')}")
 
 
 def _checked(module: torch.nn.Module, rules: dict[str, str], prefix: str) -> list[tuple[str, torch.Tensor]]:

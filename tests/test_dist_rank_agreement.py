@@ -1,7 +1,8 @@
 """Checks that every rank holds the same thing, on 2 or 3 gloo ranks: verify_replicas compares the buffers its rules
-declare broadcast, mean or merge and no local one; same_names_everywhere takes the order of the names into account;
-same_env_state refuses an entry of another dtype as a layout difference, compares every entry's values and names only
-the ranks that differ; the rollout ranks' env states are compared bitwise, a 0-dim entry too."""
+declare broadcast, mean or merge and no local one, and names ranks that hold other tensors; same_names_everywhere
+takes the order of the names into account; same_env_state refuses an entry of another dtype as a layout difference,
+compares every entry's values and names only the ranks that differ; the rollout ranks' env states are compared
+bitwise, a 0-dim entry too."""
 
 import pytest
 import torch
@@ -58,6 +59,31 @@ def test_the_replica_check_covers_broadcast_mean_and_merge_buffers_by_the_rules_
             assert said[name].startswith("parameters diverged across ranks: rank(s) [1] differ from rank(s) [0] "
                                          "(checksums "), (name, said[name])
             assert said[name].endswith(f"; tensors that differ: [{name!r}]"), (name, said[name])
+
+
+def extra_head_body(rank, world_size):
+    """The last rank builds one more layer than the others; returns what verify_replicas raised, or "no error"."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2, 2), *([nn.Linear(2, 1)] if rank == world_size - 1 else []))
+    try:
+        verify_replicas(m)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_rank_holding_other_tensors_is_named_as_such_not_aborted_by_the_per_tensor_gather():
+    """Rank 2 of 3 holds 4 tensors, the others 2: every rank raises, naming rank 2 and the layout difference, with
+    this rank's tensor count. The per-tensor all-gather that names differing values had gathered 2 int64 against 4:
+    gloo terminated rank 2 ("Received data size doesn't match expected size"), ranks 0 and 1 waited out the timeout.
+    Mutant: no layout check before differing_tensors in verify_replicas."""
+    said = run_ranks(extra_head_body, 3, timeout=60)
+    for rank, text in enumerate(said):
+        assert text.startswith("parameters are not the same tensors (names, shapes, dtypes) on every rank: rank(s) [2] "
+                               "differ from rank(s) [0, 1] (checksums "), text
+        checks = 4 if rank == 2 else 2
+        assert text.endswith(f"; the ranks built other modules (this rank checks {checks} tensors)"), text
 
 
 def names_in_order_body(rank, world_size):
