@@ -6,6 +6,12 @@ O(dim), independent of batch size and world size (except reduce_metrics' maxima:
 the result equals the statistic over the union of all ranks' samples (up to float64 summation order;
 merge_moments also up to its shift's conditioning: see there).
 
+Each function but the plan rows is a collective: every rank calls it, in the same order as the other collectives. One
+called on some ranks only (reduce_metrics under `if rank == 0:` for a log line) pairs with whatever the others issue
+next: global_mean_std's first all-reduce on rank 0 met rank 1's reduce_metrics of one key (2 numbers each), and rank 1
+got 0.875 for a mean of 2.0, with no error; a collective of another length aborts a rank in gloo; and with nothing
+issued elsewhere the rank waits out the process group's timeout (init_process_group's timeout=; gloo's default: 30 min).
+
 To copy this file into another project, take dist/comm.py and dist/plan.py with it (the imports are
 relative, so the package may have any name), as for dist/grad_sync.py. The sums of global_mean_std,
 reduce_metrics and sum_counts are staged on `comm.device()`: the current CUDA device under NCCL, else the host,
