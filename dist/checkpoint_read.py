@@ -23,7 +23,7 @@ def read_torch_file(path: str):
         with open(path, "rb") as f:
             started = f.read(4) == b"PK\x03\x04"       # a zip's first entry, without its closing directory
     except OSError as exc:                  # is_zipfile below would take an unreadable file for one that is no zip
-        raise ValueError(f"cannot be read ({exc.strerror or exc}): check its permissions") from None
+        raise ValueError(f"a file this process cannot read ({exc.strerror or exc}): check its permissions") from None
     if not zipfile.is_zipfile(path):
         raise ValueError("a truncated or damaged checkpoint (its zip archive does not end); use another one"
                          if started else

@@ -88,7 +88,10 @@ def test_an_optimizer_state_saved_before_the_first_step_is_empty_and_loads(tmp_p
 
 
 def test_an_unreadable_file_says_so_instead_of_a_traceback(tmp_path, monkeypatch):
-    """As root the tests cannot lose read permission, so open() is made to refuse the file as it would (mode 000)."""
+    """As root the tests cannot lose read permission, so open() is made to refuse the file as it would (mode 000).
+    The line reads as a sentence after `--resume PATH is` (it read `is cannot be read`, found with a mode-000 newest
+    checkpoint under `--resume auto`).
+    Mutant: the reason back to "cannot be read (...)" fails the match on "is a file this process cannot read"."""
     path = _saved(tmp_path, _state())
     real_open = builtins.open
 
@@ -97,7 +100,8 @@ def test_an_unreadable_file_says_so_instead_of_a_traceback(tmp_path, monkeypatch
             raise PermissionError(13, "Permission denied", name)
         return real_open(name, *args, **kwargs)
     monkeypatch.setattr(builtins, "open", refusing)
-    with pytest.raises(UsageError, match=r"cannot be read \(Permission denied\): check its permissions"):
+    with pytest.raises(UsageError, match=r"^--resume '.*' is a file this process cannot read \(Permission denied\): "
+                                         r"check its permissions$"):
         load_checkpoint(path)
 
 
