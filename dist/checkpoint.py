@@ -7,6 +7,7 @@ torchrun it also holds `run_id` so a restarted job (same TORCHELASTIC_RUN_ID) fi
 """
 
 import contextlib
+import errno
 import fcntl
 import glob
 import os
@@ -62,8 +63,11 @@ def save_checkpoint(path: str, state: dict) -> None:
             exc = first
         if not isinstance(exc, OSError):
             raise
-        raise RunError(f"could not write checkpoint {path}: {exc.strerror or exc}; free space on that disk or "
-                       f"point --log.root elsewhere, then resume from the last checkpoint") from None
+        fix = (f"make {directory} writable again" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else
+               "free space on that disk or point --log.root elsewhere")    # a read-only directory needs no space
+        last = latest_checkpoint(directory) or "none: this run saved none yet"
+        raise RunError(f"could not write checkpoint {path}: {exc.strerror or exc}; {fix}, then resume from the "
+                       f"last checkpoint, {last}") from None
 
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:

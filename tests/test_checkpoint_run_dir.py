@@ -3,9 +3,11 @@ removes checkpoint temporaries only and says which, and a file system without lo
 
 import os
 
+import pytest
 import torch
 
 from dist.checkpoint import remove_stale_temporaries, save_checkpoint
+from dist.errors import RunError
 
 
 def test_a_save_to_a_bare_file_name_lands_in_the_working_directory(tmp_path, monkeypatch):
@@ -64,3 +66,34 @@ def test_continuing_a_run_says_which_interrupted_save_it_removed(tmp_path, capsy
         assert capsys.readouterr().out == ""
     finally:
         release_run_dirs()
+
+
+@pytest.mark.parametrize("error, fix", [
+    (OSError(13, "Permission denied"), "make {d} writable again"),
+    (OSError(30, "Read-only file system"), "make {d} writable again"),
+    (OSError(28, "No space left on device"), "free space on that disk or point --log.root elsewhere")])
+def test_a_failed_save_says_what_to_fix_by_its_cause_and_names_the_last_checkpoint(tmp_path, monkeypatch, error, fix):
+    """A run directory made read-only mid-run (chmod -w, 2 ranks, a save every 5 iterations) failed its save of
+    iteration 10 advising 'free space on that disk', with no word of which checkpoint still held the run.
+    Mutant: the fix chosen without the errno (always 'free space ...') fails the EACCES and EROFS cases; the last
+    checkpoint left out of the line fails all three."""
+    save_checkpoint(str(tmp_path / "model_5.pt"), {"iteration": 5})
+
+    def failing(obj, f):
+        raise error
+    monkeypatch.setattr(torch, "save", failing)
+    path = str(tmp_path / "model_10.pt")
+    with pytest.raises(RunError) as info:
+        save_checkpoint(path, {"iteration": 10})
+    assert str(info.value) == (f"could not write checkpoint {path}: {error.strerror}; {fix.format(d=tmp_path)}, "
+                               f"then resume from the last checkpoint, {tmp_path / 'model_5.pt'}")
+    assert os.listdir(tmp_path) == ["model_5.pt"]
+
+
+def test_a_failed_first_save_says_no_checkpoint_holds_the_run(tmp_path, monkeypatch):
+    """Mutant: `latest_checkpoint(...) or "none..."` without the fallback prints 'None' and fails."""
+    def failing(obj, f):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", failing)
+    with pytest.raises(RunError, match=r"then resume from the last checkpoint, none: this run saved none yet$"):
+        save_checkpoint(str(tmp_path / "model_1.pt"), {"iteration": 1})
