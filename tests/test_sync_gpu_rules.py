@@ -62,9 +62,10 @@ def test_every_message_has_a_dtype_nccl_can_send():
 
 
 def _group_backends(monkeypatch, name: str, config: str) -> None:
-    """Stand in for a process group (this process has none): rank 0, get_backend() `name`, get_backend_config()
-    `config`. Making a syncer asks nothing else of the group."""
+    """Stand in for a process group (this process has none): ranks 0 and 1 (this one 0), get_backend() `name`,
+    get_backend_config() `config`. Making a syncer asks nothing else of the group."""
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
     monkeypatch.setattr(dist, "get_backend", lambda group=None: name)
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
 
