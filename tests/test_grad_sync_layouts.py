@@ -208,6 +208,22 @@ def test_a_parameter_with_a_size_1_dimension_is_dense_whatever_that_dimension_s_
     torch.testing.assert_close(p.grad, w)
 
 
+def record_all_reduce_phases(monkeypatch) -> tuple[list, list]:
+    """Replace comm.all_reduce (one process issues no collective) by one that appends the phase it is called in,
+    phase[0] ("backward" until the test sets it), to calls; returns (phase, calls)."""
+    phase, calls = ["backward"], []
+
+    class Done:
+        def wait(self):
+            pass
+
+    def recorded(tensor, purpose, async_op=False):
+        calls.append(phase[0])
+        return Done()
+    monkeypatch.setattr(comm, "all_reduce", recorded)
+    return phase, calls
+
+
 @pytest.mark.parametrize("mode, unused, launched", [
     ("bucketed", "error", ["backward", "backward"]),          # overlapping backward, one bucket per layer
     ("bucketed", "zero", ["synchronize", "synchronize"]),    # all at synchronize(): a parameter may be unused somewhere
@@ -219,16 +235,7 @@ def test_which_buckets_launch_during_backward_and_which_at_synchronize(monkeypat
     process issues no collective, so comm.all_reduce is replaced by one that records the phase it was called in.
     Mutant: the launch gate without `self.unused == "error"`, with "zero" for "error", or `mode == "bucketed" or
     unused == "error"` (flat launching from backward)."""
-    phase, calls = ["backward"], []
-
-    class Done:
-        def wait(self):
-            pass
-
-    def recorded(tensor, purpose, async_op=False):
-        calls.append(phase[0])
-        return Done()
-    monkeypatch.setattr(comm, "all_reduce", recorded)
+    phase, calls = record_all_reduce_phases(monkeypatch)
     first, head = two_layers()
     sync = GradSync([first.weight, head.weight], mode, bucket_mb=1e-6, unused=unused)   # bucketed: a bucket each
     sync.zero_grad()
@@ -247,16 +254,7 @@ def test_a_parameter_used_only_before_the_armed_micro_batch_holds_its_bucket_and
     the sum over both micro-batches.
     Mutant: arm() counting parameters that already have a gradient as arrived (`b.pending = sum(id(q) not in
     self._received for q in b.params)`): the buckets launch during backward, before the armed gradients are in."""
-    phase, calls = ["backward"], []
-
-    class Done:
-        def wait(self):
-            pass
-
-    def recorded(tensor, purpose, async_op=False):
-        calls.append(phase[0])
-        return Done()
-    monkeypatch.setattr(comm, "all_reduce", recorded)
+    phase, calls = record_all_reduce_phases(monkeypatch)
     first, head = two_layers()
     sync = GradSync([first.weight, head.weight], "bucketed", bucket_mb=1e-6)   # a bucket each, the head's first
     x = torch.ones(2, 3)
