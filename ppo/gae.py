@@ -9,8 +9,10 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor
 
     rewards, values, dones: [T, N]; last_values: [N] = V(obs after the last step).
     `dones` marks both terminations and time-outs: the next observation belongs to a new episode, so
-    neither bootstraps from it. A time-out's bootstrap, gamma * V(final obs), must already be folded
-    into its reward by the caller (computed at collection time, added by fill_storage); a termination has none.
+    neither bootstraps from it. dones[t] is the flag step t returned, in its row (CleanRL keeps it one row
+    later, with its obs: pass torch.cat([dones[1:], next_done[None]]); its own dones[0] is not used).
+    A time-out's bootstrap, gamma * V(final obs), must already be folded into its reward by the caller
+    (computed at collection time, added by fill_storage); a termination has none.
     Shapes that do not match raise: a critic's [T, N, 1] values (or [N, 1] last values) would broadcast against the
     [N] rewards of a step to [N, N].
     """

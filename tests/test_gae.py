@@ -175,3 +175,28 @@ def test_gae_has_the_bits_of_the_per_step_recursion(dtype):
     expected = per_step_gae(rewards, values, dones, last, 0.998, 0.95)
     assert torch.equal(advantages, expected)
     assert torch.equal(returns, expected + values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gae_of_cleanrl_dones_moved_up_one_row_equals_cleanrl_loop(dtype):
+    """CleanRL's ppo_continuous_action keeps a step's done with the next obs (dones[t]: obs t starts an episode;
+    next_done after the last step); compute_gae gets them one row up, as its docstring says.
+    Mutant: not_done taken from the row before (`torch.cat([torch.ones_like(not_done[:1]), not_done[:-1]])`)."""
+    gen = torch.Generator().manual_seed(3)
+    T, N, gamma, lam = 9, 4, 0.97, 0.9
+    rewards, values = torch.randn(T, N, generator=gen, dtype=dtype), torch.randn(T, N, generator=gen, dtype=dtype)
+    next_value = torch.randn(N, generator=gen, dtype=dtype)
+    cleanrl_dones = (torch.rand(T, N, generator=gen) < 0.3).to(dtype)
+    cleanrl_dones[1, 0] = cleanrl_dones[T - 1, 1] = 1.0     # an episode ends at step 0 of env 0; at step T-2 of env 1
+    next_done = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=dtype)
+    expected = np.zeros((T, N))                               # CleanRL's loop, in float64 numpy
+    r, v, d, nv, nd = (x.double().numpy() for x in (rewards, values, cleanrl_dones, next_value, next_done))
+    lastgaelam = 0.0
+    for t in reversed(range(T)):
+        nextnonterminal, nextvalues = (1.0 - nd, nv) if t == T - 1 else (1.0 - d[t + 1], v[t + 1])
+        delta = r[t] + gamma * nextvalues * nextnonterminal - v[t]
+        expected[t] = lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
+    adv, ret = compute_gae(rewards, values, torch.cat([cleanrl_dones[1:], next_done[None]]), next_value, gamma, lam)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    np.testing.assert_allclose(adv.double().numpy(), expected, rtol=tol, atol=tol)
+    np.testing.assert_allclose(ret.double().numpy(), expected + v, rtol=tol, atol=tol)
