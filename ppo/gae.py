@@ -38,6 +38,9 @@ def bootstrap_time_outs(reward: torch.Tensor, truncated: torch.Tensor, final_cri
                         gamma: float) -> torch.Tensor:
     """reward + gamma * V(final obs) on the envs that timed out (`truncated`, [N] bool); others unchanged.
 
+    Every row flagged in `truncated` is bootstrapped: pass `truncated & ~terminated` (gymnasium may flag a
+    step both; that is a termination, and ppo/rollout.py masks it so). CleanRL bootstraps no time-out.
+
     On CPU the critic runs only on the timed-out rows (usually a few percent of N, so most of the
     forward is saved). On an accelerator it runs on all N rows and keeps the timed-out ones: picking the
     rows needs their count on the host, a device sync per env step that costs more than the whole small forward.
