@@ -39,7 +39,7 @@ def bootstrap_time_outs(reward: torch.Tensor, truncated: torch.Tensor, final_cri
     """reward + gamma * V(final obs) on the envs that timed out (`truncated`, [N] bool); others unchanged.
 
     Every row flagged in `truncated` is bootstrapped: pass `truncated & ~terminated` (gymnasium may flag a
-    step both; that is a termination, and ppo/rollout.py masks it so). CleanRL bootstraps no time-out.
+    step both; that is a termination, never bootstrapped). CleanRL bootstraps no time-out.
 
     On CPU the critic runs only on the timed-out rows (usually a few percent of N, so most of the
     forward is saved). On an accelerator it runs on all N rows and keeps the timed-out ones: picking the
