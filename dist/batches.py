@@ -145,7 +145,12 @@ class BatchSender:
 
 class BatchReceiver:
     """A learner's end. Keeps `depth` receives posted per rollout rank, so a rollout rank that runs ahead
-    (async mode) can hand over its next batches while the learner is still updating."""
+    (async mode) can hand over its next batches while the learner is still updating.
+
+    `layout` must be the one its rollout ranks send with (`recv_object` it from them): a message carries no layout,
+    so nothing here checks it. Under gloo a receive layout larger than the sent one completes with its tail left
+    uninitialized (no error), and a smaller one aborts this process (gloo's "Received data size doesn't match
+    expected size"). Receives are posted for iterations `start` to `end - 1`: `take` is called `end - start` times."""
 
     def __init__(self, rollouts: list[int], group, layout: Layout, state_bytes: int, depth: int, start: int, end: int,
                  device):
