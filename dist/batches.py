@@ -48,8 +48,12 @@ class Layout:
         return out
 
     def pack(self, tensors: dict[str, torch.Tensor], out: dict[torch.dtype, torch.Tensor]) -> None:
+        """Copy each field's tensor into the two wire buffers; a tensor of another shape than its field's is refused."""
         offsets = dict.fromkeys(out, 0)
         for name, (shape, dtype) in self.fields.items():
+            if tuple(tensors[name].shape) != tuple(shape):
+                raise ValueError(f"batch field {name!r} has shape {tuple(tensors[name].shape)}; its layout says "
+                                 f"{tuple(shape)}")
             wire, n = self.wire(dtype), int(torch.Size(shape).numel())
             out[wire][offsets[wire]:offsets[wire] + n].copy_(tensors[name].reshape(-1))
             offsets[wire] += n

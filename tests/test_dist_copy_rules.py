@@ -98,6 +98,23 @@ def test_a_batch_layout_carries_narrow_integers_and_half_floats_exactly():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
 
 
+@pytest.mark.parametrize("shape", [(3, 4), (5, 3)])
+def test_a_batch_layout_refuses_a_tensor_of_another_shape_naming_its_field(shape):
+    """A [3, 4] tensor for a [4, 3] field went out silently reshaped, and a [5, 3] one failed with torch's "The size
+    of tensor a (12) must match the size of tensor b (15)", naming no field: both are refused by name. The layout's
+    own shapes (a 0-dim scalar and a zero-sized field included) still pack.
+
+    Mutant: pack without its shape check (the [3, 4] tensor packs, the [5, 3] one raises a RuntimeError)."""
+    layout = Layout({"v": ((), torch.float64), "none": ((2, 0), torch.float32), "x": ((4, 3), torch.float32)})
+    buffers = layout.buffers("cpu")
+    good = {"v": torch.tensor(7.0, dtype=torch.float64), "none": torch.empty(2, 0), "x": torch.ones(4, 3)}
+    layout.pack(good, buffers)
+    assert buffers[torch.float64].tolist() == [7.0] and buffers[torch.float32].tolist() == [1.0] * 12
+    with pytest.raises(ValueError) as exc:
+        layout.pack({**good, "x": torch.zeros(shape)}, buffers)
+    assert str(exc.value) == f"batch field 'x' has shape {shape}; its layout says (4, 3)"
+
+
 def test_concat_batches_joins_time_major_fields_on_dim_1_and_the_last_critic_obs_on_dim_0():
     a = {"rewards": torch.zeros(4, 2), "last_critic_obs": torch.zeros(2, 5)}
     b = {"rewards": torch.ones(4, 3), "last_critic_obs": torch.ones(3, 5)}
