@@ -40,9 +40,9 @@ def verify_replicas(module: torch.nn.Module, what: str = "parameters", buffer_ru
         return
     # Other tensors on some rank (an extra head, another shape) cannot be compared one by one: the per-tensor
     # all-gather below then differs in length, and gloo aborted a rank there while the others waited out the timeout.
-    same_everywhere(names_checksum([f"{n} {list(t.shape)} {t.dtype}" for n, t in named]), "checksum",
-                    f"{what} are not the same tensors (names, shapes, dtypes) on every rank",
-                    f"the ranks built other modules (this rank checks {len(named)} tensors)")
+    same_names_everywhere([f"{n} {list(t.shape)} {t.dtype}" for n, t in named], "checksum",
+                          f"{what} are not the same tensors (names, shapes, dtypes) on every rank",
+                          f"the ranks built other modules (this rank checks {len(named)} tensors)")
     raise RuntimeError(f"{diverged}; tensors that differ: {differing_tensors(named, 'checksum')}")
 
 

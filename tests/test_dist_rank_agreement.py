@@ -14,6 +14,7 @@ from dist.errors import RunError
 from dist.verify import same_names_everywhere, verify_replicas
 from rollout_ranks import unpack_team_states
 from tests.multirank import run_ranks
+from tests.test_sync_contract import verify_message
 
 
 class FourRules(nn.Module):
@@ -64,12 +65,7 @@ def test_the_replica_check_covers_broadcast_mean_and_merge_buffers_by_the_rules_
 def extra_head_body(rank, world_size):
     """The last rank builds one more layer than the others; returns what verify_replicas raised, or "no error"."""
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(2, 2), *([nn.Linear(2, 1)] if rank == world_size - 1 else []))
-    try:
-        verify_replicas(m)
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+    return verify_message(nn.Sequential(nn.Linear(2, 2), *([nn.Linear(2, 1)] if rank == world_size - 1 else [])))
 
 
 @pytest.mark.slow
