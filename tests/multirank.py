@@ -16,6 +16,7 @@ with that rank's traceback, so failures read like ordinary test failures.
 
 import io
 import os
+import random
 import socket
 import traceback
 
@@ -25,9 +26,24 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, drawn below the kernel's ephemeral range: a port the kernel hands out (bind to port 0, an
+    outgoing connection) can be taken by another process between this check and the rank that binds it, e.g. a
+    `torchrun --standalone` started at the same time, which picks its ports that way."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except OSError:
+        ephemeral_low = 32768  # Linux's default
+    draw = random.SystemRandom()  # independent of any seed a test sets
+    for _ in range(100):
+        port = draw.randrange(10000, max(ephemeral_low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found in 10000-{ephemeral_low}")
 
 
 def _worker(rank, world_size, port, fn, args, queue, init_group):

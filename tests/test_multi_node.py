@@ -5,7 +5,6 @@ is local rank 0 but global rank 1)."""
 
 import glob
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,17 +12,12 @@ import pytest
 import torch
 
 from dist.checkpoint_read import load_checkpoint
+from tests.multirank import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 TRAIN = ["train.py", "cartpole", "--max-iterations", "2", "--env.num-envs", "16", "--ppo.num-steps", "16"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def final_model(root) -> dict:
