@@ -48,7 +48,11 @@ class Layout:
         return out
 
     def pack(self, tensors: dict[str, torch.Tensor], out: dict[torch.dtype, torch.Tensor]) -> None:
-        """Copy each field's tensor into the two wire buffers; a tensor of another shape than its field's is refused."""
+        """Copy each field's tensor into the two wire buffers. Refused: a missing or unknown key (an unknown one would
+        never reach the receiver), a tensor of another shape than its field's."""
+        if tensors.keys() != self.fields.keys():
+            raise ValueError(f"batch keys differ from its layout's: missing {sorted(self.fields.keys() - tensors)}, "
+                             f"not in the layout {sorted(tensors.keys() - self.fields.keys())}")
         offsets = dict.fromkeys(out, 0)
         for name, (shape, dtype) in self.fields.items():
             if tuple(tensors[name].shape) != tuple(shape):

@@ -134,3 +134,18 @@ def test_the_sampler_plan_counts_the_counts_in_their_own_dtype(dtype, nbytes):
     each whatever the dtype."""
     rows = sum_counts_plan_rows(Counts(dtype), every=5, save_every=10)
     assert [row.call_bytes for row in rows] == [[nbytes], [nbytes]]
+
+
+def test_a_batch_layout_refuses_missing_and_unknown_keys_naming_them():
+    """A key the layout lacks was dropped silently (it never reached the receiver) and a missing one raised a bare
+    KeyError: both are named.
+
+    Mutant: pack without its key check (the extra key packs, the missing one raises KeyError: 'x')."""
+    layout = Layout({"v": ((), torch.float64), "x": ((2,), torch.float32)})
+    buffers = layout.buffers("cpu")
+    with pytest.raises(ValueError) as exc:
+        layout.pack({"v": torch.tensor(1.0, dtype=torch.float64), "x": torch.ones(2), "obs": torch.ones(2)}, buffers)
+    assert str(exc.value) == "batch keys differ from its layout's: missing [], not in the layout ['obs']"
+    with pytest.raises(ValueError) as exc:
+        layout.pack({"v": torch.tensor(1.0, dtype=torch.float64)}, buffers)
+    assert str(exc.value) == "batch keys differ from its layout's: missing ['x'], not in the layout []"
