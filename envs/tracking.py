@@ -36,6 +36,9 @@ class Tracking:
 
     def __init__(self, num_envs: int, device: torch.device, seed: int, base_seed: int,
                  episode_length_s: float = 10.0, num_motions: int = 64, uniform_floor: float = 0.2):
+        if self.future_steps[0] != 1:
+            raise ValueError(f"Tracking.future_steps must start with 1 (the next frame, whose velocity the "
+                             f"observation reuses); got {self.future_steps}")
         self.num_envs, self.device, self.num_actions = num_envs, torch.device(device), self.num_joints
         self.dt = self.sim_dt * self.decimation
         self.max_episode_length = int(round(episode_length_s / self.dt))

@@ -303,6 +303,19 @@ def test_tracking_observes_the_reference_1_2_5_and_10_steps_ahead():
         np.testing.assert_allclose(obs["policy"][n, 18:42].double().numpy(), want, rtol=0, atol=2e-5)
 
 
+def test_tracking_refuses_future_steps_that_do_not_start_with_the_next_frame():
+    """_observe reuses the first future frame's velocity as the next frame's: a subclass starting at 2 observed a
+    velocity two steps ahead under the next frame's name, silently.
+
+    Mutant: no future_steps check in Tracking.__init__ (the env builds)."""
+
+    class Sparse(Tracking):
+        future_steps = (2, 5, 10)
+
+    with pytest.raises(ValueError, match=r"future_steps must start with 1 .*; got \(2, 5, 10\)"):
+        Sparse(2, "cpu", 0, base_seed=0, num_motions=2)
+
+
 def test_tracking_short_limits_start_every_episode_at_step_0():
     """Mutant: the reset's spread max(limit // 2, 2). For a 1- or 3-step limit the range [0, max(limit // 2, 1)) is
     {0}: every env starts at step 0, phase 0 in the critic observation."""
