@@ -63,11 +63,15 @@ def save_checkpoint(path: str, state: dict) -> None:
             exc = first
         if not isinstance(exc, OSError):
             raise
-        fix = (f"make {directory} writable again" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else
-               "free space on that disk or point --log.root elsewhere")    # a read-only directory needs no space
-        last = latest_checkpoint(directory) or "none: this run saved none yet"
-        raise RunError(f"could not write checkpoint {path}: {exc.strerror or exc}; {fix}, then resume from the "
-                       f"last checkpoint, {last}") from None
+        raise RunError(f"could not write checkpoint {path}: {write_error_advice(exc, directory)}") from None
+
+
+def write_error_advice(exc: OSError, run_dir: str) -> str:
+    """What failed, what to fix (by errno: a read-only directory needs no space) and which checkpoint to resume."""
+    fix = (f"make {run_dir} writable again" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else
+           "free space on that disk or point --log.root elsewhere")
+    last = latest_checkpoint(run_dir) or "none: this run saved none yet"
+    return f"{exc.strerror or exc}; {fix}, then resume from the last checkpoint, {last}"
 
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:

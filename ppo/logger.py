@@ -10,6 +10,7 @@ import time
 
 from torch.utils.tensorboard import SummaryWriter
 
+from dist.checkpoint import write_error_advice
 from dist.errors import RunError
 
 
@@ -72,14 +73,13 @@ class RunLogger:
 
     @contextlib.contextmanager
     def writing(self):
-        """TensorBoard's writer thread meets a full disk as an OSError that the next write or flush re-raises: said
+        """TensorBoard's writer thread meets a full disk (or a read-only one) as an OSError that the next write or flush re-raises: said
         as a checkpoint write error is, naming the run directory, not as a bug (`unexpected OSError`, traceback)."""
         try:
             yield
         except OSError as exc:
-            raise RunError(f"could not write TensorBoard events in {self.run_dir}: {exc.strerror or exc}; free "
-                           f"space on that disk or point --log.root elsewhere, then resume from the last checkpoint "
-                           f"(if any)") from None
+            raise RunError(f"could not write TensorBoard events in {self.run_dir}: "
+                           f"{write_error_advice(exc, self.run_dir)}") from None
 
 
 def leave_writer_oserrors(hook):

@@ -129,6 +129,33 @@ def test_a_full_disk_under_tensorboard_is_a_one_line_error_naming_the_run_direct
         thread.join(timeout=30)
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("error, fix", [(OSError(30, "Read-only file system"), "make {d} writable again"),
+                                        (OSError(28, "No space left on device"), "free space on that disk")])
+def test_a_tensorboard_write_error_says_what_to_fix_by_its_cause_and_names_the_last_checkpoint(tmp_path, monkeypatch,
+                                                                                              error, fix):
+    """TensorBoard's write error advised freeing space whatever the cause, and named no checkpoint ('(if any)').
+
+    Mutant: RunLogger.writing's message without write_error_advice's errno (always 'free space ...') fails the
+    read-only case; without the last checkpoint, both."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    def failing(self, data):
+        raise error
+    run_dir = tmp_path / "run"
+    threads_before = set(threading.enumerate())
+    logger = RunLogger(str(run_dir), max_iterations=5, start_iteration=0, steps_per_iteration=4)
+    (run_dir / "model_5.pt").write_bytes(b"")
+    monkeypatch.setattr(RecordWriter, "write", failing)
+    with pytest.raises(RunError) as info:
+        logger.log({"Policy/kl": 0.25}, step=6)
+    assert str(info.value).startswith(f"could not write TensorBoard events in {run_dir}: {error.strerror}; "
+                                      f"{fix.format(d=run_dir)}")
+    assert str(info.value).endswith(f", then resume from the last checkpoint, {run_dir / 'model_5.pt'}")
+    for thread in set(threading.enumerate()) - threads_before:
+        thread.join(timeout=30)
+
+
 def test_only_the_writer_thread_s_oserror_is_left_to_the_next_write():
     """Any other thread's failure, and any other error of the writer thread, still reaches the hook it wraps."""
     seen, writer = [], type("_AsyncWriterThread", (threading.Thread,), {})()
