@@ -1,6 +1,7 @@
 """Gradient averaging across ranks without a DDP wrapper: `GradSync(params, mode="flat" | "bucketed")`.
 
-Every parameter's `.grad` is a view into a bucket buffer (no packing copy, ever):
+Every parameter's `.grad` is a view into a bucket buffer (no packing copy, ever), so every parameter must share one
+dtype and device (refused at construction otherwise; DDP buckets per dtype):
 
 - `flat`: one bucket holding every gradient; one all-reduce per optimizer step, issued at
   `synchronize()`, after backward.

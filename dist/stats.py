@@ -62,6 +62,8 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor,
 
     A NaN or inf sample on any rank makes every rank's moments non-finite for good, and nothing here reads the
     sums back to the host to refuse it: check the batch first (train.py's check_finite names the step and env).
+    Every rank must pass the same feature count D: with another D on one rank the all-reduce's sizes differ, and
+    gloo aborts a rank while the others wait out the timeout.
     """
     shifted = batch.detach().to(torch.float64, copy=True).sub_(mean)   # one temporary, reused for the squares
     batch_count = shifted.new_full((1,), float(shifted.shape[0]))        # filled on the device (no host copy)
@@ -97,7 +99,8 @@ def reduce_metrics(sums: dict[str, torch.Tensor], counts: dict[str, torch.Tensor
     into its own row of a [W, L] block and zeros elsewhere, so every summed entry is one rank's value, exactly. Every
     rank must pass the same keys, in `maxima` too (the order they were inserted in does not matter):
     a key a rank has nothing for must still be there, with count 0. A key missing on one rank is not counted as 0:
-    the ranks' vectors then differ in length, and the all-reduce fails or sums one key's values into another's.
+    the ranks' vectors then differ in length, and the all-reduce fails or sums one key's values into another's (where
+    the keys may differ between ranks, check them first with dist/verify.py's same_names_everywhere: an int64 per rank).
     Keys with a zero total count are dropped (e.g. no episode finished anywhere). A NaN maximum on any rank is NaN.
     """
     keys, maxima = sorted(sums), maxima or {}
