@@ -73,8 +73,9 @@ class RunLogger:
 
     @contextlib.contextmanager
     def writing(self):
-        """TensorBoard's writer thread meets a full disk (or a read-only one) as an OSError that the next write or flush re-raises: said
-        as a checkpoint write error is, naming the run directory, not as a bug (`unexpected OSError`, traceback)."""
+        """TensorBoard's writer thread meets a full or read-only disk as an OSError that the next write or flush
+        re-raises: said as a checkpoint write error is (dist/checkpoint.py's advice), naming the run directory, not
+        as a bug (`unexpected OSError`, traceback)."""
         try:
             yield
         except OSError as exc:
