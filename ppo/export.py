@@ -10,7 +10,8 @@ Output: DIR/STEM.policy.pt, DIR/STEM.policy.pt2 and DIR/STEM.policy.onnx (DIR de
 folder), mapping `obs` [batch, actor obs dim] float32 to `actions` [batch, actions] float32, any batch size.
 The actions are the policy's, before the env adapter's --env.action-scale / --env.action-clip (and
 gymnasium's clip to the action space), which the deployment applies as the simulator did; the export
-prints them when they are set.
+prints them when they are set. It cannot print what an env does to actions itself (cartpole clamps to [-1, 1]
+before scaling by its force; a robot's env may clamp to joint limits): the deployment repeats that too.
 """
 
 import argparse
