@@ -55,6 +55,20 @@ class DeterministicActor(nn.Module):
         return self.actor(((obs - self.obs_mean) / self.obs_divisor).clamp(-self.obs_clip, self.obs_clip))
 
 
+def check_same_actions(policy: DeterministicActor, model: ActorCritic, path: str) -> None:
+    """Refuse an export whose actor does not give the model's mean action, `model.distribution(obs).mean`, on a few
+    observations: DeterministicActor copies only the actor normalizer and `model.actor`, so a forked ActorCritic
+    whose `distribution` computes more (an encoder before the MLP, ...) would otherwise export other actions."""
+    obs = torch.randn(8, policy.actor[0].in_features, generator=torch.Generator().manual_seed(0)) * 3
+    with torch.no_grad():
+        mine, theirs = policy(obs), model.distribution(obs).mean
+    if mine.shape != theirs.shape or not torch.allclose(mine, theirs, rtol=1e-5, atol=1e-6):
+        gap = (mine - theirs).abs().max().item() if mine.shape == theirs.shape else f"shape {tuple(mine.shape)}"
+        raise ValueError(f"CKPT {path!r}: the exported actor (the actor normalizer, then model.actor) does not give the "
+                         f"model's mean action, ActorCritic.distribution(obs).mean (largest difference {gap}): "
+                         f"make ppo/export.py's DeterministicActor compute what distribution() does")
+
+
 def load_policy(path: str) -> tuple[ActorCritic, dict]:
     """The checkpoint's actor-critic (on the CPU, eval mode) and its run config (a dict). The file passes the checks
     of a --resume (dist.checkpoint_read.read_checkpoint: CRC-32s, no nan or inf in what it holds), except that only
@@ -139,6 +153,7 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
     model, config = load_policy(path)
     scale, clip, env_name = deployment(config, path)
     policy = DeterministicActor(model).eval().requires_grad_(False)   # deployed calls build no autograd graph
+    check_same_actions(policy, model, path)                           # before anything is written
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:     # a file of that name, a read-only place: the user's error, not a traceback

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ppo import export
+from ppo.actor_critic import ActorCritic, Gaussian
 from tests.forked_python import run_python
 from tests.test_export import small_checkpoint
 
@@ -211,3 +212,21 @@ def test_a_device_given_as_the_checkpoint_is_not_a_regular_file():
     with pytest.raises(ValueError) as caught:
         export.export("/dev/null")
     assert str(caught.value) == "CKPT '/dev/null' is not a regular file; pass a model_<iteration>.pt file"
+
+
+def test_a_model_whose_distribution_does_more_than_its_actor_mlp_is_refused_before_any_file_is_written(tmp_path,
+                                                                                                   monkeypatch):
+    """A fork that puts a (frozen, pretrained) encoder before the actor MLP inside `distribution` exported only the
+    normalizer and `model.actor`: other actions than the checkpoint's policy, without an error (found adding an
+    encoder to cartpole's policy and comparing the export with `distribution(obs).mean`).
+    Mutant: `check_same_actions(policy, model, path)` left out of export()."""
+    path = small_checkpoint(tmp_path / "model_3.pt", True)
+
+    def with_encoder(self, obs):
+        x = self.actor_normalizer(obs)
+        return Gaussian(self.actor(x + 0.5 * x.tanh()), self.log_std)
+    monkeypatch.setattr(ActorCritic, "distribution", with_encoder)
+    with pytest.raises(ValueError, match=r"the exported actor \(the actor normalizer, then model.actor\) does not give "
+                                         r"the model's mean action, .*DeterministicActor compute what distribution"):
+        export.export(path, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
