@@ -64,8 +64,8 @@ def check_same_actions(policy: DeterministicActor, model: ActorCritic, path: str
         mine, theirs = policy(obs), model.distribution(obs).mean
     if mine.shape != theirs.shape or not torch.allclose(mine, theirs, rtol=1e-5, atol=1e-6):
         gap = (mine - theirs).abs().max().item() if mine.shape == theirs.shape else f"shape {tuple(mine.shape)}"
-        raise ValueError(f"CKPT {path!r}: the exported actor (the actor normalizer, then model.actor) does not give the "
-                         f"model's mean action, ActorCritic.distribution(obs).mean (largest difference {gap}): "
+        raise ValueError(f"CKPT {path!r}: the exported actor (the actor normalizer, then model.actor) does not give "
+                         f"the model's mean action, ActorCritic.distribution(obs).mean (largest difference {gap}): "
                          f"make ppo/export.py's DeterministicActor compute what distribution() does")
 
 
