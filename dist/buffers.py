@@ -4,7 +4,9 @@ Rules: `broadcast` (rank 0's value wins), `mean` (average over ranks), `merge` (
 sufficient statistics itself, e.g. ObsNormalizer.update), `local` (never synchronized: per-rank state
 such as a per-env running return). A module declares its rules as {glob pattern: rule} over buffer
 names; `resolve_buffer_policy` fails at start-up on any buffer that no pattern covers, naming it, so a
-new buffer can never be silently broadcast or silently left to drift (DDP broadcasts them all).
+new buffer can never be silently broadcast or silently left to drift (DDP broadcasts them all); and on a
+non-persistent buffer (`persistent=False`) declared anything but `local`: no state_dict, so no checkpoint and no
+rollout-rank weight sync, carries it.
 """
 
 from fnmatch import fnmatch
@@ -39,6 +41,13 @@ def resolve_buffer_policy(module: torch.nn.Module, policy: dict[str, str]) -> di
     if integer_means:
         raise ValueError(f"buffers {integer_means} are integer but declared `mean`: an average of counts is not an "
                          f"integer; declare them `broadcast` (e.g. BatchNorm's num_batches_tracked) or `local`")
+    saved = set(module.state_dict())
+    unsaved = [n for n, r in resolved.items() if r != "local" and n not in saved]
+    if unsaved:
+        raise ValueError(f"buffers {unsaved} are registered with persistent=False but declared synced: checkpoints and "
+                         f"the rollout ranks' weight sync (state_dict) leave them out, so a resumed run or a rollout "
+                         f"copy would silently keep another value; register them persistent, or declare them `local` "
+                         f"(a constant every rank builds alike)")
     return resolved
 
 

@@ -1,7 +1,7 @@
 """dist/params.py's start-up broadcast (rank 0's parameters and buffers to every rank, one call per dtype, its plan
 rows, and ranks whose parameter or buffer shapes differ stopped before it) and dist/buffers.py's buffer rules
 (broadcast, mean and local buffers synced and counted as the plan says; a `mean` rule on a non-floating buffer
-refused)."""
+refused; so is a synced rule on a non-persistent buffer)."""
 
 import pytest
 import torch
@@ -135,3 +135,19 @@ def test_a_mean_rule_on_any_non_floating_buffer_is_a_start_up_error(dtype):
     with pytest.raises(ValueError, match=r"^buffers \['flags'\] are integer but declared `mean`"):
         resolve_buffer_policy(m, {"flags": "mean"})
     assert resolve_buffer_policy(m, {"flags": "broadcast"}) == {"flags": "broadcast"}
+
+
+@pytest.mark.parametrize("rule", ["broadcast", "mean", "merge"])
+def test_a_synced_rule_on_a_non_persistent_buffer_is_a_start_up_error(rule):
+    """A buffer registered with persistent=False is in named_buffers (so the buffer sync and the replica check took
+    it) but not in the state_dict: checkpoints dropped it and rollout ranks never received it, so their copies kept
+    the constructor's value while the learners' changed (found adding such a buffer to the policy and comparing the
+    rollout copy with the learner after training with --rollout.ranks 1). `local` stays allowed.
+    Mutant: the `unsaved` check left out of resolve_buffer_policy."""
+    m = nn.Module()
+    m.register_buffer("scratch", torch.zeros(2), persistent=False)
+    m.register_buffer("kept", torch.zeros(2))
+    with pytest.raises(ValueError, match=r"^buffers \['scratch'\] are registered with persistent=False but declared "
+                                         r"synced: .*register them persistent, or declare them `local`"):
+        resolve_buffer_policy(m, {"scratch": rule, "kept": "broadcast"})
+    assert resolve_buffer_policy(m, {"scratch": "local", "kept": rule}) == {"scratch": "local", "kept": rule}
