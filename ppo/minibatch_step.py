@@ -67,7 +67,10 @@ def build_optimizer(params, cfg, device: torch.device) -> torch.optim.Adam:
     host path and --ppo.capture-step alike, so that both step with the same arithmetic. SyncFreeStep gives it a
     device LR tensor (lr_tensor) for the steps it takes; before and between updates the LR is a float. With
     --ppo.capture-step on CUDA also `capturable`: Adam refuses to be captured in a CUDA graph without it (the
-    fused kernel computes the same either way)."""
+    fused kernel computes the same either way). Frozen parameters (requires_grad False) are left out, as GradSync
+    leaves them out: Adam would hold no state for them, and a checkpoint whose state covers only some of its
+    parameters is refused as damaged (dist/checkpoint_read.py), so such a run could not resume."""
+    params = [p for p in params if p.requires_grad]
     return torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.adam_eps, fused=True,
                             capturable=cfg.capture_step and device.type == "cuda")
 

@@ -1,6 +1,6 @@
 """What a run holds and gives back: the run directory's lock (released at the run's end, taken before the process
 group forms when a run is continued in place), the exit handler its weight server registers, and a dry run that
-writes nothing under --log.root and still closes its learner team."""
+writes nothing under --log.root and still closes its learner team; a run with a frozen layer resumes."""
 
 import contextlib
 import fcntl
@@ -108,3 +108,24 @@ def test_a_live_run_s_directory_is_refused_before_the_process_group_forms(tmp_pa
         fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)   # another run's, through another open file
         with pytest.raises(UsageError, match=f"^run directory {re.escape(run_dir)} is in use by another run"):
             train.main(cfg)
+
+
+def test_a_run_with_a_frozen_layer_resumes(tmp_path, monkeypatch):
+    """A frozen (requires_grad False) part of the policy, e.g. a pretrained encoder: Adam held it in its param groups
+    but never stepped it, so the saved optimizer state covered some parameters only and every checkpoint of the run
+    was refused on --resume as damaged (found freezing a layer of cartpole's policy and resuming its run).
+    Mutant: build_optimizer without its `requires_grad` filter."""
+    build = train.build_actor_critic
+
+    def frozen_first_layer(*args):
+        model = build(*args)
+        model.critic[0].requires_grad_(False)
+        return model
+    monkeypatch.setattr(train, "build_actor_critic", frozen_first_layer)
+    train.main(small_tracking(tmp_path, iterations=1))
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "tracking", "*"))
+    cfg = small_tracking(tmp_path, iterations=2)
+    cfg.resume = run_dir
+    model = train.main(cfg)[0]
+    assert os.path.exists(os.path.join(run_dir, "model_2.pt"))
+    assert not model.critic[0].weight.requires_grad
