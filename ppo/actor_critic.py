@@ -89,8 +89,9 @@ class ActorCritic(nn.Module):
         def sizes(net):
             linears = [m for m in net if isinstance(m, nn.Linear)]
             return "-".join(str(n) for n in [linears[0].in_features] + [m.out_features for m in linears])
+        kinds = tuple(type(make()) for make in ACTIVATIONS.values())     # not a LayerNorm a fork puts between
         activation = next((type(m).__name__.lower() for net in (self.actor, self.critic) for m in net
-                           if not isinstance(m, nn.Linear)), "no activation")
+                           if isinstance(m, kinds)), "no activation")
         return (f"actor {sizes(self.actor)}, critic {sizes(self.critic)} ({activation}), "
                 f"{sum(p.numel() for p in self.parameters()):,} parameters")
 

@@ -1,5 +1,5 @@
 """The actor-critic's in-place activations against torch's out-of-place modules on the same weights, and its
-constructor's defaults against the command line's."""
+constructor's defaults against the command line's, and the activation describe() names."""
 
 import copy
 import inspect
@@ -64,3 +64,14 @@ def test_actor_critic_defaults_are_the_command_lines_defaults():
     cfg = PolicyConfig()
     assert defaults == {name: getattr(cfg, name) for name in defaults}
     assert len(defaults) == 7
+
+
+def test_describe_names_the_activation_not_a_normalization_layer_between():
+    """A fork that puts a LayerNorm between each Linear and its activation (the usual first change) printed
+    `(layernorm)` where the start-up names the activation: describe took the first module that is not a Linear.
+    Mutant: describe's `isinstance(m, kinds)` back to `not isinstance(m, nn.Linear)`."""
+    model = ActorCritic(3, 5, 2, actor_hidden=(8,), critic_hidden=(8,), activation="tanh")
+    for net in (model.actor, model.critic):
+        net.insert(1, nn.LayerNorm(8))
+    assert model.describe() == f"actor 3-8-2, critic 5-8-1 (tanh), {sum(p.numel() for p in model.parameters()):,} " \
+                               f"parameters"
