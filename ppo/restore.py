@@ -44,8 +44,8 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
         try:
             obj.load_state_dict(saved)
         except (RuntimeError, ValueError, KeyError) as exc:
-            raise UsageError(f"--resume {path!r}: its {key} does not fit this run (other env or --policy.* "
-                             f"sizes?): {one_line(exc)}") from None
+            raise UsageError(f"--resume {path!r}: its {key} does not fit this run (other env or --policy.* sizes, "
+                             f"or code changed since the save?): {one_line(exc)}") from None
     if stateful.get("model") is not None:
         # Finite log_std whose exp is inf or 0 in float32 (past about +-88): every action would be nan, and the env
         # blamed for it after a whole rollout.

@@ -318,7 +318,7 @@ def test_an_env_state_without_a_key_the_env_reads_is_one_usage_error_naming_the_
     built = {**_built(), "env": KeyedEnv()}
     saved = _checkpoint(built, [rng_states(built["env"])], env={"visits": torch.zeros(3)})
     with pytest.raises(UsageError, match=r"^--resume 'c\.pt': its env does not fit this run \(other env or "
-                                         r"--policy\.\* sizes\?\): .*counts"):
+                                         r"--policy\.\* sizes, or code changed since the save\?\): .*counts"):
         restore(saved, "c.pt", {**_built(), "env": KeyedEnv()}, None, _roles(), CPU, _run())
     env = KeyedEnv()
     restore({**saved, "env": {"counts": torch.tensor([1.0, 2.0, 3.0])}}, "c.pt", {**_built(), "env": env}, None,
