@@ -1,6 +1,7 @@
 """Gaussian actor and value critic as plain MLPs, with asymmetric observations and a learned,
 state-independent action std. Optional observation normalizers live inside the module so their
-statistics travel with the weights (checkpoints, weight sync)."""
+statistics travel with the weights (checkpoints, weight sync). Changing the networks: docs/design.md's "Changing the
+policy network" says what else touches the model (buffer rules, train mode, export, resume)."""
 
 import functools
 import math
