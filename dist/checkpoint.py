@@ -11,6 +11,7 @@ import errno
 import fcntl
 import glob
 import os
+import pathlib
 import re
 import socket
 import time
@@ -91,12 +92,11 @@ def latest_checkpoint(run_dir: str) -> str | None:
 
 
 def find_run_dir(experiment_dir: str, run_id: str) -> str | None:
-    """The run directory a previous attempt of the same torchrun job (same run id) created, if any."""
-    for marker in sorted(glob.glob(os.path.join(glob.escape(experiment_dir), "*", "run_id"))):
-        with open(marker) as f:
-            if f.read().strip() == run_id:
-                return os.path.dirname(marker)
-    return None
+    """The run directory a previous attempt of the same torchrun job (same run id) created, if any: of several (an id
+    reused, as `--rdzv-id myrun` by every job of a sweep), the one whose marker was written last, this job's."""
+    markers = glob.glob(os.path.join(glob.escape(experiment_dir), "*", "run_id"))
+    found = [(os.path.getmtime(m), m) for m in markers if pathlib.Path(m).read_text().strip() == run_id]
+    return os.path.dirname(max(found)[1]) if found else None
 
 
 def newest_run_with_checkpoint(experiment_dir: str, accept=lambda run_dir: True) -> str | None:

@@ -193,3 +193,25 @@ def test_resume_auto_reads_the_env_of_the_run_s_newest_start_by_number_not_by_na
         (tmp_path / f"config_{start}.json").write_text(json.dumps({"config": {"env": {"name": "gymnasium",
                                                                                          "task": task}}}))
     assert saved_env(str(tmp_path)) == {"name": "gymnasium", "task": "Walker2d-v4"}
+
+
+def test_a_restart_continues_its_own_job_s_directory_when_an_earlier_job_reused_the_run_id(tmp_path, monkeypatch):
+    """Every job of a sweep launched as docs/running.md shows (`--rdzv-id myrun`) has one run id. A restart took the
+    first directory by name holding it: job B's worker killed at iteration 5 was continued in job A's finished-early
+    run (another seed), which trained on in A's directory, and B's own run was left behind, exit status 0 (found
+    with two real torchrun jobs). Now the directory whose run_id marker was written last: B's, or an older-named
+    run that a later job with that id continued in place (`--resume auto` rewrote its marker).
+    Mutant: find_run_dir returns the first marker by sorted name (its loop before the fix).
+    Mutant: find_run_dir picks max(found) by path instead of by the marker's modification time."""
+    from types import SimpleNamespace
+    from configs.resume import resolve_resume
+    job_a, job_b = tmp_path / "2026-01-01_00-00-00", tmp_path / "2026-01-02_00-00-00"
+    for run, mtime in ((job_a, 1_000_000), (job_b, 2_000_000)):
+        _touch(run / "model_4.pt", mtime=mtime)
+        (run / "run_id").write_text("myrun")
+        os.utime(run / "run_id", (mtime, mtime))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "myrun")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resolve_resume(SimpleNamespace(resume=""), str(tmp_path)) == (str(job_b / "model_4.pt"), str(job_b))
+    os.utime(job_a / "run_id", (3_000_000, 3_000_000))    # job A's run continued later by a job of that id
+    assert resolve_resume(SimpleNamespace(resume=""), str(tmp_path)) == (str(job_a / "model_4.pt"), str(job_a))
