@@ -109,9 +109,10 @@ def requirement(cfg, flag: str) -> str | None:
 
 def in_experiment_dir(cfg) -> bool:
     """Whether the run directory --resume names lies in --log.root/--log.experiment (where the stop message's command,
-    which repeats the run's own flags, points)."""
-    parent = os.path.dirname(os.path.abspath(cfg.resume))  # abspath drops a trailing slash
-    return os.path.realpath(parent) == os.path.realpath(experiment_dir(cfg))
+    which repeats the run's own flags, points), as named or, through a symbolic link, as it really lies."""
+    parents = {os.path.realpath(os.path.dirname(path))     # abspath and realpath drop a trailing slash
+               for path in (os.path.abspath(cfg.resume), os.path.realpath(cfg.resume))}
+    return os.path.realpath(experiment_dir(cfg)) in parents
 
 
 def experiment_dir(cfg) -> str:

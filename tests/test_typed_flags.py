@@ -362,3 +362,20 @@ def test_a_run_directory_reached_through_a_symlinked_log_root_is_in_the_experime
     check_typed_flags(cfg_with(resume=str(linked_run), log__root=str(tmp_path / "real")), flags)
     with pytest.raises(UsageError, match=r"^--log\.root applies only with --resume auto"):
         check_typed_flags(cfg_with(resume=str(linked_run), log__root=str(tmp_path)), frozenset({"--log.root"}))
+
+
+def test_a_resumed_run_directory_named_through_a_symbolic_link_lies_where_its_target_does(tmp_path):
+    """`--resume LINK --log.root ROOT`, LINK a symbolic link to a run under ROOT/cartpole, was refused as a run
+    directory outside --log.root/--log.experiment (the link's own folder was compared), though the run continues in
+    ROOT/cartpole (found resuming a sweep's run through a link). A link whose target lies elsewhere is still refused.
+    Mutant: in_experiment_dir compares only os.path.dirname(os.path.abspath(cfg.resume)) (before the fix)."""
+    run_dir = tmp_path / "runs" / "cartpole" / "2026-12-06_09-00-00"
+    run_dir.mkdir(parents=True)
+    (run_dir / "model_3.pt").write_bytes(b"")
+    (tmp_path / "link").symlink_to(run_dir)
+    for resume in (str(tmp_path / "link"), str(tmp_path / "link") + "/"):
+        check_typed_flags(cfg_with(resume=resume, log__root=str(tmp_path / "runs"), log__experiment="cartpole"),
+                          frozenset({"--log.root", "--log.experiment"}))
+    with pytest.raises(UsageError, match="^--log.root applies only with --resume auto, a checkpoint file, or a run"):
+        check_typed_flags(cfg_with(resume=str(tmp_path / "link"), log__root=str(tmp_path / "elsewhere"),
+                                   log__experiment="cartpole"), frozenset({"--log.root"}))
