@@ -195,7 +195,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
                            cfg.ppo.num_epochs * cfg.ppo.num_mini_batches)
         try:                          # what ran from here on, readable without torch
             with open(os.path.join(run_dir, f"config_{start_iteration}.json"), "w") as f:
-                json.dump({"command": sys.argv, "config": dataclasses.asdict(cfg)}, f, indent=1)
+                json.dump({"command": sys.argv, "world_size": world, "config": dataclasses.asdict(cfg)}, f, indent=1)
         except OSError as exc:
             raise RunError(f"could not write {run_dir}/config_{start_iteration}.json: {exc.strerror}") from None
         print(f"[syncppo] writing to {run_dir}", flush=True)

@@ -281,3 +281,17 @@ def test_a_run_leaves_float32_matmuls_at_full_precision(tmp_path):
     assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
     train.main(small_tracking(tmp_path, iterations=1))
     assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
+
+
+@pytest.mark.slow
+def test_config_json_says_how_many_ranks_ran_the_start(tmp_path):
+    """A sweep over NPROC: a 1-rank and a 2-rank run of one command wrote the same config_0.json (torchrun's options
+    are not in sys.argv), though they train on other batches and seeds (rank r uses --seed + r), so the runs could not
+    be told apart (found comparing a sweep's runs). Each start now records its world size.
+    Mutant: train.py writes config_<k>.json without "world_size" (before the fix).
+    Mutant: train.py writes "world_size": 1."""
+    run_ranks(train_body, 2, args=(small_tracking(tmp_path / "two", iterations=1),))
+    train.main(small_tracking(tmp_path / "one", iterations=1))
+    for root, world in (("two", 2), ("one", 1)):
+        (written,) = glob.glob(os.path.join(tmp_path, root, "tracking", "*", "config_0.json"))
+        assert json.load(open(written))["world_size"] == world
