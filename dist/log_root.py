@@ -13,6 +13,9 @@ def check_writable_root(root: str, flag: str = "--log.root", write: bool = True)
     run directories, checked at its nearest existing ancestor; `write=False` asks only that it be a directory."""
     if not root:     # an unset shell variable (--log.root "$DIR"): the runs went to the working directory, unsaid
         raise UsageError(f"{flag} is empty; pass a directory ('.' for the current one)")
+    if root.startswith("~"):    # --log.root=~/runs: the shell left it, the runs went to ./~/runs, said as ~/runs
+        raise UsageError(f"{flag} {root!r} starts with '~', which the shell did not expand (it does not after "
+                         f"'{flag}='): pass {flag} {root} (a space, not '='), or $HOME; ./{root} for a folder named ~")
     if undecodable(root):   # str.encode() below (the lengths) raised a UnicodeEncodeError traceback
         raise UsageError(f"{flag} {root!r} holds bytes that are not text in the file system's encoding "
                          f"({sys.getfilesystemencoding()}); pick a directory whose path is text")

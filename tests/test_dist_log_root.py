@@ -19,6 +19,19 @@ def test_an_empty_root_is_named_by_the_flag_it_came_from():
     assert str(caught.value) == "--root is empty; pass a directory ('.' for the current one)"
 
 
+def test_a_root_the_shell_left_with_its_tilde_is_refused_before_a_folder_named_tilde_is_made(tmp_path, monkeypatch):
+    """`--log.root=~/runs` (no tilde expansion after '=') trained into ./~/runs while the console said "writing to
+    ~/runs/...", and `--resume auto --log.root ~/runs` then found no checkpoint under $HOME/runs (found sweeping with
+    `--flag=value` words). A root starting with '~' is refused, nothing made; `./~` still names such a folder.
+    Mutant: check_writable_root without its startswith("~") refusal."""
+    monkeypatch.chdir(tmp_path)
+    for root in ("~/runs", "~", "~user/runs"):
+        with pytest.raises(UsageError, match=f"^--log.root '{root}' starts with '~', which the shell did not expand"):
+            log_root.check_writable_root(root)
+    assert os.listdir(tmp_path) == []
+    log_root.check_writable_root("./~/runs")
+
+
 def test_a_root_under_a_device_file_is_not_a_directory_even_when_only_read():
     """/dev/null is no regular file and no directory: a --root below it cannot hold results, also for a bench that
     only reads its table (write=False, where no write probe would catch it). The message names the root, the
