@@ -356,6 +356,10 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
                 refuse_other_env(ours, theirs, path, picked_by_auto(cfg, path, flag))
             hint = " per rank" if name == "num_envs" else ""      # a resume needs the same count per rank
             way_out = picked_by_auto(cfg, path, flag) if flag == "--env.task" else ""
+            if not way_out and cfg.resume == "auto" and not restarted:   # a sweep's other arm: dropping the flag
+                run_dir = os.path.dirname(os.path.abspath(path))          # would continue that arm, not this one
+                way_out = (f"; --resume auto picked {run_dir!r}, the newest run under {os.path.dirname(run_dir)!r}: "
+                           f"to continue a run of {as_flag(flag, ours)}, pass --resume with its run directory")
             raise UsageError(f"{as_flag(flag, ours)} does not match the checkpoint's {as_flag(flag, theirs)}{hint} "
                              f"({path!r}); leave the flag out to keep the checkpoint's{way_out}")
     if state["iteration"] >= cfg.max_iterations:

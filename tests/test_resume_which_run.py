@@ -215,3 +215,27 @@ def test_a_restart_continues_its_own_job_s_directory_when_an_earlier_job_reused_
     assert resolve_resume(SimpleNamespace(resume=""), str(tmp_path)) == (str(job_b / "model_4.pt"), str(job_b))
     os.utime(job_a / "run_id", (3_000_000, 3_000_000))    # job A's run continued later by a job of that id
     assert resolve_resume(SimpleNamespace(resume=""), str(tmp_path)) == (str(job_a / "model_4.pt"), str(job_a))
+
+
+def test_a_typed_setting_that_does_not_fit_auto_s_pick_names_the_pick_and_resume_run_dir(tmp_path):
+    """A sweep over --env.num-envs in one experiment: `--resume auto --env.num-envs 128` picked the newest run, the
+    64-env arm, and the refusal said only "leave the flag out", which continues that other arm. It now also names the
+    run auto picked and --resume RUN_DIR; a --resume of a file, and a torchrun restart, are told as before.
+    Mutant: check_resume_fits without the `cfg.resume == "auto"` way out (before the fix).
+    Mutant: that way out also on a torchrun restart (`and not restarted` dropped)."""
+    from configs.resume import check_resume_fits
+    from dist.errors import UsageError
+    from test_checkpoint_rules import _saved, _tracking_cfg
+    path = str(tmp_path / "tracking" / "2026-12-06_09-00-00" / "model_5.pt")
+    cfg = _tracking_cfg(env__num_envs=128)
+    cfg.resume = "auto"
+    with pytest.raises(UsageError) as caught:
+        check_resume_fits(_saved(), cfg, path, restarted=False)
+    assert str(caught.value) == (
+        f"--env.num-envs 128 does not match the checkpoint's --env.num-envs 512 per rank ({path!r}); leave the flag "
+        f"out to keep the checkpoint's; --resume auto picked {os.path.dirname(path)!r}, the newest run under "
+        f"{str(tmp_path / 'tracking')!r}: to continue a run of --env.num-envs 128, pass --resume with its run directory")
+    for resume, restarted in ((path, False), ("auto", True)):
+        cfg.resume = resume
+        with pytest.raises(UsageError, match="leave the flag out to keep the checkpoint's$"):
+            check_resume_fits(_saved(), cfg, path, restarted=restarted)
