@@ -234,7 +234,8 @@ def test_a_typed_setting_that_does_not_fit_auto_s_pick_names_the_pick_and_resume
     assert str(caught.value) == (
         f"--env.num-envs 128 does not match the checkpoint's --env.num-envs 512 per rank ({path!r}); leave the flag "
         f"out to keep the checkpoint's; --resume auto picked {os.path.dirname(path)!r}, the newest run under "
-        f"{str(tmp_path / 'tracking')!r}: to continue a run of --env.num-envs 128, pass --resume with its run directory")
+        f"{str(tmp_path / 'tracking')!r}: to continue a run of --env.num-envs 128, pass --resume with its run "
+        f"directory")
     for resume, restarted in ((path, False), ("auto", True)):
         cfg.resume = resume
         with pytest.raises(UsageError, match="leave the flag out to keep the checkpoint's$"):
