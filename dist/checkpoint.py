@@ -370,10 +370,7 @@ def flatten_state(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     """{"a": {"b": t}} -> {"a/b": t}: nested env state as flat named tensors (to travel as bytes)."""
     out = {}
     for key, value in state.items():
-        if isinstance(value, dict):
-            out.update(flatten_state(value, f"{prefix}{key}/"))
-        else:
-            out[f"{prefix}{key}"] = value
+        out.update(flatten_state(value, f"{prefix}{key}/") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return out
 
 
