@@ -198,7 +198,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
                 json.dump({"command": sys.argv, "world_size": world, "config": dataclasses.asdict(cfg)}, f, indent=1)
         except OSError as exc:
             raise RunError(f"could not write {run_dir}/config_{start_iteration}.json: {exc.strerror}") from None
-        print(f"[syncppo] writing to {run_dir}", flush=True)
+        over = " (a restart before the run's first checkpoint: starting over)" if restarted and not resume_path else ""
+        print(f"[syncppo] writing to {run_dir}{over}", flush=True)
 
     episodes = EpisodeStats(N, metric_keys, device)
     ledger_before = comm.ledger_snapshot()       # weight-serving threads count into the ledger meanwhile

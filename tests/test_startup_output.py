@@ -32,6 +32,27 @@ def test_rank_0_prints_every_print_every_iterations_and_the_last(tmp_path, capsy
     assert preset("tracking").log.print_every == 1 and preset("mujoco").log.print_every == 10
 
 
+def test_a_restart_before_the_first_checkpoint_says_it_starts_over(tmp_path, capsys, monkeypatch):
+    """A torchrun restart whose first attempt died before its first save continues in that run's directory from
+    iteration 0, and said nothing about it (a restart with a checkpoint says `resumed ...`). Once it has a
+    checkpoint, the restart resumes and the line has no such note.
+    Mutant: the note printed without `restarted` (a first start says it too); without `not resume_path` (the
+    resumed restart says it)."""
+    run_dir = tmp_path / "tracking" / "2026-01-01_00-00-00"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run_id").write_text("job-3")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-3")
+    train.main(small_tracking(tmp_path / "first", iterations=1))
+    assert "starting over" not in capsys.readouterr().out
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    train.main(small_tracking(tmp_path, iterations=2))
+    out = capsys.readouterr().out
+    assert f"\n[syncppo] writing to {run_dir} (a restart before the run's first checkpoint: starting over)\n" in out
+    train.main(small_tracking(tmp_path, iterations=3))
+    out = capsys.readouterr().out
+    assert "[syncppo] resumed " in out and f"\n[syncppo] writing to {run_dir}\n" in out
+
+
 def dry_run_output(rank, world_size, cfg):
     """A dry run on this rank; what it printed (rank 0 alone prints the start-up)."""
     printed = io.StringIO()
