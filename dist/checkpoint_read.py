@@ -71,8 +71,10 @@ def checked_checkpoint(path: str) -> dict:
                          f"drop the trailing slash")
     if not os.path.exists(path):
         dangling = os.path.islink(path)      # exists() follows links: a dangling or looping one reads as missing
+        tilde = (" (the shell does not expand a '~' after '--resume=': write --resume ~/..., with a space)"
+                 if path.startswith("~") else "")
         raise UsageError(f"--resume {path!r} " + ("is a symbolic link whose target does not exist (or that loops)"
-                                                  if dangling else "does not exist")
+                                                  if dangling else f"does not exist{tilde}")
                          + "; pass an existing model_<iteration>.pt file, a run directory, or auto")
     if os.path.isdir(path):
         raise UsageError(f"--resume {path!r} is a directory; pass a model_<iteration>.pt file inside it, or auto")

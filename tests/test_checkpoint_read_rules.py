@@ -261,6 +261,17 @@ def test_a_checkpoint_of_another_syncppo_format_version_says_so(tmp_path):
         load_checkpoint(path)
 
 
+def test_a_resume_path_the_shell_left_with_its_tilde_says_so(tmp_path, monkeypatch):
+    """`--resume=~/runs/.../model_2.pt`: the shell expands no '~' after '=', and the path was only said not to exist,
+    though the file is there under $HOME.
+    Mutant: the tilde hint dropped from checked_checkpoint."""
+    from dist.checkpoint_read import load_checkpoint
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"^--resume '~/runs/model_2.pt' does not exist \(the shell does not expand a "
+                                         r"'~' after '--resume=': write --resume ~/\.\.\., with a space\); pass "):
+        load_checkpoint("~/runs/model_2.pt")
+
+
 def test_a_resume_path_that_is_a_dangling_link_is_called_one_not_missing(tmp_path):
     """os.path.exists follows links: a link to a deleted checkpoint reads as missing, which would send the user
     looking for the link itself; the message says it is there and where the trouble is."""
