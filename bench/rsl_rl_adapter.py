@@ -47,7 +47,9 @@ def rsl_rl_runner(cfg, log_dir: str, device: torch.device):
                       "desired_kl": p.desired_kl},
         "actor": {"class_name": "MLPModel", "hidden_dims": list(policy.actor_hidden), "activation": policy.activation,
                   "obs_normalization": policy.normalize_actor_obs,
-                  "distribution_cfg": {"class_name": "GaussianDistribution", "init_std": policy.init_noise_std}},
+                  # syncppo learns log(std) (ppo/actor_critic.py); RSL-RL's default learns std itself
+                  "distribution_cfg": {"class_name": "GaussianDistribution", "init_std": policy.init_noise_std,
+                                       "std_type": "log"}},
         "critic": {"class_name": "MLPModel", "hidden_dims": list(policy.critic_hidden),
                    "activation": policy.activation,
                    "obs_normalization": policy.normalize_critic_obs},

@@ -245,6 +245,22 @@ def test_bench_train_rsl_rl_wrapper_gives_the_env_a_copy_of_the_actions(bench_tr
     assert actions.tolist() == [[3.0], [-0.5]] and seen[0].tolist() == [[1.0], [-0.5]]
 
 
+def test_bench_train_rsl_rl_runner_learns_the_log_std_as_syncppo_does(tmp_path):
+    """The adapter promises the same networks: syncppo's state-independent std is the parameter log_std
+    (ppo/actor_critic.py); RSL-RL's GaussianDistribution learns the std itself unless told `std_type` "log", and
+    Adam's steps then move the std 1 / std times as far (3.4x at std 0.3, tests/test_rsl_rl_update_oracle.py).
+
+    Mutant: rsl_rl_runner leaving `std_type` out of the actor's distribution_cfg (RSL-RL's "scalar")."""
+    from bench.rsl_rl_adapter import rsl_rl_runner
+    from configs import preset
+    cfg = preset("tracking")
+    cfg.env.num_envs = 8
+    actor = rsl_rl_runner(cfg, str(tmp_path), torch.device("cpu")).alg.actor
+    assert actor.distribution.std_type == "log"
+    torch.testing.assert_close(actor.distribution.log_std_param.exp(), torch.full((actor.distribution.output_dim,),
+                                                                                  cfg.policy.init_noise_std))
+
+
 def test_bench_train_table_gflop_limit_and_ratios_by_hand(bench_train, capsys):
     # Shapes (1000, 1000, 1000) and (10, 20, 30): 2 * m * k * n = 2e9 + 12e3 FLOPs per minibatch step, x 2 epochs
     # x 3 minibatches. 1 warm-up round (the 9s) left out, 2 rounds kept: medians of an even count are means. The
