@@ -248,7 +248,7 @@ def test_bench_train_rsl_rl_wrapper_gives_the_env_a_copy_of_the_actions(bench_tr
 def test_bench_train_rsl_rl_runner_learns_the_log_std_as_syncppo_does(tmp_path):
     """The adapter promises the same networks: syncppo's state-independent std is the parameter log_std
     (ppo/actor_critic.py); RSL-RL's GaussianDistribution learns the std itself unless told `std_type` "log", and
-    Adam's steps then move the std 1 / std times as far (3.4x at std 0.3, tests/test_rsl_rl_update_oracle.py).
+    Adam's steps then move the std about 1 / std times as far (docs/simulators.md).
 
     Mutant: rsl_rl_runner leaving `std_type` out of the actor's distribution_cfg (RSL-RL's "scalar")."""
     from bench.rsl_rl_adapter import rsl_rl_runner
