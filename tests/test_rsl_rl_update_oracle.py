@@ -18,6 +18,7 @@ from ppo.actor_critic import ActorCritic
 from ppo.minibatch_step import build_optimizer
 from ppo.storage import RolloutStorage
 from ppo.update import ppo_update
+from tests.multirank import run_ranks
 
 T, N, A, OBS, HIDDEN = 8, 6, 3, 5, (16, 16)
 
@@ -49,8 +50,8 @@ def _models(std_type: str):
     return ours, actor, critic, obs
 
 
-def _rollout(ours):
-    g = torch.Generator().manual_seed(11)
+def _rollout(ours, seed=11):
+    g = torch.Generator().manual_seed(seed)
     obs = torch.randn(T, N, OBS, generator=g)
     with torch.no_grad():
         pi = ours.distribution(obs)
@@ -61,14 +62,16 @@ def _rollout(ours):
                 "returns": ours.value(obs) + torch.randn(T, N, generator=g)}
 
 
-def _run_both(max_grad_norm=1e6, per_minibatch=False, epochs=3, minibatches=4, lr=1e-3, std_type="log"):
+def _run_both(max_grad_norm=1e6, per_minibatch=False, epochs=3, minibatches=4, lr=1e-3, std_type="log",
+              rank=None, desired_kl=0.001):
+    """One update by each; `rank` (in a process group): this rank's own rollout, RSL-RL's multi-GPU mode."""
     ours, actor, critic, obs0 = _models(std_type)
-    data = _rollout(ours)
+    data = _rollout(ours, 11 if rank is None else 100 + rank)
     if std_type == "log":
         with torch.no_grad():
             actor.distribution.log_std_param.copy_(ours.log_std)
     cfg = PPOConfig(num_steps=T, num_epochs=epochs, num_mini_batches=minibatches, learning_rate=lr,
-                    schedule="adaptive", desired_kl=0.001, max_grad_norm=max_grad_norm, entropy_coef=0.008,
+                    schedule="adaptive", desired_kl=desired_kl, max_grad_norm=max_grad_norm, entropy_coef=0.008,
                     advantage_norm="minibatch" if per_minibatch else "none", minibatch_unit="transition")
     storage = RolloutStorage(T, N, {"policy": OBS, "critic": OBS}, A, torch.device("cpu"))
     storage.actor_obs, storage.critic_obs, storage.actions = data["obs"], data["obs"], data["actions"]
@@ -86,7 +89,8 @@ def _run_both(max_grad_norm=1e6, per_minibatch=False, epochs=3, minibatches=4, l
               clip_param=cfg.clip_param, gamma=cfg.gamma, lam=cfg.lam, value_loss_coef=cfg.value_loss_coef,
               entropy_coef=cfg.entropy_coef, learning_rate=lr, max_grad_norm=max_grad_norm,
               use_clipped_value_loss=True, schedule="adaptive", desired_kl=cfg.desired_kl,
-              normalize_advantage_per_mini_batch=per_minibatch)
+              normalize_advantage_per_mini_batch=per_minibatch,
+              multi_gpu_cfg=None if rank is None else {"global_rank": rank, "world_size": 2})
     perm = torch.randperm(T * N, generator=torch.Generator().manual_seed(5))
     with _one_permutation(perm):
         theirs = alg.update()
@@ -190,3 +194,23 @@ def test_observation_normalizer_statistics_equal_rsl_rl_s_after_each_update():
         mine.update(batch)
         torch.testing.assert_close(mine.mean, theirs.mean)
         torch.testing.assert_close(mine.std, theirs.std)
+
+
+def _two_ranks(rank, world_size):
+    # KL target 0.003: the ranks' own KLs fall on both sides of its thresholds, so a rank that used its own would
+    # step with another LR (the LR falls 1e-3 -> 2.96e-4, held at some steps)
+    ours, actor, critic, alg, theirs, stats = _run_both(rank=rank, per_minibatch=True, desired_kl=0.003)
+    return _max_difference(ours, actor, critic), stats["learning_rate"], alg.learning_rate, ours.log_std.clone()
+
+
+@pytest.mark.slow
+def test_two_ranks_update_equals_rsl_rl_multi_gpu_update():
+    """RSL-RL's multi-GPU mode (gradients all-reduced and averaged, each rank's mean KL averaged, rank 0's LR
+    broadcast) against syncppo's on the same 2 gloo ranks, each with its own rollout: equal batches, so the
+    transition-weighted KL is the mean of the ranks' means (docs/simulators.md); advantages per minibatch (per rank in
+    both). RSL-RL's broadcast sends the LR as float32, hence the LR's tolerance.
+    Mutant: backward_minibatch returning this rank's own (KL sum, count) instead of the all-reduced one."""
+    results = run_ranks(_two_ranks, 2)
+    for difference, lr, rsl_lr, _ in results:
+        assert difference < 1e-6 and lr == pytest.approx(rsl_lr, rel=1e-6) and lr < 1e-3
+    assert torch.equal(results[0][3], results[1][3])        # and the ranks agree with each other
