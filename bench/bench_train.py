@@ -72,6 +72,8 @@ DIFFERENCES = (
     "gamma * V(final observation before the reset), a critic forward on the timed-out envs (collection)",
     "RSL-RL reads each step's outputs for NaN on the host (per observation group, rewards, dones: 4 reads), "
     "syncppo the rollout's for non-finite values once (collection)",
+    "minibatches: syncppo (tracking preset) gathers whole env trajectories and reshuffles every epoch, RSL-RL "
+    "single transitions from one permutation per update: the same sizes, another gather pattern",
 )
 
 
