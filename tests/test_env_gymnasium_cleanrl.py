@@ -33,7 +33,7 @@ def wrapper(env, kind):
 def test_raw_episode_returns_and_observation_statistics_match_cleanrls_wrappers():
     """Mutant: `env_actions` without its final clamp to the action space's bounds (CleanRL's ClipAction): Hopper's
     control cost reads the unclipped action, so every return differs.
-    Mutant: `EpisodeStats.step` adds the reward after `episode_return *= ~done` (an episode's last reward goes to the next).
+    Mutant: `EpisodeStats.step` adds the reward after `episode_return *= ~done` (its last reward goes to the next).
     Hopper-v4 with actions N(0, 1.5), often outside [-1, 1], from the same seed: the adapter's raw episode returns
     (Train/mean_reward, Episode/return) equal RecordEpisodeStatistics' (charts/episodic_return). The observation
     normalizer's statistics over the steps' observations equal NormalizeObservation's once each finished episode's
