@@ -26,6 +26,14 @@ def omp_threads(parser: argparse.ArgumentParser) -> int:
     return int(threads)
 
 
+def refuse_torchrun(parser: argparse.ArgumentParser) -> None:
+    """argparse's one-line error when torchrun started this bench: every bench starts its own ranks or torchrun jobs.
+    Under torchrun each copy ran the whole bench beside the others, and the ranks of bench_grad_sync and bench_sync
+    (env:// rendezvous) waited for torchrun's agent store on a port nobody served: no output until their timeout."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        parser.error("run it with python, not torchrun: it starts its own ranks (or torchrun jobs) itself")
+
+
 def refuse_repeats(parser: argparse.ArgumentParser, flag: str, values) -> None:
     """argparse's one-line error for a value listed twice (as parsed: 0 and 00 are one seed): each bench ran it once
     and dropped the other silently, or ran it twice into one folder, so a typo never showed."""

@@ -49,8 +49,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  DDP's first use imports it (~800 modules): once here, before fork
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench._common import (free_port, omp_threads, rank_signals, refuse_repeats, stop_processes,  # noqa: E402
-                           stopped_main)
+from bench._common import (free_port, omp_threads, rank_signals, refuse_repeats, refuse_torchrun,  # noqa: E402
+                           stop_processes, stopped_main)
 from dist.errors import first_line, out_of_memory  # noqa: E402
 from dist.grad_sync import GradSync  # noqa: E402
 
@@ -319,6 +319,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=None,
                         help="default: 2 on cpu (at most 4 per core), every visible GPU on cuda")
     args = parser.parse_args()
+    refuse_torchrun(parser)
     refuse_repeats(parser, "--models", args.models or [])
     omp_threads(parser)     # else libgomp warns and runs a thread per core, under this header
     defaults = (dict(models=list(QUICK_MODELS), batch=64, warmup=1, iters=3, bucket_mb=[25.0, 0.5]) if args.quick else

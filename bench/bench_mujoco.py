@@ -37,7 +37,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from bench._common import refuse_repeats, run_child, stop_all, stopped_main  # noqa: E402
+from bench._common import refuse_repeats, refuse_torchrun, run_child, stop_all, stopped_main  # noqa: E402
 from configs import preset  # noqa: E402
 from dist.log_root import check_writable_root  # noqa: E402
 from dist.errors import UsageError  # noqa: E402
@@ -242,6 +242,7 @@ def main() -> None:
     parser.add_argument("--root", default=os.path.join(REPO, "runs", "bench_mujoco"), help="runs and results.jsonl")
     parser.add_argument("--table-only", action="store_true", help="print the table of finished runs and exit")
     args = parser.parse_args()
+    refuse_torchrun(parser)
     for flag, values in (("--tasks", args.tasks), ("--seeds", args.seeds), ("--ranks", args.ranks)):
         refuse_repeats(parser, flag, values)    # the same run twice (at once with --jobs 2: into one run directory)
     minibatches = preset("mujoco").ppo.num_mini_batches       # of transitions, at least 2 each (per-minibatch std)

@@ -57,7 +57,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench._common import (free_port, rank_answers, rank_signals, refuse_repeats, run_child, stop_all,  # noqa: E402
-                           stop_processes, stopped_main)
+                           refuse_torchrun, stop_processes, stopped_main)
 from configs.config import PolicyConfig  # noqa: E402
 from ppo.actor_critic import build_actor_critic  # noqa: E402
 from sync import WeightSyncConfig, make_weight_syncer  # noqa: E402
@@ -341,6 +341,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "out", "rollout"),
                         help="run directories; learning jobs that finished here are reused")
     args = parser.parse_args()
+    refuse_torchrun(parser)
     refuse_repeats(parser, "--parts", args.parts or [])
     if args.quick:
         args.parts = args.parts or ["throughput", "sync"]

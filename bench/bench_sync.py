@@ -38,7 +38,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench._common import free_port, rank_answers, rank_signals, run_child, stop_processes, stopped_main  # noqa: E402
+from bench._common import (free_port, rank_answers, rank_signals, refuse_torchrun, run_child,  # noqa: E402
+                           stop_processes, stopped_main)
 from dist.checkpoint_read import read_checkpoint  # noqa: E402
 from dist.errors import UsageError  # noqa: E402
 from sync import BucketConfig, PatchConfig, WeightSyncConfig, make_weight_syncer  # noqa: E402
@@ -307,6 +308,7 @@ def main() -> None:
                         help="consecutive train.py checkpoints of one run to sync (instead of --ppo's)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the time table's weights live")
     args = parser.parse_args()
+    refuse_torchrun(parser)
     defaults = (dict(size="1M", densities=[0.001, 0.3, 1.0], repeats=3) if args.quick else
                 dict(size="10M", densities=[0.0001, 0.001, 0.01, 0.1, 0.3, 1.0], repeats=7))
     for name, value in defaults.items():

@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from configs import preset, validate  # noqa: E402
 from dist.errors import UsageError, first_line, out_of_memory  # noqa: E402
-from bench._common import omp_threads, refuse_repeats, run_child, stopped_main  # noqa: E402
+from bench._common import omp_threads, refuse_repeats, refuse_torchrun, run_child, stopped_main  # noqa: E402
 from bench.rsl_rl_adapter import rsl_rl_runner  # noqa: E402
 from envs import make_env  # noqa: E402
 
@@ -324,6 +324,7 @@ def main():
                         help="syncppo with --ppo.capture-step (a CUDA graph on a GPU; on CPU the same sync-free step, "
                              "uncaptured)")
     args = parser.parse_args()
+    refuse_torchrun(parser)
     refuse_repeats(parser, "--settings", args.settings)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to torch")

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench._common import stopped_main  # noqa: E402
+from bench._common import refuse_torchrun, stopped_main  # noqa: E402
 from tests.test_faults import tb_steps  # noqa: E402
 from tests.torchrun_job import Job, alive  # noqa: E402
 
@@ -118,6 +118,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keep", action="store_true", help="keep each drill's run directory (default: removed)")
     keep = parser.parse_args().keep
+    refuse_torchrun(parser)
     rows = [
         drill("kill -9 one rank", kill_rank, keep),
         drill("kill -9 the launcher", kill_launcher, keep),

@@ -121,3 +121,28 @@ def test_rank_answers_are_taken_in_arrival_order_and_a_dead_rank_or_a_silent_wai
         bench._common.rank_answers([alive, dead], Queue(["a"]), 2, patience=0.0)
     with pytest.raises(RuntimeError, match=r"^rank answered nothing in 0.0 s$"):
         bench._common.rank_answers([alive, alive], Queue(), 1, patience=0.0)
+
+
+@pytest.mark.parametrize("name, launches, flags", [
+    ("bench_grad_sync", ["launch"], ["--quick"]),
+    ("bench_sync", ["free_port"], ["--quick"]),
+    ("bench_train", ["bench"], ["--quick", "--settings", "small"]),
+    ("bench_rollout", ["throughput", "weight_sync", "learning"], ["--quick"]),
+    ("bench_mujoco", ["run"], ["--tasks", "Hopper-v4", "--seeds", "1", "--ranks", "1"]),
+    ("fault_drills", ["drill"], []),
+])
+def test_a_bench_started_by_torchrun_is_one_line_before_it_starts_anything(monkeypatch, capsys, tmp_path, name,
+                                                                          launches, flags):
+    """`torchrun --nproc-per-node 2 bench/bench_grad_sync.py --quick` printed nothing for minutes: each copy's ranks
+    waited for torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) on the bench's own port; bench_train died in
+    RSL-RL's multi-GPU check, and the job-starting benches ran twice side by side. Every bench starts its own ranks
+    or jobs: under torchrun (TORCHELASTIC_RUN_ID set) it is now argparse's one line, exit 2.
+
+    Mutant: no refuse_torchrun(parser) call in that bench's main -> it goes on to its launch (Launched, not exit 2).
+    """
+    module = _stopped_at_launch(monkeypatch, name, *launches)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    out = {"bench_rollout": ["--out", str(tmp_path)], "bench_mujoco": ["--root", str(tmp_path)]}.get(name, [])
+    line = usage_error(module.main, monkeypatch, capsys, [f"{name}.py", *flags, *out])
+    assert line == (f"{name}.py: error: run it with python, not torchrun: it starts its own ranks (or torchrun jobs) "
+                    "itself")
