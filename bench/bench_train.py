@@ -4,8 +4,9 @@
     python bench/bench_train.py --quick    # fewer iterations (a few minutes)
     python bench/bench_train.py --device cuda --settings large --capture-step   # on a GPU (bench/gpu_check.sh)
 
-Both learners run in this one process on the same `tracking` env settings, T, N, epochs, minibatches, networks, LR
-schedule and losses (RSL-RL: rsl-rl-lib, installed by `make bench`, configured in bench/rsl_rl_adapter.py). They take
+Both learners run in this one process on the same `tracking` env settings, T, N, epochs, minibatches (of single
+transitions, as RSL-RL's: the preset's are whole env trajectories), networks (a learned log std), LR schedule and
+losses (RSL-RL: rsl-rl-lib, installed by `make bench`, configured in bench/rsl_rl_adapter.py). They take
 turns one iteration at a time: syncppo's `train.main` in the main thread, RSL-RL's `OnPolicyRunner.learn` in a second
 thread, passing a baton at each iteration's logging call, so exactly one of them runs at any moment and load from
 other processes hits both alike. After every RSL-RL iteration the same thread times `torch.mm` for exactly the GEMM
@@ -72,8 +73,7 @@ DIFFERENCES = (
     "gamma * V(final observation before the reset), a critic forward on the timed-out envs (collection)",
     "RSL-RL reads each step's outputs for NaN on the host (per observation group, rewards, dones: 4 reads), "
     "syncppo the rollout's for non-finite values once (collection)",
-    "minibatches: syncppo (tracking preset) gathers whole env trajectories and reshuffles every epoch, RSL-RL "
-    "single transitions from one permutation per update: the same sizes, another gather pattern",
+    "minibatches: syncppo draws a new permutation every epoch, RSL-RL one per update (same sizes, same gathers)",
 )
 
 
@@ -338,6 +338,7 @@ def main():
         cfg.env.num_envs = num_envs if args.num_envs is None else args.num_envs   # 0 is an error, not "unset"
         cfg.max_iterations = iterations[name][0]
         cfg.policy.actor_hidden = cfg.policy.critic_hidden = hidden
+        cfg.ppo.minibatch_unit = "transition"     # RSL-RL's minibatches (the preset's are whole env trajectories)
         cfg.dist.device, cfg.ppo.capture_step = args.device, args.capture_step
         try:
             validate(cfg)

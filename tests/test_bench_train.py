@@ -245,22 +245,6 @@ def test_bench_train_rsl_rl_wrapper_gives_the_env_a_copy_of_the_actions(bench_tr
     assert actions.tolist() == [[3.0], [-0.5]] and seen[0].tolist() == [[1.0], [-0.5]]
 
 
-def test_bench_train_rsl_rl_runner_learns_the_log_std_as_syncppo_does(tmp_path):
-    """The adapter promises the same networks: syncppo's state-independent std is the parameter log_std
-    (ppo/actor_critic.py); RSL-RL's GaussianDistribution learns the std itself unless told `std_type` "log", and
-    Adam's steps then move the std about 1 / std times as far (docs/simulators.md).
-
-    Mutant: rsl_rl_runner leaving `std_type` out of the actor's distribution_cfg (RSL-RL's "scalar")."""
-    from bench.rsl_rl_adapter import rsl_rl_runner
-    from configs import preset
-    cfg = preset("tracking")
-    cfg.env.num_envs = 8
-    actor = rsl_rl_runner(cfg, str(tmp_path), torch.device("cpu")).alg.actor
-    assert actor.distribution.std_type == "log"
-    torch.testing.assert_close(actor.distribution.log_std_param.exp(), torch.full((actor.distribution.output_dim,),
-                                                                                  cfg.policy.init_noise_std))
-
-
 def test_bench_train_table_gflop_limit_and_ratios_by_hand(bench_train, capsys):
     # Shapes (1000, 1000, 1000) and (10, 20, 30): 2 * m * k * n = 2e9 + 12e3 FLOPs per minibatch step, x 2 epochs
     # x 3 minibatches. 1 warm-up round (the 9s) left out, 2 rounds kept: medians of an even count are means. The
@@ -374,3 +358,32 @@ def test_bench_train_rsl_rl_failure_is_raised_not_a_table_without_it(monkeypatch
     cfg.policy.actor_hidden = cfg.policy.critic_hidden = (16,)
     with pytest.raises(type(failure), match="^rsl-rl broke$"):
         bt.run_interleaved(cfg, str(tmp_path), [(1, 1, 1)], torch.device("cpu"))
+
+
+def test_bench_train_both_learners_draw_the_same_minibatches_and_learn_the_same_std(bench_train, monkeypatch,
+                                                                                    tmp_path):
+    """The bench said both learners ran the same minibatches and networks, and DIFFERENCES listed what still differed,
+    but syncppo ran the tracking preset's whole-trajectory minibatches (N / M envs x T steps) where RSL-RL shuffles
+    single transitions, and RSL-RL learned the std itself (its default "scalar") where syncppo learns log std: two
+    differences in what is learned, listed nowhere. Now syncppo draws transitions and RSL-RL a log std.
+
+    Mutant: bench_train.main without `cfg.ppo.minibatch_unit = "transition"` -> "trajectory".
+    Mutant: rsl_rl_adapter without `"std_type": "log"` -> RSL-RL's actor has std_param, no log_std_param.
+    """
+    from bench.rsl_rl_adapter import rsl_rl_runner
+    from configs import preset
+
+    seen = {}
+    monkeypatch.setattr(bench_train, "bench", lambda args, configs, iterations, device: seen.update(configs))
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--quick", "--settings", "small", "large"])
+    bench_train.main()
+    assert [cfg.ppo.minibatch_unit for cfg in seen.values()] == ["transition", "transition"]
+
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.policy.init_noise_std = 4, 0.5
+    cfg.policy.actor_hidden = cfg.policy.critic_hidden = (8,)
+    runner = rsl_rl_runner(cfg, str(tmp_path), torch.device("cpu"))
+    params = dict(runner.alg.actor.named_parameters())
+    std = [name for name in params if "std" in name]
+    assert std == ["distribution.log_std_param"]
+    assert torch.allclose(params[std[0]], torch.full_like(params[std[0]], float(np.log(0.5))))
