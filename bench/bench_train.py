@@ -40,6 +40,7 @@ Designed and tested on CPU with the device syncs faked; not yet run on a GPU.
 
 import argparse
 import contextlib
+import importlib.metadata
 import os
 import signal
 import subprocess
@@ -273,6 +274,14 @@ def median(xs):
     return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
+def rsl_rl_version() -> str:
+    """The installed rsl-rl-lib's version, for the table (requirements-dev.txt pins 5.5.1; another may be installed)."""
+    try:
+        return importlib.metadata.version("rsl-rl-lib")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
 def report(name: str, cfg, rows: dict, warmup: int, limit_shapes: list, device: torch.device) -> None:
     n = min(len(rows["syncppo"]), len(rows["rsl-rl"]), len(rows["limit"]))
     sp, rl = rows["syncppo"][warmup:n], rows["rsl-rl"][warmup:n]
@@ -293,7 +302,7 @@ def report(name: str, cfg, rows: dict, warmup: int, limit_shapes: list, device: 
     print(f"| learner | env-steps/s | collection s/it | update s/it | update GFLOP/s | % of matmul limit{pct_label} | "
           "steps/s vs RSL-RL | update vs RSL-RL |")
     print("|---|---|---|---|---|---|---|---|")
-    for label, mine in (("syncppo", sp), ("rsl-rl 5.5.1", rl)):
+    for label, mine in (("syncppo", sp), (f"rsl-rl {rsl_rl_version()}", rl)):
         fps_ratio = median([(r[0] + r[1]) / (m[0] + m[1]) for m, r in zip(mine, rl)])
         upd_ratio = median([m[1] / r[1] for m, r in zip(mine, rl)])
         update = median([m[1] for m in mine])

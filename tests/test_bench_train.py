@@ -245,6 +245,19 @@ def test_bench_train_rsl_rl_wrapper_gives_the_env_a_copy_of_the_actions(bench_tr
     assert actions.tolist() == [[3.0], [-0.5]] and seen[0].tolist() == [[1.0], [-0.5]]
 
 
+def test_bench_train_table_names_the_rsl_rl_version_installed(bench_train, monkeypatch, capsys):
+    """The RSL-RL row read "rsl-rl 5.5.1" whatever rsl-rl-lib was installed; now the installed version.
+
+    Mutant: the label back to the literal "rsl-rl 5.5.1" -> the row does not name 9.9.9.
+    """
+    from configs import preset
+    monkeypatch.setattr(bench_train.importlib.metadata, "version",
+                        lambda name: "9.9.9" if name == "rsl-rl-lib" else None)
+    rows = {"syncppo": [(1.0, 1.0)], "rsl-rl": [(1.0, 1.0, 0.1)], "limit": [0.5]}
+    bench_train.report("small", preset("tracking"), rows, 0, [(10, 20, 30)], torch.device("cpu"))
+    assert "\n| rsl-rl 9.9.9 | " in capsys.readouterr().out
+
+
 def test_bench_train_table_gflop_limit_and_ratios_by_hand(bench_train, capsys):
     # Shapes (1000, 1000, 1000) and (10, 20, 30): 2 * m * k * n = 2e9 + 12e3 FLOPs per minibatch step, x 2 epochs
     # x 3 minibatches. 1 warm-up round (the 9s) left out, 2 rounds kept: medians of an even count are means. The
@@ -260,7 +273,7 @@ def test_bench_train_table_gflop_limit_and_ratios_by_hand(bench_train, capsys):
     out = capsys.readouterr().out
     assert "2 interleaved rounds after 1 warm-up" in out
     assert f"update GEMMs {flops / 1e9:.1f} GFLOP, matmul limit {flops / 0.25 / 1e9:.0f} GFLOP/s" in out
-    for label, mine in (("syncppo", sp), ("rsl-rl 5.5.1", rl)):
+    for label, mine in (("syncppo", sp), (f"rsl-rl {bench_train.rsl_rl_version()}", rl)):
         update = np.median([m[1] for m in mine])
         cells = [f"{np.median([512 / (m[0] + m[1]) for m in mine]):,.0f}", f"{np.median([m[0] for m in mine]):.3f}",
                  f"{update:.3f}", f"{np.median([flops / m[1] for m in mine]) / 1e9:.1f}", f"{100 * 0.25 / update:.0f}%",
@@ -362,10 +375,8 @@ def test_bench_train_rsl_rl_failure_is_raised_not_a_table_without_it(monkeypatch
 
 def test_bench_train_both_learners_draw_the_same_minibatches_and_learn_the_same_std(bench_train, monkeypatch,
                                                                                     tmp_path):
-    """The bench said both learners ran the same minibatches and networks, and DIFFERENCES listed what still differed,
-    but syncppo ran the tracking preset's whole-trajectory minibatches (N / M envs x T steps) where RSL-RL shuffles
-    single transitions, and RSL-RL learned the std itself (its default "scalar") where syncppo learns log std: two
-    differences in what is learned, listed nowhere. Now syncppo draws transitions and RSL-RL a log std.
+    """Said to run the same minibatches and networks (DIFFERENCES: the rest), syncppo drew whole-trajectory minibatches
+    where RSL-RL shuffles transitions, and RSL-RL learned the std itself where syncppo learns log std. Now both alike.
 
     Mutant: bench_train.main without `cfg.ppo.minibatch_unit = "transition"` -> "trajectory".
     Mutant: rsl_rl_adapter without `"std_type": "log"` -> RSL-RL's actor has std_param, no log_std_param.
