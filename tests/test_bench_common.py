@@ -1,7 +1,7 @@
 """Checks that more than one bench makes, kept in one place (bench/_common.py): each bench reads OMP_NUM_THREADS
-through the one function, and refuses a value listed twice in one line naming the flag, before any run starts; a
-stopped child gets SIGTERM, then SIGKILL (with what it started) after the grace; elsewhere than Linux no child
-starts."""
+through the one function, and refuses a value listed twice, or being started by torchrun, in one line before any
+run starts; a stopped child gets SIGTERM, then SIGKILL (with what it started) after the grace; elsewhere than Linux
+no child starts."""
 
 import inspect
 import os
