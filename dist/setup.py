@@ -152,8 +152,8 @@ def keep_freed_host_memory() -> bool:
     (512, 256, 128). Here every allocation comes from the heap (no mmap whatever its size: raising glibc's mmap
     threshold would stop at 32 MiB, under the large setting's 50 MB activations) and up to KEEP_FREED of freed
     heap is kept: faults per update drop to about 0 at both settings, and the large update took 13.9 -> 12.8 s
-    (0.36 -> 0.34 s and 16.96 -> 15.43 s with the 32 MiB threshold before that, docs/benchmarks.md). What is computed does not change;
-    the cost is a resident set that stays at its peak.
+    (0.36 -> 0.34 s and 16.96 -> 15.43 s with the 32 MiB threshold before that, docs/benchmarks.md). What is
+    computed does not change; the cost is a resident set that stays at its peak.
     """
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
