@@ -118,7 +118,7 @@ class PPOConfig:
 @dataclass
 class DistConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """process-group backend; auto = nccl when CUDA is available, else gloo"""
+    """process-group backend; auto = nccl on CUDA devices (see --dist.device), else gloo"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda:LOCAL_RANK when CUDA is available, else cpu (always cpu with --rollout.ranks)"""
     grad_sync: Literal["flat", "bucketed"] = "flat"
@@ -322,6 +322,10 @@ def validate_rollout(cfg: Config, world_size: int) -> None:
     if cfg.dist.device == "cuda":
         raise UsageError("--rollout.ranks runs on CPU devices only for now (batches and weights are staged on the "
                          "host over gloo, and the CUDA path is untested); use --dist.device cpu or auto")
+    if cfg.dist.backend == "nccl":    # else init_distributed's "nccl needs CUDA devices", wrong on a GPU machine
+        raise UsageError("--rollout.ranks runs on CPU devices only for now (batches and weights are staged on the "
+                         "host over gloo), and --dist.backend nccl moves CUDA tensors only; use --dist.backend gloo "
+                         "or auto")
     if cfg.env.name == "isaaclab":    # --dist.device auto means cpu with rollout ranks: the adapter would refuse it
         raise UsageError("--rollout.ranks runs on CPU devices only for now, and --env.name isaaclab simulates on "
                          "GPUs; use --rollout.ranks 0 (colocated) with Isaac Lab")

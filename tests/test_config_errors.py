@@ -312,6 +312,18 @@ def test_rollout_ranks_on_a_cuda_device_are_refused_naming_the_flag():
     validate(cfg, world_size=2)
 
 
+def test_rollout_ranks_with_nccl_are_refused_naming_both_flags_not_missing_cuda():
+    """With --rollout.ranks every rank runs on the host, so --dist.backend nccl cannot work; it was left to
+    init_distributed, whose "nccl needs CUDA devices" is wrong on a machine with GPUs.
+    Mutant: validate_rollout without the --dist.backend nccl check -> validate passes."""
+    cfg = cfg_with()
+    cfg.rollout.ranks, cfg.dist.backend = 1, "nccl"
+    with pytest.raises(UsageError, match=r"--rollout.ranks runs on CPU .* --dist.backend nccl .* gloo or auto"):
+        validate(cfg, world_size=2)
+    cfg.rollout.ranks = 0                 # colocated: nccl is init_distributed's to check against the device
+    validate(cfg, world_size=2)
+
+
 def test_capture_step_with_gloo_on_cuda_devices_is_refused_once_the_device_is_known(monkeypatch, tmp_path):
     """gloo's all-reduce of CUDA tensors copies through the host on its own thread, which a CUDA graph cannot
     capture: such a run failed at its first capture, after a rollout. train.main refuses it before building."""
