@@ -174,7 +174,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     max_iterations: int = 150
-    """PPO iterations to run (rollout + update each)"""
+    """PPO iterations in all (rollout + update each); a resumed run continues from its checkpoint's iteration to this"""
     seed: int = 1
     """base seed; rank r uses seed + r"""
     resume: str = ""
