@@ -50,9 +50,9 @@ class EnvConfig:
 @dataclass
 class PolicyConfig:
     actor_hidden: tuple[int, ...] = (128, 128)
-    """hidden layer sizes of the actor MLP"""
+    """hidden layer sizes of the actor MLP; the flag with no sizes makes the actor linear"""
     critic_hidden: tuple[int, ...] = (128, 128)
-    """hidden layer sizes of the critic MLP"""
+    """hidden layer sizes of the critic MLP; the flag with no sizes makes the critic linear"""
     activation: Literal["elu", "tanh", "relu"] = "elu"
     """hidden activation of both MLPs"""
     init_noise_std: float = 1.0
