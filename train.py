@@ -266,8 +266,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             if (iteration + 1) % cfg.log.print_every == 0 or iteration + 1 == cfg.max_iterations:
                 logger.print_line(iteration, scalars)
         if launcher_gone:     # orphans: no launcher is left to restart or collect the job, so write nothing
-            gone = RunError(f"the launcher (torchrun) is gone: stopped after iteration {iteration + 1} without saving; "
-                            f"the last periodic checkpoint is kept")
+            gone = RunError(stop.gone_message(iteration + 1))   # this rank's launcher, or another node's
             if team is not None:
                 # Told to stop, so closed as after a last iteration: leaving before the rollout ranks read the stop
                 # tore the groups down under them ("learner rank 0 died") and left the serving threads to the exit.

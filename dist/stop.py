@@ -47,6 +47,13 @@ class StopRequests:
     def launcher_gone(self) -> bool:
         return self._launcher_pid is not None and os.getppid() != self._launcher_pid
 
+    def gone_message(self, iteration: int) -> str:
+        """Why the ranks stop when some rank's launcher died. Read after the all-reduce that carried the flag, so a
+        rank whose own launcher is gone sees it here too: one that does not is on another node than the dead one."""
+        whose = "the launcher (torchrun) is gone" if self.launcher_gone() else \
+            "another node's launcher (torchrun) is gone (this node's is alive: that node's machine or agent died)"
+        return f"{whose}: stopped after iteration {iteration} without saving; the last periodic checkpoint is kept"
+
     def local_flags(self, device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(sum, count) pairs for the metrics all-reduce: the summed sum is how many ranks raised each flag."""
         one = torch.ones((), device=device)

@@ -161,3 +161,21 @@ def test_an_unwatched_run_never_reports_its_launcher_gone_even_when_its_parent_c
     stop = StopRequests(watch_launcher=False)
     assert not stop.launcher_gone()
     assert flags(stop) == ((0.0, 1.0), (0.0, 1.0))
+
+
+def test_a_rank_whose_own_launcher_lives_blames_another_nodes_launcher(monkeypatch, handlers):
+    """On two `torchrun --nnodes 2` nodes, node 1's torchrun SIGKILLed (its machine or agent died) leaves node 1's rank
+    re-parented; its flag rides the metrics all-reduce and node 0's rank stops too. Node 0's rank said `the launcher
+    (torchrun) is gone`, its own, which was alive: the operator looked on the wrong node. The message is read after
+    the all-reduce, so a rank re-parented by then says its own launcher, and one that is not names another node's.
+    Mutant: gone_message always says "the launcher (torchrun) is gone" (ignores launcher_gone())."""
+    parent = iter([4242, 4242])                                               # at start, then still torchrun
+    monkeypatch.setattr("dist.stop.os.getppid", lambda: next(parent))
+    alive_here = StopRequests(watch_launcher=True)
+    assert alive_here.gone_message(7) == ("another node's launcher (torchrun) is gone (this node's is alive: that "
+                                          "node's machine or agent died): stopped after iteration 7 without saving; "
+                                          "the last periodic checkpoint is kept")
+    parent = iter([4242, 1])                                                  # at start, then re-parented
+    orphan = StopRequests(watch_launcher=True)
+    assert orphan.gone_message(7) == ("the launcher (torchrun) is gone: stopped after iteration 7 without saving; "
+                                      "the last periodic checkpoint is kept")
