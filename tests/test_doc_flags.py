@@ -36,6 +36,7 @@ ALLOWLIST = {
     "--rdzv-backend": "torchrun",
     "--rdzv-endpoint": "torchrun",
     "--rdzv-id": "torchrun",
+    "--rdzv-conf": "torchrun",
     "--upgrade": "pip",
     "--extra-index-url": "pip",
     "--branch": "git clone",
