@@ -32,10 +32,9 @@ from configs import Config
 from configs.resume import shared_env_seed
 from configs.typed_flags import env_label
 from dist import comm
-from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, naming, recv_object, send_object,
-                          setup_plan_row)
-from dist.checkpoint import (agree_plan_rows, flatten_state, from_bytes, rng_states, rng_states_fit, set_rng_states,
-                             to_bytes, unflatten_state)
+from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, flatten_state, from_bytes, naming,
+                          recv_object, send_object, setup_plan_row, to_bytes, unflatten_state)
+from dist.checkpoint import agree_plan_rows, rng_states, rng_states_fit, set_rng_states
 from dist.errors import RunError, UsageError, one_line
 from dist.plan import PlanRow
 from dist.setup import seed_everything

@@ -28,8 +28,8 @@ import torch
 import tyro
 
 from configs import PRESETS, Config, env_count_flag, resolve_num_envs, validate, validate_device
-from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, resolve_resume, resume_command,
-                            settings_digest, shared_env_seed)
+from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, differing_settings,
+                            resolve_resume, resume_command, settings_digest, shared_env_seed)
 from configs.typed_flags import env_label, experiment_dir, typed_flags, typed_task
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
@@ -107,7 +107,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
 
     # ---- distributed set-up and roles; rollout ranks (--rollout.ranks) go their own way ------------
     info = init_distributed(cfg.dist.backend, cfg.dist.device, cfg.dist.timeout_s)
-    agree_on_checkpoint(checkpoint, None if cfg.dry_run else cfg.log.root, settings_digest(cfg))   # own files
+    agree_on_checkpoint(checkpoint, None if cfg.dry_run else cfg.log.root, settings_digest(cfg),   # own files
+                        explain=lambda: differing_settings(cfg))
     if done:          # said after the agreement: a rank that loaded another checkpoint must not be left waiting
         if rank == 0:
             print(f"[syncppo] {resume_path} already reached --max-iterations {cfg.max_iterations}: done", flush=True)

@@ -24,11 +24,13 @@ import torch
 
 from configs.config import FLOAT32_MAX, check_experiment_name
 from configs.typed_flags import env_reads, requirement
+from dist import comm
 from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
 from dist.checksum import checksum
 from dist.errors import UsageError
 from dist.log_root import undecodable
 from dist.setup import launch_int
+from dist.verify import differing_tensors
 
 # Fields that decide tensor shapes or which states a checkpoint holds, or that only shape a new policy (its
 # initial weights and action std, which the checkpoint's replace): a mismatch fails before build.
@@ -62,6 +64,18 @@ def settings_digest(cfg) -> int:
     text = json.dumps([(flag, repr(getattr(owner, field.name))) for flag, owner, field, _ in settings(cfg)
                        if flag not in PER_NODE] + [source_digest()])
     return int(checksum([torch.tensor(list(text.encode()), dtype=torch.uint8)]))
+
+
+def differing_settings(cfg) -> str:
+    """Which settings differ from rank 0's, for the error once settings_digest found that some do: syncppo's code,
+    else the flags by name. Crosses ranks on that failure path only: an all-gather of one int64 per rank (the code's
+    checksum), then, where every rank runs the same code (so the same flags, in order), of one int64 per flag."""
+    code = comm.all_gather(torch.tensor([source_digest()]).to(comm.device()), "resume").flatten().tolist()
+    if any(c != code[0] for c in code):
+        return f"syncppo's .py files differ on rank(s) {[rank for rank, c in enumerate(code) if c != code[0]]}"
+    values = [(flag, torch.tensor(list(repr(getattr(owner, field.name)).encode()), dtype=torch.uint8))
+              for flag, owner, field, _ in settings(cfg) if flag not in PER_NODE]
+    return f"{', '.join(differing_tensors(values, 'resume'))} differ"
 
 
 def source_digest(root: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) -> int:

@@ -239,3 +239,40 @@ def concat_batches(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
     if len(batches) == 1:
         return batches[0]
     return {k: torch.cat([b[k] for b in batches], dim=0 if k in ENV_FIRST else 1) for k in batches[0]}
+
+
+def flatten_state(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """{"a": {"b": t}} -> {"a/b": t}: nested env state as flat named tensors (to travel as bytes)."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(flatten_state(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def unflatten_state(flat: dict[str, torch.Tensor]) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def to_bytes(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Named tensors as one uint8 tensor (exact for every dtype); `from_bytes` with the layout undoes it."""
+    return torch.cat([t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]) \
+        if tensors else torch.zeros(0, dtype=torch.uint8)
+
+
+def from_bytes(blob: torch.Tensor, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for name, (shape, dtype) in layout.items():
+        n = int(torch.Size(shape).numel()) * dtype.itemsize
+        out[name] = blob[offset:offset + n].clone().view(dtype).reshape(shape)
+        offset += n
+    return out

@@ -20,6 +20,7 @@ import uuid
 import torch
 
 from dist import comm
+from dist.batches import flatten_state
 from dist.checksum import checksum
 from dist.errors import RunError, UsageError
 from dist.log_root import make_probe, probe_path, write_refusal
@@ -222,7 +223,7 @@ def set_rng_states(saved: dict, env=None, shuffle: torch.Generator | None = None
         torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
 
 
-def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None, settings: int = 0) -> None:
+def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None, settings: int = 0, explain=None) -> None:
     """Refuse to start unless every rank runs the same `settings` (a checksum of them) and loaded the same checkpoint,
     or none did; and say when some ranks do not see `log_root` as rank 0 does (None: a dry run, which writes nothing
     there). Nodes started with other flags trained on silently (another env count) or aborted in gloo at the first
@@ -236,7 +237,8 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None, settings:
     stops now, and any other run is told that only rank 0's node holds its checkpoints.
     Crosses ranks once at start-up: a broadcast of rank 0's probe name (one int64; -1 when it could not make one,
     and every rank stops) and an all-gather of 5 int64 per rank (loaded or not, iteration, checksum of the saved
-    weights, probe seen, settings); see `agree_plan_rows`.
+    weights, probe seen, settings); see `agree_plan_rows`. Where the settings differ, `explain()` (called on every
+    rank: it may cross ranks) says which.
     """
     if comm.world_size() == 1:
         return
@@ -275,7 +277,8 @@ def agree_on_checkpoint(checkpoint: dict | None, log_root: str | None, settings:
                          f"every node sees the same files")
     others = [rank for rank, row in enumerate(rows) if row[4] != rows[0][4]]
     if others:
-        raise UsageError(f"rank(s) {others} run with other settings than rank 0 (a checksum of every flag but "
+        which = f": {explain()}" if explain else ""
+        raise UsageError(f"rank(s) {others} run with other settings than rank 0{which} (a checksum of every flag but "
                          "--log.root, --resume, --env.launcher-args and --dist.timeout-s, and of syncppo's .py files): "
                          "start every node with the same preset, flags and syncppo version")
     if not blind:
@@ -364,37 +367,3 @@ def checkpoint_plan_rows(states: dict[str, torch.Tensor], save_every: int, env_s
 def rng_plan_row(states: dict[str, torch.Tensor], save_every: int) -> PlanRow:
     return PlanRow("checkpoint", "RNG states of every rank to rank 0", "gather", "checkpoint",
                    [sum(s.numel() for s in states.values())], every=save_every)
-
-
-def flatten_state(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    """{"a": {"b": t}} -> {"a/b": t}: nested env state as flat named tensors (to travel as bytes)."""
-    out = {}
-    for key, value in state.items():
-        out.update(flatten_state(value, f"{prefix}{key}/") if isinstance(value, dict) else {f"{prefix}{key}": value})
-    return out
-
-
-def unflatten_state(flat: dict[str, torch.Tensor]) -> dict:
-    out: dict = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
-
-
-def to_bytes(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Named tensors as one uint8 tensor (exact for every dtype); `from_bytes` with the layout undoes it."""
-    return torch.cat([t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]) \
-        if tensors else torch.zeros(0, dtype=torch.uint8)
-
-
-def from_bytes(blob: torch.Tensor, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-    out, offset = {}, 0
-    for name, (shape, dtype) in layout.items():
-        n = int(torch.Size(shape).numel()) * dtype.itemsize
-        out[name] = blob[offset:offset + n].clone().view(dtype).reshape(shape)
-        offset += n
-    return out

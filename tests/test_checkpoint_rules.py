@@ -171,7 +171,7 @@ def test_named_tensors_travel_as_bytes_and_back_exactly():
     """to_bytes / from_bytes carry a rollout rank's checkpoint state (RNG states, flattened env state) as one
     uint8 tensor: each tensor is read back from its own offset, in its dtype and shape, bit for bit;
     flatten_state / unflatten_state turn nested dicts into "a/b" names and back."""
-    from dist.checkpoint import flatten_state, from_bytes, to_bytes, unflatten_state
+    from dist.batches import flatten_state, from_bytes, to_bytes, unflatten_state
     nested = {"rng": torch.tensor([1, 2, 3], dtype=torch.uint8),
               "env": {"steps": torch.tensor([[7, -8]], dtype=torch.int64), "obs": {"mean": torch.tensor([0.5, -0.0])}},
               "done": torch.tensor([True, False, True])}

@@ -85,5 +85,5 @@ def test_a_rank_running_other_code_stops_at_start_up_on_every_rank(tmp_path):
     assert same == ["trained", "trained"]            # an identical copy elsewhere on disk is the same code
     stale = run_ranks(stale_copy_body, 2, args=(str(tmp_path / "stale"), copy_repo(tmp_path / "edited", edit=True)))
     for said in stale:
-        assert said.startswith("rank(s) [1] run with other settings than rank 0 (a checksum of every flag but ") \
-            and "and of syncppo's .py files" in said, said
+        assert said.startswith("rank(s) [1] run with other settings than rank 0: syncppo's .py files differ on rank(s) "
+                               "[1] (a checksum of every flag but ") and "and of syncppo's .py files" in said, said

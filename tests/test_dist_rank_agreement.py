@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from dist.batches import to_bytes
 from dist.buffers import resolve_buffer_policy
-from dist.checkpoint import same_env_state, to_bytes
+from dist.checkpoint import same_env_state
 from dist.errors import RunError
 from dist.verify import same_names_everywhere, verify_replicas
 from rollout_ranks import unpack_team_states

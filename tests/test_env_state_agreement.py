@@ -10,7 +10,7 @@ import torch
 import train
 from configs import preset
 from dist import comm
-from dist.checkpoint import flatten_state, to_bytes
+from dist.batches import flatten_state, to_bytes
 from dist.errors import RunError
 from dist.plan import expected_ledger
 from envs.cartpole import CartPole

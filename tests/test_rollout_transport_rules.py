@@ -9,9 +9,8 @@ import torch
 
 from configs import preset
 from dist import comm
-from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, naming, recv_object, send_object,
-                          setup_plan_row)
-from dist.checkpoint import flatten_state, to_bytes
+from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, flatten_state, naming, recv_object,
+                          send_object, setup_plan_row, to_bytes)
 from dist.errors import RunError
 from dist.plan import expected_ledger
 from rollout_ranks import LearnerTeam, batch_layout, restore_rollout_rng, unpack_team_states

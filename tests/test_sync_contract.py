@@ -312,14 +312,16 @@ def other_settings_body(rank, world_size, root, change):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("change, said", [
-    (("env.num_envs", 16), "rank(s) [1] run with other settings than rank 0"),      # trained on silently
-    (("ppo.num_epochs", 3), "rank(s) [1] run with other settings than rank 0"),     # aborted in gloo
+    (("env.num_envs", 16), "rank(s) [1] run with other settings than rank 0: --env.num-envs differ ("),  # trained on
+    (("ppo.num_epochs", 3), "rank(s) [1] run with other settings than rank 0: --ppo.num-epochs differ ("),  # aborted
     (("dist.timeout_s", 120.0), "trained"),           # per node, as --log.root (each rank has its own here)
 ])
 def test_ranks_started_with_other_settings_stop_at_start_up(tmp_path, change, said):
     """Nodes started with other flags: another env count trained to the end with unequal batches (and the start-up
     line and config_0.json said rank 0's), another epoch count aborted the process in gloo (SIGABRT, no line).
-    Now every rank stops before anything is built, naming the ranks; what may differ per node does not stop it."""
+    Now every rank stops before anything is built, naming the ranks and the flags; what may differ per node does not
+    stop it.
+    Mutant: train.py's agree_on_checkpoint call without `explain` (the flags unnamed)."""
     for result in run_ranks(other_settings_body, 2, args=(str(tmp_path), change)):
         assert result.startswith(said), result
 
