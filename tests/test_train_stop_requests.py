@@ -12,15 +12,15 @@ import pytest
 import torch
 
 import train
-from dist.stop import STOP_KEYS
+from dist.stop import STOP_KEYS, StopRequests
 from tests.multirank import run_ranks
 from tests.test_train import small_tracking
 
 
 class FlagAt:
     """StopRequests as this rank would see it when `key` (a signal, or the launcher gone) comes up during iteration
-    `at` (1-based) and not before: train.main's only reads of it are local_flags once per iteration and the handlers'
-    restore at the end."""
+    `at` (1-based) and not before: train.main's only reads of it are local_flags once per iteration, the handlers'
+    restore at the end, and gone_message (StopRequests' own, on this rank's launcher as the flag says it)."""
 
     def __init__(self, at, key="Control/stop_signal"):
         self.at, self.key, self.calls = at, key, 0
@@ -35,6 +35,11 @@ class FlagAt:
 
     def restore_default_handlers(self):
         pass
+
+    def launcher_gone(self):
+        return self.key == "Control/launcher_gone" and self.calls >= self.at
+
+    gone_message = StopRequests.gone_message
 
 
 def checkpoints(root):
