@@ -251,7 +251,7 @@ def two_rank_rate(preset_name: str, num_envs: int, iterations: int, warmup: int,
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "train.py", preset_name, "--max-iterations",
            str(iterations), "--env.num-envs", str(num_envs), "--log.root", root, "--log.print-every", str(10**6),
-           "--log.save-every", str(10**6)]
+           "--log.save-every", str(10**6), "--ppo.minibatch-unit", "transition"]    # as the table's rows
     # Its output goes to a log, shown if it fails: a torchrun stopped with the bench prints a traceback of its own.
     with open(os.path.join(tmp, "two-ranks.log"), "w+") as log:
         code = run_child(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=log,

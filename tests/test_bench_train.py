@@ -336,10 +336,12 @@ def test_bench_train_main_times_the_minibatch_gemms_and_leaves_out_the_warm_up(b
 
 
 def test_bench_train_two_rank_rate_leaves_out_the_warm_up(bench_train, monkeypatch, tmp_path):
-    # total_fps 100, 1 (warm-up), then 10, 20, 30, 40: median of the last four = 25
+    """total_fps 100, 1 (warm-up), then 10, 20, 30, 40: median of the last four = 25; the job draws the table's
+    minibatches. Mutant: two_rank_rate's command without `--ppo.minibatch-unit transition` (the preset's)."""
     from torch.utils.tensorboard import SummaryWriter
 
     def fake_torchrun(command, **kwargs):
+        assert command[command.index("--ppo.minibatch-unit") + 1] == "transition"
         writer = SummaryWriter(os.path.join(str(tmp_path), "two-ranks", "run"))
         for step, value in enumerate([100.0, 1.0, 10.0, 20.0, 30.0, 40.0], start=1):
             writer.add_scalar("Perf/total_fps", value, step)
@@ -379,11 +381,9 @@ def test_bench_train_both_learners_draw_the_same_minibatches_and_learn_the_same_
     where RSL-RL shuffles transitions, and RSL-RL learned the std itself where syncppo learns log std. Now both alike.
 
     Mutant: bench_train.main without `cfg.ppo.minibatch_unit = "transition"` -> "trajectory".
-    Mutant: rsl_rl_adapter without `"std_type": "log"` -> RSL-RL's actor has std_param, no log_std_param.
-    """
+    Mutant: rsl_rl_adapter without `"std_type": "log"` -> RSL-RL's actor has std_param, no log_std_param."""
     from bench.rsl_rl_adapter import rsl_rl_runner
     from configs import preset
-
     seen = {}
     monkeypatch.setattr(bench_train, "bench", lambda args, configs, iterations, device: seen.update(configs))
     monkeypatch.setattr(sys, "argv", ["bench_train.py", "--quick", "--settings", "small", "large"])
