@@ -299,6 +299,12 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
                 return done()
         version = request_weights(syncer, copy, learner, roles.weights_group, version, cfg.max_iterations)
         return done()
+    except comm.CollectiveError as error:
+        # A Ctrl-C here too: the learner was still starting, so its KeyboardInterrupt closed the connection before
+        # it read the flag. The interrupt is said (as the learner says it), not a learner that "died or stalled".
+        if stop.signal_name == "SIGINT":
+            raise KeyboardInterrupt from error
+        raise
     finally:
         stop.restore_default_handlers()
 

@@ -177,6 +177,45 @@ def test_a_failed_rollout_rank_is_one_line_on_its_learner(tmp_path):
     assert "Traceback" not in learner, learner
 
 
+# A Ctrl-C during start-up: the rollout rank has its stop handlers and takes the SIGINT as a stop request; the learner,
+# still starting, gets a KeyboardInterrupt (here at its first receive, before it reads the rollout rank's flag).
+INTERRUPTED_AT_START = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import tyro
+    import train, rollout_ranks
+    from configs import PRESETS
+
+    if os.environ["RANK"] == "0":
+        def interrupted(self, iteration):
+            raise KeyboardInterrupt
+        rollout_ranks.LearnerTeam.receive = interrupted
+    else:
+        class Interrupted(rollout_ranks.StopRequests):
+            def __init__(self, watch_launcher):
+                super().__init__(watch_launcher)
+                self._on_signal(signal.SIGINT, None)      # what the handler does with the SIGINT torchrun forwards
+        rollout_ranks.StopRequests = Interrupted
+    sys.argv = ["train.py", *sys.argv[1:]]
+    sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for n, f in PRESETS.items()}})))
+""")
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_at_start_up_is_an_interrupt_on_the_rollout_rank_not_its_learners_death(tmp_path):
+    """A Ctrl-C that found the learner still starting and its rollout rank already collecting: the learner says it
+    was interrupted, and so does the rollout rank, whose receive failed on the connection the learner closed. It said
+    `error: learner rank 0 died or stalled ...` (about 1 run in 10 of a Ctrl-C at start-up under torchrun).
+    Mutant: drop the `except comm.CollectiveError` clause of run_rollout_rank's loop (rollout_ranks.py)."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED_AT_START.format(root=ROOT))
+    codes, (learner, rollout) = learner_and_rollout_rank(script, tmp_path)
+    said = "error: interrupted by Ctrl-C outside the training loop: nothing saved since the last checkpoint"
+    assert codes == [130, 130], learner + rollout
+    assert said in learner.splitlines(), learner
+    assert said in rollout.splitlines() and "died or stalled" not in rollout, rollout
+
+
 # A rank killed while it writes its error file for torchrun: a failed run restores the default handlers, so torchrun's
 # SIGTERM (sent once a peer failed, e.g. a rollout rank that saw its learner killed) ends it mid-write.
 KILLED_WHILE_TELLING = textwrap.dedent("""
