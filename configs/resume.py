@@ -58,11 +58,14 @@ LAUNCH_SECTIONS = ("dist",)
 PER_NODE = {"--log.root", "--resume", "--env.launcher-args", "--dist.timeout-s"}
 
 
+def shared_settings(cfg) -> list[tuple[str, str]]:
+    """(flag, repr of its value) of every setting but PER_NODE's: what every rank of one run must agree on."""
+    return [(flag, repr(getattr(owner, field.name))) for flag, owner, field, _ in settings(cfg) if flag not in PER_NODE]
+
+
 def settings_digest(cfg) -> int:
-    """A checksum of every setting but PER_NODE's, and of the code (source_digest): equal on every rank of one run
-    (dist.checkpoint compares them)."""
-    text = json.dumps([(flag, repr(getattr(owner, field.name))) for flag, owner, field, _ in settings(cfg)
-                       if flag not in PER_NODE] + [source_digest()])
+    """A checksum of shared_settings and the code (source_digest): equal on every rank (dist.checkpoint compares)."""
+    text = json.dumps(shared_settings(cfg) + [source_digest()])
     return int(checksum([torch.tensor(list(text.encode()), dtype=torch.uint8)]))
 
 
@@ -73,8 +76,7 @@ def differing_settings(cfg) -> str:
     code = comm.all_gather(torch.tensor([source_digest()]).to(comm.device()), "resume").flatten().tolist()
     if any(c != code[0] for c in code):
         return f"syncppo's .py files differ on rank(s) {[rank for rank, c in enumerate(code) if c != code[0]]}"
-    values = [(flag, torch.tensor(list(repr(getattr(owner, field.name)).encode()), dtype=torch.uint8))
-              for flag, owner, field, _ in settings(cfg) if flag not in PER_NODE]
+    values = [(flag, torch.tensor(list(value.encode()), dtype=torch.uint8)) for flag, value in shared_settings(cfg)]
     return f"{', '.join(differing_tensors(values, 'resume'))} differ"
 
 
