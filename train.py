@@ -55,7 +55,7 @@ from ppo.logger import RunLogger
 from ppo.minibatch_step import build_optimizer
 from ppo.normalizer import RewardNormalizer
 from ppo.restore import restore
-from ppo.rollout import (TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout, episode_returns_plan_rows,
+from ppo.rollout import (TERM_TAGS, TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout, episode_returns_plan_rows,
                           fill_storage)
 from rollout_ranks import LearnerTeam, describe_rollout, run_rollout_rank, unpack_team_states
 from ppo.storage import RolloutStorage
@@ -212,8 +212,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         episodes.start_iteration()
         if team is None:
             batch, obs = collect_rollout(model, env, obs, T, cfg.ppo.gamma, cfg.ppo.bootstrap_time_outs, episodes,
-                                         record_returns=cfg.log.episode_returns,
-                                         check=check_steps)
+                                         record_returns=cfg.log.episode_returns, check=check_steps)
             check_finite(batch, env_label(cfg), rank, iteration + 1)    # before anything enters a normalizer
         else:
             batch, remote = team.receive(iteration)
@@ -241,8 +240,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
 
         # ---- metrics + the stop flags: one packed all-reduce of (sum, count) pairs; rank 0 writes --
         stepped = stats["skipped_steps"] < cfg.ppo.num_epochs * cfg.ppo.num_mini_batches   # no step: no loss to log
-        for key in ("surrogate", "value_function", "entropy"):
-            episodes.add(f"Loss/{key}", stats[key] if stepped else 0.0, int(stepped))
+        for key, tag in TERM_TAGS.items():
+            episodes.add(tag, stats[key] if stepped else 0.0, int(stepped))
         sums, counts = dict(zip(metric_keys, episodes.sums)), dict(zip(metric_keys, episodes.counts))
         for key, (flag, one) in stop.local_flags(device).items():
             sums[key], counts[key] = flag + (remote[key] if team else 0), one   # the rollout ranks' flags too
@@ -252,7 +251,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         collection_time, learning_time = scalars["Perf/collection_time"], -scalars["Perf/learning_time"]
         returns = episodes.ended_returns() if cfg.log.episode_returns else []   # every rank's, on rank 0
         stop_signal, launcher_gone = (scalars.pop(key) > 0 for key in STOP_KEYS)
-        scalars.update({"Loss/learning_rate": stats["learning_rate"], **({"Policy/kl": stats["kl"]} if stepped else {}),
+        scalars.update({"Loss/learning_rate": stats["learning_rate"],
+                        **({"Policy/kl": stats["kl"], "Policy/grad_norm": stats["grad_norm"]} if stepped else {}),
                         "Policy/mean_noise_std": checked_noise_std(model, iteration + 1, stats["learning_rate"]),
                         "Perf/total_fps": learners * N * T / (collection_time + learning_time),
                         "Perf/learning_time": learning_time,

@@ -16,6 +16,8 @@ def ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: tor
     to the graph (detach them for logging). `surrogate` is the negated clipped objective (a loss);
     `value_function` is the mean squared error, clipped to old_values +- clip_param when
     `clip_value_loss`, with no factor 1/2 (as RSL-RL): CleanRL's `vf_coef` c is value_loss_coef = c / 2.
+    Also `clip_fraction` (no gradient): the share of samples whose ratio lies beyond 1 +- clip_param, as
+    CleanRL's `clipfrac`; near 0 the clip never acts, a large share says the steps are too big for clip_param.
     """
     inputs = (log_prob, old_log_prob, advantages, values, old_values, returns, entropy)
     if len({t.shape for t in inputs}) != 1 or log_prob.dim() != 1:
@@ -30,7 +32,9 @@ def ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: tor
         value_loss = (values - returns).square().mean()
     entropy = entropy.mean()
     loss = surrogate + value_loss_coef * value_loss - entropy_coef * entropy
-    return {"loss": loss, "surrogate": surrogate, "value_function": value_loss, "entropy": entropy}
+    clip_fraction = ((ratio.detach() - 1.0).abs() > clip_param).to(ratio.dtype).mean()
+    return {"loss": loss, "surrogate": surrogate, "value_function": value_loss, "entropy": entropy,
+            "clip_fraction": clip_fraction}
 
 
 def gaussian_kl(mu_old: torch.Tensor, sigma_old: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

@@ -29,11 +29,12 @@ from ppo.loss import gaussian_kl, ppo_loss
 from ppo.storage import split_fields
 
 CAPTURE_WARMUP_STEPS = 3    # eager steps on a side stream before capture (allocates Adam state, autograd buffers)
+TERMS = ("surrogate", "value_function", "entropy", "clip_fraction")   # of ppo_loss, as backward_minibatch returns them
 
 
 def backward_minibatch(model, batch: dict, grad_sync, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one minibatch, synchronized and clipped. Returns (global KL (sum, count), gradient norm
-    before clipping, this rank's mean loss terms [surrogate, value, entropy]), all on the device.
+    before clipping, this rank's mean loss terms in the order of TERMS), all on the device.
 
     Crosses ranks: the minibatch's gradient all-reduce (GradSync: one, or one per bucket), with the KL sum
     and count riding in the last. Micro-batches accumulate locally; only the last backward is armed.
@@ -44,7 +45,7 @@ def backward_minibatch(model, batch: dict, grad_sync, cfg) -> tuple[torch.Tensor
                          f"micro-batches (--ppo.num-micro-batches)")
     grad_sync.zero_grad()
     kl_sum = batch["actions"].new_zeros(())
-    terms_sum = batch["actions"].new_zeros(3)
+    terms_sum = batch["actions"].new_zeros(len(TERMS))
     for i, micro in enumerate(zip(*(v.chunk(q) for v in batch.values()))):
         mb = dict(zip(batch.keys(), micro))
         pi = model.distribution(mb["actor_obs"])
@@ -53,7 +54,7 @@ def backward_minibatch(model, batch: dict, grad_sync, cfg) -> tuple[torch.Tensor
                          cfg.clip_param, cfg.clip_value_loss, cfg.value_loss_coef, cfg.entropy_coef)
         with torch.no_grad():
             kl_sum += gaussian_kl(mb["action_mean"], mb["action_std"], pi.mean, pi.stddev).sum()
-            terms_sum += torch.stack([terms["surrogate"], terms["value_function"], terms["entropy"]])
+            terms_sum += torch.stack([terms[name] for name in TERMS])
         if i == q - 1:   # the boundary: KL (sum, count) rides in the gradient all-reduce
             grad_sync.arm(torch.stack([kl_sum, kl_sum.new_full((), float(batch["actions"].shape[0]))]))
         (terms["loss"] / q).backward()   # equal micro-batches: mean of means
@@ -129,8 +130,8 @@ class SyncFreeStep:
         self.lr = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)
         self.opt_lr = lr_tensor(float(group["lr"]), device)   # the tensor the fused kernel reads (graph-stable)
         group["lr"] = self.opt_lr
-        # surrogate, value, entropy, KL summed over taken steps; taken steps; skipped steps
-        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+        # TERMS, KL and gradient norm summed over taken steps; taken steps; skipped steps
+        self.sums = torch.zeros(len(TERMS) + 4, dtype=torch.float64, device=device)
         self.capture = device.type == "cuda"
         # The graph, its input (a packed minibatch) and that input's (shape, strides, field widths).
         self.graph, self.static, self.layout, self.ledger_per_replay, self.eager_steps = None, None, None, {}, 0
@@ -222,16 +223,16 @@ class SyncFreeStep:
             self.opt_lr.copy_(self.lr)
         self.optimizer.found_inf = (~finite).float()   # fused Adam skips the whole update when it is 1
         self.optimizer.step()
-        taken = torch.cat([terms.double(), kl.double().reshape(1), self.sums.new_ones(1)])
-        self.sums[:5] += torch.where(finite, taken, 0.0)
-        self.sums[5] += (~finite).double()
+        taken = torch.cat([terms.double(), kl.double().reshape(1), norm.double().reshape(1), self.sums.new_ones(1)])
+        self.sums[:-1] += torch.where(finite, taken, 0.0)
+        self.sums[-1] += (~finite).double()
 
     def finish(self) -> dict[str, float]:
         """The update's statistics, as the host path reports them; the one host read of the update. The param
         group gets the exact LR back as a float (see the class docstring)."""
         *sums, taken, skipped, lr = torch.cat([self.sums, self.lr.reshape(1)]).tolist()
         self.optimizer.param_groups[0]["lr"] = lr
-        names = ("surrogate", "value_function", "entropy", "kl")
+        names = TERMS + ("kl", "grad_norm")
         stats = {k: v / taken if taken else math.nan for k, v in zip(names, sums)}   # no step taken: no mean
         stats.update(learning_rate=lr, skipped_steps=skipped)
         return stats

@@ -14,7 +14,10 @@ from dist.errors import RunError
 from dist.plan import PlanRow
 from ppo.gae import bootstrap_time_outs, compute_gae
 
-TRAIN_KEYS = ("Train/mean_reward", "Train/mean_episode_length", "Loss/surrogate", "Loss/value_function", "Loss/entropy")
+# ppo_update's per-rank means -> their tags (logged as the mean over ranks)
+TERM_TAGS = {"surrogate": "Loss/surrogate", "value_function": "Loss/value_function", "entropy": "Loss/entropy",
+             "clip_fraction": "Policy/clip_fraction"}
+TRAIN_KEYS = ("Train/mean_reward", "Train/mean_episode_length", *TERM_TAGS.values())
 BATCH_FIELDS = ("actor_obs", "critic_obs", "actions", "action_mean", "action_std", "log_probs", "values", "rewards",
                 "bootstrap", "dones")
 

@@ -32,6 +32,18 @@ def test_ppo_loss_terms_match_hand_calculation():
     assert math.isclose(unclipped["value_function"].item(), np.mean([1.0, 0.0, 1.0]), rel_tol=1e-6)
 
 
+def test_clip_fraction_counts_the_ratios_beyond_the_clip_range_on_both_sides():
+    """Ratios 1, 1.5, 0.5, 1.1, 0.85 with clip 0.2: 1.5 and 0.5 lie outside [0.8, 1.2], so 2 of 5, whatever the sign
+    of the advantage (CleanRL's clipfrac); it carries no gradient.
+    Mutant: clip_fraction counting only ratios above 1 + clip_param (no abs): 1 of 5."""
+    ratios = torch.tensor([1.0, 1.5, 0.5, 1.1, 0.85])
+    lp = ratios.log().requires_grad_()
+    zeros, ones = torch.zeros(5), torch.ones(5)
+    out = ppo_loss(lp, zeros, torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0]), ones, ones, ones, ones, 0.2, False, 0.5, 0.0)
+    assert out["clip_fraction"].item() == pytest.approx(2 / 5)
+    assert not out["clip_fraction"].requires_grad
+
+
 def test_gaussian_kl_matches_torch_distributions():
     torch.manual_seed(0)
     mu0, mu1 = torch.randn(5, 3), torch.randn(5, 3)

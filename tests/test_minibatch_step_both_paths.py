@@ -77,7 +77,7 @@ def test_an_update_whose_every_step_is_skipped_reports_no_means_and_the_count(ca
     optimizer = build_optimizer(model.parameters(), cfg, CPU)
     stats = ppo_update(model, optimizer, storage, GradSync(model.parameters(), num_extras=2), cfg,
                        generator=torch.Generator().manual_seed(0))
-    means = ("surrogate", "value_function", "entropy", "kl")
+    means = ("surrogate", "value_function", "entropy", "clip_fraction", "kl", "grad_norm")
     assert all(math.isnan(stats.pop(key)) for key in means)
     assert stats == {"learning_rate": 1e-3, "skipped_steps": float(3 * 2)}
     for before, after in zip(start, model.parameters()):

@@ -77,7 +77,7 @@ def plain_ppo(world_size, nan_at):
         data = {k: torch.cat([b[k] for b in ranks], 1) for k in ranks[0]}
         adv = data["advantages"].double()
         data["advantages"] = ((adv - adv.mean()) / (adv.std(unbiased=False) + 1e-8)).float()
-        skipped, kls = 0, []
+        skipped, kls, norms, clipped = 0, [], [], []
         for _epoch in range(cfg.num_epochs):
             perms = [torch.randperm(n, generator=g) + r * n for r, g in enumerate(shuffles)]
             size = n // cfg.num_mini_batches
@@ -95,9 +95,12 @@ def plain_ppo(world_size, nan_at):
                 loss = surrogate + cfg.value_loss_coef * value_loss - cfg.entropy_coef * new.entropy().sum(-1).mean()
                 optimizer.zero_grad()
                 loss.backward()
-                if not torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)):
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                if not torch.isfinite(norm):
                     skipped += 1
                     continue
+                norms.append(norm.item())
+                clipped.append(((ratio - 1).abs() > eps).double().mean().item())
                 with torch.no_grad():
                     kl = torch.distributions.kl_divergence(normal(b["action_mean"], b["action_std"]), new)
                     kl = kl.sum(-1).mean().item()
@@ -119,7 +122,8 @@ def plain_ppo(world_size, nan_at):
                 norm.count.fill_(count + nb)
                 norm.mean.copy_(norm.mean64)
                 norm.std.copy_((norm.m2 / norm.count).sqrt())
-        stats.append({"learning_rate": lr, "skipped_steps": float(skipped), "kl": sum(kls) / len(kls)})
+        stats.append({"learning_rate": lr, "skipped_steps": float(skipped), "kl": sum(kls) / len(kls),
+                      "grad_norm": sum(norms) / len(norms), "clip_fraction": sum(clipped) / len(clipped)})
     return model.state_dict(), stats
 
 
@@ -131,11 +135,15 @@ def test_w_ranks_with_micro_batches_equal_a_plain_ppo_over_the_concatenated_data
     minibatch holding it (one micro-batch of it) is skipped on every rank, one per epoch, as by the oracle; every other
     step, the LR sequence's decisions and the normalizers' statistics are the oracle's.
     Mutant: ppo_update skipping a step when its KL, not its gradient norm, is non-finite (`math.isfinite(kl)`).
-    Mutant: backward_minibatch arming the KL count of the last micro-batch instead of the minibatch's."""
+    Mutant: backward_minibatch arming the KL count of the last micro-batch instead of the minibatch's.
+    The logged means: the gradient norm before clipping, and the clip fraction, each rank's averaged over ranks (train.py).
+    Mutant: ppo_update averaging the clipped norm, min(norm, cfg.max_grad_norm).
+    Mutant: backward_minibatch summing the clip fraction of the first micro-batch only (`if i == 0`)."""
     results = run_ranks(ranks_update, world_size, args=(q, mode, (1, 2, 3)))
     ref_state, ref_stats = plain_ppo(world_size, (1, 2, 3))
     assert [s["skipped_steps"] for s in ref_stats] == [3.0, 0.0]     # the oracle skipped: the test is not trivial
     assert len({s["learning_rate"] for s in ref_stats}) == 2          # and its LR moved between the updates
+    assert ref_stats[1]["clip_fraction"] > 0 and ref_stats[1]["grad_norm"] > ppo_cfg().max_grad_norm  # both act
     for state, stats in results:
         for key, ref in ref_state.items():
             torch.testing.assert_close(state[key], ref.to(state[key].dtype), rtol=1e-5, atol=1e-6, msg=key)
@@ -143,5 +151,9 @@ def test_w_ranks_with_micro_batches_equal_a_plain_ppo_over_the_concatenated_data
             assert ours["skipped_steps"] == ref["skipped_steps"]
             assert ours["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-12)
             assert ours["kl"] == pytest.approx(ref["kl"], rel=1e-3)
+            assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
         for key in state:       # ranks bit-identical: they took identical synchronized steps
             assert torch.equal(state[key], results[0][0][key]), key
+    for i, ref in enumerate(ref_stats):   # equal minibatches per rank: the mean over ranks is the union's fraction
+        ours = sum(stats[i]["clip_fraction"] for _, stats in results) / world_size
+        assert ours == pytest.approx(ref["clip_fraction"], abs=1e-7)   # float32 means; one sample: 3e-3

@@ -209,7 +209,7 @@ def whole_minibatch_reference(model, batch, cfg):
                      cfg.clip_param, cfg.clip_value_loss, cfg.value_loss_coef, cfg.entropy_coef)
     grads = torch.autograd.grad(terms["loss"], list(model.parameters()))
     kl_sum = gaussian_kl(batch["action_mean"], batch["action_std"], pi.mean, pi.stddev).sum()
-    return grads, kl_sum.item(), [terms[k].item() for k in ("surrogate", "value_function", "entropy")]
+    return grads, kl_sum.item(), [terms[k].item() for k in ("surrogate", "value_function", "entropy", "clip_fraction")]
 
 
 @pytest.mark.parametrize("q", [1, 2, 4])
