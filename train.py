@@ -177,7 +177,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
             *verify_plan_rows(cfg.dist.verify_every, checkpoint is not None),
             *checkpoint_plan_rows(rng_states(env, shuffle, device), cfg.log.save_every, env is not None)]
     if is_main:
-        backend = info.backend if world > 1 else "none (one process: --dist.backend and --dist.timeout-s do not apply)"
+        backend = info.backend if world > 1 else "none (one process: of --dist.* only device, unused-params apply)"
         print(f"[syncppo] world size {world}, backend {backend}, device {device} (one per rank); {envs_scope}\n"
               f"[syncppo] {roles.describe()}{'' if roles.colocated else describe_rollout(cfg)}\n"
               f"[syncppo] {learners} {'ranks' if roles.colocated else 'learner(s)'} x {N} envs x {T} steps = "
