@@ -37,7 +37,7 @@ from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, fl
 from dist.checkpoint import agree_plan_rows, rng_states, rng_states_fit, set_rng_states
 from dist.errors import RunError, UsageError, one_line
 from dist.plan import PlanRow
-from dist.setup import seed_everything
+from dist.setup import rank_seed, seed_everything
 from dist.stats import sum_counts, sum_counts_plan_rows
 from dist.stop import StopRequests
 from envs import make_env
@@ -183,9 +183,9 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     state up; at the end the final weights (after the last iteration) and a `done` request. Returns the policy copy
     and this rank's sync-plan rows."""
     j, learner = roles.rollout_index, roles.team[0]
-    seed_everything(cfg.seed + j)                 # the seeds colocated rank j would use
+    seed_everything(rank_seed(cfg.seed, j))      # the seeds colocated rank j would use
     try:
-        env = make_env(cfg.env, device, seed=cfg.seed + j, base_seed=shared_env_seed(cfg, checkpoint))
+        env = make_env(cfg.env, device, seed=rank_seed(cfg.seed, j), base_seed=shared_env_seed(cfg, checkpoint))
     except (ValueError, MissingSimulator) as exc:   # the learners build no env: the first rollout rank says it
         raise UsageError(one_line(exc), say_here=j == 0) from exc
     check_built(env, env_label(cfg), cfg.env.num_envs)

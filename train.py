@@ -42,8 +42,8 @@ from dist.grad_sync import GradSync
 from dist.params import broadcast_module, broadcast_plan_rows
 from dist.plan import format_plan
 from dist.roles import assign_roles
-from dist.setup import (init_distributed, keep_freed_host_memory, launch_int, launch_rank_and_world, resolve_device,
-                        seed_everything, shutdown)
+from dist.setup import (init_distributed, keep_freed_host_memory, launch_int, launch_rank_and_world,
+                        rank_seed, resolve_device, seed_everything, shutdown)
 from dist.stats import metrics_plan_rows, reduce_metrics, sum_counts, sum_counts_plan_rows
 from dist.stop import STOP_KEYS, SecondInterrupt, StopRequests
 from dist.verify import names_plan_row, same_names_everywhere, verify_plan_rows, verify_replicas
@@ -126,11 +126,11 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     comm.use_group(roles.learner_group)           # None (all ranks) when colocated
 
     # ---- build: env (or the rollout ranks' spec), model, optimizer, gradient sync, buffer rules -----
-    seed_everything(cfg.seed + rank)
+    seed_everything(rank_seed(cfg.seed, rank))
     env = team = sampler = None
     if roles.colocated:
         try:
-            env = make_env(cfg.env, device, seed=cfg.seed + rank, base_seed=env_seed)
+            env = make_env(cfg.env, device, seed=rank_seed(cfg.seed, rank), base_seed=env_seed)
         except (ValueError, MissingSimulator) as exc:   # the adapters name the --env flag or the package to install
             raise UsageError(one_line(exc)) from exc      # a simulator's own error may span lines
         check_built(env, env_label(cfg), cfg.env.num_envs)   # before the model is built from its sizes
@@ -150,7 +150,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     also_verified = ([(reward_normalizer, resolve_buffer_policy(reward_normalizer, reward_normalizer.BUFFER_POLICY))]
                      if reward_normalizer is not None else [])   # its merged return statistics, beside the model's
     storage = RolloutStorage(cfg.ppo.num_steps, N, obs_dims, num_actions, device)
-    shuffle = torch.Generator().manual_seed(cfg.seed + rank)
+    shuffle = torch.Generator().manual_seed(rank_seed(cfg.seed, rank))
     stateful = {"model": model, "optimizer": optimizer, "env": env, "reward_normalizer": reward_normalizer}
     if checkpoint is not None:
         restore(checkpoint, resume_path, stateful, shuffle, roles, device, cfg)

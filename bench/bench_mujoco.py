@@ -264,7 +264,7 @@ def main() -> None:
                      f"machine can host: at most 4 per CPU core ({cores} cores, so {4 * cores} ranks)")
     if args.total_steps < GLOBAL_STEPS_PER_ITERATION * args.last_iterations:
         parser.error(f"--total-steps must cover --last-iterations x {GLOBAL_STEPS_PER_ITERATION} steps")
-    top = 2**32 - max(args.ranks)          # train.py: rank r seeds numpy with seed + r, which must fit 32 bits
+    top = 2**32 - 1                        # train.py's --seed range (each rank derives its own by rank_seed)
     bad = [seed for seed in args.seeds if not 0 <= seed <= top]
     if bad:
         parser.error(f"--seeds must be in [0, {top}], got {', '.join(map(str, bad))}")

@@ -176,7 +176,7 @@ class Config:
     max_iterations: int = 150
     """PPO iterations in all (rollout + update each); a resumed run continues from its checkpoint's iteration to this"""
     seed: int = 1
-    """base seed; rank r uses seed + r"""
+    """base seed; rank r seeds from (seed, r) by rank_seed (dist/setup.py), no two (seed, r) alike"""
     resume: str = ""
     """checkpoint (.pt) to continue from in a new run directory, a run directory to continue in place, or auto: the newest run of this experiment, in place"""
     dry_run: bool = False
@@ -190,9 +190,9 @@ def validate(cfg: Config, world_size: int = 1, typed: frozenset[str] = frozenset
     if "--resume" in typed and not cfg.resume:   # --resume "$CKPT", unset: "" is the default, a fresh run, unsaid
         raise UsageError("--resume is empty; pass a model_<iteration>.pt file, a run directory or auto, or leave "
                          "the flag out to start a new run")
-    if not 0 <= cfg.seed <= 2**32 - world_size:
-        raise UsageError(f"--seed must be in [0, {2**32 - world_size}] with {world_size} rank(s) (rank r seeds "
-                         f"numpy with seed + r, which must fit 32 bits), got {cfg.seed}")
+    if not 0 <= cfg.seed < 2**32:
+        raise UsageError(f"--seed must be in [0, {2**32 - 1}] (checkpoints and the shared env seed take 32 bits; "
+                         f"each rank's own seed is rank_seed(--seed, rank), dist/setup.py), got {cfg.seed}")
     check_finite(cfg)
     check_experiment_name(cfg.log.experiment, cfg.log.root)
     if cfg.env.name in ("cartpole", "tracking") and cfg.env.episode_length_s < EMBEDDED_STEP_S:

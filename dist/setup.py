@@ -163,8 +163,15 @@ def keep_freed_host_memory() -> bool:
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_FREED))
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank `rank` in a run of --seed `seed`: an integer in [0, 2**32) drawn from numpy's SeedSequence of
+    the pair, so no (seed, rank) shares another's streams (seed + rank did: rank 1 of --seed 0 was rank 0 of --seed
+    1, so a sweep's runs overlapped). Rollout rank L + j passes j, the colocated rank whose seeds it uses."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
 def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (CPU and CUDA) with this rank's seed (base seed + rank)."""
+    """Seed python, numpy and torch (CPU and CUDA) with this rank's seed (rank_seed(--seed, rank))."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

@@ -50,7 +50,7 @@ class VecEnv(Protocol):
     obs_dims: dict[str, int]
     max_episode_length: int
     device: torch.device
-    generator: torch.Generator    # the env's RNG (seed + rank), saved per rank in checkpoints
+    generator: torch.Generator    # the env's RNG (rank_seed(seed, rank)), saved per rank in checkpoints
     log_keys: tuple[str, ...]
     sampler: object | None        # has local_counts, commit_global(summed); see envs/motions.py
 

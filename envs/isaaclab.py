@@ -8,7 +8,7 @@ because it decides which runtime must start (Isaac Sim/Kit for PhysX or RTX came
 Newton); `launch_simulation` then starts that runtime and the env is built inside it. The runtime lives
 as long as the process and is closed at exit with the process's exit status (Kit ends the process with
 the status it is given). Each rank simulates its own envs on its own GPU (cuda:LOCAL_RANK) with seed
---seed + rank; nothing about the simulation crosses ranks. With more than one rank the launcher is told
+rank_seed(--seed, rank); nothing about the simulation crosses ranks. With more than one rank the launcher is told
 `distributed`, so Kit pins its renderer to the rank's GPU too.
 
 Isaac Lab resets finished envs inside `step` (same-step autoreset) and, with the env config's

@@ -11,7 +11,7 @@ from dist.errors import UsageError, one_line
 from ppo.minibatch_step import saved_state_for
 from ppo.normalizer import RewardNormalizer
 
-ROLLOUT_SEEDS = "--seed + j on rollout rank L + j of L learners"   # the seeds colocated rank j would use
+ROLLOUT_SEEDS = "rank_seed(--seed, j) on rollout rank L + j of L learners"   # the seeds colocated rank j would use
 
 
 def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torch.device, cfg) -> None:
@@ -58,8 +58,8 @@ def restore(state: dict, path: str, stateful: dict, shuffle, roles, device: torc
     saved_layout = state.get("layout", [len(state["rng"]), 0])
     same_layout = saved_layout == [roles.num_learners, roles.num_rollouts]
     rng = state["rng"][roles.rank] if same_layout else {}
-    seeds = f"their seeds (--seed + rank on a learner, {ROLLOUT_SEEDS})" if roles.num_rollouts else \
-        "--seed + rank"
+    seeds = f"their seeds (rank_seed(--seed, rank) on a learner, {ROLLOUT_SEEDS})" if roles.num_rollouts else \
+        "rank_seed(--seed, rank)"
     fits = same_layout and rng_states_fit(rng, stateful["env"], shuffle, device)
     if fits and saved_seed in (None, cfg.seed):
         set_rng_states(rng, stateful["env"], shuffle, device)

@@ -272,8 +272,8 @@ def bench_mujoco(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, error", [
-    (["--seeds", "-1"], "--seeds must be in [0, 4294967294], got -1"),            # train.py exited 2, a traceback
-    (["--seeds", "1", str(2**32 - 1)], "--seeds must be in [0, 4294967294], got 4294967295"),   # 2 ranks: too big
+    (["--seeds", "-1"], "--seeds must be in [0, 4294967295], got -1"),            # train.py exited 2, a traceback
+    (["--seeds", "1", str(2**32)], "--seeds must be in [0, 4294967295], got 4294967296"),       # past 32 bits
     (["--last-iterations", "0"], "--last-iterations must be at least 1, got 0"),    # averaged every iteration
     (["--last-iterations", "-3"], "--last-iterations must be at least 1, got -3"),
     (["--tasks", "Hopper-v4", "NoSuch-v0"], "--tasks 'NoSuch-v0': Environment `NoSuch` doesn't exist."),

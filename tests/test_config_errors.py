@@ -169,10 +169,10 @@ def test_values_at_the_documented_bounds_are_accepted(changes):
     validate(cfg_with(**changes))
 
 
-def test_seed_range_is_said_for_the_world_size():
-    with pytest.raises(UsageError, match=r"\[0, 4294967294\] with 2 rank"):
-        validate(cfg_with(seed=2**32 - 1), world_size=2)
-    validate(cfg_with(seed=2**32 - 2), world_size=2)
+def test_seed_range_is_32_bits_whatever_the_world_size():    # each rank derives its own seed (rank_seed)
+    with pytest.raises(UsageError, match=r"^--seed must be in \[0, 4294967295\] .*, got 4294967296$"):
+        validate(cfg_with(seed=2**32), world_size=8)
+    validate(cfg_with(seed=2**32 - 1), world_size=8)
 
 
 def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path):

@@ -112,7 +112,7 @@ def test_sub_envs_get_distinct_seeds_and_a_seed_replays_exactly():
         seeds.append(recorded[0])
         rollouts.append(torch.stack(trajectory))
     assert seeds[0] == seeds[1] and torch.equal(rollouts[0], rollouts[1])
-    assert len(set(seeds[0]) | set(seeds[2])) == 8           # ranks (seed + rank) never share a sub-env seed
+    assert len(set(seeds[0]) | set(seeds[2])) == 8           # two envs' seeds never share a sub-env seed
     # Seeds come from the generator's current state (restored by --resume): a later reset does not replay the first.
     env = GymnasiumEnv("Pendulum-v1", 2, torch.device("cpu"), seed=1)
     recorded, state = recording_seeds(env), env.generator.get_state()

@@ -8,6 +8,7 @@ import torch
 
 import train
 from configs import preset
+from dist.setup import rank_seed
 from tests.fake_isaaclab import MAX_EPISODE_LENGTH, install
 from tests.multirank import run_ranks
 from tests.test_env_isaaclab import fake  # noqa: F401 - the fixture that installs the fake Isaac Lab
@@ -28,7 +29,7 @@ def test_trains_end_to_end_through_the_adapter(fake, tmp_path, monkeypatch):
     cfg = small_run(tmp_path)
     model, scalars = train.main(cfg)[:2]
     (launch,) = fake.launches
-    assert launch["device"] == "cuda:0" and launch["seed"] == cfg.seed and launch["num_envs"] == 8
+    assert launch["device"] == "cuda:0" and launch["seed"] == rank_seed(cfg.seed, 0) and launch["num_envs"] == 8
     assert not launch["distributed"] and launch["physics"] == "newton_mjwarp"   # the task's default: kitless
     assert model.actor[0].in_features == 3 and model.critic[0].in_features == 7
     assert scalars["Metrics/constant"] == pytest.approx(0.5)
@@ -52,6 +53,6 @@ def test_two_ranks_simulate_on_their_own_gpu_with_their_own_seed(tmp_path):
     base_seed = preset("isaaclab").seed
     # Both ranks tell the launcher `distributed` (Kit then pins its renderer to the rank's GPU).
     assert [(launch["device"], launch["seed"], launch["distributed"]) for launch in launches0 + launches1] == [
-        ("cuda:0", base_seed, True), ("cuda:1", base_seed + 1, True)]
+        ("cuda:0", rank_seed(base_seed, 0), True), ("cuda:1", rank_seed(base_seed, 1), True)]
     for key in state0:
         assert torch.equal(state0[key], state1[key]), f"{key} diverged across ranks"

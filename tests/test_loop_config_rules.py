@@ -56,7 +56,7 @@ def test_the_episode_length_of_0_is_refused_naming_it():
 
 
 def test_bounds_accepted_on_their_inclusive_side():
-    validate(cfg_with(seed=0))                            # "[0, 2**32 - world size]"
+    validate(cfg_with(seed=0))                            # "[0, 4294967295]"
     validate(cfg_with(dist__verify_every=0))              # "0 = only after loads"
     validate(cfg_with(policy__init_noise_std=2e-19))      # variance 4e-38, above float32's smallest normal 1.18e-38
     validate(cfg_with(policy__init_noise_std=1.8e18))     # a 10-std draw's squared deviation 3.24e38 < 3.4e38
@@ -263,7 +263,8 @@ def test_the_linear_schedule_runs_iteration_k_of_n_at_lr_times_1_minus_k_over_n(
 @pytest.mark.slow
 def test_two_ranks_draw_their_own_streams_and_save_their_layout(tmp_path):
     """Data-parallel ranks must not sample the same action noise, env randomness or minibatch order: rank r seeds
-    with --seed + r. The checkpoint records 2 learners, so resuming on 2 ranks restores each rank's streams."""
+    with rank_seed(--seed, r). The checkpoint records 2 learners, so resuming on 2 ranks restores each rank's
+    streams."""
     run_ranks(train_body, 2, args=(small_tracking(tmp_path, iterations=1),))
     (ckpt,) = glob.glob(os.path.join(tmp_path, "tracking", "*", "model_1.pt"))
     saved = torch.load(ckpt, weights_only=True)

@@ -27,8 +27,8 @@ def final_model(root) -> dict:
 
 @pytest.mark.slow
 def test_two_nodes_train_what_one_node_with_as_many_ranks_trains(tmp_path):
-    """Rank r seeds with --seed + r (its global rank, not its local one), so 2 nodes x 1 rank and 1 node x 2 ranks
-    learn the same weights bit for bit. Node 1's agent runs in a directory of its own: --log.root is absolute,
+    """Rank r seeds with rank_seed(--seed, r) (its global rank, not its local one), so 2 nodes x 1 rank and 1 node
+    x 2 ranks learn the same weights bit for bit. Node 1's agent runs in a directory of its own: --log.root is absolute,
     so both nodes see the run (a relative one would be refused under --max-restarts, tests/test_checkpoint_rules.py)."""
     # The one-node run and the two nodes run at once (independent runs in folders of their own): their start-ups
     # (torch's import, the rendezvous) overlap instead of following each other.

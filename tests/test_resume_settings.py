@@ -151,7 +151,7 @@ def test_a_new_seed_on_resume_restarts_the_rng_streams_and_keeps_the_motion_libr
         return built[-1]
 
     def recording_restore(*args):
-        before = torch.get_rng_state()                # the stream seeded from --seed + rank
+        before = torch.get_rng_state()                # the stream seeded from rank_seed(--seed, rank)
         restore(*args)
         restored.append((before, torch.get_rng_state()))
 
@@ -161,7 +161,7 @@ def test_a_new_seed_on_resume_restarts_the_rng_streams_and_keeps_the_motion_libr
         train.main(cfg_with(env__num_envs=16, ppo__num_steps=8, max_iterations=3, resume=ckpt, seed=seed,
                             log__root=str(tmp_path / f"seed{seed}"), log__print_every=100))
     assert torch.equal(restored[0][1], saved["rng"][0]["torch"])     # same --seed: the saved streams continue
-    before, after = restored[1]                                         # another: they restart from --seed + rank
+    before, after = restored[1]                                  # another: they restart from rank_seed(--seed, rank)
     assert torch.equal(after, before) and not torch.equal(after, saved["rng"][0]["torch"])
     assert "--seed 2 is not the checkpoint run's (1): RNG streams restart" in capsys.readouterr().out
     # The seed-2 run saves the seed its motions came from; resuming that checkpoint (its config says seed 2) must

@@ -43,7 +43,7 @@ def test_a_resume_of_the_same_layout_and_seed_hands_the_rollout_rank_its_saved_r
     """1 + 1, checkpoint at iteration 2, resumed to 3 twice: once as saved, once with the rollout rank's saved RNG
     states replaced by other valid states (torch's and the env generator's of other seeds). A rollout rank that
     takes its saved states samples other actions in the two, so the learners end apart; one that ignored the
-    checkpoint's states (starting from --seed + j both times) would make the two runs identical."""
+    checkpoint's states (starting from rank_seed(--seed, j) both times) would make the two runs identical."""
     run_ranks(body, 2, args=(small(tmp_path / "a", iterations=2, ranks=1, sync="bucket"), 2))
     (saved_path,) = glob.glob(str(tmp_path / "a" / "tracking" / "*" / "model_2.pt"))
     saved = torch.load(saved_path, weights_only=False)

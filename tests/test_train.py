@@ -286,8 +286,8 @@ def test_a_run_leaves_float32_matmuls_at_full_precision(tmp_path):
 @pytest.mark.slow
 def test_config_json_says_how_many_ranks_ran_the_start(tmp_path):
     """A sweep over NPROC: a 1-rank and a 2-rank run of one command wrote the same config_0.json (torchrun's options
-    are not in sys.argv), though they train on other batches and seeds (rank r uses --seed + r), so the runs could not
-    be told apart (found comparing a sweep's runs). Each start now records its world size.
+    are not in sys.argv), though they train on other batches and seeds (rank r seeds from --seed and r), so the runs
+    could not be told apart (found comparing a sweep's runs). Each start now records its world size.
     Mutant: train.py writes config_<k>.json without "world_size" (before the fix).
     Mutant: train.py writes "world_size": 1."""
     run_ranks(train_body, 2, args=(small_tracking(tmp_path / "two", iterations=1),))

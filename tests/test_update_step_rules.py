@@ -313,13 +313,13 @@ def test_a_checkpoint_of_as_many_learners_but_other_rollout_ranks_restarts_the_l
 
 
 @pytest.mark.parametrize("learners, rollouts, seeds", [
-    (2, 0, "RNG streams restart from --seed + rank; everything else"),
-    (1, 2, "RNG streams restart from their seeds (--seed + rank on a learner, --seed + j on rollout rank L + j of L "
-           "learners); everything else")])
+    (2, 0, "RNG streams restart from rank_seed(--seed, rank); everything else"),
+    (1, 2, "RNG streams restart from their seeds (rank_seed(--seed, rank) on a learner, rank_seed(--seed, j) on "
+           "rollout rank L + j of L learners); everything else")])
 def test_a_layout_change_names_the_seeds_of_the_layout_it_resumes_on(capsys, learners, rollouts, seeds):
-    """Resumed on another layout, every RNG stream restarts from its seed, and the line says which: --seed + rank
-    when every rank is a learner (however many), and a rollout rank's own seed as well when the run has rollout ranks
-    (however few learners). The choice follows the rollout ranks, not the number of learners.
+    """Resumed on another layout, every RNG stream restarts from its seed, and the line says which:
+    rank_seed(--seed, rank) when every rank is a learner (however many), and a rollout rank's own seed as well when
+    the run has rollout ranks (however few learners). The choice follows the rollout ranks, not the number of learners.
     Mutant: the rollout ranks' seeds named when there is more than one learner instead of when there are rollout
     ranks."""
     saved = _checkpoint(_built(), [rng_states()], layout=[3, 1])          # a layout neither run has
