@@ -107,7 +107,7 @@ def test_reset_spreads_episode_ends_deterministically(make):
     assert torch.equal(lengths[0], lengths[1])
     assert lengths[0].min() >= 0 and lengths[0].max() < MAX_EPISODE_LENGTH
     assert len(lengths[0].unique()) > 1
-    other = make(num_envs=32, seed=4)                        # another rank (seed + rank): another spread
+    other = make(num_envs=32, seed=4)                        # another rank (another rank_seed): another spread
     other.reset()
     assert not torch.equal(other.unwrapped.episode_length_buf, lengths[0])
 
