@@ -25,14 +25,6 @@ def test_rank_seeds_of_a_sweep_never_coincide():
     assert all(0 <= rank_seed(2**32 - 1, r) < 2**32 for r in range(8))       # the largest --seed validate() takes
 
 
-def test_rank_seeds_are_pinned():
-    """The values runs of this version draw from: a change to the derivation changes every run's streams, so it
-    must be deliberate (and said in docs/running.md). Rank 0 of a 1-rank run is a pure function of --seed.
-    Mutant: rank_seed builds SeedSequence([rank, seed]) (the pair swapped)."""
-    assert [rank_seed(1, r) for r in range(3)] == [1835504127, 1189033389, 1596810411]
-    assert rank_seed(0, 1) == 3964924996
-
-
 def test_the_env_and_shuffle_a_rank_builds_differ_from_the_next_seeds_other_rank():
     """What train.py builds for rank 1 of --seed 0 (env via make_env, minibatch shuffle generator) draws other
     numbers than what it builds for rank 0 of --seed 1: the env's first reset and the first shuffle differ.
