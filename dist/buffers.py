@@ -6,7 +6,9 @@ such as a per-env running return). A module declares its rules as {glob pattern:
 names; `resolve_buffer_policy` fails at start-up on any buffer that no pattern covers, naming it, so a
 new buffer can never be silently broadcast or silently left to drift (DDP broadcasts them all); and on a
 non-persistent buffer (`persistent=False`) declared anything but `local`: no state_dict, so no checkpoint and no
-rollout-rank weight sync, carries it.
+rollout-rank weight sync, carries it. Each refusal is a UsageError (a ValueError) naming the module and the fix: the
+runner says it in one line, no traceback, like a bad flag. Copying this file, take `errors.py` with `comm.py` and
+`plan.py` (none imports another file of dist/ beyond those).
 """
 
 from fnmatch import fnmatch
@@ -14,40 +16,43 @@ from fnmatch import fnmatch
 import torch
 
 from . import comm
+from .errors import UsageError
 from .plan import PlanRow
 
 RULES = ("broadcast", "mean", "merge", "local")
 
 
 def resolve_buffer_policy(module: torch.nn.Module, policy: dict[str, str]) -> dict[str, str]:
-    """Return {buffer name: rule} for every buffer of `module`; raise on undeclared buffers or bad rules."""
+    """Return {buffer name: rule} for every buffer of `module`; UsageError on undeclared buffers or bad rules."""
+    where = f"{type(module).__name__}'s BUFFER_POLICY"     # the runner's modules are ActorCritic, RewardNormalizer
     bad = {p: r for p, r in policy.items() if r not in RULES}
     if bad:
-        raise ValueError(f"unknown buffer rules {bad}; use one of {RULES}")
+        raise UsageError(f"unknown buffer rules {bad} in {where}; use one of {RULES}")
     resolved, undeclared = {}, []
     for name, _ in module.named_buffers():
         rules = [r for pattern, r in policy.items() if fnmatch(name, pattern)]
         if not rules:
             undeclared.append(name)
         elif len(set(rules)) > 1:
-            raise ValueError(f"buffer {name!r} matches patterns with different rules {sorted(set(rules))}")
+            raise UsageError(f"buffer {name!r} matches patterns with different rules {sorted(set(rules))} in {where}; "
+                             f"give those patterns one rule, or narrow one so that it no longer matches")
         else:
             resolved[name] = rules[0]
     if undeclared:
-        raise ValueError(f"buffers without a sync rule: {undeclared}; declare each as one of {RULES} in the "
-                         f"module's BUFFER_POLICY")
+        raise UsageError(f"buffers without a sync rule: {undeclared}; declare each as one of {RULES} in {where}")
     buffers = dict(module.named_buffers())
     integer_means = [n for n, r in resolved.items() if r == "mean" and not buffers[n].is_floating_point()]
     if integer_means:
-        raise ValueError(f"buffers {integer_means} are integer but declared `mean`: an average of counts is not an "
-                         f"integer; declare them `broadcast` (e.g. BatchNorm's num_batches_tracked) or `local`")
+        raise UsageError(f"buffers {integer_means} are integer but declared `mean`: an average of counts is not an "
+                         f"integer; declare them `broadcast` (e.g. BatchNorm's num_batches_tracked) or `local` in "
+                         f"{where}")
     saved = set(module.state_dict())
     unsaved = [n for n, r in resolved.items() if r != "local" and n not in saved]
     if unsaved:
-        raise ValueError(f"buffers {unsaved} are registered with persistent=False but declared synced: checkpoints and "
+        raise UsageError(f"buffers {unsaved} are registered with persistent=False but declared synced: checkpoints and "
                          f"the rollout ranks' weight sync (state_dict) leave them out, so a resumed run or a rollout "
                          f"copy would silently keep another value; register them persistent, or declare them `local` "
-                         f"(a constant every rank builds alike)")
+                         f"in {where} (a constant every rank builds alike)")
     return resolved
 
 

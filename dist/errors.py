@@ -1,7 +1,8 @@
 """The two kinds of error the runner reports as one line instead of a traceback.
 
 - `UsageError`: the user asked for something that cannot work (a flag, a path, a checkpoint that does
-  not fit). The runner prints `error: <message>` once and exits with status 2, like a parse error.
+  not fit, a model's BUFFER_POLICY: dist/buffers.py). The runner prints `error: <message>` once and exits with
+  status 2, like a parse error.
 - `RunError`: training started and then met a condition outside the code (a write error, a
   non-finite observation, the launcher gone). The rank that met it prints one line and exits 1.
 

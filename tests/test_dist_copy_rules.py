@@ -20,15 +20,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_dist_modules_copied_into_a_package_of_another_name_import_from_the_copy(tmp_path):
     """buffers, verify, batches and params import their siblings relatively, as grad_sync and stats do: copied into
     `myproject.parallel` they import (an absolute `from dist import comm` failed there, or bound another project's
-    `dist`), and their comm is the copy's own."""
+    `dist`), and their comm is the copy's own; buffers' refusals are the copy's own UsageError (errors.py, taken
+    with it)."""
     package = tmp_path / "myproject" / "parallel"
     package.mkdir(parents=True)
-    for name in ("buffers.py", "verify.py", "batches.py", "params.py", "comm.py", "plan.py", "checksum.py"):
+    for name in ("buffers.py", "verify.py", "batches.py", "params.py", "comm.py", "plan.py", "checksum.py",
+                 "errors.py"):
         shutil.copy(os.path.join(REPO, "dist", name), package / name)
     script = ("import myproject.parallel.comm as comm\n"
               "for name in ('buffers', 'verify', 'batches', 'params'):\n"
               "    module = __import__('myproject.parallel.' + name, fromlist=['comm'])\n"
               "    assert module.comm is comm, name\n"
+              "import myproject.parallel.buffers as buffers, myproject.parallel.errors as errors\n"
+              "assert buffers.UsageError is errors.UsageError\n"
               "import sys; assert 'dist' not in sys.modules\nprint('ok')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(tmp_path), OMP_NUM_THREADS="1")

@@ -3,6 +3,7 @@ with Isaac Lab, an Isaac Lab env that fails to build under Kit."""
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -211,3 +212,102 @@ def test_gloo_s_mesh_connect_timing_out_is_the_rendezvous_line_not_a_traceback(m
         dist.setup.init_distributed("gloo", "cpu", 0.001)
     assert (str(exc.value).startswith("the 2 ranks did not all meet at 127.0.0.1:29999 within --dist.timeout-s 0.001 "
                                       f"({message}); start every rank") if caught else str(exc.value) == message)
+
+
+# ---- a module's BUFFER_POLICY that cannot work: one line naming the buffer and the fix, before training ---------
+
+def with_buffer(name, value, persistent=True):
+    """train.build_actor_critic, its model given one more buffer."""
+    build = train.build_actor_critic
+
+    def built(*args, **kwargs):
+        model = build(*args, **kwargs)
+        model.register_buffer(name, value, persistent=persistent)
+        return model
+    return built
+
+
+RULES = "('broadcast', 'mean', 'merge', 'local')"
+
+
+@pytest.mark.parametrize("extra, policy, expected", [
+    (("extra", torch.zeros(3)), {}, f"buffers without a sync rule: ['extra']; declare each as one of {RULES} in "
+     "ActorCritic's BUFFER_POLICY"),
+    (None, {"actor_normalizer.*": "average"}, f"unknown buffer rules {{'actor_normalizer.*': 'average'}} in "
+     f"ActorCritic's BUFFER_POLICY; use one of {RULES}"),
+    (("count", torch.zeros((), dtype=torch.int64)), {"count": "mean"}, "buffers ['count'] are integer but declared "
+     "`mean`: an average of counts is not an integer; declare them `broadcast` (e.g. BatchNorm's num_batches_tracked) "
+     "or `local` in ActorCritic's BUFFER_POLICY"),
+    (("scratch", torch.zeros(2), False), {"scratch": "broadcast"}, "buffers ['scratch'] are registered with "
+     "persistent=False but declared synced: checkpoints and the rollout ranks' weight sync (state_dict) leave them "
+     "out, so a resumed run or a rollout copy would silently keep another value; register them persistent, or "
+     "declare them `local` in ActorCritic's BUFFER_POLICY (a constant every rank builds alike)"),
+    (None, {"critic_normalizer.m*": "local"}, "buffer 'critic_normalizer.mean64' matches patterns with different rules "
+     "['local', 'merge'] in ActorCritic's BUFFER_POLICY; give those patterns one rule, or narrow one so that it no "
+     "longer matches"),
+])
+def test_a_buffer_policy_that_cannot_work_is_one_line_naming_the_fix(tmp_path, capsys, monkeypatch, extra, policy,
+                                                                      expected):
+    """An undeclared buffer, an unknown rule, an integer `mean`, a synced non-persistent buffer, patterns that
+    disagree: each message already named the fix, but train.py reported it as a bug (`unexpected ValueError`, a
+    traceback, status 1). Now a usage error: the one line, status 2, before anything is trained or written.
+
+    Mutant: dist/buffers.py raises ValueError instead of UsageError."""
+    from ppo.actor_critic import ActorCritic
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    if extra is not None:
+        monkeypatch.setattr(train, "build_actor_critic", with_buffer(*extra))
+    monkeypatch.setattr(ActorCritic, "BUFFER_POLICY", {**ActorCritic.BUFFER_POLICY, **policy})
+    assert train.cli(small(tmp_path)) == 2
+    assert capsys.readouterr().err == f"error: {expected}\n"
+    assert not os.path.exists(tmp_path / "cartpole")        # nothing written
+
+
+EXTRA_BUFFER = """
+import sys
+import torch
+sys.path.insert(0, {root!r})
+import tyro
+import train
+from configs import PRESETS
+
+build = train.build_actor_critic
+def built(*args, **kwargs):
+    model = build(*args, **kwargs)
+    model.register_buffer("extra", torch.zeros(3))
+    return model
+train.build_actor_critic = built
+sys.argv = ["train.py", *sys.argv[1:]]
+sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for n, f in PRESETS.items()}}),
+                   sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_an_undeclared_buffer_stops_every_rank_alike_with_one_line(tmp_path):
+    """Two ranks of a real run, a model with a buffer its BUFFER_POLICY does not name: both stop before training
+    with status 2, the line said once (local rank 0), no traceback on either; neither waits for the other.
+
+    Mutant: dist/buffers.py raises ValueError instead of UsageError."""
+    from tests.multirank import free_port
+    script = tmp_path / "extra.py"
+    script.write_text(EXTRA_BUFFER.format(root=REPO))
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), "cartpole", "--max-iterations", "1", "--log.root",
+                               str(tmp_path), "--dist.timeout-s", "3600"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": port})
+             for r in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    assert outputs[0][1] == (f"error: buffers without a sync rule: ['extra']; declare each as one of {RULES} in "
+                             "ActorCritic's BUFFER_POLICY\n"), outputs
+    assert outputs[1][1] == "", outputs
+    assert "Traceback" not in outputs[0][0] + outputs[1][0]
