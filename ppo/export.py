@@ -69,6 +69,11 @@ def check_same_actions(policy: DeterministicActor, model: ActorCritic, path: str
                          f"make ppo/export.py's DeterministicActor compute what distribution() does")
 
 
+# The model entries load_policy reads the sizes from, as the ActorCritic of ppo/actor_critic.py names them.
+SIZES_FROM = {"actor.0.weight": "the actor's observation size", "critic.0.weight": "the critic's observation size",
+              "log_std": "the number of actions"}
+
+
 def load_policy(path: str) -> tuple[ActorCritic, dict]:
     """The checkpoint's actor-critic (on the CPU, eval mode) and its run config (a dict). The file passes the checks
     of a --resume (dist.checkpoint_read.read_checkpoint: CRC-32s, no nan or inf in what it holds), except that only
@@ -78,6 +83,15 @@ def load_policy(path: str) -> tuple[ActorCritic, dict]:
             raise ValueError(f"CKPT {path!r} is not a train.py checkpoint (it needs 'model' and 'config' entries)")
     state = read_checkpoint(path, "CKPT", "export", usable)
     config, weights = state["config"], state["model"]
+    missing = [name for name in SIZES_FROM if name not in weights] if isinstance(weights, dict) else []
+    if missing:        # the CRCs passed: not damage, but another actor-critic (a std computed another way, say)
+        it, sizes = "them" if missing[1:] else "it", " and ".join(SIZES_FROM[name] for name in missing)
+        raise ValueError(f"CKPT {path!r}: its model has no {' or '.join(map(repr, missing))} (export reads {sizes} "
+                         f"from {it}, as the ActorCritic of ppo/actor_critic.py has {it}; an actor-critic forked "
+                         f"without {it} needs ppo/export.py's load_policy changed to read its sizes another way)")
+    if isinstance(config, dict) and "policy" not in config:
+        raise ValueError(f"CKPT {path!r}: its config has no 'policy' entry (the settings export builds the "
+                         f"actor-critic from: saved by another version?)")
     try:
         policy_cfg = PolicyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in config["policy"].items()})
         # Sizes come from the weights: the first layer of each MLP reads the observation, the actor's last writes

@@ -178,6 +178,34 @@ def test_a_model_or_policy_config_of_the_wrong_kind_is_one_line(tmp_path, damage
     assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.parametrize("dropped, said", [
+    (("log_std",), "its model has no 'log_std' (export reads the number of actions from it, as the ActorCritic of "
+     "ppo/actor_critic.py has it; an actor-critic forked without it needs ppo/export.py's load_policy changed to "
+     "read its sizes another way)"),
+    (("actor.0.weight", "log_std"), "its model has no 'actor.0.weight' or 'log_std' (export reads the actor's "
+     "observation size and the number of actions from them, as the ActorCritic of ppo/actor_critic.py has them; an "
+     "actor-critic forked without them needs ppo/export.py's load_policy changed to read its sizes another way)"),
+    (("policy",), "its config has no 'policy' entry (the settings export builds the actor-critic from: saved by "
+     "another version?)"),
+])
+def test_a_model_without_an_entry_the_sizes_are_read_from_is_refused_naming_it(tmp_path, dropped, said):
+    """A model whose std is not a `log_std` parameter (a forked actor-critic that computes it another way), or a
+    config without its policy settings: the export said the checkpoint was perhaps damaged (its CRCs had passed),
+    with a bare `KeyError: 'log_std'`; it names the entry and what reads it, before any file is written.
+
+    Mutant: the `missing` check, or the `"policy" not in config` check, left out of load_policy (the KeyError
+    reaches the generic `does not fit` line)."""
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    state = torch.load(path, weights_only=True)
+    for name in dropped:
+        del state["config" if name == "policy" else "model"][name]
+    torch.save(state, path)
+    with pytest.raises(ValueError) as caught:
+        export.export(path, str(tmp_path / "out"))
+    assert str(caught.value) == f"CKPT {path!r}: {said}"
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_a_dangling_symlink_at_an_output_name_is_refused_and_its_target_not_made(tmp_path):
     """A symbolic link to nowhere where STEM.policy.pt goes is not a regular file: written through, the export would
     land wherever the link points. It is refused as a folder of that name is, before anything is written.
