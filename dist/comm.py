@@ -7,7 +7,8 @@ against what actually crossed ranks (`LEDGER`). With world size 1 (or no process
 is a no-op that returns its input: the single-process run is the same code path.
 
 A collective that fails (a peer died, or stalled past the process group's timeout) raises
-`CollectiveError` naming the collective and its purpose, so a hung or crashed job says where it was.
+`CollectiveError` naming the collective and its purpose, so a hung or crashed job says where it was; a
+point-to-point message also names the rank it was sent to or received from as the one that died or stalled.
 """
 
 import contextlib
@@ -87,8 +88,11 @@ def _count(purpose: str, tensor: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def _named(kind: str, purpose: str):
-    """Any backend failure inside becomes a CollectiveError naming the call and its purpose."""
+def _named(kind: str, purpose: str, peer: int | None = None):
+    """Any backend failure inside becomes a CollectiveError naming the call and its purpose; for a point-to-point
+    message, `peer` (the global rank sent to or received from) is the rank blamed: gloo fails such a message on its
+    own connection to that rank alone (another rank's death leaves it waiting). A collective's peer is unknown here:
+    gloo's first line, kept in the message, gives the address of the connection that closed."""
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - every backend failure becomes the same named error
@@ -99,8 +103,9 @@ def _named(kind: str, purpose: str):
         # Other failures are not blamed on a peer: a tensor the backend cannot take (NCCL given a host tensor says
         # "No backend type associated with device type cpu") is this rank's, and the first line says which.
         timed_out = "timed out" in first_line.lower() or "timeout" in first_line.lower()
-        why = ("a peer rank died (its connection closed)" if closed else
-               "a peer rank died or stalled past the process group's timeout (init_process_group's timeout=; "
+        who = "a peer rank" if peer is None else f"rank {peer}"
+        why = (f"{who} died (its connection closed)" if closed else
+               f"{who} died or stalled past the process group's timeout (init_process_group's timeout=; "
                "train.py: --dist.timeout-s)"
                if timed_out else "the backend refused or failed it")
         raise CollectiveError(f"{kind} for {purpose!r} failed on rank {torch_dist.get_rank()}: {why} ({first_line})"
@@ -110,11 +115,11 @@ def _named(kind: str, purpose: str):
 class _Work:
     """An async work handle whose wait() names the purpose when it fails."""
 
-    def __init__(self, work, kind: str, purpose: str):
-        self.work, self.kind, self.purpose = work, kind, purpose
+    def __init__(self, work, kind: str, purpose: str, peer: int | None = None):
+        self.work, self.kind, self.purpose, self.peer = work, kind, purpose, peer
 
     def wait(self):
-        with _named(self.kind, self.purpose):
+        with _named(self.kind, self.purpose, self.peer):
             return self.work.wait()
 
 
@@ -187,7 +192,7 @@ def send(tensor: torch.Tensor, purpose: str, dst: int, group=None) -> None:
     """Blocking send of `tensor` to global rank `dst`. Crosses ranks once per call: `tensor`, this rank -> `dst`,
     for the caller's `purpose` (counted in LEDGER)."""
     _count(purpose, tensor)
-    with _named("send", purpose):
+    with _named("send", purpose, dst):
         torch_dist.send(tensor, dst=dst, group=group)
 
 
@@ -195,7 +200,7 @@ def recv(tensor: torch.Tensor, purpose: str, src: int, group=None) -> torch.Tens
     """Blocking receive into `tensor` from global rank `src`. Crosses ranks once per call: one message, `src` ->
     this rank, for the caller's `purpose` (counted in LEDGER)."""
     _count(purpose, tensor)
-    with _named("recv", purpose):
+    with _named("recv", purpose, src):
         torch_dist.recv(tensor, src=src, group=group)
     return tensor
 
@@ -204,23 +209,23 @@ def isend(tensor: torch.Tensor, purpose: str, dst: int, group=None):
     """Start sending `tensor` to global rank `dst`; returns the work to wait on (`tensor` must outlive it).
     Crosses ranks once per call: `tensor`, this rank -> `dst`, for the caller's `purpose` (counted in LEDGER)."""
     _count(purpose, tensor)
-    with _named("isend", purpose):
-        return _Work(torch_dist.isend(tensor, dst=dst, group=group), "isend", purpose)
+    with _named("isend", purpose, dst):
+        return _Work(torch_dist.isend(tensor, dst=dst, group=group), "isend", purpose, dst)
 
 
 def irecv(tensor: torch.Tensor, purpose: str, src: int, group=None):
     """Start receiving into `tensor` from global rank `src`; returns the work to wait on. Crosses ranks once per
     call: one message, `src` -> this rank, for the caller's `purpose` (counted in LEDGER)."""
     _count(purpose, tensor)
-    with _named("irecv", purpose):
-        return _Work(torch_dist.irecv(tensor, src=src, group=group), "irecv", purpose)
+    with _named("irecv", purpose, src):
+        return _Work(torch_dist.irecv(tensor, src=src, group=group), "irecv", purpose, src)
 
 
 def recv_then_count(tensor: torch.Tensor, purpose_of, src: int, group=None) -> torch.Tensor:
     """Blocking receive into `tensor` from global rank `src`, counted under `purpose_of(tensor)`: for a header
     that names what it starts (a receiver draining queued updates counts them as the sender did). Crosses ranks
     once per call: one message, `src` -> this rank."""
-    with _named("recv", "a message header"):
+    with _named("recv", "a message header", src):
         torch_dist.recv(tensor, src=src, group=group)
     _count(purpose_of(tensor), tensor)
     return tensor

@@ -31,11 +31,13 @@ class _Failing:
         raise RuntimeError(self.message)
 
 
-STALLED = ("a peer rank died or stalled past the process group's timeout (init_process_group's timeout=; "
-           "train.py: --dist.timeout-s)")   # the library's own setting first: sync/ and dist/ are copied out alone
+# After the rank blamed: "a peer rank" for a collective, "rank N" (N the peer) for a point-to-point message.
+STALLED_BY = ("died or stalled past the process group's timeout (init_process_group's timeout=; "
+              "train.py: --dist.timeout-s)")   # the library's own setting first: sync/ and dist/ are copied out alone
+STALLED = f"a peer rank {STALLED_BY}"
 
 
-CLOSED = "a peer rank died (its connection closed)"
+CLOSED_BY = "died (its connection closed)"
 
 
 REFUSED = "the backend refused or failed it"
@@ -50,7 +52,8 @@ def test_an_isend_or_irecv_refused_when_posted_names_itself_not_its_blocking_twi
     monkeypatch.setattr(comm.torch_dist, "get_rank", lambda: 0)
     with pytest.raises(comm.CollectiveError) as caught:
         getattr(comm, kind)(torch.ones(2), "weight_sync", 1)
-    assert str(caught.value) == f"{kind} for 'weight_sync' failed on rank 0: {CLOSED} (Connection reset by peer)"
+    assert str(caught.value) == (f"{kind} for 'weight_sync' failed on rank 0: rank 1 {CLOSED_BY} (Connection reset "
+                                 f"by peer)")
 
 
 def test_a_failed_header_receive_names_the_header_and_counts_nothing(monkeypatch):
@@ -63,7 +66,7 @@ def test_a_failed_header_receive_names_the_header_and_counts_nothing(monkeypatch
     asked = []
     with pytest.raises(comm.CollectiveError) as caught:
         comm.recv_then_count(torch.zeros(1, dtype=torch.int64), lambda t: asked.append(t) or "kind0", src=0)
-    assert str(caught.value) == ("recv for 'a message header' failed on rank 3: " + STALLED +
+    assert str(caught.value) == ("recv for 'a message header' failed on rank 3: rank 0 " + STALLED_BY +
                                  " (Timed out waiting 5000ms for recv operation to complete)")
     assert asked == [] and comm.ledger_snapshot() == {}
 
@@ -228,34 +231,38 @@ def test_the_ledger_is_changed_and_read_only_with_its_lock_held(monkeypatch):
     assert held == [("count", True), ("read", True)]
 
 
-@pytest.mark.parametrize("call, kind", [
-    (lambda: comm.all_reduce(torch.ones(2), "metrics"), "all_reduce"),
-    (lambda: comm.broadcast(torch.ones(2), "metrics"), "broadcast"),
-    (lambda: comm.all_gather(torch.ones(2), "metrics"), "all_gather"),
-    (lambda: comm.gather(torch.ones(2), "metrics", dst=1), "gather"),
-    (lambda: comm.send(torch.ones(2), "metrics", dst=0), "send"),
-    (lambda: comm.recv(torch.ones(2), "metrics", src=0), "recv"),
-    (lambda: comm.isend(torch.ones(2), "metrics", dst=0).wait(), "isend"),
-    (lambda: comm.irecv(torch.ones(2), "metrics", src=0).wait(), "irecv"),
-    (lambda: comm.all_reduce(torch.ones(2), "metrics", async_op=True).wait(), "all_reduce"),
+@pytest.mark.parametrize("call, kind, who", [
+    (lambda: comm.all_reduce(torch.ones(2), "metrics"), "all_reduce", "a peer rank"),
+    (lambda: comm.broadcast(torch.ones(2), "metrics"), "broadcast", "a peer rank"),
+    (lambda: comm.all_gather(torch.ones(2), "metrics"), "all_gather", "a peer rank"),
+    (lambda: comm.gather(torch.ones(2), "metrics", dst=1), "gather", "a peer rank"),
+    (lambda: comm.send(torch.ones(2), "metrics", dst=0), "send", "rank 0"),
+    (lambda: comm.recv(torch.ones(2), "metrics", src=2), "recv", "rank 2"),
+    (lambda: comm.isend(torch.ones(2), "metrics", dst=3).wait(), "isend", "rank 3"),
+    (lambda: comm.irecv(torch.ones(2), "metrics", src=0).wait(), "irecv", "rank 0"),
+    (lambda: comm.all_reduce(torch.ones(2), "metrics", async_op=True).wait(), "all_reduce", "a peer rank"),
 ], ids=["all_reduce", "broadcast", "all_gather", "gather", "send", "recv", "isend-wait", "irecv-wait", "async-wait"])
 @pytest.mark.parametrize("message, said, why", [
     ("Connection closed by peer [127.0.0.1]:1234\n  at gloo/pair.cc:598", "Connection closed by peer [127.0.0.1]:1234",
-     "a peer rank died (its connection closed)"),
-    ("Connection reset by peer", "Connection reset by peer", "a peer rank died (its connection closed)"),
+     "{who} died (its connection closed)"),
+    ("Connection reset by peer", "Connection reset by peer", "{who} died (its connection closed)"),
     ("Timed out waiting 10000ms for recv operation to complete", "Timed out waiting 10000ms for recv operation to "
-     "complete", STALLED),
+     "complete", "{who} " + STALLED_BY),
     ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600000 ms",
      "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600000 ms",
-     STALLED),
+     "{who} " + STALLED_BY),
     # Not a peer's failure: NCCL handed a host tensor (torch's words), or a message that says nothing
     ("No backend type associated with device type cpu", "No backend type associated with device type cpu",
      "the backend refused or failed it"),
     ("  \n", "RuntimeError", "the backend refused or failed it")])
 def test_a_failed_call_or_wait_is_a_collective_error_naming_the_call_purpose_rank_and_cause(
-        monkeypatch, call, kind, message, said, why):
+        monkeypatch, call, kind, who, message, said, why):
     """Whatever the backend raised becomes one CollectiveError: the call, its purpose, this rank, the flag that sets
-    the timeout, and the first line of the backend's message (its type when the message is blank)."""
+    the timeout, and the first line of the backend's message (its type when the message is blank). A point-to-point
+    message names the rank it was sent to or received from as the one that died or stalled ("a peer rank died" did
+    not say which); a collective says "a peer rank", gloo's first line giving the address.
+
+    Mutant: `_named(kind, purpose)` without the peer in send, recv, isend, irecv or their waits (`_Work(..., dst)`)."""
     failing = _Failing(message)
     monkeypatch.setattr(comm, "world_size", lambda: 2)
     for name in ("all_reduce", "broadcast", "all_gather", "gather", "send", "recv"):
@@ -265,7 +272,7 @@ def test_a_failed_call_or_wait_is_a_collective_error_naming_the_call_purpose_ran
     monkeypatch.setattr(comm.torch_dist, "get_rank", lambda: 1)
     with pytest.raises(comm.CollectiveError) as caught:
         call()
-    assert str(caught.value) == f"{kind} for 'metrics' failed on rank 1: {why} ({said})"
+    assert str(caught.value) == f"{kind} for 'metrics' failed on rank 1: {why.format(who=who)} ({said})"
     # the message keeps the backend's first line; its whole message (gloo's source line) stays the cause
     assert type(caught.value.__cause__) is RuntimeError and str(caught.value.__cause__) == message
 

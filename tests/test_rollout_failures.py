@@ -165,7 +165,10 @@ ROLLOUT_STEP_FAILS = textwrap.dedent("""
 def test_a_failed_rollout_rank_is_one_line_on_its_learner(tmp_path):
     """A run-time failure is one line from the rank that met it (docs/fault_tolerance.md): the learner's names the
     rollout rank that is gone and why it thinks so. Its weight-serving thread, failing on the same closed
-    connection, printed a second line (`[syncppo] serving weights to rank 1 failed: ...`)."""
+    connection, printed a second line (`[syncppo] serving weights to rank 1 failed: ...`). The receive that failed names
+    rank 1 too (dist/comm.py: a point-to-point message's peer).
+
+    Mutant: `_named("irecv", purpose)` / `_Work(..., "irecv", purpose)` without the peer in dist/comm.py's irecv."""
     script = tmp_path / "step_fails.py"
     script.write_text(ROLLOUT_STEP_FAILS.format(root=ROOT))
     codes, (learner, rollout) = learner_and_rollout_rank(script, tmp_path)
@@ -173,7 +176,8 @@ def test_a_failed_rollout_rank_is_one_line_on_its_learner(tmp_path):
     assert "error: unexpected RuntimeError (traceback above): injected env failure" in rollout, rollout
     said = [line for line in learner.splitlines() if "rank 1" in line or "error" in line.lower()]
     assert len(said) == 1, "\n".join(said)
-    assert said[0].startswith("error: rollout rank 1 died or stalled: ") and "a peer rank died" in said[0], learner
+    assert said[0].startswith("error: rollout rank 1 died or stalled: ") and \
+        "failed on rank 0: rank 1 died (its connection closed) (" in said[0], learner     # the peer, not "a peer rank"
     assert "Traceback" not in learner, learner
 
 

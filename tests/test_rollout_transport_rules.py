@@ -94,12 +94,12 @@ def test_a_receive_the_learner_cannot_even_post_names_the_rollout_rank(monkeypat
     up in take()), not only when it is waited for: that error named only the purpose ("irecv for 'batches' failed"),
     and a test that kills a rollout rank (test_rollout_ranks.py) met it now and then."""
     def refused(tensor, purpose, src, group=None):
-        raise comm.CollectiveError(f"irecv for {purpose!r} failed on rank 0: a peer rank died")
+        raise comm.CollectiveError(f"irecv for {purpose!r} failed on rank 0: rank {src} died")
     monkeypatch.setattr(comm, "irecv", refused)
     receiver = BatchReceiver([2], None, TINY, 3, 1, 0, 5, torch.device("cpu"))
     with pytest.raises(comm.CollectiveError) as exc:
         receiver.take()
-    assert str(exc.value) == "rollout rank 2 died or stalled: irecv for 'batches' failed on rank 0: a peer rank died"
+    assert str(exc.value) == "rollout rank 2 died or stalled: irecv for 'batches' failed on rank 0: rank 2 died"
 
 
 def object_body(rank, world_size, obj):
