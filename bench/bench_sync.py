@@ -17,7 +17,8 @@ the host, and naive copies each tensor to the host, sends it, and copies it back
 weights. (NCCL cannot run two ranks on one GPU.) The bytes table does not depend on the device.
 
 Times are wall clock from a barrier before the sender's sync() / receiver's apply() to a barrier after
-both returned. Each ratio is the median over pairs (naive, then the mode right after it) in one run.
+both returned. Each ratio is the median over pairs (naive, then the mode right after it) in one run, after
+one untimed warm-up pair per row.
 Bytes are against the information limit: for k changed elements out of n, k value bytes plus
 log2(C(n, k)) / 8 bytes for the positions, per tensor, in the receiver's dtype.
 """
@@ -120,8 +121,10 @@ def versions():
 def bench_time(rank: int, name: str, densities: list, repeats: int, device: str = "cpu") -> list:
     """Time of bucket and of patch at each density against naive, fp32 on both sides. Each measurement is a
     pair (naive, then the mode right after it): the ratio is the median over `repeats` pairs, so load from
-    other processes, which drifts slowly, cancels. Crosses ranks: sync/'s init per mode, then per pair a naive
-    send of the state and one sync() -> apply(), each between barriers (`timed`)."""
+    other processes, which drifts slowly, cancels. Each row first runs one untimed warm-up pair (its times and
+    changed count discarded), so that first-use costs (the receiver's staging buffers, page faults) fall in no
+    measured pair. Crosses ranks: sync/'s init per mode, then per pair (the warm-up one too) a naive send of the
+    state and one sync() -> apply(), each between barriers (`timed`)."""
     state = mlp_state(*SIZES[name], seed=rank, device=device)
     numel = sum(v.numel() for v in state.values())
     g, version = torch.Generator().manual_seed(1), versions()
@@ -145,6 +148,8 @@ def bench_time(rank: int, name: str, densities: list, repeats: int, device: str 
                 changed.append(syncer.sync(state, next(version)).changed_elements)
             else:
                 syncer.apply(state)
+        timed(lambda: naive_send(state, rank)), timed(run, prepare)     # warm-up pair: not measured
+        changed.clear()
         pairs = [(timed(lambda: naive_send(state, rank)), timed(run, prepare)) for _ in range(repeats)]
         ratios = sorted(b / a for a, b in pairs)
         rows.append(dict(model=name, mode=mode, density=(sum(changed) / len(changed) / numel) if changed else 0,
@@ -270,7 +275,8 @@ def ppo_checkpoints() -> list:
 
 
 def print_tables(tables: dict, args) -> None:
-    print(f"\nTime: {args.size} fp32 parameters, fp32 receiver; {args.repeats} (naive, mode) pairs. Times are medians; "
+    print(f"\nTime: {args.size} fp32 parameters, fp32 receiver; {args.repeats} (naive, mode) pairs per row, "
+          f"after an untimed warm-up pair. Times are medians; "
           f"the ratio is the median of per-pair ratios (the naive send's time moves from pair to pair), not the "
           f"ratio of the medians" + ("; --quick: a smoke run" if args.quick else ""))
     print("| mode | elements changed | naive s | mode s | time vs naive (median) | min-max |")

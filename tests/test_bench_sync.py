@@ -61,10 +61,11 @@ class FakeSyncer:
 
 def test_bench_sync_time_rows_are_medians_of_per_pair_ratios(monkeypatch):
     # 3 pairs per row, naive then mode: naive 1, 2, 4 s; mode 3, 1, 1.5 s. Per-pair ratios 3, 0.5, 0.375: median
-    # 0.5 (the ratio of the medians would be 1.5 / 2 = 0.75; naive over mode 2), min 0.375, max 3.
+    # 0.5 (the ratio of the medians would be 1.5 / 2 = 0.75; naive over mode 2), min 0.375, max 3. Each row's
+    # warm-up pair (naive 1 s, mode 1 s, first) is discarded.
     bs = load_bench("bench_sync")
     monkeypatch.setitem(bs.SIZES, "tiny", (10, 2))            # 2 * (10 * 10 + 10) = 220 elements
-    calls, naive, mode = [], iter([1.0, 2.0, 4.0] * 2), iter([3.0, 1.0, 1.5] * 2)
+    calls, naive, mode = [], iter([1.0, 1.0, 2.0, 4.0] * 2), iter([1.0, 3.0, 1.0, 1.5] * 2)
 
     def fake_timed(fn, prepare=None):
         calls.append("naive" if prepare is None else "mode")
@@ -74,14 +75,44 @@ def test_bench_sync_time_rows_are_medians_of_per_pair_ratios(monkeypatch):
         fn()
         return next(mode)
     monkeypatch.setattr(bs, "timed", fake_timed)
-    syncers = iter([FakeSyncer([0, 0, 0]), FakeSyncer([10, 20, 60])])
+    syncers = iter([FakeSyncer([0, 0, 0, 0]), FakeSyncer([0, 10, 20, 60])])
     monkeypatch.setattr(bs, "make_weight_syncer", lambda cfg, src, dst: next(syncers))
     rows = bs.bench_time(0, "tiny", [0.5], 3)
-    assert calls == ["naive", "mode"] * 6                      # interleaved, pair by pair
+    assert calls == ["naive", "mode"] * 8                      # interleaved, pair by pair, a warm-up pair per row
     patch = rows[1]
     assert (patch["mode"], patch["naive"], patch["seconds"]) == ("patch", 2.0, 1.5)
     assert (patch["ratio"], patch["low"], patch["high"]) == (0.5, 0.375, 3.0)
     assert patch["density"] == pytest.approx((10 + 20 + 60) / 3 / 220)     # mean changed per sync over all
+
+
+def test_bench_sync_time_rows_discard_a_warm_up_pair_each(monkeypatch):
+    """Each row runs repeats + 1 pairs, naive then mode, and discards the first: its times (naive 100 s, mode
+    0.001 s, as a first use's page faults would be) and its changed count (1000) reach no column. Kept pairs: naive
+    2 s, mode 1 s (ratio 0.5), changed 22 of 220 elements each, at repeats 1 and 2.
+
+    Mutant: no warm-up pair in bench_time -> 2 (repeats 1) or 4 timed calls per row, not 4 or 6.
+    Mutant: the warm-up pair kept as the first of range(repeats + 1) pairs -> at repeats 1, naive 51 s, low 1e-05.
+    Mutant: no changed.clear() after the warm-up pair -> patch's density counts its 1000 changed elements."""
+    bs = load_bench("bench_sync")
+    monkeypatch.setitem(bs.SIZES, "tiny", (10, 2))            # 2 * (10 * 10 + 10) = 220 elements
+    for repeats in (1, 2):
+        calls = []
+
+        def fake_timed(fn, prepare=None):
+            first = len(calls) % (2 * (repeats + 1)) < 2       # the row's first pair
+            calls.append("naive" if prepare is None else "mode")
+            if prepare is not None:
+                prepare()
+                fn()
+            return (100.0 if first else 2.0) if prepare is None else (0.001 if first else 1.0)
+        monkeypatch.setattr(bs, "timed", fake_timed)
+        syncers = iter([FakeSyncer([0] * (repeats + 1)), FakeSyncer([1000] + [22] * repeats)])
+        monkeypatch.setattr(bs, "make_weight_syncer", lambda cfg, src, dst: next(syncers))
+        rows = bs.bench_time(0, "tiny", [0.5], repeats)
+        assert calls == ["naive", "mode"] * 2 * (repeats + 1)
+        for row in rows:
+            assert (row["naive"], row["seconds"], row["ratio"], row["low"], row["high"]) == (2.0, 1.0, 0.5, 0.5, 0.5)
+        assert rows[1]["density"] == pytest.approx(22 / 220)
 
 
 def test_bench_sync_bytes_rows_against_the_limit(monkeypatch):
