@@ -24,8 +24,8 @@ thread each), read back from the TensorBoard file the learner writes.
    are the learner's ledger (Comm/weight_sync_bytes); the adaptive schedule takes SONIC's 2e-5 to its
    2e-4 cap within the first iteration, so a fixed 2e-5 shows a truly small LR. The patch jobs save
    every iteration; their weight sequence is then replayed through sync/'s patch and bucket syncers
-   (2 gloo processes, the two modes alternating version by version) to time sender sync() and receiver
-   apply(), and the share of changed elements is counted from the checkpoints directly (bits that
+   (2 gloo processes, both modes on each version, which goes first alternating by version) to time sender sync() and
+   receiver apply(), and the share of changed elements is counted from the checkpoints directly (bits that
    differ in the copy's dtype: parameters in --rollout.dtype, buffers as they are) and checked against
    patch's own count.
 3. Learning. The tracking preset, 400 iterations, async 1 + 1 (512 envs) vs colocated 2 ranks x 256
@@ -178,9 +178,16 @@ def receiver_model(state: dict, policy: dict, dtype: torch.dtype):
     return model
 
 
+def replay_order(version: int) -> tuple[str, str]:
+    """The syncers in the order they run on `version`: patch first on even versions, bucket on odd, so that what a
+    version's first sync pays (e.g. caches cold after torch.load) falls on both alike. The version alone decides
+    it, so both ranks run the same order."""
+    return ("patch", "bucket") if version % 2 == 0 else ("bucket", "patch")
+
+
 def replay_rank(rank: int, port: int, paths: list[str], dtype_name: str, queue) -> None:
-    """Rank 0 sends the checkpoints' weights version by version, rank 1 applies them; patch and bucket take
-    turns on every version. Crosses ranks: sync/'s messages, and one barrier before each timed call."""
+    """Rank 0 sends the checkpoints' weights version by version, rank 1 applies them; patch and bucket both run on
+    every version, in replay_order. Crosses ranks: sync/'s messages, and one barrier before each timed call."""
     rank_signals()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
@@ -200,7 +207,8 @@ def replay_rank(rank: int, port: int, paths: list[str], dtype_name: str, queue) 
             syncer.apply(model)
     for version, path in enumerate(paths[1:], start=3):
         state = torch.load(path, map_location="cpu", weights_only=False)["model"] if rank == 0 else None
-        for mode, syncer in syncers.items():
+        for mode in replay_order(version):
+            syncer = syncers[mode]
             dist.barrier()
             t0 = time.perf_counter()
             if rank == 0:
@@ -288,7 +296,7 @@ def weight_sync(args, root: str) -> None:
               f"| {r['send_ms']['bucket']:.2f} + {r['apply_ms']['bucket']:.2f} | "
               f"{r['apply_ms']['patch'] / r['apply_ms']['bucket']:.2f} | {p['calls']:.0f} / {b['calls']:.0f} |")
     print("Bytes: the learner's ledger (Comm/weight_sync_bytes) of the job in that mode. Time: the patch job's weights "
-          "replayed through both syncers, alternating; sync = sender's call, apply = receiver's "
+          "replayed through both syncers, alternating which goes first; sync = sender's call, apply = receiver's "
           "(from a common barrier, so it includes waiting for the data). Elements changed: bits differing between "
           "consecutive versions in the copy's dtype, over the whole state_dict.")
     for r in rows:

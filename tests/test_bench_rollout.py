@@ -36,6 +36,55 @@ def test_bench_rollout_changed_share_counts_elements_whose_bits_differ():
     assert br.changed_share(before, after, {"w": torch.bfloat16}) == (1, 3)
 
 
+class OrderSyncer:
+    """A replay syncer stand-in that logs (mode, version) per sync() on the sender, mode per apply() on the receiver."""
+
+    def __init__(self, mode, log):
+        self.mode, self.log = mode, log
+
+    def init_sender(self, state, *a):
+        pass
+
+    def init_receiver(self, model):
+        pass
+
+    def sync(self, state, version):
+        self.log.append((self.mode, version))
+        return types.SimpleNamespace(wire_bytes=version, changed_elements=0)
+
+    def apply(self, model):
+        self.log.append(self.mode)
+
+
+def test_bench_rollout_replay_alternates_which_syncer_goes_first_by_version_on_both_ranks(monkeypatch):
+    """Replaying versions 3..6 (model_1 is the start, synced as version 2 by both modes in turn): bucket first on the
+    odd versions, patch first on the even ones, on the sender and the receiver alike, and each mode's stats still
+    list its versions in order. Before, patch went first on every version and paid its first-sync costs.
+
+    Mutant: `for mode in replay_order(version)` back to `for mode in syncers` -> patch first on versions 3 and 5.
+    Mutant: replay_rank calls replay_order(rank), not replay_order(version) -> one fixed order per rank, and the two
+    ranks' orders differ."""
+    br = load_bench("bench_rollout")
+    monkeypatch.setattr(br, "rank_signals", lambda: None)
+    nothing = lambda *a, **k: None    # noqa: E731
+    monkeypatch.setattr(br, "dist", types.SimpleNamespace(init_process_group=nothing, barrier=nothing,
+                                                          new_group=nothing, destroy_process_group=nothing))
+    monkeypatch.setattr(br.torch, "load", lambda path, **k: {"model": {"w": path}, "config": {"policy": {}}})
+    monkeypatch.setattr(br, "receiver_model", lambda state, policy, dtype: object())
+    logs, answers = {0: [], 1: []}, []
+    for rank in (0, 1):
+        monkeypatch.setattr(br, "make_weight_syncer", lambda cfg, src, dst, group, log=logs[rank]:
+                            OrderSyncer(cfg.type, log))
+        br.replay_rank(rank, 0, [f"model_{i}.pt" for i in range(1, 6)], "float32",
+                       types.SimpleNamespace(put=answers.append))
+    order = ["bucket", "patch", "patch", "bucket", "bucket", "patch", "patch", "bucket"]     # versions 3, 4, 5, 6
+    assert logs[0] == [("patch", 2), ("bucket", 2)] + list(zip(order, [3, 3, 4, 4, 5, 5, 6, 6]))
+    assert logs[1] == ["patch", "bucket"] + order
+    stats = answers[0][2]
+    assert {m: [b for b, _ in stats[m]] for m in stats} == {"patch": [3, 4, 5, 6], "bucket": [3, 4, 5, 6]}
+    assert [br.replay_order(v) for v in (3, 4)] == [("bucket", "patch"), ("patch", "bucket")]
+
+
 def test_bench_rollout_iteration_time_starts_after_the_warm_up(monkeypatch, capsys):
     # learner writes at walls 0, 10, 20, 21, 23, 26, 30 (7 iterations): iterations 4..7 took 1, 2, 3, 4 s -> 2.50
     br = load_bench("bench_rollout")
