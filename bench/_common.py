@@ -7,6 +7,7 @@ import ctypes
 import functools
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -182,10 +183,25 @@ def stop_processes(procs, grace: float = GRACE_S) -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now: the rendezvous (MASTER_PORT) of a bench's own ranks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 free now, for the rendezvous (MASTER_PORT) of a bench's own ranks (and of the tests'
+    ranks: tests/multirank.py imports it), drawn below the kernel's ephemeral range: a port the kernel hands out
+    (bind to port 0, an outgoing connection) can be taken by another process between this check and the rank that
+    binds it, e.g. a `torchrun --standalone` started at the same time, which picks its ports that way."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except OSError:
+        ephemeral_low = 32768  # Linux's default
+    draw = random.SystemRandom()  # independent of any seed a caller sets
+    for _ in range(100):
+        port = draw.randrange(10000, max(ephemeral_low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found in 10000-{ephemeral_low}")
 
 
 def rank_answers(procs, queue, count: int, patience: Optional[float] = None) -> list:

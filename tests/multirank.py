@@ -9,41 +9,20 @@ Usage inside a test:
     results = run_ranks(body, world_size=2, args=(x,))   # list, one entry per rank
 
 Each rank (a fresh process, forked from a server that imported torch and the project once) joins a gloo process
-group on 127.0.0.1 with a free port, runs `fn(rank, world_size, *args)`, and sends its return value
-back through a queue. A rank that raises makes `run_ranks` raise
-with that rank's traceback, so failures read like ordinary test failures.
+group on 127.0.0.1 with a free port (bench._common.free_port, which the tests import from here), runs
+`fn(rank, world_size, *args)`, and sends its return value back through a queue. A rank that raises makes `run_ranks`
+raise with that rank's traceback, so failures read like ordinary test failures.
 """
 
 import io
 import os
-import random
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A port free now, drawn below the kernel's ephemeral range: a port the kernel hands out (bind to port 0, an
-    outgoing connection) can be taken by another process between this check and the rank that binds it, e.g. a
-    `torchrun --standalone` started at the same time, which picks its ports that way."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_low = int(f.read().split()[0])
-    except OSError:
-        ephemeral_low = 32768  # Linux's default
-    draw = random.SystemRandom()  # independent of any seed a test sets
-    for _ in range(100):
-        port = draw.randrange(10000, max(ephemeral_low, 10001))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port found in 10000-{ephemeral_low}")
+from bench._common import free_port  # the one copy: the tests' ranks draw their port as the benches' ranks do
 
 
 def _worker(rank, world_size, port, fn, args, queue, init_group):

@@ -3,7 +3,9 @@ through the one function, and refuses a value listed twice, or being started by 
 run starts; a stopped child gets SIGTERM, then SIGKILL (with what it started) after the grace; elsewhere than Linux
 no child starts."""
 
+import builtins
 import inspect
+import io
 import os
 import select
 import signal
@@ -14,6 +16,7 @@ import types
 import pytest
 
 import bench._common
+import tests.multirank
 from tests.test_bench_flags import Launched, launched_args, usage_error
 from tests.test_bench_mujoco_run_limits import _stopped_at_launch
 from tests.test_tools import load_bench
@@ -146,3 +149,26 @@ def test_a_bench_started_by_torchrun_is_one_line_before_it_starts_anything(monke
     line = usage_error(module.main, monkeypatch, capsys, [f"{name}.py", *flags, *out])
     assert line == (f"{name}.py: error: run it with python, not torchrun: it starts its own ranks (or torchrun jobs) "
                     "itself")
+
+
+def test_free_port_draws_below_the_ephemeral_range_read_from_proc(monkeypatch):
+    """bench._common.free_port bound port 0: a port from the kernel's ephemeral range, which a `torchrun
+    --standalone` starting meanwhile could take before the bench's ranks bound it. It now draws in 10000 up to the
+    range's low bound, read from /proc (here 20000 in a stand-in file, then the machine's own), a port nothing holds;
+    tests/multirank.py uses this one copy.
+
+    Mutant: free_port binds port 0 again -> a port at or above the ephemeral low bound.
+    Mutant: the /proc read dropped (always 32768) -> ports of 20000-32767 drawn under the stand-in's 20000.
+    Mutant: tests/multirank.py keeps its own copy of free_port -> not bench._common's function."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        machine_low = int(f.read().split()[0])
+    ports = [bench._common.free_port() for _ in range(20)]
+    assert all(10000 <= port < machine_low for port in ports)
+
+    def stand_in(path, *a, **k):
+        return io.StringIO("20000\t60999\n") if path == "/proc/sys/net/ipv4/ip_local_port_range" else \
+            builtins.open(path, *a, **k)
+    monkeypatch.setattr(bench._common, "open", stand_in, raising=False)
+    ports = [bench._common.free_port() for _ in range(50)]
+    assert all(10000 <= port < 20000 for port in ports)
+    assert tests.multirank.free_port is bench._common.free_port
