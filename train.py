@@ -180,8 +180,8 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         backend = info.backend if world > 1 else "none (one process: of --dist.* only device, unused-params apply)"
         print(f"[syncppo] world size {world}, backend {backend}, device {device} (one per rank); {envs_scope}\n"
               f"[syncppo] {roles.describe()}{'' if roles.colocated else describe_rollout(cfg)}\n"
-              f"[syncppo] {learners} {'ranks' if roles.colocated else 'learner(s)'} x {N} envs x {T} steps = "
-              f"{learners * N * T} transitions per iteration\n"
+              f"[syncppo] {learners} {('rank' + 's' * (learners > 1)) if roles.colocated else 'learner(s)'} x {N} envs "
+              f"x {T} steps = {learners * N * T} transitions per iteration\n"
               f"[syncppo] {model.describe()}\n"
               f"{format_plan(plan, world, learners)}", flush=True)
     if cfg.dry_run:

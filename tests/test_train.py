@@ -129,7 +129,7 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, capsys):
     _, scalars, plan = train.main(cfg)
     out = capsys.readouterr().out
     assert scalars == {} and not os.path.exists(tmp_path / "tracking")
-    assert "sync plan" in out and "1 ranks x 16 envs x 8 steps = 128 transitions per iteration" in out
+    assert "sync plan" in out and "1 rank x 16 envs x 8 steps = 128 transitions per iteration" in out
     # 48*32+32 + 32*32+32 + 32*6+6 (actor) + 73*32+32 + 32*32+32 + 32+1 (critic) + 6 (log std) = 6,285
     assert "[syncppo] actor 48-32-32-6, critic 73-32-32-1 (elu), 6,285 parameters\n" in out
     assert {row.purpose for row in plan} >= {"params", "gradients", "advantages", "normalizer", "metrics"}

@@ -152,7 +152,7 @@ def test_cli_accepts_the_flag_where_it_applies_and_a_preset_value_that_does_not(
     out = run_cli("mujoco", "--env.name", "cartpole", "--ppo.reward-clip", "5", "--dry-run",
                   "--log.root", str(tmp_path / "runs"))
     assert out.returncode == 0, out.stderr
-    assert "1 ranks x 1 envs x 2048 steps" in out.stdout and "sync plan" in out.stdout, out.stdout
+    assert "1 rank x 1 envs x 2048 steps" in out.stdout and "sync plan" in out.stdout, out.stdout
 
 
 def test_log_flags_that_do_not_hold_the_resumed_run_directory_are_refused(tmp_path, monkeypatch):
