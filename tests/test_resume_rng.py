@@ -61,7 +61,7 @@ def test_resume_restores_the_saved_cuda_rng_state(monkeypatch):
 def test_resume_with_rng_states_of_another_device_restarts_the_streams_instead_of_crashing(capsys):
     """A checkpoint written on a GPU (env generator on cuda: a 16-byte Philox state) resumed on the CPU
     with the same world size: the states do not fit this process's generators. It must restart the RNG
-    streams from --seed + rank and say so (as for another world size), not die with a RuntimeError."""
+    streams from rank_seed(--seed, rank) and say so (as for another world size), not die with a RuntimeError."""
     cuda_env_state = torch.zeros(16, dtype=torch.uint8)    # what a cuda torch.Generator's get_state() returns
     saved = {"torch": torch.Generator().manual_seed(11).get_state(),
              "shuffle": torch.Generator().manual_seed(12).get_state(), "env": cuda_env_state}
@@ -92,7 +92,7 @@ def test_rng_states_ask_for_the_cuda_generator_only_on_a_gpu_device(monkeypatch)
 
 def test_a_cpu_checkpoint_resumed_on_a_gpu_restarts_every_stream_and_says_so(monkeypatch, capsys):
     """Saved on the CPU there is no GPU generator state; on a GPU, actions are drawn from one. Restoring the CPU
-    streams alone (as before) left the sampling stream at --seed + rank while saying nothing."""
+    streams alone (as before) left the sampling stream at its rank_seed(--seed, rank) start while saying nothing."""
     restored = _fake_cuda(monkeypatch)
     saved = {"torch": torch.Generator().manual_seed(11).get_state(),
              "shuffle": torch.Generator().manual_seed(12).get_state(),
