@@ -1,0 +1,181 @@
+"""slurm/train.sbatch run for real under bash, with stand-ins for SLURM's `srun` and `scontrol` first on PATH: the
+fake srun starts one copy of its command per node (SLURM_JOB_NUM_NODES), each with SLURM_NODEID / SLURM_PROCID /
+SLURM_LOCALID and a working directory of its own, waits for them all and passes a SIGTERM on to them, as real srun
+forwards one to its tasks; the fake scontrol names localhost as every node. What this cannot show: real SLURM's
+`--signal=B:TERM@...` timing and slurmstepd signalling every process of a step (the ranks then get the SIGTERM twice,
+which dist/stop.py takes as one request)."""
+
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from bench._common import dying_with_this_process
+from dist.checkpoint_read import load_checkpoint
+from tests.multirank import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "slurm", "train.sbatch")
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TRAIN = ["cartpole", "--max-iterations", "2", "--env.num-envs", "16", "--ppo.num-steps", "16"]
+
+FAKE_SRUN = r"""#!/bin/bash
+# srun's options (all --name=value here) up to the command; one copy per node, each in its own folder.
+while [[ $1 == -* ]]; do shift; done
+pids=()
+for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do
+    mkdir -p "$FAKE_NODES/$node"
+    (cd "$FAKE_NODES/$node" && SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 exec "$@") &
+    pids+=($!)
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+status=0
+for pid in "${pids[@]}"; do
+    while :; do
+        wait "$pid"; code=$?
+        kill -0 "$pid" 2>/dev/null || break
+    done
+    [ "$code" -gt "$status" ] && status=$code
+done
+exit "$status"
+"""
+
+FAKE_SCONTROL = r"""#!/bin/bash
+[ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: only 'show hostnames'" >&2; exit 1; }
+for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do echo localhost; done
+"""
+
+
+class Batch:
+    """The batch script as sbatch would start it: bash, a job's SLURM_* variables, stdout read line by line."""
+
+    def __init__(self, tmp_path, args, job_id="4242", restart_count=0):
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+            (bin_dir / name).write_text(text)
+            (bin_dir / name).chmod(0o755)
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1",
+               "SLURM_JOB_ID": job_id, "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
+               "SLURM_SUBMIT_DIR": REPO, "SLURM_RESTART_COUNT": str(restart_count), "SLURM_CPUS_PER_TASK": "1",
+               "NPROC": "1", "RDZV_PORT": str(free_port()), "LOG_ROOT": str(tmp_path / "runs"),
+               "VENV": os.path.dirname(os.path.dirname(sys.executable)),
+               "FAKE_NODES": str(tmp_path / f"nodes-{restart_count}")}
+        env.pop("SLURM_GPUS_ON_NODE", None)
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen([SCRIPT, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                     preexec_fn=dying_with_this_process())
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> re.Match:
+        """Poll the output for a line matching `pattern`; fail, with the output, if none comes in time."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if match := re.search(pattern, line):
+                    return match
+            if self.proc.poll() is not None and not self.reader.is_alive():
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"no line matching {pattern!r}:\n{self.output()}")
+
+    def finish(self, timeout: float = 180) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            self.kill()
+        self.reader.join(10)
+        return code
+
+    def kill(self) -> None:
+        """What is left of the job: the script's process group (fake srun, torchruns); torchrun's ranks, in
+        sessions of their own, stop at their iteration's end once their launcher is gone (dist/stop.py)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_dirs(root) -> list[str]:
+    return sorted(glob.glob(os.path.join(root, "cartpole", "*")))
+
+
+@pytest.mark.slow
+def test_two_fake_nodes_train_what_one_node_with_two_ranks_trains(tmp_path):
+    """The script's torchrun per node meets the other through c10d rendezvous at the first node of
+    `scontrol show hostnames`, one rank each (NPROC=1), and learns the weights of `torchrun --standalone
+    --nproc-per-node 2` bit for bit (tests/test_multi_node.py: rank r seeds from its global rank).
+    Mutant: `--nnodes 1` instead of "$SLURM_JOB_NUM_NODES" -> two separate 1-rank runs, not 0 and 1 of a world of 2.
+    Mutant: `--rdzv-id "$SLURM_JOB_ID$SLURM_NODEID"` -> the agents never meet (the run_id check fails first if it
+    does not hang).
+    Mutant: `NPROC=${NPROC:-...}` without the `NPROC` override (SLURM_GPUS_ON_NODE only) -> exit 2, ranks unknown."""
+    one_node = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node", "2", "train.py", *TRAIN, "--log.root",
+                                 str(tmp_path / "one")], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    batch = Batch(tmp_path, TRAIN)
+    try:
+        one_output = one_node.communicate(timeout=180)[0]
+        code = batch.finish()
+    finally:
+        one_node.kill()
+        batch.kill()
+    assert one_node.returncode == 0, one_output
+    assert code == 0, batch.output()
+    (run_dir,) = run_dirs(tmp_path / "runs")
+    assert open(os.path.join(run_dir, "run_id")).read() == "4242"          # --rdzv-id is the job id
+    two = load_checkpoint(os.path.join(run_dir, "model_2.pt"))
+    assert two["config"]["max_iterations"] == 2
+    one = load_checkpoint(glob.glob(os.path.join(tmp_path / "one", "cartpole", "*", "model_2.pt"))[0])["model"]
+    assert one.keys() == two["model"].keys()
+    for key in one:
+        assert torch.equal(one[key], two["model"][key]), key
+    assert "world size 2" in batch.output() and "world_size=2" not in batch.output()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_batch_shell_saves_and_a_requeue_continues_that_run(tmp_path):
+    """SLURM's `--signal=B:TERM@...` reaches the batch shell only: the script passes it to srun, srun to each
+    node's torchrun, torchrun to its ranks, which finish the iteration; rank 0 saves model_k.pt and says so; the
+    ranks exit 0 and torchrun 1 (it got the signal), so the job ends with 1. The requeued job (same job id,
+    SLURM_RESTART_COUNT=1) continues that run directory from model_k.pt, whose run_id is the job's.
+    Mutant: no `trap ... TERM` (srun in the foreground, or no forward) -> the shell dies alone, nothing is saved.
+    Mutant: the requeue block removed -> the requeued job starts a second run directory from iteration 0."""
+    args = ["cartpole", "--max-iterations", "100000", "--log.save-every", "100000", "--env.num-envs", "16",
+            "--ppo.num-steps", "16"]
+    batch = Batch(tmp_path, args)
+    try:
+        batch.wait_for(r"^it +3/")
+        os.kill(batch.proc.pid, signal.SIGTERM)
+        stopped = batch.wait_for(r"stopped on request \(SIGINT/SIGTERM\) after iteration (\d+); saved (\S+);")
+        code = batch.finish()
+    finally:
+        batch.kill()
+    assert code == 1, batch.output()
+    k, path = int(stopped.group(1)), stopped.group(2)
+    (run_dir,) = run_dirs(tmp_path / "runs")
+    assert path == os.path.join(run_dir, f"model_{k}.pt") and k >= 3
+    assert load_checkpoint(path)["iteration"] == k
+    assert sorted(f for f in os.listdir(run_dir) if f.startswith("model_")) == [f"model_{k}.pt"]
+
+    args[2] = str(k + 2)           # the requeued job's own end, so the test need not stop it too
+    requeued = Batch(tmp_path, args, restart_count=1)
+    try:
+        code = requeued.finish()
+    finally:
+        requeued.kill()
+    assert code == 0, requeued.output()
+    assert run_dirs(tmp_path / "runs") == [run_dir], requeued.output()
+    assert f"resumed from {path}" in requeued.output() or "[syncppo] resumed" in requeued.output()
+    assert load_checkpoint(os.path.join(run_dir, f"model_{k + 2}.pt"))["iteration"] == k + 2
