@@ -141,7 +141,7 @@ def test_two_fake_nodes_train_what_one_node_with_two_ranks_trains(tmp_path):
     assert one.keys() == two["model"].keys()
     for key in one:
         assert torch.equal(one[key], two["model"][key]), key
-    assert "world size 2" in batch.output() and "world_size=2" not in batch.output()
+    assert "world size 2" in batch.output()
 
 
 @pytest.mark.slow
@@ -177,5 +177,5 @@ def test_sigterm_to_the_batch_shell_saves_and_a_requeue_continues_that_run(tmp_p
         requeued.kill()
     assert code == 0, requeued.output()
     assert run_dirs(tmp_path / "runs") == [run_dir], requeued.output()
-    assert f"resumed from {path}" in requeued.output() or "[syncppo] resumed" in requeued.output()
+    assert f"[syncppo] resumed {path} at iteration {k}" in requeued.output()
     assert load_checkpoint(os.path.join(run_dir, f"model_{k + 2}.pt"))["iteration"] == k + 2
