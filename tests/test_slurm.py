@@ -117,10 +117,9 @@ def test_two_fake_nodes_train_what_one_node_with_two_ranks_trains(tmp_path):
     """The script's torchrun per node meets the other through c10d rendezvous at the first node of
     `scontrol show hostnames`, one rank each (NPROC=1), and learns the weights of `torchrun --standalone
     --nproc-per-node 2` bit for bit (tests/test_multi_node.py: rank r seeds from its global rank).
-    Mutant: `--nnodes 1` instead of "$SLURM_JOB_NUM_NODES" -> two separate 1-rank runs, not 0 and 1 of a world of 2.
-    Mutant: `--rdzv-id "$SLURM_JOB_ID$SLURM_NODEID"` -> the agents never meet (the run_id check fails first if it
-    does not hang).
-    Mutant: `NPROC=${NPROC:-...}` without the `NPROC` override (SLURM_GPUS_ON_NODE only) -> exit 2, ranks unknown."""
+    Mutant: `--nnodes 1` instead of "$SLURM_JOB_NUM_NODES" -> each node a world of 1 of its own: the job fails.
+    Mutant: `--rdzv-id run` instead of the job id -> the run_id marker is not the job's (a requeue could not find it).
+    Mutant: `NPROC=${SLURM_GPUS_ON_NODE:-}` (no NPROC override) -> exit 2, ranks per node unknown."""
     one_node = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node", "2", "train.py", *TRAIN, "--log.root",
                                  str(tmp_path / "one")], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -150,7 +149,8 @@ def test_sigterm_to_the_batch_shell_saves_and_a_requeue_continues_that_run(tmp_p
     node's torchrun, torchrun to its ranks, which finish the iteration; rank 0 saves model_k.pt and says so; the
     ranks exit 0 and torchrun 1 (it got the signal), so the job ends with 1. The requeued job (same job id,
     SLURM_RESTART_COUNT=1) continues that run directory from model_k.pt, whose run_id is the job's.
-    Mutant: no `trap ... TERM` (srun in the foreground, or no forward) -> the shell dies alone, nothing is saved.
+    Mutant: the `trap ... TERM` line replaced by `:` -> the shell dies alone, srun and the run go on, nothing is saved.
+    Mutant: srun in the foreground (no `&`, `wait "$!"` after it) -> the trap waits for srun's end: nothing is saved.
     Mutant: the requeue block removed -> the requeued job starts a second run directory from iteration 0."""
     args = ["cartpole", "--max-iterations", "100000", "--log.save-every", "100000", "--env.num-envs", "16",
             "--ppo.num-steps", "16"]
