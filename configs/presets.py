@@ -5,7 +5,7 @@ from configs.config import Config, EnvConfig, LogConfig, PolicyConfig, PPOConfig
 
 
 def cartpole() -> Config:
-    """Continuous-force cart-pole balance: 500-step episodes from iteration ~61 of 100, 7-10 s in one process."""
+    """Continuous-force cart-pole balance: 500-step episodes from iteration ~55 of 100, 7-10 s in one process."""
     return Config(
         env=EnvConfig(name="cartpole", num_envs=64, episode_length_s=10.0),
         policy=PolicyConfig(actor_hidden=(64, 64), critic_hidden=(64, 64), normalize_critic_obs=True),
