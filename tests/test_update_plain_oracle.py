@@ -136,7 +136,8 @@ def test_w_ranks_with_micro_batches_equal_a_plain_ppo_over_the_concatenated_data
     step, the LR sequence's decisions and the normalizers' statistics are the oracle's.
     Mutant: ppo_update skipping a step when its KL, not its gradient norm, is non-finite (`math.isfinite(kl)`).
     Mutant: backward_minibatch arming the KL count of the last micro-batch instead of the minibatch's.
-    The logged means: the gradient norm before clipping, and the clip fraction, each rank's averaged over ranks (train.py).
+    The logged means: the gradient norm before clipping, and the clip fraction, each rank's averaged over ranks
+    (train.py).
     Mutant: ppo_update averaging the clipped norm, min(norm, cfg.max_grad_norm).
     Mutant: backward_minibatch summing the clip fraction of the first micro-batch only (`if i == 0`)."""
     results = run_ranks(ranks_update, world_size, args=(q, mode, (1, 2, 3)))
