@@ -16,6 +16,7 @@ raise with that rank's traceback, so failures read like ordinary test failures.
 
 import io
 import os
+import subprocess
 import traceback
 
 import torch
@@ -89,3 +90,21 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0, ini
     if errors:
         raise RuntimeError("\n".join(errors))
     return results
+
+
+def run_processes(cmd: list[str], world_size: int, cwd: str, timeout: float, stderr=subprocess.PIPE) -> tuple:
+    """Run `cmd` as the `world_size` ranks of one job on this host, each with the variables torchrun gives a rank
+    (a port from free_port; OMP_NUM_THREADS=1), and wait up to `timeout` s for each; any still running is killed.
+    Returns (exit codes, (stdout, stderr) per rank); stderr=subprocess.STDOUT folds each rank's stderr in."""
+    port = str(free_port())
+    procs = [subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(world_size)]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], outputs

@@ -13,7 +13,7 @@ import torch
 
 from dist import comm
 from dist.batches import BatchReceiver, BatchSender, Layout
-from tests.multirank import free_port, run_ranks
+from tests.multirank import run_processes, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,20 +55,10 @@ SCRIPT = textwrap.dedent("""
 def learner_and_rollout_rank(script, tmp_path) -> tuple[list, list]:
     """Run `script` as rank 0 (the learner) and rank 1 (its rollout rank) of a cartpole job with --dist.timeout-s
     3600; return their exit codes and outputs. Waiting out that timeout fails the 60 s bound."""
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), "cartpole", "--max-iterations", "100", "--log.root",
-                               str(tmp_path), "--rollout.ranks", "1", "--dist.timeout-s", "3600"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
-                                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": port})
-             for r in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=60)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [p.returncode for p in procs], outputs
+    codes, outputs = run_processes([sys.executable, str(script), "cartpole", "--max-iterations", "100", "--log.root",
+                                    str(tmp_path), "--rollout.ranks", "1", "--dist.timeout-s", "3600"], 2, ROOT, 60,
+                                   stderr=subprocess.STDOUT)
+    return codes, [out for out, _ in outputs]
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@ with Isaac Lab, an Isaac Lab env that fails to build under Kit."""
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -290,23 +289,12 @@ def test_an_undeclared_buffer_stops_every_rank_alike_with_one_line(tmp_path):
     with status 2, the line said once (local rank 0), no traceback on either; neither waits for the other.
 
     Mutant: dist/buffers.py raises ValueError instead of UsageError."""
-    from tests.multirank import free_port
+    from tests.multirank import run_processes
     script = tmp_path / "extra.py"
     script.write_text(EXTRA_BUFFER.format(root=REPO))
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), "cartpole", "--max-iterations", "1", "--log.root",
-                               str(tmp_path), "--dist.timeout-s", "3600"],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
-                                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": port})
-             for r in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [2, 2], outputs
+    codes, outputs = run_processes([sys.executable, str(script), "cartpole", "--max-iterations", "1", "--log.root",
+                                    str(tmp_path), "--dist.timeout-s", "3600"], 2, REPO, 90)
+    assert codes == [2, 2], outputs
     assert outputs[0][1] == (f"error: buffers without a sync rule: ['extra']; declare each as one of {RULES} in "
                              "ActorCritic's BUFFER_POLICY\n"), outputs
     assert outputs[1][1] == "", outputs
