@@ -34,6 +34,7 @@ from configs.typed_flags import env_label
 from dist import comm
 from dist.batches import (BatchReceiver, BatchSender, Layout, concat_batches, flatten_state, from_bytes, naming,
                           recv_object, send_object, setup_plan_row, to_bytes, unflatten_state)
+from dist.buffers import resolve_buffer_policy
 from dist.checkpoint import agree_plan_rows, rng_states, rng_states_fit, set_rng_states
 from dist.errors import RunError, UsageError, one_line
 from dist.plan import PlanRow
@@ -214,6 +215,9 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
     syncer = make_weight_syncer(weight_sync_config(cfg), learner, [roles.rank], roles.weights_group)
     with naming(learner, "learner"):
         spec_size = send_object(spec, learner, roles.batches_group, "setup")
+        # The learners refuse a BUFFER_POLICY that cannot work once they build the model from the spec: so does this
+        # copy (the same UsageError, status 2), not then fail as 'learner rank 0 died' in the handshake below.
+        resolve_buffer_policy(copy, copy.BUFFER_POLICY)
         try:
             version = syncer.init_receiver(copy)      # start - 1: the first request brings the learners' weights
         except SyncIntegrityError as error:

@@ -268,6 +268,7 @@ import sys
 import torch
 sys.path.insert(0, {root!r})
 import tyro
+import rollout_ranks
 import train
 from configs import PRESETS
 
@@ -276,7 +277,7 @@ def built(*args, **kwargs):
     model = build(*args, **kwargs)
     model.register_buffer("extra", torch.zeros(3))
     return model
-train.build_actor_critic = built
+train.build_actor_critic = rollout_ranks.build_actor_critic = built
 sys.argv = ["train.py", *sys.argv[1:]]
 sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for n, f in PRESETS.items()}}),
                    sys.argv[1:]))
@@ -284,16 +285,19 @@ sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for 
 
 
 @pytest.mark.slow
-def test_an_undeclared_buffer_stops_every_rank_alike_with_one_line(tmp_path):
+@pytest.mark.parametrize("layout", [[], ["--rollout.ranks", "1"]], ids=["colocated", "rollout-rank"])
+def test_an_undeclared_buffer_stops_every_rank_alike_with_one_line(tmp_path, layout):
     """Two ranks of a real run, a model with a buffer its BUFFER_POLICY does not name: both stop before training
-    with status 2, the line said once (local rank 0), no traceback on either; neither waits for the other.
+    with status 2, the line said once (local rank 0), no traceback on either; neither waits for the other. A rollout
+    rank, whose policy copy has the buffer too, stopped with status 1 and a second line ('learner rank 0 died').
 
-    Mutant: dist/buffers.py raises ValueError instead of UsageError."""
+    Mutant: dist/buffers.py raises ValueError instead of UsageError.
+    Mutant: rollout_ranks.run_rollout_rank without its resolve_buffer_policy(copy, ...) (rollout-rank)."""
     from tests.multirank import run_processes
     script = tmp_path / "extra.py"
     script.write_text(EXTRA_BUFFER.format(root=REPO))
     codes, outputs = run_processes([sys.executable, str(script), "cartpole", "--max-iterations", "1", "--log.root",
-                                    str(tmp_path), "--dist.timeout-s", "3600"], 2, REPO, 90)
+                                    str(tmp_path), "--dist.timeout-s", "3600", *layout], 2, REPO, 90)
     assert codes == [2, 2], outputs
     assert outputs[0][1] == (f"error: buffers without a sync rule: ['extra']; declare each as one of {RULES} in "
                              "ActorCritic's BUFFER_POLICY\n"), outputs
