@@ -182,26 +182,32 @@ def stop_processes(procs, grace: float = GRACE_S) -> None:
         _wait(p, None)
 
 
+MIN_PORTS = 1000    # free_port's least span to draw in: two runs drawing at once then seldom meet
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 free now, for the rendezvous (MASTER_PORT) of a bench's own ranks (and of the tests'
-    ranks: tests/multirank.py imports it), drawn below the kernel's ephemeral range: a port the kernel hands out
+    ranks: tests/multirank.py imports it), drawn outside the kernel's ephemeral range: a port the kernel hands out
     (bind to port 0, an outgoing connection) can be taken by another process between this check and the rank that
-    binds it, e.g. a `torchrun --standalone` started at the same time, which picks its ports that way."""
+    binds it, e.g. a `torchrun --standalone` started at the same time, which picks its ports that way. Drawn in
+    10000 up to the range's low bound, or above its high bound where a range that starts low (1024) leaves too few
+    below (every draw was port 10000 there); the kernel's choice only where the range leaves neither."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_low = int(f.read().split()[0])
-    except OSError:
-        ephemeral_low = 32768  # Linux's default
+            low, high = (int(word) for word in f.read().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    spans = [span for span in (range(10000, low), range(high + 1, 65536)) if len(span) >= MIN_PORTS]
     draw = random.SystemRandom()  # independent of any seed a caller sets
-    for _ in range(100):
-        port = draw.randrange(10000, max(ephemeral_low, 10001))
+    for _ in range(100 if spans else 1):
+        port = draw.choice(spans[0]) if spans else 0
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
-    raise RuntimeError(f"no free port found in 10000-{ephemeral_low}")
+            return s.getsockname()[1]
+    raise RuntimeError("no free port found" + (f" in {spans[0].start}-{spans[0].stop - 1}" if spans else ""))
 
 
 def rank_answers(procs, queue, count: int, patience: Optional[float] = None) -> list:

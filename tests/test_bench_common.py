@@ -172,3 +172,20 @@ def test_free_port_draws_below_the_ephemeral_range_read_from_proc(monkeypatch):
     ports = [bench._common.free_port() for _ in range(50)]
     assert all(10000 <= port < 20000 for port in ports)
     assert tests.multirank.free_port is bench._common.free_port
+
+
+@pytest.mark.parametrize("proc_range, low, high", [("1024\t60999\n", 61000, 65535), ("1024\t65535\n", 1, 65535)],
+                         ids=["above-the-range", "the-kernel-s"])
+def test_free_port_draws_apart_where_the_ephemeral_range_starts_low(monkeypatch, proc_range, low, high):
+    """A range from 1024 (some distributions and containers set it) left free_port only port 10000 to draw: every
+    bench and test rank group rendezvoused on it, so two at once collided and a port 10000 held (another run, a
+    TIME_WAIT) failed all 100 draws. Now it draws above the range, or takes the kernel's port where the range
+    covers every port above 1023; the ports differ from draw to draw and are free.
+
+    Mutant: free_port draws `randrange(10000, max(ephemeral_low, 10001))` again (every draw 10000)."""
+    def stand_in(path, *a, **k):
+        return io.StringIO(proc_range) if path == "/proc/sys/net/ipv4/ip_local_port_range" else \
+            builtins.open(path, *a, **k)
+    monkeypatch.setattr(bench._common, "open", stand_in, raising=False)
+    ports = [bench._common.free_port() for _ in range(20)]
+    assert all(low <= port <= high for port in ports) and len(set(ports)) > 1, ports
