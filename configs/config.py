@@ -176,7 +176,7 @@ class Config:
     max_iterations: int = 150
     """PPO iterations in all (rollout + update each); a resumed run continues from its checkpoint's iteration to this"""
     seed: int = 1
-    """base seed; rank r seeds from (seed, r) by rank_seed (dist/setup.py), no two (seed, r) alike"""
+    """base seed; rank r seeds from (seed, r) by rank_seed (dist/setup.py): 32-bit seeds, alike only by chance"""
     resume: str = ""
     """checkpoint (.pt) to continue from in a new run directory, a run directory to continue in place, or auto: the newest run of this experiment, in place"""
     dry_run: bool = False

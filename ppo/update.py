@@ -66,7 +66,8 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
                 step(packed, storage.widths)
                 continue
             kl_stats, grad_norm, terms_mean = backward_minibatch(model, batch, grad_sync, cfg)
-            # One host read per step, the loss terms in it: read after optimizer.step(), they drained the GPU again.
+            # One host read per step, the loss terms in it (read apart after optimizer.step(), they drained the GPU
+            # again).
             kl, norm, *terms = torch.cat([(kl_stats[0] / kl_stats[1]).reshape(1), grad_norm.reshape(1),
                                           terms_mean]).tolist()
             if not math.isfinite(norm):
