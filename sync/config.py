@@ -2,12 +2,11 @@
 transfer must build the same config: the handshake compares them, because the wire format depends on it."""
 
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Literal, Optional
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Literal, Optional, get_args, get_origin
 
 import torch
 
-DEVICES = ("cpu", "cuda")
 BUCKET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -21,8 +20,7 @@ class InitSyncConfig:
     """largest bootstrap bucket in bytes (a bigger tensor travels alone)"""
 
     def __post_init__(self):
-        _require_type("patch.init_sync.enabled", self.enabled, bool, "true or false")
-        _require_count("patch.init_sync.bucket_size", self.bucket_size)
+        _check_fields(self, "patch.init_sync.")
         if self.prefixes is not None:
             if isinstance(self.prefixes, str):
                 raise ValueError(f"patch.init_sync.prefixes must be a list of key prefixes, got the string {self.prefixes!r}")
@@ -45,20 +43,16 @@ class PatchConfig:
     """one-off bucketed bootstrap before the first patch"""
 
     def __post_init__(self):
-        _require_choice("patch.snapshot_device", self.snapshot_device, DEVICES)
-        _require_choice("patch.transport_device", self.transport_device, DEVICES)
-        _require_choice("patch.compression", self.compression, ("none", "zstd"))
-        _require_count("patch.verify_every", self.verify_every, 0, "an integer >= 0")
+        _check_fields(self, "patch.")
         if self.compression == "zstd" and self.transport_device != "cpu":
             raise ValueError("patch.compression=zstd runs on the host: set patch.transport_device=cpu")
-        _require_type("patch.init_sync", self.init_sync, InitSyncConfig, "an InitSyncConfig")
 
 
 @dataclass
 class BucketConfig:
     bucket_size: int = 512 * 2**20
     """largest bucket in bytes (a bigger tensor travels alone)"""
-    bucket_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    bucket_dtype: Literal[None, "float32", "bfloat16", "float16"] = None
     """wire dtype for floating tensors (ints and bools keep theirs); None = the receiver's dtype, which is exact (float16 overflows past 65504)"""
     bucket_device: Literal["cpu", "cuda"] = "cpu"
     """where buckets are packed: cpu for gloo, cuda for NCCL"""
@@ -66,10 +60,7 @@ class BucketConfig:
     """apply each bucket as it arrives (less receiver memory); False stages all buckets and applies at the end"""
 
     def __post_init__(self):
-        _require_count("bucket.bucket_size", self.bucket_size)
-        _require_choice("bucket.bucket_dtype", self.bucket_dtype, (None, *BUCKET_DTYPES))
-        _require_choice("bucket.bucket_device", self.bucket_device, DEVICES)
-        _require_type("bucket.load_instant", self.load_instant, bool, "true or false")
+        _check_fields(self, "bucket.")
 
 
 @dataclass
@@ -82,24 +73,26 @@ class WeightSyncConfig:
     """settings used when type=bucket"""
 
     def __post_init__(self):
-        _require_choice("type", self.type, ("patch", "bucket"))
-        _require_type("patch", self.patch, PatchConfig, "a PatchConfig")
-        _require_type("bucket", self.bucket, BucketConfig, "a BucketConfig")
+        _check_fields(self, "")
 
 
-def _require_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"weight sync config: {name}={value!r} is not one of {', '.join(map(repr, choices))}")
-
-
-def _require_type(name, value, kind, wanted):
-    if not isinstance(value, kind):  # a string "false" would read as true; a YAML mapping fails later, or hangs init
-        raise ValueError(f"weight sync config: {name} must be {wanted}, got {value!r}")
-
-
-def _require_count(name, value, low=1, what="a positive number of bytes"):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"weight sync config: {name} must be {what}, got {value!r}")
+def _check_fields(section, prefix: str) -> None:
+    """Each field of a config section (named `prefix` + its name) by its annotation: a Literal's value must be one
+    of its choices, a bool true or false, an int a positive number of bytes (verify_every: an integer >= 0), and a
+    nested section of its class (a string "false" would read as true; a YAML mapping fails later, or hangs init)."""
+    for f in fields(section):
+        name, value, kind = prefix + f.name, getattr(section, f.name), f.type
+        if get_origin(kind) is Literal and value not in get_args(kind):
+            choices = ", ".join(map(repr, get_args(kind)))
+            raise ValueError(f"weight sync config: {name}={value!r} is not one of {choices}")
+        if kind is int:
+            low, what = (0, "an integer >= 0") if f.name == "verify_every" else (1, "a positive number of bytes")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"weight sync config: {name} must be {what}, got {value!r}")
+        if (kind is bool or is_dataclass(kind)) and not isinstance(value, kind):
+            article = "an " if kind.__name__[0] in "AEIOU" else "a "
+            wanted = "true or false" if kind is bool else article + kind.__name__
+            raise ValueError(f"weight sync config: {name} must be {wanted}, got {value!r}")
 
 
 def under_prefix(key: str, prefix: str) -> bool:
