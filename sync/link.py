@@ -260,31 +260,28 @@ class Link:
                                    lambda k: (purpose, dtypes, into) if k == kind else other,
                                    self.staging if staged is None else None)
             check_kind(frame, kind)
-            expected = [ordinals[i] for i in members]
+            expected, failure = [ordinals[i] for i in members], None
             if frame.table[:, 0].tolist() != expected or version not in (None, frame.version):
                 frame.wait()  # its receives are posted: take them in, or the link stalls and resync() cannot drain it
                 at = '' if version is None else f' at version {version}'
-                failure = SyncIntegrityError(
-                    f"weight sync: bucket {index} of {len(plan)} at version {frame.version} carries tensors "
-                    f"{frame.table[:, 0].tolist()}, expected {expected}{at}; sender and receiver disagree on the "
-                    "bucket plan", model_written=staged is None)
+                failure = (f"weight sync: bucket {index} of {len(plan)} at version {frame.version} carries tensors "
+                           f"{frame.table[:, 0].tolist()}, expected {expected}{at}; sender and receiver disagree on "
+                           "the bucket plan")
             else:
                 got = [tensor_checksum(frame.row(r)[1]) for r in range(len(members))]  # each as soon as it arrived
                 try:
-                    sums = frame.sums()
+                    if (torch.stack(got).tolist() if got else []) != frame.sums():
+                        failure = (f"weight sync: bucket {index} at version {frame.version} does not match its "
+                                   f"checksums (corrupted on the way); {RESYNC_HINT}")
                 except SyncIntegrityError as error:  # a refused trailer: values may already be in the model
-                    failure = SyncIntegrityError(str(error), model_written=staged is None)
-                else:
-                    failure = None if (torch.stack(got).tolist() if got else []) == sums else SyncIntegrityError(
-                        f"weight sync: bucket {index} at version {frame.version} does not match its checksums "
-                        f"(corrupted on the way); {RESYNC_HINT}", model_written=staged is None)
+                    failure = str(error)
             if failure is not None:
                 # The rest of this update is queued behind it: take it in now (unwritten), so that the next frame
                 # starts a new update (a later resync could not tell the rest of a refused resync from its own).
                 for _ in plan[index + 1:]:
                     recv_frame(self.src, self.group, self.device, self.numels, lambda k: (purpose, dtypes, None),
                                self.staging).wait()
-                raise failure
+                raise SyncIntegrityError(failure, model_written=staged is None)
             pairs = [(ordinal, values) for ordinal, (_, values) in zip(frame.table[:, 0].tolist(), frame.segments)]
             if staged is None:
                 with torch.no_grad():

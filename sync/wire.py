@@ -121,22 +121,21 @@ def send_frame(kind: int, version: int, base: int, table: torch.Tensor, segments
     checks = torch.stack([checksum([words]), checksum([words, table])])
     head = [torch.cat([words, checks]).to(device)] + ([table.to(device)] if len(table) else [])
     works = [comm.isend(t, purpose, dst, group) for t in head + payload for dst in dsts]
+    failure = None
     try:
         after = sums() if len(table) else []
         trailer = torch.stack([torch.as_tensor(s).cpu() for s in after]) if len(table) else None
-    except BaseException:
+    except BaseException as error:
         # The receivers hold this frame's header, table and payload and wait for its trailer: send one that they
-        # refuse (its check is off by one), so that the link stays in step for resync(), then raise.
-        zeros = torch.zeros(len(table), dtype=torch.int64)
-        refused = torch.cat([zeros, (checksum([words, zeros]) + 1).view(1)]).to(device)
-        for work in works + [comm.isend(refused, purpose, dst, group) for dst in dsts]:
-            work.wait()
-        raise
+        # refuse (zeros, its check off by one), so that the link stays in step for resync(), then raise.
+        failure, trailer = error, torch.zeros(len(table), dtype=torch.int64)
     if trailer is not None:
-        trailer = torch.cat([trailer, checksum([words, trailer]).view(1)]).to(device)
+        trailer = torch.cat([trailer, (checksum([words, trailer]) + (failure is not None)).view(1)]).to(device)
         works += [comm.isend(trailer, purpose, dst, group) for dst in dsts]
     for work in works:
         work.wait()
+    if failure is not None:
+        raise failure
     return sum(frame_messages(len(table), [wire])), raw, after  # header, table, `wire` payload bytes, trailer
 
 
@@ -218,16 +217,13 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
                   int(head[8]), None, [], {}, None)
     frame.check_header(link_lost=True)
     _check_table(frame.table, numels)
-    specs, places = [], []  # (dtype, count) per segment; (row, part) per segment
-    for r, (ordinal, values, encoding, symbols) in enumerate(frame.table.tolist()):
-        if encoding != DENSE:
-            specs.append((SYMBOL_DTYPES[encoding], symbols))
-            places.append((r, 0))
-        specs.append((dtypes[ordinal], values))
-        places.append((r, 1))
+    entries = frame.table.tolist()  # per segment: (row, 0 positions / 1 values) and (dtype, count)
+    places = [(r, part) for r, entry in enumerate(entries) for part in ((0, 1) if entry[2] != DENSE else (1,))]
+    specs = [(SYMBOL_DTYPES[entries[r][2]], entries[r][3]) if part == 0 else (dtypes[entries[r][0]], entries[r][1])
+             for r, part in places]
     order, _, total = layout(specs)
     packed = decompress is None and _packed([d.itemsize * n for d, n in specs if n])
-    target = [into(frame.table[r, 0].item()) if into and part and not packed else None for r, part in places]
+    target = [into(entries[r][0]) if into and part and not packed else None for r, part in places]
     _, offsets, staged = layout([(d, 0 if t is not None else n) for (d, n), t in zip(specs, target)])
     if total != raw or (decompress is None and wire != raw):
         raise lost_link(f"weight sync: frame header {head.tolist()} announces payload sizes its table does not "
@@ -240,9 +236,8 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     frame.payload = buffer[:staged]
     parts = [t if t is not None else buffer[off:off + d.itemsize * n].view(d)
              for (d, n), t, off in zip(specs, target, offsets)]
-    frame.segments = [[None, None] for _ in range(rows)]
-    for (r, part), segment in zip(places, parts):
-        frame.segments[r][part] = segment
+    segment = dict(zip(places, parts))
+    frame.segments = [[segment.get((r, 0)), segment[(r, 1)]] for r in range(rows)]
     blob = None
     if decompress is not None and wire:
         blob = comm.recv(torch.empty(wire, dtype=torch.uint8, device=device), purpose, src, group)
