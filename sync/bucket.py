@@ -54,9 +54,9 @@ class BucketSyncer(Link):
     def sync(self, state_dict, version: int) -> SyncStats:
         """Send every synced tensor whole as update `version`. Crosses ranks once per call: one frame per
         bucket to each receiver (see Link.send_whole)."""
-        self.require(sender=True, version=version)
-        self.stats = self.send_whole(self.tensors(state_dict), self.synced, self._wire_dtypes(),
-                                     self.cfg.bucket.bucket_size, version, KIND_BUCKET, UPDATE)
+        state = self.tensors(state_dict, sender=True, version=version)
+        self.stats = self.send_whole(state, self.synced, self._wire_dtypes(), self.cfg.bucket.bucket_size, version,
+                                     KIND_BUCKET, UPDATE)
         self.version = version
         return self.stats
 
@@ -65,8 +65,7 @@ class BucketSyncer(Link):
         the frames (one per bucket) of the sender's matching sync(), once per sync(). With load_instant each
         bucket lands as it arrives, checked (readers are kept out by the lock until the last one lands);
         otherwise all buckets are staged first (blocking=False: see Link.receive), then written."""
-        self.require(sender=False)
-        tensors = self.tensors(model)
+        tensors = self.tensors(model, sender=False)
         if not self.cfg.bucket.load_instant:
             return self.receive(blocking, self.recv_update, lambda update: self._write(tensors, update))
         if not blocking:
@@ -87,9 +86,8 @@ class BucketSyncer(Link):
         return self._recv({}, staged), staged
 
     def _write(self, tensors: dict, update: tuple[int, list]) -> int:
-        with torch.no_grad():
-            for ordinal, values in update[1]:
-                tensors[self.keys[ordinal]].view(-1).copy_(values)
+        for ordinal, values in update[1]:  # `tensors` are detached (tensors_of)
+            tensors[self.keys[ordinal]].view(-1).copy_(values)
         return update[0]
 
     def resync(self, state_dict_or_model, version=None) -> int:

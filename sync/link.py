@@ -170,9 +170,11 @@ class Link:
         if version is not ... and version <= self.version:
             raise ValueError(f"weight sync: version must increase, last sent {self.version}, got {version}")
 
-    def tensors(self, model) -> dict:
-        """The state_dict `model` (sender: a state_dict or module) with the keys and shapes (receiver: and
-        dtypes) of init; a KeyError lists missing and unexpected keys."""
+    def tensors(self, model, sender: bool, version=...) -> dict:
+        """A call's checks: `require(sender, version=version)`, then the state_dict `model` (sender: a state_dict
+        or module) with the keys and shapes (receiver: and dtypes) of init; a KeyError lists missing and unexpected
+        keys."""
+        self.require(sender, version=version)
         tensors = tensors_of(model)
         shapes = self.sender_shapes if self.is_sender else self.shapes  # the receiver's: by its keys, in order
         missing, unexpected = [k for k in shapes if k not in tensors], [k for k in tensors if k not in shapes]
@@ -282,14 +284,11 @@ class Link:
                     recv_frame(self.src, self.group, self.device, self.numels, lambda k: (purpose, dtypes, None),
                                self.staging).wait()
                 raise SyncIntegrityError(failure, model_written=staged is None)
-            pairs = [(ordinal, values) for ordinal, (_, values) in zip(frame.table[:, 0].tolist(), frame.segments)]
-            if staged is None:
-                with torch.no_grad():
-                    for ordinal, values in pairs:
-                        if values.data_ptr() != flat[ordinal].data_ptr():
-                            flat[ordinal].copy_(values)
-            else:
-                staged += pairs
+            for ordinal, (_, values) in zip(frame.table[:, 0].tolist(), frame.segments):  # `tensors` are detached
+                if staged is not None:
+                    staged.append((ordinal, values))
+                elif values.data_ptr() != flat[ordinal].data_ptr():  # else it arrived in place
+                    flat[ordinal].copy_(values)
             version = frame.version
         return version
 
@@ -346,9 +345,8 @@ class Link:
         `update_decompress`: how to take in their payload when compressed). Then `written(tensors)` runs, on a
         receiver under the lock once everything landed. Crosses ranks once per resync: the queued update
         frames, then one frame per bucket of `bucket_size`, under the setup purpose."""
-        self.require(sender=self.is_sender)
+        tensors = self.tensors(state_dict_or_model, sender=self.is_sender)
         receiver = [self.dtypes[k] for k in self.keys]
-        tensors = self.tensors(state_dict_or_model)
         if self.is_sender:
             if not is_int(version):
                 raise ValueError(f"weight sync: the sender's resync needs the (integer) version to restart from, got "

@@ -125,8 +125,7 @@ class PatchSyncer(Link):
         Host syncs: two per tensor (how many words changed, then the change count or the positions; on the host
         these are free), plus its longest gap (and escape counts where a gap reaches an escape) when a gap
         encoding may win."""
-        self.require(sender=True, version=version)
-        state = self.tensors(state_dict)
+        state = self.tensors(state_dict, sender=True, version=version)
         rows, segments, changes = [], [], []
         for key in self.synced:  # in ordinal order: the table's rows must be
             current = state[key].detach().reshape(-1).to(self.dtypes[key])
@@ -170,8 +169,7 @@ class PatchSyncer(Link):
     def apply(self, model, blocking: bool = True) -> int:
         """Receive the next patch and apply it to `model`; returns the version now in place. Crosses ranks:
         receives the frame the sender's matching sync() sent. blocking=False: see Link.receive."""
-        self.require(sender=False)
-        tensors = self.tensors(model)
+        tensors = self.tensors(model, sender=False)
         return self.receive(blocking, lambda: self._recv(self.staging), lambda frame: self._write(tensors, frame))
 
     def recv_update(self) -> Frame:
@@ -183,8 +181,7 @@ class PatchSyncer(Link):
 
     def apply_update(self, model, update: Frame) -> int:
         """Apply an update returned by `recv_update()`; returns the new version (see _write for what is refused)."""
-        self.require(sender=False)
-        tensors = self.tensors(model)
+        tensors = self.tensors(model, sender=False)
         return self.write_update(lambda: self._write(tensors, update), update)
 
     def _recv(self, staging) -> Frame:
@@ -238,12 +235,11 @@ class PatchSyncer(Link):
             raise SyncIntegrityError(f"weight sync: patch {frame.version} does not produce the sender's values "
                                      f"(corrupted payload or diverged receiver); model untouched; {RESYNC_HINT}")
 
-        with torch.no_grad():
-            for _, target, index, values in writes:
-                if index is None:
-                    target.copy_(values)
-                else:
-                    target.index_copy_(0, index, values)  # positions never repeat; faster than index_put
+        for _, target, index, values in writes:  # views of detached tensors (tensors_of): no autograd to keep out
+            if index is None:
+                target.copy_(values)
+            else:
+                target.index_copy_(0, index, values)  # positions never repeat; faster than index_put
         wrong = [key for r, (key, target, _, _) in enumerate(writes)
                  if r not in checks and int(tensor_checksum(target)) != sums[r]]
         if wrong:
@@ -260,9 +256,9 @@ class PatchSyncer(Link):
     def verify(self, model) -> None:
         """Rescan every synced tensor of `model` against the checksums the patches left (receiver, on demand;
         also every `patch.verify_every` versions). Raises SyncIntegrityError when the model was changed."""
-        self.require(sender=False)
+        tensors = self.tensors(model, sender=False)
         with self.lock:
-            self._verify(self.tensors(model))
+            self._verify(tensors)
 
     def _verify(self, tensors: dict, why: str = "changed on the receiver since the patches that wrote them") -> None:
         actual = torch.stack([tensor_checksum(tensors[k]).cpu() for k in self.synced])
