@@ -35,8 +35,7 @@ class BucketSyncer(Link):
         """Both sides of init. Crosses ranks once: the handshake (Link.agree), then the start check of the frozen
         keys (Link.verify_same_start)."""
         self.version = self.agree(tensors, keys, version)
-        frozen = [k for k in self.once_per_tie(self.keys) if k not in self.synced]
-        self.verify_same_start(tensors, frozen, "keys that no sync carries (frozen weights)")
+        self.verify_same_start(tensors, self.synced, "keys that no sync carries (frozen weights)")
         return self.version
 
     def _wire_dtypes(self) -> list[torch.dtype]:

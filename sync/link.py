@@ -114,13 +114,14 @@ class Link:
             first.setdefault(self._tie_of.get(key, key), key)
         return list(first.values())
 
-    def verify_same_start(self, tensors: dict, keys: list[str], why: str) -> None:
-        """Updates assume the receivers hold the sender's weights for `keys` (never sent by updates, or not
-        bootstrapped): check that once, and raise on both sides naming the keys that differ.
+    def verify_same_start(self, tensors: dict, sent: list[str], why: str) -> None:
+        """Updates assume the receivers hold the sender's weights for the keys outside `sent` (never sent by
+        updates, or not bootstrapped): check that once, and raise on both sides naming the keys that differ.
 
-        Crosses ranks at init: one int64 checksum per key, each receiver -> sender, sender -> each.
+        Crosses ranks at init: one int64 checksum per such key (tied keys once), each receiver -> sender, sender
+        -> each.
         """
-        self._checked = keys
+        keys = self._checked = [k for k in self.once_per_tie(self.keys) if k not in sent]
         if not keys:
             return
         mine = torch.stack([tensor_checksum(tensors[k].detach().to(self.dtypes[k]).contiguous()) for k in keys])
@@ -231,27 +232,27 @@ class Link:
         return SyncStats(wire, raw, sum(self.numels[o] for o in ordinals), dense_tensors=len(keys))
 
     def recv_whole(self, tensors: dict, keys: Sequence[str], dtypes: Sequence[torch.dtype], bucket_size: int,
-                   kind: int, purpose: str, staged: Optional[list] = None, drop: Optional[Sequence] = None,
-                   drop_decompress: Optional[Callable] = None, first: Optional[Frame] = None) -> int:
+                   kind: int, purpose: str, staged: Optional[list] = None, drop: Optional[tuple] = None,
+                   first: Optional[Frame] = None) -> int:
         """Receive what send_whole sent and write it into `tensors`, or, given a list `staged`, append its
         (ordinal, values) there (a fresh buffer per bucket); returns the version.
 
-        Crosses ranks: one frame per bucket from the sender; with `drop` (a resync: the value dtype per
-        ordinal of updates) first any number of queued update frames, received whole and dropped, counted
-        under the purpose they were sent with (`drop_decompress`: how to take in their payload when compressed);
-        without, a frame of another kind (a resync's) is received whole, unwritten, and refused. `first`: the first
-        bucket's frame, already received (a resync's that a non-blocking apply met). Every tensor is
-        checked against the trailer's checksums as soon as it arrived. When writing, values already in the
-        receiver's dtype and on the transport device arrive straight in the model, so a failed check leaves it
-        written (`model_written`: the receiver then refuses updates until resync()); a GPU model fed over gloo is
-        written from a host staging buffer. The buckets after a refused one are received and dropped first.
+        Crosses ranks: one frame per bucket from the sender; with `drop` (a resync: what recv_frame expects of
+        an update, its purpose, value dtypes and decompress) first any number of queued update frames, received
+        whole and dropped, counted under the purpose they were sent with; without, a frame of another kind (a
+        resync's) is received whole, unwritten, and refused. `first`: the first bucket's frame, already received
+        (a resync's that a non-blocking apply met). Every tensor is checked against the trailer's checksums as
+        soon as it arrived. When writing, values already in the receiver's dtype and on the transport device arrive
+        straight in the model, so a failed check leaves it written (`model_written`: the receiver then refuses
+        updates until resync()); a GPU model fed over gloo is written from a host staging buffer. The buckets
+        after a refused one are received and dropped first.
         """
         ordinals = [self.ordinal[k] for k in keys]
         flat = {self.ordinal[k]: tensors[k].view(-1) for k in keys} if staged is None else {}
         into = None if staged is not None else (lambda o: flat[o] if o in flat and flat[o].dtype == dtypes[o]
                                                 and flat[o].device == self.device else None)  # gloo: host
         plan = plan_buckets([self.numels[o] * dtypes[o].itemsize for o in ordinals], bucket_size)
-        other = (UPDATE, drop, None, drop_decompress) if drop else (SETUP, [self.dtypes[k] for k in self.keys], None)
+        other = drop or (SETUP, [self.dtypes[k] for k in self.keys], None)
         version = None
         for index, members in enumerate(plan):
             frame = first if index == 0 else None
@@ -369,8 +370,8 @@ class Link:
                     raise
 
         def write() -> int:
-            version = self.recv_whole(tensors, keys, receiver, bucket_size, KIND_RESYNC, SETUP, drop=update_dtypes,
-                                      drop_decompress=update_decompress, first=first)
+            version = self.recv_whole(tensors, keys, receiver, bucket_size, KIND_RESYNC, SETUP, first=first,
+                                      drop=(UPDATE, update_dtypes, None, update_decompress))
             written(tensors)
             return version
         self.write_update(write, resync=True)

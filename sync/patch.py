@@ -30,6 +30,7 @@ from .wire import (DENSE, KIND_BUCKET, KIND_PATCH, RESYNC_HINT, SETUP, UPDATE, F
                    bucket_messages, check_kind, frame_messages, recv_frame, require_zstd, send_frame, zstd_compress,
                    zstd_decompress, zstd_discard)
 
+NOT_BOOTSTRAPPED = "keys outside the init bootstrap (patch.init_sync)"  # what the start check names
 INCREMENTAL_BELOW = 1 / 64  # update a checksum below, rescan above: crossovers ~1/110 (int8), ~1/25 (float64)
 
 
@@ -60,7 +61,7 @@ class PatchSyncer(Link):
         if bootstrap:
             self.stats = self.send_whole(state, bootstrap, [self.dtypes[k] for k in self.keys], init.bucket_size,
                                          version, KIND_BUCKET, SETUP)
-        self._verify_rest(state, bootstrap)
+        self.verify_same_start(state, bootstrap, NOT_BOOTSTRAPPED)
         self._take_snapshot(state)
 
     def init_receiver(self, model) -> int:
@@ -81,11 +82,11 @@ class PatchSyncer(Link):
                 # resync() the error asks for (which needs the version: the receiver counts as initialized).
                 self.version, self._broken = version, f"the init bootstrap was refused: {error}"
                 try:
-                    self._verify_rest(tensors, bootstrap)
+                    self.verify_same_start(tensors, bootstrap, NOT_BOOTSTRAPPED)
                 except SyncIntegrityError as rest:
                     raise error from rest
                 raise
-            self._verify_rest(tensors, bootstrap)
+            self.verify_same_start(tensors, bootstrap, NOT_BOOTSTRAPPED)
             self._adopt_checksums(tensors)
             self.version = version
         return version
@@ -94,10 +95,6 @@ class PatchSyncer(Link):
         init = self.cfg.patch.init_sync
         return self.once_per_tie([k for k in self.keys if init.enabled and (
             init.prefixes is None or any(under_prefix(k, p) for p in init.prefixes))])
-
-    def _verify_rest(self, tensors: dict, bootstrap: list[str]) -> None:
-        rest = [k for k in self.once_per_tie(self.keys) if k not in bootstrap]
-        self.verify_same_start(tensors, rest, "keys outside the init bootstrap (patch.init_sync)")
 
     def _take_snapshot(self, state: dict) -> None:
         # Pinned for the copies to and from weights on a GPU only: pinning opens a CUDA context (on GPU 0).
