@@ -166,7 +166,8 @@ def keep_freed_host_memory() -> bool:
 def rank_seed(seed: int, rank: int) -> int:
     """The seed of rank `rank` in a run of --seed `seed`: an integer in [0, 2**32) drawn from numpy's SeedSequence of
     the pair, so two pairs share streams only by chance, 2**-32 a pair (seed + rank made them: rank 1 of --seed 0 was
-    rank 0 of --seed 1, so a sweep's runs overlapped). Rollout rank L + j passes j, the colocated rank whose seeds it uses."""
+    rank 0 of --seed 1, so a sweep's runs overlapped). Rollout rank L + j passes j, the colocated rank whose seeds it
+    uses."""
     return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
 
 
