@@ -30,6 +30,7 @@ from ppo.storage import split_fields
 
 CAPTURE_WARMUP_STEPS = 3    # eager steps on a side stream before capture (allocates Adam state, autograd buffers)
 TERMS = ("surrogate", "value_function", "entropy", "clip_fraction")   # of ppo_loss, as backward_minibatch returns them
+STEP_MEANS = TERMS + ("kl", "grad_norm")   # what an update reports as means over its steps taken, both paths
 
 
 def backward_minibatch(model, batch: dict, grad_sync, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,8 +131,8 @@ class SyncFreeStep:
         self.lr = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)
         self.opt_lr = lr_tensor(float(group["lr"]), device)   # the tensor the fused kernel reads (graph-stable)
         group["lr"] = self.opt_lr
-        # TERMS, KL and gradient norm summed over taken steps; taken steps; skipped steps
-        self.sums = torch.zeros(len(TERMS) + 4, dtype=torch.float64, device=device)
+        # STEP_MEANS summed over taken steps; taken steps; skipped steps
+        self.sums = torch.zeros(len(STEP_MEANS) + 2, dtype=torch.float64, device=device)
         self.capture = device.type == "cuda"
         # The graph, its input (a packed minibatch) and that input's (shape, strides, field widths).
         self.graph, self.static, self.layout, self.ledger_per_replay, self.eager_steps = None, None, None, {}, 0
@@ -232,8 +233,7 @@ class SyncFreeStep:
         group gets the exact LR back as a float (see the class docstring)."""
         *sums, taken, skipped, lr = torch.cat([self.sums, self.lr.reshape(1)]).tolist()
         self.optimizer.param_groups[0]["lr"] = lr
-        names = TERMS + ("kl", "grad_norm")
-        stats = {k: v / taken if taken else math.nan for k, v in zip(names, sums)}   # no step taken: no mean
+        stats = {k: v / taken if taken else math.nan for k, v in zip(STEP_MEANS, sums)}   # no step taken: no mean
         stats.update(learning_rate=lr, skipped_steps=skipped)
         return stats
 

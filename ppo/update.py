@@ -18,7 +18,7 @@ from dist.errors import RunError
 from dist.plan import PlanRow
 from dist.stats import global_mean_std, mean_std_plan_rows
 from ppo.kl_schedule import adaptive_lr
-from ppo.minibatch_step import TERMS, backward_minibatch, sync_free_step
+from ppo.minibatch_step import STEP_MEANS, backward_minibatch, sync_free_step
 
 
 def normalize_advantages(storage, mode: str) -> None:
@@ -36,16 +36,16 @@ def normalize_advantages(storage, mode: str) -> None:
 
 
 def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Generator | None = None) -> dict[str, float]:
-    """Run the update in place on `model`/`optimizer`; return this rank's means of the loss terms (TERMS), the
-    global KL and the gradient norm before clipping (means over the steps taken: NaN when every step was skipped),
-    the final LR and the number of skipped (non-finite) steps.
+    """Run the update in place on `model`/`optimizer`; return STEP_MEANS (this rank's loss terms, the global KL and
+    the gradient norm before clipping: means over the steps taken, NaN when every step was skipped), the final LR and
+    the number of skipped (non-finite) steps.
 
     Crosses ranks (the module docstring's list, once per call): the advantage statistics when global, the
     gradient all-reduce(s) of each minibatch (KL riding in the last), then one merge per observation normalizer."""
     normalize_advantages(storage, cfg.advantage_norm)
     num_micro_batches = cfg.num_micro_batches
     lr = optimizer.param_groups[0]["lr"]
-    totals = dict.fromkeys(TERMS + ("kl", "grad_norm"), 0.0)
+    totals = dict.fromkeys(STEP_MEANS, 0.0)
     num_steps = skipped = 0
     step = sync_free_step(model, optimizer, grad_sync, cfg) if cfg.capture_step else None
     if step is not None:
@@ -81,7 +81,7 @@ def ppo_update(model, optimizer, storage, grad_sync, cfg, generator: torch.Gener
                     group["lr"] = lr
             optimizer.step()
             num_steps += 1
-            for key, value in zip(TERMS + ("kl", "grad_norm"), (*terms, kl, norm)):
+            for key, value in zip(STEP_MEANS, (*terms, kl, norm)):
                 totals[key] += value
     for storage_field, normalizer in model.normalizers().items():
         normalizer.update(getattr(storage, storage_field).flatten(0, 1))
