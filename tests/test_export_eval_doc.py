@@ -1,4 +1,4 @@
-"""docs/simulators.md's "Evaluating a checkpoint in Python" block runs as written, on a fresh cartpole checkpoint
+"""docs/export.md's "Evaluating a checkpoint in Python" block runs as written, on a fresh cartpole checkpoint
 (only its CKPT line is pointed at it), and what it prints agrees with a count made here by the env's own rule."""
 
 import contextlib
@@ -17,8 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def doc_block() -> str:
-    text = open(os.path.join(REPO, "docs", "simulators.md")).read()
-    section = text.split("### Evaluating a checkpoint in Python", 1)[1]
+    text = open(os.path.join(REPO, "docs", "export.md")).read()
+    section = text.split("## Evaluating a checkpoint in Python", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -33,7 +33,7 @@ def test_the_documented_evaluation_runs_on_a_real_checkpoint(tmp_path):
     block = re.sub(r'CKPT = ".*"', f"CKPT = {ckpt!r}", block)
     scope, out = {}, io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(block, "docs/simulators.md", "exec"), scope)
+        exec(compile(block, "docs/export.md", "exec"), scope)
     episodes = int(re.search(r"^(\d+) episodes, mean return", out.getvalue(), re.M).group(1))
     # The same 1000 steps with the same seed, counted here: every step that ends an env's episode is one episode.
     policy, env = scope["policy"], CartPole(16, "cpu", 123)
