@@ -1,8 +1,9 @@
 """slurm/train.sbatch run for real under bash, with stand-ins for SLURM's `srun` and `scontrol` first on PATH: the
 fake srun starts one copy of its command per node (SLURM_JOB_NUM_NODES), each with SLURM_NODEID / SLURM_PROCID /
 SLURM_LOCALID and a working directory of its own, waits for them all and passes a SIGTERM on to them, as real srun
-forwards one to its tasks; the fake scontrol names localhost as every node. What this cannot show: real SLURM's
-`--signal=B:TERM@...` timing and slurmstepd signalling every process of a step (the ranks then get the SIGTERM twice,
+forwards one to its tasks (FAKE_SRUN_LINGER: and stays after they end, until a signal, as a step tearing down); the
+fake scontrol names localhost as every node and records `scontrol requeue JOBID` in a file (FAKE_REQUEUE_REFUSED:
+refuses it). What this cannot show: real SLURM's `--signal=B:USR1@...` timing, what a real requeue does to the job and slurmstepd signalling every process of a step (the ranks then get the SIGTERM twice,
 which dist/stop.py takes as one request)."""
 
 import glob
@@ -44,11 +45,22 @@ for pid in "${pids[@]}"; do
     done
     [ "$code" -gt "$status" ] && status=$code
 done
+if [ -n "${FAKE_SRUN_LINGER:-}" ]; then    # a step still tearing down after its tasks ended: until a signal
+    sleep infinity & sleeper=$!
+    trap 'kill "$sleeper"; exit "$status"' TERM
+    echo "fake srun: tasks ended"
+    wait "$sleeper"
+fi
 exit "$status"
 """
 
 FAKE_SCONTROL = r"""#!/bin/bash
-[ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: only 'show hostnames'" >&2; exit 1; }
+if [ "$1" = requeue ] && [ $# = 2 ]; then    # recorded; FAKE_REQUEUE_REFUSED: as for a job without --requeue
+    [ -z "${FAKE_REQUEUE_REFUSED:-}" ] || { echo "scontrol: error: Requeue of JobId=$2 not allowed" >&2; exit 1; }
+    echo "requeue $2" >>"$FAKE_REQUEUES"
+    exit 0
+fi
+[ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: only 'show hostnames' and 'requeue JOBID'" >&2; exit 1; }
 for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do echo localhost; done
 """
 
@@ -56,7 +68,7 @@ for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do echo localhost; done
 class Batch:
     """The batch script as sbatch would start it: bash, a job's SLURM_* variables, stdout read line by line."""
 
-    def __init__(self, tmp_path, args, job_id="4242", restart_count=0):
+    def __init__(self, tmp_path, args, job_id="4242", restart_count=0, **extra_env):
         bin_dir = tmp_path / "bin"
         bin_dir.mkdir(exist_ok=True)
         for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -67,7 +79,8 @@ class Batch:
                "SLURM_SUBMIT_DIR": REPO, "SLURM_RESTART_COUNT": str(restart_count), "SLURM_CPUS_PER_TASK": "1",
                "NPROC": "1", "RDZV_PORT": str(free_port()), "LOG_ROOT": str(tmp_path / "runs"),
                "VENV": os.path.dirname(os.path.dirname(sys.executable)),
-               "FAKE_NODES": str(tmp_path / f"nodes-{restart_count}")}
+               "FAKE_NODES": str(tmp_path / f"nodes-{restart_count}"), "FAKE_REQUEUES": str(tmp_path / "requeues"),
+               **extra_env}
         env.pop("SLURM_GPUS_ON_NODE", None)
         self.lines: list[str] = []
         self.proc = subprocess.Popen([SCRIPT, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
@@ -112,6 +125,12 @@ def run_dirs(root) -> list[str]:
     return sorted(glob.glob(os.path.join(root, "cartpole", "*")))
 
 
+def requeues(tmp_path) -> list[str]:
+    """The `scontrol requeue JOBID` calls the fake scontrol took, in order."""
+    path = tmp_path / "requeues"
+    return path.read_text().splitlines() if path.exists() else []
+
+
 @pytest.mark.slow
 def test_two_fake_nodes_train_what_one_node_with_two_ranks_trains(tmp_path):
     """The script's torchrun per node meets the other through c10d rendezvous at the first node of
@@ -143,33 +162,34 @@ def test_two_fake_nodes_train_what_one_node_with_two_ranks_trains(tmp_path):
     assert "world size 2" in batch.output()
 
 
-@pytest.mark.slow
-def test_sigterm_to_the_batch_shell_saves_and_a_requeue_continues_that_run(tmp_path):
-    """SLURM's `--signal=B:TERM@...` reaches the batch shell only: the script passes it to srun, srun to each
-    node's torchrun, torchrun to its ranks, which finish the iteration; rank 0 saves model_k.pt and says so; the
-    ranks exit 0 and torchrun 1 (it got the signal), so the job ends with 1. The requeued job (same job id,
-    SLURM_RESTART_COUNT=1) continues that run directory from model_k.pt, whose run_id is the job's.
-    Mutant: the `trap ... TERM` line replaced by `:` -> the shell dies alone, srun and the run go on, nothing is saved.
-    Mutant: srun in the foreground (no `&`, `wait "$!"` after it) -> the trap waits for srun's end: nothing is saved.
-    Mutant: the requeue block removed -> the requeued job starts a second run directory from iteration 0."""
-    args = ["cartpole", "--max-iterations", "100000", "--log.save-every", "100000", "--env.num-envs", "16",
-            "--ppo.num-steps", "16"]
-    batch = Batch(tmp_path, args)
+LONG = ["cartpole", "--max-iterations", "100000", "--log.save-every", "100000", "--env.num-envs", "16",
+        "--ppo.num-steps", "16"]
+STOPPED = r"stopped on request \(SIGINT/SIGTERM\) after iteration (\d+); saved (\S+);"
+
+
+def signalled_while_training(tmp_path, signum, **extra_env) -> tuple[str, int, int, str]:
+    """A long run whose batch shell gets `signum` (as SLURM sends it) once iteration 3 is out: the job's output and
+    exit status, and the iteration and checkpoint rank 0 says it stopped after and saved."""
+    batch = Batch(tmp_path, LONG, **extra_env)
     try:
         batch.wait_for(r"^it +3/")
-        os.kill(batch.proc.pid, signal.SIGTERM)
-        stopped = batch.wait_for(r"stopped on request \(SIGINT/SIGTERM\) after iteration (\d+); saved (\S+);")
+        os.kill(batch.proc.pid, signum)
+        stopped = batch.wait_for(STOPPED)
         code = batch.finish()
     finally:
         batch.kill()
-    assert code == 1, batch.output()
     k, path = int(stopped.group(1)), stopped.group(2)
     (run_dir,) = run_dirs(tmp_path / "runs")
-    assert path == os.path.join(run_dir, f"model_{k}.pt") and k >= 3
+    assert path == os.path.join(run_dir, f"model_{k}.pt") and k >= 3, batch.output()
     assert load_checkpoint(path)["iteration"] == k
     assert sorted(f for f in os.listdir(run_dir) if f.startswith("model_")) == [f"model_{k}.pt"]
+    return batch.output(), code, k, path
 
-    args[2] = str(k + 2)           # the requeued job's own end, so the test need not stop it too
+
+def requeued_job_continues(tmp_path, k: int, path: str) -> None:
+    """The requeued job (same job id, SLURM_RESTART_COUNT=1) continues the run directory of `path` from it."""
+    run_dir = os.path.dirname(path)
+    args = [*LONG[:2], str(k + 2), *LONG[3:]]    # the requeued job's own end, so the test need not stop it too
     requeued = Batch(tmp_path, args, restart_count=1)
     try:
         code = requeued.finish()
@@ -179,3 +199,64 @@ def test_sigterm_to_the_batch_shell_saves_and_a_requeue_continues_that_run(tmp_p
     assert run_dirs(tmp_path / "runs") == [run_dir], requeued.output()
     assert f"[syncppo] resumed {path} at iteration {k}" in requeued.output()
     assert load_checkpoint(os.path.join(run_dir, f"model_{k + 2}.pt"))["iteration"] == k + 2
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_batch_shell_saves_and_a_requeue_continues_that_run(tmp_path):
+    """A scancel or a preemption sends SIGTERM to the batch shell only: the script passes it to srun, srun to each
+    node's torchrun, torchrun to its ranks, which finish the iteration; rank 0 saves model_k.pt and says so; the
+    ranks exit 0 and torchrun 1 (it got the signal), so the job ends with 1, not requeued by the script (a cancelled
+    job stays cancelled; SLURM requeues a preempted one). A requeued job (same job id, SLURM_RESTART_COUNT=1)
+    continues that run directory from model_k.pt, whose run_id is the job's.
+    Mutant: the `trap ... TERM` line replaced by `:` -> the shell dies alone, srun and the run go on, nothing is saved.
+    Mutant: srun in the foreground (no `&`, `wait "$!"` after it) -> the trap waits for srun's end: nothing is saved.
+    Mutant: the TERM trap's `requeue=0` replaced by `warned=1` -> a scancel'd job is requeued.
+    Mutant: the requeue block removed -> the requeued job starts a second run directory from iteration 0."""
+    output, code, k, path = signalled_while_training(tmp_path, signal.SIGTERM)
+    assert code == 1, output
+    assert requeues(tmp_path) == [], output
+    requeued_job_continues(tmp_path, k, path)
+
+
+@pytest.mark.slow
+def test_the_time_limit_warning_saves_requeues_once_and_the_requeued_job_continues_that_run(tmp_path):
+    """`--signal=B:USR1@...`: the script stops the run as for SIGTERM (rank 0 saves model_k.pt), and once srun has
+    ended runs `scontrol requeue JOBID`, once; the requeued job continues the run from model_k.pt.
+    Mutant: the USR1 trap without `warned=1` -> the run saves, no requeue.
+    Mutant: the requeue decided in the USR1 trap, before srun ends -> no checkpoint yet: no requeue."""
+    output, code, k, path = signalled_while_training(tmp_path, signal.SIGUSR1)
+    assert code == 1, output
+    assert requeues(tmp_path) == ["requeue 4242"], output
+    assert f"requeueing job 4242 to continue {os.path.dirname(path)}" in output
+    requeued_job_continues(tmp_path, k, path)
+
+
+@pytest.mark.slow
+def test_a_warning_once_the_run_reached_max_iterations_requeues_nothing(tmp_path):
+    """A warning that comes as the last iteration ends, with srun still tearing down (a fake srun that lingers after
+    its tasks): the run is complete, and its requeue would only be refused (exit 2), so the job ends 0, unrequeued.
+    Mutant: `unfinished "$run_dir"` replaced by `true` (requeue whenever the warning came) -> requeue recorded."""
+    batch = Batch(tmp_path, TRAIN, FAKE_SRUN_LINGER="1")
+    try:
+        batch.wait_for(r"^fake srun: tasks ended")
+        os.kill(batch.proc.pid, signal.SIGUSR1)
+        code = batch.finish()
+    finally:
+        batch.kill()
+    assert code == 0, batch.output()
+    assert requeues(tmp_path) == [], batch.output()
+    (run_dir,) = run_dirs(tmp_path / "runs")
+    assert load_checkpoint(os.path.join(run_dir, "model_2.pt"))["iteration"] == 2
+
+
+@pytest.mark.slow
+def test_a_refused_requeue_says_how_to_continue_and_fails(tmp_path):
+    """`scontrol requeue` failing (a job submitted without --requeue, a cluster that forbids it): after the save,
+    one error line names the `--resume RUN_DIR` to submit, and the job fails.
+    Mutant: `scontrol requeue ... || true` -> no error line."""
+    output, code, k, path = signalled_while_training(tmp_path, signal.SIGUSR1, FAKE_REQUEUE_REFUSED="1")
+    assert code == 1, output
+    assert requeues(tmp_path) == [], output
+    errors = [line for line in output.splitlines() if line.startswith("error: scontrol requeue 4242 failed")]
+    assert len(errors) == 1 and errors[0].endswith(f"submit again with --resume {os.path.dirname(path)} to continue"), \
+        output
