@@ -1,10 +1,11 @@
-"""slurm/train.sbatch run for real under bash, with stand-ins for SLURM's `srun` and `scontrol` first on PATH: the
-fake srun starts one copy of its command per node (SLURM_JOB_NUM_NODES), each with SLURM_NODEID / SLURM_PROCID /
+"""slurm/train.sbatch run for real under bash, with stand-ins for SLURM's `srun` and `scontrol` first on PATH: the fake
+srun starts one copy of its command per node (SLURM_JOB_NUM_NODES), each with SLURM_NODEID / SLURM_PROCID /
 SLURM_LOCALID and a working directory of its own, waits for them all and passes a SIGTERM on to them, as real srun
-forwards one to its tasks (FAKE_SRUN_LINGER: and stays after they end, until a signal, as a step tearing down); the
-fake scontrol names localhost as every node and records `scontrol requeue JOBID` in a file (FAKE_REQUEUE_REFUSED:
-refuses it). What this cannot show: real SLURM's `--signal=B:USR1@...` timing, what a real requeue does to the job and slurmstepd signalling every process of a step (the ranks then get the SIGTERM twice,
-which dist/stop.py takes as one request)."""
+forwards one to its tasks (FAKE_SRUN_LINGER: and stays after they end, until a signal, as a step tearing down); the fake
+scontrol names localhost as every node and records `scontrol requeue JOBID` in a file (FAKE_REQUEUE_REFUSED: refuses
+it). What this cannot show: real SLURM's `--signal=B:USR1@...` timing, what a real requeue does to the running job,
+and slurmstepd signalling every process of a step (the ranks then get the SIGTERM twice, which dist/stop.py takes as one
+request)."""
 
 import glob
 import os
@@ -235,7 +236,8 @@ def test_the_time_limit_warning_saves_requeues_once_and_the_requeued_job_continu
 def test_a_warning_once_the_run_reached_max_iterations_requeues_nothing(tmp_path):
     """A warning that comes as the last iteration ends, with srun still tearing down (a fake srun that lingers after
     its tasks): the run is complete, and its requeue would only be refused (exit 2), so the job ends 0, unrequeued.
-    Mutant: `unfinished "$run_dir"` replaced by `true` (requeue whenever the warning came) -> requeue recorded."""
+    Mutant: `unfinished "$run_dir"` replaced by `true` (requeue whenever the warning came) -> requeue recorded.
+    Mutant: the status of the wait the trap ended kept (no last `wait` for srun's own) -> the job ends 138."""
     batch = Batch(tmp_path, TRAIN, FAKE_SRUN_LINGER="1")
     try:
         batch.wait_for(r"^fake srun: tasks ended")
