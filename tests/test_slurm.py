@@ -83,6 +83,8 @@ class Batch:
                "FAKE_NODES": str(tmp_path / f"nodes-{restart_count}"), "FAKE_REQUEUES": str(tmp_path / "requeues"),
                **extra_env}
         env.pop("SLURM_GPUS_ON_NODE", None)
+        if "REQUEUE" not in extra_env:                 # the script's default, whatever this shell's
+            env.pop("REQUEUE", None)
         self.lines: list[str] = []
         self.proc = subprocess.Popen([SCRIPT, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -230,6 +232,15 @@ def test_the_time_limit_warning_saves_requeues_once_and_the_requeued_job_continu
     assert requeues(tmp_path) == ["requeue 4242"], output
     assert f"requeueing job 4242 to continue {os.path.dirname(path)}" in output
     requeued_job_continues(tmp_path, k, path)
+
+
+@pytest.mark.slow
+def test_requeue_0_ends_a_warned_job_without_requeue(tmp_path):
+    """REQUEUE=0: the time-limit warning saves and ends the job as a SIGTERM does, with no `scontrol requeue`.
+    Mutant: `requeue=1` in place of `requeue=${REQUEUE:-1}` -> requeue recorded."""
+    output, code, _, _ = signalled_while_training(tmp_path, signal.SIGUSR1, REQUEUE="0")
+    assert code == 1, output
+    assert requeues(tmp_path) == [], output
 
 
 @pytest.mark.slow
