@@ -346,7 +346,7 @@ def validate_device(cfg: Config, world_size: int, device_type: str) -> None:
         raise UsageError("--ppo.capture-step captures each minibatch step, its gradient all-reduce included, as a "
                          "CUDA graph, and gloo's all-reduce of CUDA tensors (host copies on its own thread) cannot "
                          "be captured; use --dist.backend nccl (auto picks it on GPUs) or drop --ppo.capture-step")
-    check_env_memory(cfg, device_type)    # the device decides which memory: its own, or the host's
+    check_env_memory(cfg, device_type, env_count_flag(cfg))  # the device decides which memory: its own, or the host's
 
 
 def validate_simulator_env(cfg: Config) -> None:

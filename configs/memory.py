@@ -1,15 +1,19 @@
-"""Sizes the env allocates from the config alone, checked against the memory the device has before anything is
-built: the tracking motion library is sized by --env.num-motions, and one too large for the machine was killed by the
-kernel's OOM killer (exit status 137, no message) or failed inside torch.rand, far from the flag to lower."""
+"""Sizes an embedded env's run allocates from the config alone, checked against the memory the device has before
+anything is built: the rollout storage (sized by the env count and --ppo.num-steps) and the tracking motion library
+(by --env.num-motions). Too large for the machine, either was killed by the kernel's OOM killer (exit status 137, no
+message) or failed inside torch, far from the flag to lower. The simulators' sizes are known only once built."""
 
 import torch
 
 from dist.errors import UsageError
 from dist.setup import launch_int
+from envs.cartpole import CartPole
 from envs.motions import AdaptiveMotionSampler, MotionLibrary
 from envs.tracking import Tracking
+from ppo.storage import storage_bytes
 
 MEMINFO = "/proc/meminfo"
+EMBEDDED = {"tracking": Tracking, "cartpole": CartPole}
 
 
 def motion_bytes(num_motions: int) -> int:
@@ -37,17 +41,30 @@ def available_memory(device_type: str) -> tuple[int, str] | None:
         return None
 
 
-def check_env_memory(cfg, device_type: str) -> None:
-    """Refuse a tracking motion library that cannot fit in the memory of its device, naming --env.num-motions."""
-    if cfg.env.name != "tracking":
+def check_env_memory(cfg, device_type: str, env_count_flag: str) -> None:
+    """Refuse an embedded env whose rollout storage and motion library (tracking) cannot fit in the memory of its
+    device, naming the larger one's flag: `env_count_flag` (the one that set the env count) or --env.num-motions."""
+    env = EMBEDDED.get(cfg.env.name)
+    if env is None:
         return
-    # Colocated, every rank of this host builds its own library in host memory; with rollout ranks only they do,
-    # and which ranks of this host they are depends on the role split: counted once, as on a GPU (one per rank).
+    # Colocated, every rank of this host builds its own env and storage in host memory; with rollout ranks only they
+    # do, and which ranks of this host they are depends on the role split: counted once, as on a GPU (one per rank).
     copies = launch_int("LOCAL_WORLD_SIZE", 1, low=1) if device_type == "cpu" and not cfg.rollout.ranks else 1
-    need = motion_bytes(cfg.env.num_motions) * copies
+    library = motion_bytes(cfg.env.num_motions) if env is Tracking else 0
+    per_env = storage_bytes(cfg.ppo.num_steps, 1, env.observation_dims(), env.num_actions)
+    storage = per_env * cfg.env.num_envs
+    need = (library + storage) * copies
     available = available_memory(device_type)
-    if available is not None and need > available[0]:
-        per_rank = f" x {copies} ranks on this host" if copies > 1 else ""
+    if available is None or need <= available[0]:
+        return
+    per_rank = f" x {copies} ranks on this host" if copies > 1 else ""
+    more = f"more than the {available[0] / 2**30:.1f} GiB {available[1]}"
+    if library > storage:
         raise UsageError(f"--env.num-motions {cfg.env.num_motions}: the tracking motion library and sampler need at "
-                         f"least {need / 2**30:.1f} GiB ({motion_bytes(1)} bytes a motion{per_rank}), more than the "
-                         f"{available[0] / 2**30:.1f} GiB {available[1]}; use fewer motions")
+                         f"least {need / 2**30:.1f} GiB ({motion_bytes(1)} bytes a motion{per_rank}, the rollout "
+                         f"storage included), {more}; use fewer motions")
+    count = cfg.env.global_num_envs if env_count_flag == "--env.global-num-envs" else cfg.env.num_envs
+    raise UsageError(f"{env_count_flag} {count}: the rollout storage of {cfg.env.num_envs} envs x "
+                     f"{cfg.ppo.num_steps} steps needs at least {need / 2**30:.1f} GiB ({per_env} bytes an env{per_rank}"
+                     f"{', the motion library included' if library else ''}), {more}; use fewer envs (or fewer "
+                     f"--ppo.num-steps)")

@@ -12,10 +12,15 @@ import torch
 class CartPole:
     gravity, mass_cart, mass_pole, half_length, force_mag, dt = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
     theta_limit, x_limit = 12 * math.pi / 180, 2.4
+    num_actions = 1     # the force on the cart
+
+    @classmethod
+    def observation_dims(cls) -> dict[str, int]:
+        return {"policy": 4, "critic": 4}
 
     def __init__(self, num_envs: int, device: torch.device, seed: int, episode_length_s: float = 10.0):
-        self.num_envs, self.device, self.num_actions = num_envs, torch.device(device), 1
-        self.obs_dims = {"policy": 4, "critic": 4}
+        self.num_envs, self.device = num_envs, torch.device(device)
+        self.obs_dims = self.observation_dims()
         self.log_keys, self.sampler = (), None
         self.max_episode_length = int(round(episode_length_s / self.dt))
         self.generator = torch.Generator(device=self.device).manual_seed(seed)

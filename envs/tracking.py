@@ -28,26 +28,33 @@ from envs.motions import AdaptiveMotionSampler, MotionLibrary
 
 class Tracking:
     num_joints, link_length, link_mass, gravity = 6, 0.25, 0.5, 9.81
+    num_actions = num_joints      # a PD position target per joint
     kp, kd, joint_damping = 40.0, 2.0, 0.1
     sim_dt, decimation = 0.005, 4
     future_steps = (1, 2, 5, 10)     # the first must be 1 (the next frame, see _observe)
     fail_distance = 0.15
     log_keys = ("Episode/body_error", "Episode/reward_joint", "Episode/reward_body", "Episode/failures_per_step")
 
+    @classmethod
+    def observation_dims(cls) -> dict[str, int]:
+        """Widths of the observation groups (see _observe), known before an env is built (configs/memory.py)."""
+        j = cls.num_joints
+        policy = 2 * j + j + j * len(cls.future_steps) + j
+        return {"policy": policy, "critic": policy + 2 * 2 * j + 1}
+
     def __init__(self, num_envs: int, device: torch.device, seed: int, base_seed: int,
                  episode_length_s: float = 10.0, num_motions: int = 64, uniform_floor: float = 0.2):
         if self.future_steps[0] != 1:
             raise ValueError(f"Tracking.future_steps must start with 1 (the next frame, whose velocity the "
                              f"observation reuses); got {self.future_steps}")
-        self.num_envs, self.device, self.num_actions = num_envs, torch.device(device), self.num_joints
+        self.num_envs, self.device = num_envs, torch.device(device)
         self.dt = self.sim_dt * self.decimation
         self.max_episode_length = int(round(episode_length_s / self.dt))
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.motions = MotionLibrary(num_motions, self.num_joints, base_seed, self.device)
         self.sampler = AdaptiveMotionSampler(num_motions, uniform_floor, self.device)
         n, j = num_envs, self.num_joints
-        self.obs_dims = {"policy": 2 * j + j + j * len(self.future_steps) + j}
-        self.obs_dims["critic"] = self.obs_dims["policy"] + 2 * 2 * j + 1
+        self.obs_dims = self.observation_dims()
         self.q = torch.zeros(n, j, device=self.device)
         self.qd = torch.zeros(n, j, device=self.device)
         self.last_action = torch.zeros(n, j, device=self.device)

@@ -20,6 +20,19 @@ def split_fields(packed: torch.Tensor, widths: dict[str, int]) -> dict[str, torc
     return views
 
 
+def field_widths(obs_dims: dict[str, int], num_actions: int) -> dict[str, int]:
+    """Width of each packed field; 0 marks a scalar per transition (a [T, N] view, not [T, N, 1])."""
+    return {"actor_obs": obs_dims["policy"], "critic_obs": obs_dims["critic"], "actions": num_actions,
+            "action_mean": num_actions, "action_std": num_actions, "log_probs": 0, "values": 0, "advantages": 0,
+            "returns": 0}
+
+
+def storage_bytes(num_steps: int, num_envs: int, obs_dims: dict[str, int], num_actions: int) -> int:
+    """Bytes a RolloutStorage of these sizes allocates: the packed float32 buffer, rewards (float32), dones (bool)."""
+    packed = sum(max(w, 1) for w in field_widths(obs_dims, num_actions).values())
+    return num_steps * num_envs * (4 * packed + 4 + 1)
+
+
 class _Column:
     """A named column block of the packed buffer. Reading gives a view; assigning copies into the view,
     so `storage.advantages = compute(...)` keeps the packing (rebinding would silently detach it)."""
@@ -45,10 +58,7 @@ class RolloutStorage:
                  device: torch.device):
         T, N = num_steps, num_envs
         self.num_steps, self.num_envs = T, N
-        # Width of each field; 0 marks a scalar per transition (a [T, N] view, not [T, N, 1]).
-        self.widths = {"actor_obs": obs_dims["policy"], "critic_obs": obs_dims["critic"], "actions": num_actions,
-                       "action_mean": num_actions, "action_std": num_actions, "log_probs": 0, "values": 0,
-                       "advantages": 0, "returns": 0}
+        self.widths = field_widths(obs_dims, num_actions)
         self.data = torch.zeros(T, N, sum(max(w, 1) for w in self.widths.values()), device=device)
         self.columns = self.split(self.data)
         self.rewards = torch.zeros(T, N, device=device)
