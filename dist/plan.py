@@ -76,7 +76,7 @@ def format_plan(rows: list[PlanRow], world_size: int, collective_size: int | Non
     """The plan as a table; more than 4 messages of a row are summed (`21 messages, 36.2 KB in all`). `collective_size`:
     the ranks of the group the collectives run in, when not all of them (the learners, with rollout ranks)."""
     if world_size == 1:
-        note = "; at world size 1 no collective runs"
+        note = "; at world size 1 none of these collectives runs: the rows say what they carry on more ranks"
     elif collective_size == 1:
         note = ("; one learner: its collectives run in a group of one, so only those over all ranks and point-to-point "
                 "messages cross")

@@ -324,7 +324,8 @@ def test_plan_occurrences_and_expected_ledger_by_hand():
                         PlanRow("q", "r", "send", "iteration", [1024] * 5),
                         PlanRow("s", "r", "send", "iteration", [1023, 1024, 2 ** 20], rounds=2)], 1)
     assert "1 B + 1 B + 1 B + 1 B" in text and "5 messages, 5.0 KB in all" in text
-    assert "1023 B + 1.0 KB + 1.0 MB  (x2 steps)" in text and "at world size 1 no collective runs" in text
+    assert "1023 B + 1.0 KB + 1.0 MB  (x2 steps)" in text
+    assert "at world size 1 none of these collectives runs: the rows say what they carry on more ranks" in text
     assert text.startswith("sync plan (1 rank; ") and format_plan(rows, 2).startswith("sync plan (2 ranks)")
     one_learner = "one learner: its collectives run in a group of one, so only those over all ranks and point-to-point"
     assert one_learner in format_plan(rows, 2, 1).splitlines()[0]         # 1 learner + 1 rollout rank
