@@ -105,8 +105,8 @@ def _named(kind: str, purpose: str, peer: int | None = None):
         timed_out = "timed out" in first_line.lower() or "timeout" in first_line.lower()
         who = "a peer rank" if peer is None else f"rank {peer}"
         why = (f"{who} died (its connection closed)" if closed else
-               f"{who} died or stalled past the process group's timeout (init_process_group's timeout=; "
-               "train.py: --dist.timeout-s)"
+               f"{who} died or stalled past the process group's timeout (init_process_group(timeout=...); "
+               "syncppo's train.py: --dist.timeout-s)"
                if timed_out else "the backend refused or failed it")
         raise CollectiveError(f"{kind} for {purpose!r} failed on rank {torch_dist.get_rank()}: {why} ({first_line})"
                               ) from exc

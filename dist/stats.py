@@ -10,7 +10,8 @@ Each function but the plan rows is a collective: every rank calls it, in the sam
 called on some ranks only (reduce_metrics under `if rank == 0:` for a log line) pairs with whatever the others issue
 next: global_mean_std's first all-reduce on rank 0 met rank 1's reduce_metrics of one key (2 numbers each), and rank 1
 got 0.875 for a mean of 2.0, with no error; a collective of another length aborts a rank in gloo; and with nothing
-issued elsewhere the rank waits out the process group's timeout (init_process_group's timeout=; gloo's default: 30 min).
+issued elsewhere the rank waits out the process group's timeout (init_process_group(timeout=...); gloo's default:
+30 min).
 
 To copy this file into another project, take dist/comm.py and dist/plan.py with it (the imports are
 relative, so the package may have any name), as for dist/grad_sync.py. The sums of global_mean_std,

@@ -32,8 +32,9 @@ class _Failing:
 
 
 # After the rank blamed: "a peer rank" for a collective, "rank N" (N the peer) for a point-to-point message.
-STALLED_BY = ("died or stalled past the process group's timeout (init_process_group's timeout=; "
-              "train.py: --dist.timeout-s)")   # the library's own setting first: sync/ and dist/ are copied out alone
+# The library's own setting first: sync/ and dist/ are copied out alone.
+STALLED_BY = ("died or stalled past the process group's timeout (init_process_group(timeout=...); "
+              "syncppo's train.py: --dist.timeout-s)")
 STALLED = f"a peer rank {STALLED_BY}"
 
 
