@@ -18,6 +18,7 @@
 # A bare GPU machine lacks tyro and rsl-rl-lib: run `make gpu-wheels` here first and carry .whl there;
 # this script installs .whl/*.whl into /tmp/site when the folder is present. Through a remote-run tool
 # that returns a folder OUT: command `bash bench/gpu_check.sh $OUT`, carrying `.whl`, with a 540 s limit.
+# Python: .venv/bin/python when present, else python3; PYTHON=... overrides.
 # What comes back: gpu.txt, summary.txt (one line per step: exit status and seconds) and one log per part.
 # Exit status 1 when CUDA was not usable, a step failed or a part is unknown (every part still runs).
 set -u
@@ -27,7 +28,9 @@ parts=${*:-learner sync}
 mkdir -p "$out"
 export OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
 export GIT_PYTHON_REFRESH=quiet   # rsl-rl imports GitPython, which otherwise fails without a git executable
-py=${PYTHON:-python3}
+# The Makefile's .venv when this checkout has one (a GPU box after `make setup`), else the python3 on PATH (a bare
+# machine with .whl); PYTHON=... picks another. torchrun runs as that interpreter's module, so it is the same one.
+if [ -x .venv/bin/python ]; then py=${PYTHON:-.venv/bin/python}; else py=${PYTHON:-python3}; fi
 if [ -d .whl ]; then
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -57,7 +60,7 @@ for part in $parts; do
     train)
         step train_cuda_4096 90 $py train.py tracking --env.num-envs 4096 --max-iterations 40 --log.print-every 5 $runs
         step train_cuda_16384_bucketed 60 $py train.py tracking --env.num-envs 16384 --max-iterations 10 --dist.grad-sync bucketed --log.print-every 2 $runs
-        step torchrun_1gpu 45 torchrun --standalone --nproc-per-node 1 train.py cartpole --max-iterations 20 --log.print-every 5 $runs ;;
+        step torchrun_1gpu 45 $py -m torch.distributed.run --standalone --nproc-per-node 1 train.py cartpole --max-iterations 20 --log.print-every 5 $runs ;;
     tests)
         step pytest_fast 150 $py -m pytest -q -m "not slow" tests -p no:cacheprovider --ignore=tests/test_env_gymnasium.py ;;
     grad)

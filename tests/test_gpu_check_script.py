@@ -196,3 +196,29 @@ def test_the_script_writes_gpu_txt_a_summary_line_and_a_logged_header_per_step_a
                           "/tmp/site .whl/a-1.0-py3-none-any.whl")
     assert [call[1:] for call in rest] == [["/tmp/site", "quiet", ""], ["/tmp/site", "quiet", "cuda"],
                                            ["/tmp/site", "quiet", ""]]     # the torch line, then the two steps
+
+
+@pytest.mark.parametrize("venv, python_var, expected", [(True, None, "venv"), (False, None, "path"),
+                                                         (True, "chosen", "chosen")])
+def test_the_script_runs_the_checkouts_venv_else_python3_and_python_overrides_both(tmp_path, venv, python_var,
+                                                                                   expected):
+    """A GPU box set up with `make setup` has torch and tyro in .venv only: the script ran the python3 on PATH, and
+    every step failed on its imports (h83's audit). Stand-in interpreters say which one ran its first command.
+    Mutant: `py=${PYTHON:-python3}` as before -> the .venv case reads "path"."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "gpu_check.sh").write_text(open(SCRIPT).read())
+    for where, name in (("venv", ".venv/bin/python"), ("path", "bin/python3"), ("chosen", "other/python")):
+        if where == "venv" and not venv:
+            continue
+        fake = tmp_path / name
+        fake.parent.mkdir(parents=True, exist_ok=True)
+        fake.write_text(f"#!/bin/sh\necho 'ran the {where} interpreter'\n")
+        fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
+    if python_var:
+        env["PYTHON"] = str(tmp_path / "other" / "python")
+    result = subprocess.run(["bash", "bench/gpu_check.sh", "out", "no-such-part"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr        # the unknown part, and no GPU here
+    assert f"ran the {expected} interpreter" in (tmp_path / "out" / "gpu.txt").read_text()
