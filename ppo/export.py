@@ -16,6 +16,7 @@ before scaling by its force; a robot's env may clamp to joint limits): the deplo
 
 import argparse
 import copy
+import glob
 import importlib.util
 import inspect
 import logging
@@ -151,7 +152,11 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
                          f"the trailing slash")
     if not os.path.exists(path):
         dangling = " (a symbolic link whose target does not exist)" if os.path.islink(path) else ""
-        raise ValueError(f"CKPT {path!r}: no such checkpoint file{dangling}")
+        # make passes CKPT as typed, so `CKPT=runs/tracking/*/model_400.pt` arrives as a pattern
+        matches = sorted(glob.glob(path)) if glob.has_magic(path) else []
+        pattern = (f" (a pattern, not expanded: it matches {len(matches)} file(s), the last by name {matches[-1]!r}; "
+                   "pass one file)") if matches else ""
+        raise ValueError(f"CKPT {path!r}: no such checkpoint file{dangling}{pattern}")
     if not os.path.isfile(path):      # a device or a pipe: reading it could block or never end
         raise ValueError(f"CKPT {path!r} is not a regular file; pass a model_<iteration>.pt file")
     typed_out, out_dir = bool(out_dir), out_dir or os.path.dirname(os.path.abspath(path))

@@ -4,6 +4,7 @@ config of the wrong kind, a dangling link at an output name, an --out below a fi
 it as one word, as typed."""
 
 import os
+import re
 import subprocess
 import threading
 
@@ -56,6 +57,8 @@ def test_an_action_scale_or_clip_no_run_takes_is_refused_before_any_file_is_writ
 
 
 def test_an_exported_program_passed_back_is_named_as_one_and_a_pipe_is_not_a_regular_file(tmp_path):
+    """Also a missing file, a dangling link and an unexpanded pattern, each named as such.
+    Mutant: export without the pattern's note -> the pattern's match fails."""
     path = small_checkpoint(tmp_path / "model_3.pt", False)
     written = export.export(path, str(tmp_path / "out"))
     for kind, file in (("TorchScript", written["torchscript"]), ("torch.export", written["torch.export"])):
@@ -79,6 +82,13 @@ def test_an_exported_program_passed_back_is_named_as_one_and_a_pipe_is_not_a_reg
         release = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)   # a reader, so that the writer's last open returns
         writer.join()
         os.close(release)
+    for run in ("a", "b"):   # `make export CKPT=runs/x/*/model_4.pt` passes the pattern as typed (h83's audit)
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "model_4.pt").write_bytes(b"")
+    last = re.escape(repr(str(tmp_path / "b" / "model_4.pt")))
+    with pytest.raises(ValueError, match=r"no such checkpoint file \(a pattern, not expanded: it matches 2 file\(s\), "
+                                         rf"the last by name {last}; pass one file\)$"):
+        export.export(str(tmp_path / "*" / "model_4.pt"))
     (tmp_path / "model_5.pt").symlink_to(tmp_path / "gone.pt")
     with pytest.raises(ValueError, match=r"no such checkpoint file \(a symbolic link whose target does not exist\)$"):
         export.export(str(tmp_path / "model_5.pt"))
