@@ -28,8 +28,9 @@ import torch
 import tyro
 
 from configs import PRESETS, Config, env_count_flag, resolve_num_envs, validate, validate_device
-from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, differing_settings,
-                            resolve_resume, resume_command, settings_digest, shared_env_seed)
+from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, resolve_resume,
+                            resume_command, shared_env_seed)
+from configs.same_settings import differing_settings, settings_digest
 from configs.typed_flags import env_label, experiment_dir, typed_flags, typed_task
 from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
@@ -255,8 +256,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
                         **({"Policy/kl": stats["kl"], "Policy/grad_norm": stats["grad_norm"]} if stepped else {}),
                         "Policy/mean_noise_std": checked_noise_std(model, iteration + 1, stats["learning_rate"]),
                         "Perf/total_fps": learners * N * T / (collection_time + learning_time),
-                        "Perf/learning_time": learning_time,
-                        "Train/nonfinite_skipped_steps": stats["skipped_steps"]})
+                        "Perf/learning_time": learning_time, "Train/nonfinite_skipped_steps": stats["skipped_steps"]})
         ledger = comm.ledger_snapshot()           # one read, so what is counted meanwhile goes to the next iteration
         for purpose, (calls, nbytes) in ledger.items():
             before = ledger_before.get(purpose, (0, 0))

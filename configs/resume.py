@@ -20,17 +20,13 @@ import sys
 import types
 import typing
 
-import torch
-
 from configs.config import FLOAT32_MAX, check_experiment_name
+from configs.presets import PRESETS
 from configs.typed_flags import env_reads, requirement
-from dist import comm
 from dist.checkpoint import find_run_dir, latest_checkpoint, newest_run_with_checkpoint
-from dist.checksum import checksum
 from dist.errors import UsageError
 from dist.log_root import undecodable
 from dist.setup import launch_int
-from dist.verify import differing_tensors
 
 # Fields that decide tensor shapes or which states a checkpoint holds, or that only shape a new policy (its
 # initial weights and action std, which the checkpoint's replace): a mismatch fails before build.
@@ -51,53 +47,6 @@ MUST_MATCH = {
 LAUNCH = {"--resume", "--dry-run", "--env.name", "--env.launcher-args", "--log.root", "--log.experiment",
           "--ppo.capture-step", "--rollout.ranks"}
 LAUNCH_SECTIONS = ("dist",)
-
-
-# What may differ between nodes: each reads its own files (--log.root, --resume: checked as the checkpoint loaded) and
-# runs its own simulator launch; everything else decides what every rank computes or when it communicates.
-PER_NODE = {"--log.root", "--resume", "--env.launcher-args", "--dist.timeout-s"}
-
-
-def shared_settings(cfg) -> list[tuple[str, str]]:
-    """(flag, repr of its value) of every setting but PER_NODE's: what every rank of one run must agree on."""
-    return [(flag, repr(getattr(owner, field.name))) for flag, owner, field, _ in settings(cfg) if flag not in PER_NODE]
-
-
-def settings_digest(cfg) -> int:
-    """A checksum of shared_settings and the code (source_digest): equal on every rank (dist.checkpoint compares)."""
-    text = json.dumps(shared_settings(cfg) + [source_digest()])
-    return int(checksum([torch.tensor(list(text.encode()), dtype=torch.uint8)]))
-
-
-def differing_settings(cfg) -> str:
-    """Which settings differ from rank 0's, for the error once settings_digest found that some do: syncppo's code,
-    else the flags by name. Crosses ranks on that failure path only: an all-gather of one int64 per rank (the code's
-    checksum), then, where every rank runs the same code (so the same flags, in order), of one int64 per flag."""
-    code = comm.all_gather(torch.tensor([source_digest()]).to(comm.device()), "resume").flatten().tolist()
-    if any(c != code[0] for c in code):
-        return f"syncppo's .py files differ on rank(s) {[rank for rank, c in enumerate(code) if c != code[0]]}"
-    values = [(flag, torch.tensor(list(value.encode()), dtype=torch.uint8)) for flag, value in shared_settings(cfg)]
-    return f"{', '.join(differing_tensors(values, 'resume'))} differ"
-
-
-def source_digest(root: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) -> int:
-    """A checksum of the code a run executes: every .py file at `root` and one folder down (tests/ and bench/
-    excepted), by relative path and content. A node holding another version of syncppo (a copy not updated) would
-    otherwise train on, or abort at the first collective whose sizes its code changed."""
-    paths = sorted(p for p in glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "*", "*.py"))
-                   if os.path.relpath(p, root).split(os.sep)[0] not in ("tests", "bench"))
-    data = b"".join(os.path.relpath(p, root).encode() + b"\0" + _read(p) + b"\0" for p in paths)
-    return int(checksum([torch.frombuffer(bytearray(data), dtype=torch.uint8)]))
-
-
-def _read(path: str) -> bytes:
-    """The file's bytes; for one that cannot be read (a dangling link, no permission: a file the run cannot import
-    either, or one it never imports), why, so that start-up does not fail on it and ranks still compare it."""
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        return f"unreadable ({type(exc).__name__})".encode()
 
 
 def settings(cfg):
@@ -235,8 +184,10 @@ def refuse_other_env(ours: str, theirs: str, path: str | None = None, picked: st
     """--env.name is the preset's choice, never taken from a checkpoint: another env kind cannot continue. `picked`:
     picked_by_auto's way out, when --resume auto chose that checkpoint."""
     where = f"--resume {path!r}: " if path else ""
+    # Not "or pass --env.name": the run would go on under this preset's experiment, where its --resume auto never looks
+    trained = " or ".join(f"train.py {name}" for name, make in PRESETS.items() if make().env.name == theirs)
     raise UsageError(f"{where}--env.name {ours} does not match the checkpoint's --env.name {theirs}: resume it with "
-                     f"the preset it was trained with (train.py PRESET), or pass --env.name {theirs}{picked}")
+                     f"the preset it was trained with ({trained}){picked}")
 
 
 def picked_by_auto(cfg, path: str | None, flag: str) -> str:
@@ -322,7 +273,13 @@ def resolve_resume(cfg, experiment_dir: str, task: str | None = None,
         run_dir = newest_run_with_checkpoint(experiment_dir, ours)
         if run_dir is None:
             of = f" of --env.task {task}" if task else f" of --env.name {env}" if env else ""
-            raise UsageError(f"--resume auto: no checkpoint{of} under {experiment_dir!r}; check --log.root and "
+            other, there = newest_run_with_checkpoint(experiment_dir, lambda run: not ours(run)), ""
+            if other is not None:     # the folder is not empty: say whose runs it holds
+                theirs = saved_env(other)
+                kind = f"--env.name {theirs['name']}" if theirs.get("name") not in (None, env) else \
+                    f"--env.task {theirs.get('task')}"
+                there = f" (the newest run there with one, {other!r}, is of {kind})"
+            raise UsageError(f"--resume auto: no checkpoint{of} under {experiment_dir!r}{there}; check --log.root and "
                              f"--log.experiment, or start without --resume")
         return latest_checkpoint(run_dir), run_dir
     if os.path.isdir(cfg.resume):

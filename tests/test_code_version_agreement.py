@@ -1,5 +1,5 @@
 """Every rank of a run must execute the same syncppo code: the settings checksum the ranks compare at start-up covers
-the .py files a run executes (configs.resume.source_digest), so a node holding a stale copy stops at start-up."""
+the .py files a run executes (configs.same_settings.source_digest), so a node holding a stale copy stops at start-up."""
 
 import functools
 import glob
@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from configs import resume
+from configs import same_settings
 from tests.multirank import run_ranks
 from tests.test_sync_contract import one_cartpole_iteration
 
@@ -28,8 +28,8 @@ TREE = {"train.py": b"print(1)\n", "ppo/loss.py": b"x = 1\n", "dist/comm.py": b"
 
 
 def test_source_digest_follows_the_executed_code_and_nothing_else(tmp_path):
-    base = resume.source_digest(make_tree(tmp_path / "a", TREE))
-    assert resume.source_digest(make_tree(tmp_path / "b", TREE)) == base          # content, not where it lies
+    base = same_settings.source_digest(make_tree(tmp_path / "a", TREE))
+    assert same_settings.source_digest(make_tree(tmp_path / "b", TREE)) == base          # content, not where it lies
     changed = {
         "one byte of a package file": {**TREE, "ppo/loss.py": b"x = 2\n"},
         "one byte of a top-level file": {**TREE, "train.py": b"print(2)\n"},
@@ -39,30 +39,30 @@ def test_source_digest_follows_the_executed_code_and_nothing_else(tmp_path):
         "bytes moved across the boundary of two files": {**TREE, "dist/comm.py": b"y = 2\n\n", "ppo/loss.py": b"x = 1"},
     }
     for name, files in changed.items():
-        assert resume.source_digest(make_tree(tmp_path / name.replace(" ", "_"), files)) != base, name
+        assert same_settings.source_digest(make_tree(tmp_path / name.replace(" ", "_"), files)) != base, name
     unexecuted = {**TREE, "tests/test_x.py": b"z\n", "bench/bench_x.py": b"w\n", "README.md": b"# other\n",
                   "ppo/deeper/more.py": b"v\n"}
-    assert resume.source_digest(make_tree(tmp_path / "u", unexecuted)) == base      # tests, benches, docs
+    assert same_settings.source_digest(make_tree(tmp_path / "u", unexecuted)) == base      # tests, benches, docs
 
 
 def test_a_python_file_that_cannot_be_read_is_compared_not_fatal(tmp_path):
     """A dangling link named *.py (say, to an unmounted disk) does not stop start-up with an OSError: it counts as
     unreadable, the same on every node where it dangles, and differs from a node where the file is there."""
-    base = resume.source_digest(make_tree(tmp_path / "a", TREE))
+    base = same_settings.source_digest(make_tree(tmp_path / "a", TREE))
     dangling = []
     for name in ("b", "c"):
         root = make_tree(tmp_path / name, TREE)
         os.symlink(tmp_path / "nowhere.py", os.path.join(root, "envs_link.py"))
-        dangling.append(resume.source_digest(root))
+        dangling.append(same_settings.source_digest(root))
     readable = make_tree(tmp_path / "d", {**TREE, "envs_link.py": b""})
-    assert dangling[0] == dangling[1] != base and dangling[0] != resume.source_digest(readable)
+    assert dangling[0] == dangling[1] != base and dangling[0] != same_settings.source_digest(readable)
 
 
 def stale_copy_body(rank, world_size, root, copy):
     """Cart-pole on every rank; rank 1 executes `copy` (a copy of this repository, or one with ppo/loss.py edited)
     for its checksum of the code."""
     if rank == 1:
-        resume.source_digest = functools.partial(resume.source_digest, copy)
+        same_settings.source_digest = functools.partial(same_settings.source_digest, copy)
     return one_cartpole_iteration(f"{root}/{rank}")
 
 

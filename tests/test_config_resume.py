@@ -81,7 +81,7 @@ def old_shared_run(tmp_path) -> str:
 @pytest.mark.parametrize("typed", [frozenset({"--resume", "--log.experiment", "--log.root"}), None])
 def test_resume_auto_refusing_an_old_run_of_another_env_names_it_and_the_way_out(tmp_path, typed):
     """From the command line (continue_saved_config) and from a program's config (check_resume_fits).
-    Mutant: refuse_other_env called without picked_by_auto's text -> the message ends at "--env.name tracking"."""
+    Mutant: refuse_other_env called without picked_by_auto's text -> the message ends at "(train.py tracking)"."""
     old = old_shared_run(tmp_path)
     cfg = preset("cartpole")
     cfg.resume, cfg.log.root, cfg.log.experiment = "auto", str(tmp_path / "runs"), "shared"
@@ -89,7 +89,7 @@ def test_resume_auto_refusing_an_old_run_of_another_env_names_it_and_the_way_out
         train.main(cfg, typed)
     assert re.fullmatch(
         r"--resume '.*/model_2\.pt': --env\.name cartpole does not match the checkpoint's --env\.name tracking: "
-        r"resume it with the preset it was trained with \(train\.py PRESET\), or pass --env\.name tracking; "
+        r"resume it with the preset it was trained with \(train\.py tracking\); "
         + re.escape(f"--resume auto picked {old!r}, the newest run under {os.path.dirname(old)!r}, which has no "
                     "config_<iteration>.json to say its env: pass --resume RUN_DIR with a run of --env.name cartpole, "
                     "or give each preset its own --log.experiment"), str(exc.value)), str(exc.value)

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from configs import preset
-from configs import resume
+from configs import same_settings
 from configs.config import FLOAT32_MAX
-from configs.resume import continue_saved_config, fits_type, resume_command, settings_digest, shared_env_seed
+from configs.resume import continue_saved_config, fits_type, resume_command, shared_env_seed
+from configs.same_settings import settings_digest
 from dist.errors import UsageError
 from ppo.normalizer import RewardNormalizer
 from tests.test_config_errors import cfg_with
@@ -95,7 +96,7 @@ def test_the_settings_checksum_leaves_out_only_what_may_differ_between_nodes(per
     checkpoint at its own path: agree_on_checkpoint compares what was loaded) or --env.launcher-args must not stop the
     run (docs/running.md), while a setting every rank computes with (--ppo.num-epochs) must.
     Mutant: --resume dropped from PER_NODE."""
-    monkeypatch.setattr(resume, "source_digest", lambda: 12345)     # the code is the same on both "nodes"
+    monkeypatch.setattr(same_settings, "source_digest", lambda: 12345)     # the code is the same on both "nodes"
     field, value = per_node
     base = settings_digest(cfg_with())
     assert cfg_with(**{field: value}) != cfg_with()
