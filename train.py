@@ -27,7 +27,7 @@ if __name__ == "__main__":    # Ctrl-C while torch and numpy import (~1.5 s): no
 import torch
 import tyro
 
-from configs import PRESETS, Config, env_count_flag, resolve_num_envs, validate, validate_device
+from configs import Config, cli_presets, env_count_flag, resolve_num_envs, validate, validate_device
 from configs.resume import (blame_checkpoint, check_resume_fits, continue_saved_config, resolve_resume,
                             resume_command, shared_env_seed)
 from configs.same_settings import differing_settings, settings_digest
@@ -390,7 +390,7 @@ if __name__ == "__main__":
     try:
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(), \
                 contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
-            config = tyro.extras.overridable_config_cli({name: (fn.__doc__, fn()) for name, fn in PRESETS.items()})
+            config = tyro.extras.overridable_config_cli(cli_presets(sys.argv[1:]))
     except SystemExit as exc:
         if exc.code:                  # not --help
             tell_torchrun("error: the command line could not be parsed: see the parser's message (local rank 0)")

@@ -68,4 +68,9 @@ def preset(name: str) -> Config:
     return PRESETS[name]()
 
 
-
+def cli_presets(argv: list[str]) -> dict:
+    """What train.py's parser offers, {name: (description, config)}: the preset `argv` names first alone, so that a
+    mistyped flag's close matches are that preset's (with every preset offered, tyro listed each match once per preset,
+    with that preset's default); every preset when `argv` starts otherwise (--help, an unknown name: listed)."""
+    names = argv[:1] if argv[:1] and argv[0] in PRESETS else list(PRESETS)
+    return {name: (PRESETS[name].__doc__, PRESETS[name]()) for name in names}
