@@ -43,6 +43,19 @@ def meminfo(tmp_path, available_bytes: int) -> str:
     return str(path)
 
 
+def refusal_then_fit(tmp_path, monkeypatch, cfg, ranks: int, need: int) -> str:
+    """validate_device's refusal with 1 KiB less than `need` available (its message, returned), then none with `need`
+    exactly; and the message's "more than ..." part is checked here, for both."""
+    monkeypatch.setattr(memory, "MEMINFO", meminfo(tmp_path, need - 1024))
+    with pytest.raises(UsageError) as exc:
+        validate_device(cfg, ranks, "cpu")
+    assert (f"more than the {(need - 1024) // 1024 * 1024 / 2**30:.1f} GiB available on this host ({memory.MEMINFO} "
+            "MemAvailable); ") in str(exc.value)
+    monkeypatch.setattr(memory, "MEMINFO", meminfo(tmp_path, need))          # just fits
+    validate_device(cfg, ranks, "cpu")
+    return str(exc.value)
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_motion_library_larger_than_the_host_memory_is_refused_naming_num_motions(tmp_path, monkeypatch, ranks):
     """`tracking --env.num-motions 100000000` was killed by the OOM killer (exit 137, nothing said).
@@ -50,18 +63,13 @@ def test_a_motion_library_larger_than_the_host_memory_is_refused_naming_num_moti
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))   # colocated: each rank of the host builds its own library
     cfg = preset("tracking")
     cfg.env.num_motions = 10**8
-    need = (kept_bytes_per_motion() * 10**8 + kept_bytes_per_env(Tracking, cfg.ppo.num_steps) * cfg.env.num_envs) * ranks
-    monkeypatch.setattr(memory, "MEMINFO", meminfo(tmp_path, need - 1024))
-    with pytest.raises(UsageError) as exc:
-        validate_device(cfg, ranks, "cpu")
-    assert str(exc.value) == (
+    storage = kept_bytes_per_env(Tracking, cfg.ppo.num_steps) * cfg.env.num_envs
+    need = (kept_bytes_per_motion() * 10**8 + storage) * ranks
+    said = refusal_then_fit(tmp_path, monkeypatch, cfg, ranks, need)
+    assert said.startswith(
         f"--env.num-motions 100000000: the tracking motion library and sampler need at least {need / 2**30:.1f} GiB "
         f"({kept_bytes_per_motion()} bytes a motion{' x 2 ranks on this host' if ranks == 2 else ''}, the rollout "
-        "storage included), more than the "
-        f"{(need - 1024) // 1024 * 1024 / 2**30:.1f} GiB available on this host ({memory.MEMINFO} MemAvailable); "
-        "use fewer motions")
-    monkeypatch.setattr(memory, "MEMINFO", meminfo(tmp_path, need))          # just fits
-    validate_device(cfg, ranks, "cpu")
+        "storage included), more than ") and said.endswith("; use fewer motions"), said
 
 
 def test_a_motion_library_larger_than_the_gpu_memory_is_refused_and_unknown_memory_is_not_guessed(tmp_path,
@@ -102,17 +110,12 @@ def test_a_rollout_storage_larger_than_the_host_memory_is_refused_naming_the_env
     per_env = kept_bytes_per_env(env_class, 48)
     library = kept_bytes_per_motion() * cfg.env.num_motions if name == "tracking" else 0
     need = (per_env * 10**6 + library) * ranks
-    monkeypatch.setattr(memory, "MEMINFO", meminfo(tmp_path, need - 1024))
-    with pytest.raises(UsageError) as exc:
-        validate_device(cfg, ranks, "cpu")
-    assert str(exc.value) == (
+    said = refusal_then_fit(tmp_path, monkeypatch, cfg, ranks, need)
+    assert said.startswith(
         f"--env.num-envs 1000000: the rollout storage of 1000000 envs x 48 steps needs at least {need / 2**30:.1f} "
         f"GiB ({per_env} bytes an env{' x 2 ranks on this host' if ranks == 2 else ''}"
-        f"{', the motion library included' if library else ''}), more than the "
-        f"{(need - 1024) // 1024 * 1024 / 2**30:.1f} GiB available on this host ({memory.MEMINFO} MemAvailable); "
-        "use fewer envs (or fewer --ppo.num-steps)")
-    monkeypatch.setattr(memory, "MEMINFO", meminfo(tmp_path, need))          # just fits
-    validate_device(cfg, ranks, "cpu")
+        f"{', the motion library included' if library else ''}), more than ") and \
+        said.endswith("; use fewer envs (or fewer --ppo.num-steps)"), said
 
 
 def test_a_global_env_count_too_large_is_named_as_typed_and_rollout_ranks_count_one_storage(tmp_path, monkeypatch):
