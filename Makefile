@@ -32,7 +32,7 @@ ISAACSIM_VERSION ?= 6.2.0.0
 # Checks run before anything is built, which `make -j` (or MAKEFLAGS=-j) would not keep to.
 .NOTPARALLEL:
 
-.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco gpu-wheels setup-mujoco setup-isaaclab export export-needs-ckpt train-settings tensorboard tensorboard-settings clean
+.PHONY: help setup train test test-fast bench bench-grad bench-sync bench-rollout bench-mujoco gpu-wheels setup-mujoco setup-isaaclab export export-needs-ckpt eval eval-needs-ckpt train-settings tensorboard tensorboard-settings clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -137,6 +137,12 @@ export: export-needs-ckpt $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.p
 
 export-needs-ckpt:
 	@$(if $(value CKPT),true,echo "error: make export needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2)
+
+eval: eval-needs-ckpt $(VENV)/.runtime  ## score CKPT=runs/.../model_N.pt in its env: mean return and length (ARGS="--episodes 100 --stochastic")
+	$(BIN)/python -m ppo.evaluate $(call quote,$(value CKPT)) $(value ARGS)
+
+eval-needs-ckpt:
+	@$(if $(value CKPT),true,echo "error: make eval needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2)
 
 # Before the prerequisites, as train-settings: a bad PORT or LOGDIR is said before .venv is built.
 tensorboard: tensorboard-settings $(VENV)/.runtime  ## serve LOGDIR=runs (your --log.root) on PORT=6006

@@ -79,10 +79,17 @@ def load_policy(path: str) -> tuple[ActorCritic, dict]:
     """The checkpoint's actor-critic (on the CPU, eval mode) and its run config (a dict). The file passes the checks
     of a --resume (dist.checkpoint_read.read_checkpoint: CRC-32s, no nan or inf in what it holds), except that only
     'model' and 'config' entries are needed."""
+    model, state = policy_and_entries(path)
+    return model, state["config"]
+
+
+def policy_and_entries(path: str, use: str = "export") -> tuple[ActorCritic, dict]:
+    """load_policy's model, and every entry of the checkpoint (ppo/evaluate.py also reads `env_seed`); `use` is what
+    a refusal says to do with another checkpoint ("export", "evaluate")."""
     def usable(state) -> None:
         if not isinstance(state, dict) or "model" not in state or "config" not in state:
             raise ValueError(f"CKPT {path!r} is not a train.py checkpoint (it needs 'model' and 'config' entries)")
-    state = read_checkpoint(path, "CKPT", "export", usable)
+    state = read_checkpoint(path, "CKPT", use, usable)
     config, weights = state["config"], state["model"]
     missing = [name for name in SIZES_FROM if name not in weights] if isinstance(weights, dict) else []
     if missing:        # the CRCs passed: not damage, but another actor-critic (a std computed another way, say)
@@ -104,7 +111,7 @@ def load_policy(path: str) -> tuple[ActorCritic, dict]:
         raise ValueError(f"CKPT {path!r}: its model or policy config does not fit this version's actor-critic "
                          f"(damaged, or saved by another version?): {type(exc).__name__}: "
                          f"{one_line(exc)}") from None
-    return model.eval(), config
+    return model.eval(), state
 
 
 FLOAT32 = torch.finfo(torch.float32)
@@ -142,9 +149,8 @@ def onnx_missing() -> str:
         if lacking else ""
 
 
-def export(path: str, out_dir: str = "") -> dict[str, str]:
-    """Write the TorchScript, torch.export (and, if possible, ONNX) policy of checkpoint `path`; return
-    {format: file}."""
+def check_ckpt_path(path: str) -> None:
+    """Refuse a CKPT that is not a file to read (a folder, a pattern make passed unexpanded, a pipe), naming it."""
     if os.path.isdir(path):
         raise ValueError(f"CKPT {path!r} is a directory; pass a model_<iteration>.pt file inside it")
     if path.endswith(os.sep) and os.path.isfile(path.rstrip(os.sep)):   # ENOTDIR: exists() says False
@@ -159,6 +165,12 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
         raise ValueError(f"CKPT {path!r}: no such checkpoint file{dangling}{pattern}")
     if not os.path.isfile(path):      # a device or a pipe: reading it could block or never end
         raise ValueError(f"CKPT {path!r} is not a regular file; pass a model_<iteration>.pt file")
+
+
+def export(path: str, out_dir: str = "") -> dict[str, str]:
+    """Write the TorchScript, torch.export (and, if possible, ONNX) policy of checkpoint `path`; return
+    {format: file}."""
+    check_ckpt_path(path)
     typed_out, out_dir = bool(out_dir), out_dir or os.path.dirname(os.path.abspath(path))
     where = f"--out {out_dir!r}" if typed_out else f"the checkpoint's folder {out_dir!r} (the default --out)"
     if undecodable(out_dir):   # torch's savers take no such str

@@ -1,0 +1,120 @@
+"""Score a checkpoint's policy in the env it was trained on: mean return and length over whole episodes, on the CPU.
+
+    make eval CKPT=runs/cartpole/2026-01-01_12-00-00/model_100.pt
+    python -m ppo.evaluate runs/cartpole/.../model_100.pt --episodes 100 --num-envs 10 [--stochastic]
+
+The env is built as training builds it (envs.make_env from the run's saved env settings, the tracking motion library
+from the run's shared env seed: the motions the policy learned). The policy acts with its mean action unless
+--stochastic samples it. Each env's first episode is not counted (the embedded envs start theirs part-way through
+the time limit, as in training); every env then counts the same number of whole episodes, so that short episodes
+are not over-represented by envs that finish sooner. Isaac Lab checkpoints are refused: Kit needs its own launcher
+(`make export`, then Isaac Lab's play scripts). No communication.
+"""
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+import types
+
+if __name__ == "__main__" and not __package__:  # `python ppo/evaluate.py`: import from the repository, as -m does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from configs.config import EnvConfig  # noqa: E402
+from configs.resume import shared_env_seed  # noqa: E402
+from envs import make_env  # noqa: E402
+from envs.base import MissingSimulator  # noqa: E402
+from ppo.export import check_ckpt_path, policy_and_entries  # noqa: E402
+
+PROGRESS_S = 5.0    # at most one progress line this often
+
+
+def saved_env(config: dict, path: str, num_envs: int) -> EnvConfig:
+    """The run's env settings as an EnvConfig with `num_envs` envs (settings this version does not know are dropped,
+    those it added take their defaults; lists back to tuples, as JSON and torch.save give them)."""
+    env = config.get("env")
+    if not isinstance(env, dict):
+        raise ValueError(f"CKPT {path!r}: its config has no 'env' settings (saved by another version?)")
+    known = {f.name for f in dataclasses.fields(EnvConfig)}
+    cfg = EnvConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in env.items() if k in known})
+    if cfg.name == "isaaclab":
+        raise ValueError(f"CKPT {path!r} trained on Isaac Lab ({cfg.task}), whose Kit needs its own launcher: export "
+                         f"the policy (make export CKPT=...) and play it with Isaac Lab's scripts")
+    cfg.num_envs, cfg.global_num_envs = num_envs, 0
+    return cfg
+
+
+def evaluate(path: str, episodes: int = 100, num_envs: int = 10, seed: int = 0, stochastic: bool = False,
+             progress=print) -> dict:
+    """Run the checkpoint's policy until each of `num_envs` envs has finished ceil(episodes / num_envs) whole
+    episodes after its first; returns {"episodes", "return_mean", "return_std", "return_min", "return_max",
+    "length_mean", "length_std"} over them (population std). `seed`: the envs' resets and --stochastic's draws."""
+    for name, value, low, high in (("--episodes", episodes, 1, None), ("--num-envs", num_envs, 1, None),
+                                   ("--seed", seed, 0, 2**32)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or high and value >= high:
+            raise ValueError(f"{name} must be an integer in [{low}, {high or 'inf'}), got {value!r}")
+    check_ckpt_path(path)
+    model, state = policy_and_entries(path, "evaluate")
+    cfg = saved_env(state["config"], path, num_envs)
+    torch.manual_seed(seed)                  # Gaussian.sample draws from the global generator
+    try:
+        env = make_env(cfg, torch.device("cpu"), seed, shared_env_seed(types.SimpleNamespace(seed=seed), state))
+    except MissingSimulator as exc:      # gymnasium not installed here: the message says what to install
+        raise ValueError(str(exc)) from None
+    limit = env.max_episode_length
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"CKPT {path!r}: its env ({cfg.name} {cfg.task}) has no time limit (max_episode_length "
+                         f"{limit!r}), so an episode may never end; evaluate it with your own loop (docs/export.md)")
+    quota = math.ceil(episodes / num_envs)
+    returns, lengths = torch.zeros(num_envs), torch.zeros(num_envs, dtype=torch.long)
+    finished = torch.zeros(num_envs, dtype=torch.long)   # episodes ended, the uncounted first one included
+    counted_returns, counted_lengths = [], []
+    obs, _ = env.reset()
+    started = shown = time.monotonic()
+    with torch.no_grad():
+        for _ in range((quota + 1) * limit):     # every episode ends by the time limit: each env reaches its quota
+            policy = model.distribution(obs["policy"])
+            obs, reward, terminated, truncated, _ = env.step(policy.sample() if stochastic else policy.mean)
+            returns += reward
+            lengths += 1
+            done = terminated | truncated
+            counted = done & (finished >= 1) & (finished <= quota)
+            counted_returns += returns[counted].tolist()
+            counted_lengths += lengths[counted].tolist()
+            finished += done.long()
+            returns[done], lengths[done] = 0.0, 0
+            if bool((finished > quota).all()):
+                break
+            if time.monotonic() - shown > PROGRESS_S:
+                shown = time.monotonic()
+                progress(f"[eval] {len(counted_returns)}/{quota * num_envs} episodes, {shown - started:.0f} s")
+    r, n = torch.tensor(counted_returns, dtype=torch.float64), torch.tensor(counted_lengths, dtype=torch.float64)
+    return {"episodes": len(counted_returns), "return_mean": r.mean().item(), "return_std": r.std(correction=0).item(),
+            "return_min": r.min().item(), "return_max": r.max().item(), "length_mean": n.mean().item(),
+            "length_std": n.std(correction=0).item()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpt", help="a checkpoint written by train.py (model_<iteration>.pt)")
+    parser.add_argument("--episodes", type=int, default=100, help="whole episodes to score, at least (a multiple "
+                        "of --num-envs: each env scores the same number)")
+    parser.add_argument("--num-envs", type=int, default=10, help="envs stepped side by side")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the envs' resets and of --stochastic's draws")
+    parser.add_argument("--stochastic", action="store_true", help="sample actions (default: the mean action)")
+    args = parser.parse_args()
+    try:
+        scores = evaluate(args.ckpt, args.episodes, args.num_envs, args.seed, args.stochastic)
+    except ValueError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    print(f"{scores['episodes']} episodes ({args.num_envs} envs, {'stochastic' if args.stochastic else 'mean action'}"
+          f"): return {scores['return_mean']:.2f} +- {scores['return_std']:.2f} (min {scores['return_min']:.2f}, max "
+          f"{scores['return_max']:.2f}), length {scores['length_mean']:.1f} +- {scores['length_std']:.1f} steps")
+
+
+if __name__ == "__main__":
+    main()
