@@ -3,8 +3,8 @@ teaching one the parser refuses.
 
 Our flags are collected by introspection, with no process started: train.py's from the presets' `Config` objects,
 named the way tyro names them (`--section.field-name`, a boolean's off switch `--section.no-field-name`, checked
-against tyro itself below); each script's (bench/*.py, ppo/export.py) from the argparse parser its main() builds,
-caught at parse_args. A doc flag must be one of those, or an entry of ALLOWLIST (other tools' flags and
+against tyro itself below); each script's (bench/*.py, ppo/export.py, ppo/evaluate.py) from the argparse parser its
+main() builds, caught at parse_args. A doc flag must be one of those, or an entry of ALLOWLIST (other tools' flags and
 placeholders); a group mention (`--dist.*`, `--ppo.num-*`) must be the prefix of one of ours.
 """
 
@@ -24,7 +24,7 @@ from tests.test_tools import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/*.md")
-SCRIPTS = ("bench/*.py", "ppo/export.py")     # files that build an argparse parser in main()
+SCRIPTS = ("bench/*.py", "ppo/export.py", "ppo/evaluate.py")     # files that build an argparse parser in main()
 
 # Flags the docs name that are not ours: each with whose it is. Kept small: test_allowlist_is_small_and_hides_nothing
 # fails on an entry that is one of our flags or that no doc names any more.
@@ -126,7 +126,7 @@ class Ours(typing.NamedTuple):
 @pytest.fixture(scope="module")
 def ours() -> Ours:
     scripts = script_flags()
-    assert {"bench/bench_sync.py", "bench/bench_train.py", "ppo/export.py"} <= set(scripts), scripts
+    assert {"bench/bench_sync.py", "bench/bench_train.py", "ppo/export.py", "ppo/evaluate.py"} <= set(scripts), scripts
     return Ours(train_flags(), frozenset().union(*scripts.values()))
 
 
