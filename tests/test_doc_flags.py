@@ -41,6 +41,7 @@ ALLOWLIST = {
     "--time": "sbatch (docs/running.md#slurm)",
     "--signal": "sbatch: slurm/train.sbatch's #SBATCH line",
     "--requeue": "sbatch: slurm/train.sbatch's #SBATCH line",
+    "--samples_per_plugin": "tensorboard (docs/running.md: to show every Episode/return)",
     "--upgrade": "pip",
     "--extra-index-url": "pip",
     "--branch": "git clone",
