@@ -264,7 +264,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
         ledger_before = ledger
         if is_main:
             logger.log(scalars, iteration + 1, returns)
-            if (iteration + 1) % cfg.log.print_every == 0 or iteration + 1 == cfg.max_iterations:
+            if (iteration + 1) % cfg.log.print_every == 0 or iteration + 1 == cfg.max_iterations or stop_signal:
                 logger.print_line(iteration, scalars)
         if launcher_gone:     # orphans: no launcher is left to restart or collect the job, so write nothing
             gone = RunError(stop.gone_message(iteration + 1))   # this rank's launcher, or another node's

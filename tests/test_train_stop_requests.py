@@ -57,6 +57,18 @@ def test_a_stop_request_saves_and_ends_the_run_after_that_iteration(tmp_path, mo
     assert re.findall(said, out) == [("1", "1")]
 
 
+def test_a_stopped_run_prints_the_line_of_its_last_iteration_whatever_print_every(tmp_path, monkeypatch, capsys):
+    """--log.print-every 10 and a stop during iteration 3: the console shows iteration 3, the one saved (it showed
+    none: TensorBoard had the values, the console not; h85's audit). Mutant: the console line's condition without
+    `or stop_signal` -> no line."""
+    monkeypatch.setattr(train, "StopRequests", FlagAt(3))
+    cfg = small_tracking(tmp_path, iterations=20)
+    cfg.log.print_every = 10
+    train.main(cfg)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("it ")]
+    assert [line.split()[1] for line in lines] == ["3/20"], lines
+
+
 
 @pytest.mark.parametrize("under_torchrun", [False, True])
 def test_the_stop_line_says_to_keep_torchrun_s_options_only_under_torchrun(tmp_path, monkeypatch, capsys,
