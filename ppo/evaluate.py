@@ -65,9 +65,16 @@ def evaluate(path: str, episodes: int = 100, num_envs: int = 10, seed: int = 0, 
         env = make_env(cfg, torch.device("cpu"), seed, shared_env_seed(types.SimpleNamespace(seed=seed), state))
     except MissingSimulator as exc:      # gymnasium not installed here: the message says what to install
         raise ValueError(str(exc)) from None
+    label = " ".join(filter(None, (cfg.name, cfg.task)))      # "cartpole", "gymnasium Hopper-v4"
+    sizes = {"actor observation": (model.actor[0].in_features, env.obs_dims["policy"]),
+             "action": (model.log_std.shape[0], env.num_actions)}
+    wrong = [f"{what} size {mine} (the env's: {theirs})" for what, (mine, theirs) in sizes.items() if mine != theirs]
+    if wrong:     # the policy's first layer would fail on the env's observations with a shape error's traceback
+        raise ValueError(f"CKPT {path!r}: its policy's {' and '.join(wrong)} does not fit the {label} env built "
+                         f"from its config (another env's checkpoint, or one saved by another version of the env?)")
     limit = env.max_episode_length
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"CKPT {path!r}: its env ({cfg.name} {cfg.task}) has no time limit (max_episode_length "
+        raise ValueError(f"CKPT {path!r}: its env ({label}) has no time limit (max_episode_length "
                          f"{limit!r}), so an episode may never end; evaluate it with your own loop (docs/export.md)")
     quota = math.ceil(episodes / num_envs)
     returns, lengths = torch.zeros(num_envs), torch.zeros(num_envs, dtype=torch.long)
@@ -92,6 +99,13 @@ def evaluate(path: str, episodes: int = 100, num_envs: int = 10, seed: int = 0, 
             if time.monotonic() - shown > PROGRESS_S:
                 shown = time.monotonic()
                 progress(f"[eval] {len(counted_returns)}/{quota * num_envs} episodes, {shown - started:.0f} s")
+    cap = f"the step cap, {(quota + 1) * limit} steps ({quota + 1} time limits of {limit} steps)"
+    if not counted_returns:     # an env whose episodes outlast its max_episode_length
+        raise ValueError(f"CKPT {path!r}: no env finished an episode after its first within {cap}: does the "
+                         f"{label} env end its episodes at its max_episode_length?")
+    if len(counted_returns) < quota * num_envs:
+        progress(f"[eval] note: {cap} reached with {len(counted_returns)} of {quota * num_envs} episodes finished; "
+                 f"scoring those")
     r, n = torch.tensor(counted_returns, dtype=torch.float64), torch.tensor(counted_lengths, dtype=torch.float64)
     return {"episodes": len(counted_returns), "return_mean": r.mean().item(), "return_std": r.std(correction=0).item(),
             "return_min": r.min().item(), "return_max": r.max().item(), "length_mean": n.mean().item(),

@@ -11,6 +11,7 @@ import torch
 import train
 from configs import preset
 from envs import CartPole
+from envs import make_env as train_make_env
 from ppo import evaluate as evaluation
 from ppo.export import export
 from tests.forked_python import run_python
@@ -29,9 +30,10 @@ def cartpole_checkpoint(tmp_path_factory) -> str:
     return ckpt
 
 
-def by_hand(ckpt: str, per_env: int, num_envs: int, seed: int, stochastic: bool) -> tuple[list, list]:
+def by_hand(ckpt: str, per_env: int, num_envs: int, seed: int, stochastic: bool, steps: int = -1) -> tuple[list, list]:
     """(returns, lengths) of episodes 2 .. per_env + 1 of every env, the exported mean action plus, when stochastic,
-    the model's std times standard normals drawn from the global generator seeded with `seed`."""
+    the model's std times standard normals drawn from the global generator seeded with `seed`; `steps` steps at
+    most (-1: no bound)."""
     policy = torch.export.load(export(ckpt, ckpt + ".out")["torch.export"]).module()
     std = torch.load(ckpt, weights_only=False)["model"]["log_std"].exp()
     torch.manual_seed(seed)
@@ -40,7 +42,8 @@ def by_hand(ckpt: str, per_env: int, num_envs: int, seed: int, stochastic: bool)
     ret, length, ended = [0.0] * num_envs, [0] * num_envs, [0] * num_envs
     returns, lengths = [], []
     with torch.no_grad():
-        while min(ended) <= per_env:
+        while min(ended) <= per_env and steps != 0:
+            steps -= 1
             mean = policy(obs["policy"])
             actions = torch.randn_like(mean).mul_(std).add_(mean) if stochastic else mean
             obs, reward, terminated, truncated, _ = env.step(actions)
@@ -72,41 +75,115 @@ def test_scores_are_each_envs_whole_episodes_after_its_first_as_counted_by_hand(
     assert len(set(lengths)) > 3        # a policy of many episode lengths: a miscount would show
 
 
+def recording(into: list):
+    """envs.make_env, appending (its positional arguments, its keyword arguments, the env) to `into` for each env."""
+    def make(*args, **kwargs):
+        into.append((args, kwargs, train_make_env(*args, **kwargs)))
+        return into[-1][-1]
+    return make
+
+
+class ShortLimit:
+    """An env that says its time limit is `limit` steps while its episodes run to its real one (a forked env whose
+    max_episode_length is wrong): evaluate's step cap, (quota + 1) * limit steps, is then reached."""
+
+    def __init__(self, env, limit: int):
+        self.env, self.max_episode_length = env, limit
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+@pytest.mark.parametrize("limit", [1, 12])
+def test_the_step_cap_reached_says_how_many_episodes_finished(cartpole_checkpoint, monkeypatch, limit):
+    """8 episodes on 4 envs, 2 each, capped at 3 * limit steps: with limit 1 no counted episode ends (one `error`
+    line), with 12 some do, and the scores are theirs, with a note naming how many of the 8 finished.
+    Mutants: the cap's note left out -> no note; the empty case not refused -> r.min() of nothing raises
+    RuntimeError; a cap of quota * limit steps -> other episodes."""
+    make_env = evaluation.make_env
+    monkeypatch.setattr(evaluation, "make_env", lambda *args: ShortLimit(make_env(*args), limit))
+    notes = []
+    returns, lengths = by_hand(cartpole_checkpoint, 2, 4, 3, False, steps=3 * limit)
+    if limit == 1:
+        assert not returns, "episodes ended within 3 steps: pick another policy"
+        with pytest.raises(ValueError, match=r"no env finished an episode after its first within the step cap, 3 "
+                                             r"steps \(3 time limits of 1 steps\)"):
+            evaluation.evaluate(cartpole_checkpoint, episodes=8, num_envs=4, seed=3, progress=notes.append)
+        return
+    assert 0 < len(returns) < 8, "the cap did not leave some of the 8 episodes unfinished: pick another limit"
+    scores = evaluation.evaluate(cartpole_checkpoint, episodes=8, num_envs=4, seed=3, progress=notes.append)
+    assert notes == [f"[eval] note: the step cap, {3 * limit} steps (3 time limits of {limit} steps) reached with "
+                     f"{len(returns)} of 8 episodes finished; scoring those"]
+    assert (scores["episodes"], scores["return_mean"], scores["length_mean"]) == \
+        (len(returns), pytest.approx(np.mean(returns), rel=1e-6), pytest.approx(np.mean(lengths), rel=1e-6))
+
+
 def test_a_tracking_checkpoint_meets_the_motions_its_run_trained_on(tmp_path, monkeypatch):
     """The motion library is built from the checkpoint's shared env seed (its `env_seed` entry), not from evaluate's
-    --seed, which seeds only the resets. Mutant: make_env given `seed` as the base seed -> 0 here, not 7."""
+    --seed, which seeds only the resets: its tensors are those of the env train.py built. Mutant: make_env given
+    `seed` as the base seed -> other motions (and base seed 0, not 7)."""
     cfg = preset("tracking")
     cfg.env.num_envs, cfg.env.num_motions, cfg.ppo.num_steps, cfg.ppo.num_mini_batches = 4, 4, 8, 2
     cfg.max_iterations, cfg.seed, cfg.log.root, cfg.log.print_every = 1, 7, str(tmp_path), 100
+    trained = []
+    monkeypatch.setattr(train, "make_env", recording(trained))
     train.main(cfg)
     (ckpt,) = glob.glob(str(tmp_path / "tracking" / "*" / "model_1.pt"))
     assert torch.load(ckpt, weights_only=False)["env_seed"] == 7
     built = []
-    make_env = evaluation.make_env
-    monkeypatch.setattr(evaluation, "make_env", lambda *args: built.append(args) or make_env(*args))
+    monkeypatch.setattr(evaluation, "make_env", recording(built))
     scores = evaluation.evaluate(ckpt, episodes=2, num_envs=2, seed=0, progress=lambda line: None)
-    (env_cfg, device, seed, base_seed), = built
+    ((env_cfg, device, seed, base_seed), _, eval_env), = built
     assert (env_cfg.name, env_cfg.num_envs, env_cfg.num_motions, seed, base_seed) == ("tracking", 2, 4, 0, 7)
+    (_, _, train_env), = trained
+    for name in ("difficulty", "duration", "bias", "sines"):
+        torch.testing.assert_close(getattr(eval_env.motions, name), getattr(train_env.motions, name), rtol=0, atol=0)
     assert scores["episodes"] == 2 and scores["length_mean"] > 0
 
 
+def relabelled(ckpt: str, path, **env) -> str:
+    """A copy of checkpoint `ckpt` at `path` whose run config's env settings are updated with `env`."""
+    state = torch.load(ckpt, weights_only=False)
+    state["config"]["env"].update(env)
+    torch.save(state, path)
+    return str(path)
+
+
+@pytest.mark.slow      # nine commands, each importing the project: ~17 s on 2 cores
 def test_bad_input_is_one_line_and_status_2(cartpole_checkpoint, tmp_path):
-    """Counts that are not positive, a seed outside 32 bits, a missing file, and an Isaac Lab checkpoint (Kit needs
-    its own launcher), each one `error:` line naming what to fix, exit status 2.
-    Mutant: saved_env without the isaaclab refusal -> make_env starts the adapter and fails on a missing package."""
-    state = torch.load(cartpole_checkpoint, weights_only=False)
-    state["config"]["env"].update(name="isaaclab", task="Isaac-Velocity-Rough-G1")
-    isaac = tmp_path / "model_3.pt"
-    torch.save(state, isaac)
+    """Counts that are not positive, a seed outside 32 bits, a missing file, a directory, an Isaac Lab checkpoint (Kit
+    needs its own launcher) and a checkpoint whose policy does not fit its config's env, each one `error:` line naming
+    what to fix, exit status 2.
+    Mutants: saved_env without the isaaclab refusal -> make_env starts the adapter and fails on a missing package;
+    the size check left out -> the actor's shape error, a traceback."""
+    isaac = relabelled(cartpole_checkpoint, tmp_path / "model_3.pt", name="isaaclab", task="Isaac-Velocity-Rough-G1")
+    pendulum = relabelled(cartpole_checkpoint, tmp_path / "model_4.pt", name="gymnasium", task="Pendulum-v1")
     for args, said in (([cartpole_checkpoint, "--episodes", "0"], "--episodes must be an integer in [1, inf), got 0"),
+                       ([cartpole_checkpoint, "--episodes", "-3"], "--episodes must be an integer in [1, inf), got -3"),
+                       ([cartpole_checkpoint, "--num-envs", "0"], "--num-envs must be an integer in [1, inf), got 0"),
                        ([cartpole_checkpoint, "--num-envs", "-2"], "--num-envs must be an integer in [1, inf), got -2"),
                        ([cartpole_checkpoint, "--seed", str(2**32)], "--seed must be an integer in [0, 4294967296)"),
                        ([str(tmp_path / "nope.pt")], "no such checkpoint file"),
-                       ([str(isaac)], "trained on Isaac Lab (Isaac-Velocity-Rough-G1), whose Kit needs its own "
-                                      "launcher: export the policy (make export CKPT=...)")):
+                       ([str(tmp_path)], "is a directory; pass a model_<iteration>.pt file inside it"),
+                       ([isaac], "trained on Isaac Lab (Isaac-Velocity-Rough-G1), whose Kit needs its own "
+                                 "launcher: export the policy (make export CKPT=...)"),
+                       ([pendulum], "its policy's actor observation size 4 (the env's: 3) does not fit the gymnasium "
+                                    "Pendulum-v1 env built from its config")):
         result = run_python(["-m", "ppo.evaluate", *args], cwd=REPO, timeout=120)
         assert result.returncode == 2 and result.stderr.startswith("error: ") and said in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_a_gymnasium_checkpoint_without_gymnasium_names_make_setup_mujoco(cartpole_checkpoint, tmp_path):
+    """gymnasium not importable (as before `make setup-mujoco`): one `error:` line naming the target, status 2.
+    Mutant: make_env's MissingSimulator not turned into the one line -> an ImportError's traceback."""
+    hopper = relabelled(cartpole_checkpoint, tmp_path / "model_5.pt", name="gymnasium", task="Hopper-v5")
+    code = ("import runpy, sys; sys.modules['gymnasium'] = None; sys.argv[0] = 'ppo/evaluate.py'; "
+            "runpy.run_module('ppo.evaluate', run_name='__main__')")
+    result = run_python(["-c", code, hopper], cwd=REPO, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("error: --env.name gymnasium needs gymnasium"), \
+        result.stderr
+    assert "make setup-mujoco" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_make_eval_passes_ckpt_as_one_word_and_needs_one():
