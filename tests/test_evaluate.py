@@ -187,11 +187,17 @@ def test_a_gymnasium_checkpoint_without_gymnasium_names_make_setup_mujoco(cartpo
 
 
 def test_make_eval_passes_ckpt_as_one_word_and_needs_one():
-    """As `make export`: CKPT reaches the command quoted as typed; without it, one line before any venv step."""
+    """As `make export`: CKPT reaches the command quoted as typed; without it, one line before any venv step (make
+    then adds its own `make: ***` line, status 2). Mutants: CKPT unquoted -> split at the space; eval-needs-ckpt after
+    $(VENV)/.runtime -> the venv steps come first."""
     ckpt = "it's $HOME/model_1.pt"
     result = subprocess.run(["make", "--no-print-directory", "-n", "eval", f"CKPT={ckpt}", "ARGS=--episodes 8"],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "-m ppo.evaluate 'it'\\''s $HOME/model_1.pt' --episodes 8" in result.stdout, result.stdout
+    result = subprocess.run(["make", "--no-print-directory", "-n", "eval"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert "make eval needs CKPT=" in result.stdout.splitlines()[0], result.stdout    # before any venv step
     result = subprocess.run(["make", "--no-print-directory", "eval"], cwd=REPO, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2 and result.stderr.startswith("error: make eval needs CKPT=path/to/model_")
+    assert len(result.stderr.splitlines()) == 2 and "***" in result.stderr.splitlines()[1], result.stderr
