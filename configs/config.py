@@ -178,7 +178,7 @@ class Config:
     seed: int = 1
     """base seed; rank r seeds from (seed, r) by rank_seed (dist/setup.py): 32-bit seeds, alike only by chance"""
     resume: str = ""
-    """checkpoint (.pt) to continue from in a new run directory, a run directory to continue in place, or auto: the newest run of this experiment, in place"""
+    """checkpoint (.pt) to continue from in a new run directory, a run directory to continue in place, or auto: the run of this experiment whose checkpoint was written last, in place"""
     dry_run: bool = False
     """print the start-up summary and the sync plan, then exit without training"""
 

@@ -63,8 +63,7 @@ def check_env_memory(cfg, device_type: str, env_count_flag: str) -> None:
         raise UsageError(f"--env.num-motions {cfg.env.num_motions}: the tracking motion library and sampler need at "
                          f"least {need / 2**30:.1f} GiB ({motion_bytes(1)} bytes a motion{per_rank}, the rollout "
                          f"storage included), {more}; use fewer motions")
-    count = cfg.env.global_num_envs if env_count_flag == "--env.global-num-envs" else cfg.env.num_envs
-    raise UsageError(f"{env_count_flag} {count}: the rollout storage of {cfg.env.num_envs} envs x "
-                     f"{cfg.ppo.num_steps} steps needs at least {need / 2**30:.1f} GiB ({per_env} bytes an env{per_rank}"
-                     f"{', the motion library included' if library else ''}), {more}; use fewer envs (or fewer "
-                     f"--ppo.num-steps)")
+    raise UsageError(f"{env_count_flag} {cfg.env.global_num_envs or cfg.env.num_envs}: the rollout storage of "
+                     f"{cfg.env.num_envs} envs x {cfg.ppo.num_steps} steps needs at least {need / 2**30:.1f} GiB "
+                     f"({per_env} bytes an env{per_rank}{', the motion library included' if library else ''}), "
+                     f"{more}; use fewer envs (or fewer --ppo.num-steps)")

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     import tyro
     import train, rollout_ranks
-    from configs import PRESETS
+    from configs import cli_presets
     from dist.errors import RunError
 
     if os.environ["RANK"] == "0":
@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent("""
             shutdown()
         train.shutdown = slow_shutdown
     sys.argv = ["train.py", *sys.argv[1:]]
-    sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for n, f in PRESETS.items()}})))
+    sys.exit(train.cli(tyro.extras.overridable_config_cli(cli_presets(sys.argv[1:]))))
 """)
 
 
@@ -88,7 +88,7 @@ SERVING_BUG = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     import tyro
     import train
-    from configs import PRESETS
+    from configs import cli_presets
     from sync.patch import PatchSyncer
 
     if os.environ["RANK"] == "0":
@@ -99,7 +99,7 @@ SERVING_BUG = textwrap.dedent("""
             return sync(self, state, version)
         PatchSyncer.sync = failing
     sys.argv = ["train.py", *sys.argv[1:]]
-    sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for n, f in PRESETS.items()}})))
+    sys.exit(train.cli(tyro.extras.overridable_config_cli(cli_presets(sys.argv[1:]))))
 """)
 
 
@@ -127,7 +127,7 @@ ROLLOUT_STEP_FAILS = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     import tyro
     import train
-    from configs import PRESETS
+    from configs import cli_presets
 
     if os.environ["RANK"] == "1":
         import envs.cartpole
@@ -147,7 +147,7 @@ ROLLOUT_STEP_FAILS = textwrap.dedent("""
             shutdown()
         train.shutdown = after_the_serving_thread
     sys.argv = ["train.py", *sys.argv[1:]]
-    sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for n, f in PRESETS.items()}})))
+    sys.exit(train.cli(tyro.extras.overridable_config_cli(cli_presets(sys.argv[1:]))))
 """)
 
 
@@ -178,7 +178,7 @@ INTERRUPTED_AT_START = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     import tyro
     import train, rollout_ranks
-    from configs import PRESETS
+    from configs import cli_presets
 
     if os.environ["RANK"] == "0":
         def interrupted(self, iteration):
@@ -191,7 +191,7 @@ INTERRUPTED_AT_START = textwrap.dedent("""
                 self._on_signal(signal.SIGINT, None)      # what the handler does with the SIGINT torchrun forwards
         rollout_ranks.StopRequests = Interrupted
     sys.argv = ["train.py", *sys.argv[1:]]
-    sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for n, f in PRESETS.items()}})))
+    sys.exit(train.cli(tyro.extras.overridable_config_cli(cli_presets(sys.argv[1:]))))
 """)
 
 

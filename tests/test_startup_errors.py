@@ -270,7 +270,7 @@ sys.path.insert(0, {root!r})
 import tyro
 import rollout_ranks
 import train
-from configs import PRESETS
+from configs import cli_presets
 
 build = train.build_actor_critic
 def built(*args, **kwargs):
@@ -279,7 +279,7 @@ def built(*args, **kwargs):
     return model
 train.build_actor_critic = rollout_ranks.build_actor_critic = built
 sys.argv = ["train.py", *sys.argv[1:]]
-sys.exit(train.cli(tyro.extras.overridable_config_cli({{n: (f.__doc__, f()) for n, f in PRESETS.items()}}),
+sys.exit(train.cli(tyro.extras.overridable_config_cli(cli_presets(sys.argv[1:])),
                    sys.argv[1:]))
 """
 
