@@ -199,9 +199,9 @@ def picked_by_auto(cfg, path: str | None, flag: str) -> str:
         return ""
     run_dir = os.path.dirname(os.path.abspath(path))
     value = cfg.env.name if flag == "--env.name" else cfg.env.task
-    return (f"; --resume auto picked {run_dir!r}, the newest run under {os.path.dirname(run_dir)!r}, which has no "
-            f"config_<iteration>.json to say its env: pass --resume RUN_DIR with a run of {flag} {value}, or give "
-            f"each {'preset' if flag == '--env.name' else 'task'} its own --log.experiment")
+    return (f"; --resume auto picked {run_dir!r}, the run under {os.path.dirname(run_dir)!r} whose checkpoint was "
+            f"written last, which has no config_<iteration>.json to say its env: pass --resume RUN_DIR with a run of "
+            f"{flag} {value}, or give each {'preset' if flag == '--env.name' else 'task'} its own --log.experiment")
 
 
 def fits_type(value, annotation) -> bool:
@@ -278,7 +278,7 @@ def resolve_resume(cfg, experiment_dir: str, task: str | None = None,
                 theirs = saved_env(other)
                 kind = f"--env.name {theirs['name']}" if theirs.get("name") not in (None, env) else \
                     f"--env.task {theirs.get('task')}"
-                there = f" (the newest run there with one, {other!r}, is of {kind})"
+                there = f" (the last-saved run there, {other!r}, is of {kind})"
             raise UsageError(f"--resume auto: no checkpoint{of} under {experiment_dir!r}{there}; check --log.root and "
                              f"--log.experiment, or start without --resume")
         return latest_checkpoint(run_dir), run_dir
@@ -331,8 +331,9 @@ def check_resume_fits(state: dict, cfg, path: str, restarted: bool) -> bool:
             way_out = picked_by_auto(cfg, path, flag) if flag == "--env.task" else ""
             if not way_out and cfg.resume == "auto" and not restarted:   # a sweep's other arm: dropping the flag
                 run_dir = os.path.dirname(os.path.abspath(path))          # would continue that arm, not this one
-                way_out = (f"; --resume auto picked {run_dir!r}, the newest run under {os.path.dirname(run_dir)!r}: "
-                           f"to continue a run of {as_flag(flag, ours)}, pass --resume with its run directory")
+                way_out = (f"; --resume auto picked {run_dir!r}, the run under {os.path.dirname(run_dir)!r} "
+                           f"whose checkpoint was written last: to continue a run of {as_flag(flag, ours)}, "
+                           "pass --resume with its run directory")
             raise UsageError(f"{as_flag(flag, ours)} does not match the checkpoint's {as_flag(flag, theirs)}{hint} "
                              f"({path!r}); leave the flag out to keep the checkpoint's{way_out}")
     if state["iteration"] >= cfg.max_iterations:

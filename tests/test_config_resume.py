@@ -90,9 +90,10 @@ def test_resume_auto_refusing_an_old_run_of_another_env_names_it_and_the_way_out
     assert re.fullmatch(
         r"--resume '.*/model_2\.pt': --env\.name cartpole does not match the checkpoint's --env\.name tracking: "
         r"resume it with the preset it was trained with \(train\.py tracking\); "
-        + re.escape(f"--resume auto picked {old!r}, the newest run under {os.path.dirname(old)!r}, which has no "
-                    "config_<iteration>.json to say its env: pass --resume RUN_DIR with a run of --env.name cartpole, "
-                    "or give each preset its own --log.experiment"), str(exc.value)), str(exc.value)
+        + re.escape(f"--resume auto picked {old!r}, the run under {os.path.dirname(old)!r} whose checkpoint was "
+                    "written last, which has no config_<iteration>.json to say its env: pass --resume RUN_DIR with a "
+                    "run of --env.name cartpole, or give each preset its own --log.experiment"),
+        str(exc.value)), str(exc.value)
 
 
 def test_resume_auto_refusing_an_old_run_of_another_task_names_it_and_the_way_out(tmp_path):
@@ -105,9 +106,10 @@ def test_resume_auto_refusing_an_old_run_of_another_task_names_it_and_the_way_ou
     with pytest.raises(UsageError) as exc:
         check_resume_fits(state, cfg, path, restarted=False)
     assert str(exc.value).endswith(
-        f"leave the flag out to keep the checkpoint's; --resume auto picked {os.path.dirname(path)!r}, the newest run "
-        f"under {str(tmp_path / 'mujoco')!r}, which has no config_<iteration>.json to say its env: pass --resume "
-        "RUN_DIR with a run of --env.task Hopper-v4, or give each task its own --log.experiment"), str(exc.value)
+        f"leave the flag out to keep the checkpoint's; --resume auto picked {os.path.dirname(path)!r}, the run "
+        f"under {str(tmp_path / 'mujoco')!r} whose checkpoint was written last, which has no config_<iteration>.json "
+        "to say its env: pass --resume RUN_DIR with a run of --env.task Hopper-v4, or give each task its own "
+        "--log.experiment"), str(exc.value)
     cfg.resume = path                         # picked by hand: nothing to add
     with pytest.raises(UsageError, match=r"keep the checkpoint's$"):
         check_resume_fits(state, cfg, path, restarted=False)

@@ -65,7 +65,7 @@ def test_resume_auto_with_a_typed_task_takes_the_newest_run_of_that_task(tmp_pat
     with pytest.raises(UsageError) as exc:
         resolve_resume(auto, str(tmp_path), "Walker2d-v4")
     assert str(exc.value).startswith(f"--resume auto: no checkpoint of --env.task Walker2d-v4 under {str(tmp_path)!r} "
-                                     f"(the newest run there with one, {str(hopper)!r}, is of --env.task Hopper-v4); ")
+                                     f"(the last-saved run there, {str(hopper)!r}, is of --env.task Hopper-v4); ")
     _touch(unknown / "model_1.pt", mtime=3_000_000)
     assert resolve_resume(auto, str(tmp_path), "Walker2d-v4") == (str(unknown / "model_1.pt"), str(unknown))
 
@@ -93,8 +93,8 @@ def test_resume_auto_takes_the_newest_run_of_this_env_and_task(tmp_path, monkeyp
         resolve_resume(auto, root, "Walker2d-v4", "gymnasium")
     with pytest.raises(UsageError) as exc:       # says whose runs the folder holds (it read as an empty one)
         resolve_resume(auto, root, env="isaaclab")
-    assert str(exc.value).startswith(f"--resume auto: no checkpoint of --env.name isaaclab under {root!r} (the newest "
-                                     f"run there with one, {str(gym)!r}, is of --env.name gymnasium); ")
+    assert str(exc.value).startswith(f"--resume auto: no checkpoint of --env.name isaaclab under {root!r} (the "
+                                     f"last-saved run there, {str(gym)!r}, is of --env.name gymnasium); ")
     _touch(odd / "model_1.pt", mtime=3_000_000)
     for config in ({"config": {"env": ["mujoco"]}}, {"config": {}}, None):    # not a mapping, no env, no file
         if config is not None:
@@ -239,9 +239,9 @@ def test_a_typed_setting_that_does_not_fit_auto_s_pick_names_the_pick_and_resume
         check_resume_fits(_saved(), cfg, path, restarted=False)
     assert str(caught.value) == (
         f"--env.num-envs 128 does not match the checkpoint's --env.num-envs 512 per rank ({path!r}); leave the flag "
-        f"out to keep the checkpoint's; --resume auto picked {os.path.dirname(path)!r}, the newest run under "
-        f"{str(tmp_path / 'tracking')!r}: to continue a run of --env.num-envs 128, pass --resume with its run "
-        f"directory")
+        f"out to keep the checkpoint's; --resume auto picked {os.path.dirname(path)!r}, the run under "
+        f"{str(tmp_path / 'tracking')!r} whose checkpoint was written last: to continue a run of --env.num-envs 128, "
+        "pass --resume with its run directory")
     for resume, restarted in ((path, False), ("auto", True)):
         cfg.resume = resume
         with pytest.raises(UsageError, match="leave the flag out to keep the checkpoint's$"):
