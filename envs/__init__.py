@@ -21,7 +21,10 @@ def make_env(cfg, device: torch.device, seed: int, base_seed: int) -> VecEnv:
     if cfg.name == "isaaclab":
         return IsaacLabEnv(cfg.task, cfg.num_envs, device, seed, cfg.actor_obs_groups, cfg.critic_obs_groups,
                            cfg.action_scale, cfg.action_clip, cfg.launcher_args, cfg.task_overrides)
-    raise ValueError(f"unknown --env.name {cfg.name!r}; choose cartpole, tracking, gymnasium or isaaclab")
+    # --env.name passed the parser (its Literal) or a preset set it: a new env lacks its branch here.
+    raise ValueError(f"unknown --env.name {cfg.name!r}: make_env (envs/__init__.py) builds cartpole, tracking, "
+                     f"gymnasium or isaaclab; an env of your own needs a branch there (docs/design.md, "
+                     f"\"Adding an env of your own\")")
 
 
 __all__ = ["VecEnv", "CartPole", "Tracking", "GymnasiumEnv", "IsaacLabEnv", "make_env"]
