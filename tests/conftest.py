@@ -39,3 +39,43 @@ def fail_a_hung_test_instead_of_hanging_ci(request):
 
 def pytest_unconfigure(config):
     shutil.rmtree(_CHILD_TMPDIR, ignore_errors=True)
+
+
+
+@pytest.fixture(scope="session")
+def one_node_two_ranks(tmp_path_factory):
+    """The reference run of tests/test_multi_node.py and tests/test_slurm.py, which train it again on 2 nodes:
+    `one_node_two_ranks(args)` starts `torchrun --standalone --nproc-per-node 2 train.py ARGS --log.root ...` (once
+    per session for the same args; its start-up then overlaps the test's own runs) and returns a call that waits
+    for that run and gives its model_2.pt's weights."""
+    import glob
+    import subprocess
+
+    from dist.checkpoint_read import load_checkpoint
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    runs: dict = {}
+
+    def start(args: list[str]):
+        if tuple(args) not in runs:
+            root = tmp_path_factory.mktemp("one-node")
+            job = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "train.py", *args,
+                                    "--log.root", str(root)], cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            runs[tuple(args)] = (job, root, [])
+        job, root, output = runs[tuple(args)]
+
+        def model() -> dict:
+            if not output:
+                try:
+                    output.append(job.communicate(timeout=180)[0])
+                finally:
+                    job.kill()
+            assert job.returncode == 0, output[0]
+            (path,) = glob.glob(os.path.join(root, "cartpole", "*", "model_2.pt"))
+            return load_checkpoint(path)["model"]
+        return model
+    yield start
+    for job, _, _ in runs.values():
+        job.kill()
+        job.wait()

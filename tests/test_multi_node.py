@@ -26,15 +26,14 @@ def final_model(root) -> dict:
 
 
 @pytest.mark.slow
-def test_two_nodes_train_what_one_node_with_as_many_ranks_trains(tmp_path):
+def test_two_nodes_train_what_one_node_with_as_many_ranks_trains(tmp_path, one_node_two_ranks):
     """Rank r seeds with rank_seed(--seed, r) (its global rank, not its local one), so 2 nodes x 1 rank and 1 node
     x 2 ranks learn the same weights bit for bit. Node 1's agent runs in a directory of its own: --log.root is absolute,
     so both nodes see the run (a relative one would be refused under --max-restarts, tests/test_checkpoint_rules.py)."""
-    # The one-node run and the two nodes run at once (independent runs in folders of their own): their start-ups
-    # (torch's import, the rendezvous) overlap instead of following each other.
-    one_node = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node", "2", *TRAIN, "--log.root",
-                                 str(tmp_path / "one")], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    # The one-node run (tests/conftest.py, shared with tests/test_slurm.py; started first, if no test did yet) and the
+    # two nodes run at once (independent runs in folders of their own): their start-ups (torch's import, the
+    # rendezvous) overlap instead of following each other.
+    one_node = one_node_two_ranks(TRAIN[1:])
     rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "two-nodes"]
     (tmp_path / "node1").mkdir()
@@ -42,17 +41,16 @@ def test_two_nodes_train_what_one_node_with_as_many_ranks_trains(tmp_path):
                                str(tmp_path / "two")], cwd=cwd, env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for cwd in (REPO, tmp_path / "node1")]
     try:
-        one_output, *outputs = [job.communicate(timeout=120) for job in (one_node, *nodes)]
+        outputs = [job.communicate(timeout=120) for job in nodes]
     finally:
-        for job in (one_node, *nodes):
+        for job in nodes:
             job.kill()
-    assert one_node.returncode == 0, one_output[1]
     assert [node.returncode for node in nodes] == [0, 0], [err for _, err in outputs]
     # Rank 0 (on whichever node the rendezvous made node 0) prints the run; the other node's rank prints nothing.
     printed = sorted(("world size 2" in out, "it     2/2" in out) for out, _ in outputs)
     assert printed == [(False, False), (True, True)], outputs
 
-    one, two = final_model(tmp_path / "one"), final_model(tmp_path / "two")
+    one, two = one_node(), final_model(tmp_path / "two")
     assert one.keys() == two.keys()
     for key in one:
         assert torch.equal(one[key], two[key]), key

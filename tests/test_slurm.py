@@ -25,7 +25,6 @@ from tests.multirank import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "slurm", "train.sbatch")
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 TRAIN = ["cartpole", "--max-iterations", "2", "--env.num-envs", "16", "--ppo.num-steps", "16"]
 
 FAKE_SRUN = r"""#!/bin/bash
@@ -135,30 +134,25 @@ def requeues(tmp_path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_fake_nodes_train_what_one_node_with_two_ranks_trains(tmp_path):
+def test_two_fake_nodes_train_what_one_node_with_two_ranks_trains(tmp_path, one_node_two_ranks):
     """The script's torchrun per node meets the other through c10d rendezvous at the first node of
     `scontrol show hostnames`, one rank each (NPROC=1), and learns the weights of `torchrun --standalone
     --nproc-per-node 2` bit for bit (tests/test_multi_node.py: rank r seeds from its global rank).
     Mutant: `--nnodes 1` instead of "$SLURM_JOB_NUM_NODES" -> each node a world of 1 of its own: the job fails.
     Mutant: `--rdzv-id run` instead of the job id -> the run_id marker is not the job's (a requeue could not find it).
     Mutant: `NPROC=${SLURM_GPUS_ON_NODE:-}` (no NPROC override) -> exit 2, ranks per node unknown."""
-    one_node = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node", "2", "train.py", *TRAIN, "--log.root",
-                                 str(tmp_path / "one")], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    one_node = one_node_two_ranks(TRAIN)     # tests/conftest.py: one run for this test and tests/test_multi_node.py
     batch = Batch(tmp_path, TRAIN)
     try:
-        one_output = one_node.communicate(timeout=180)[0]
+        one = one_node()
         code = batch.finish()
     finally:
-        one_node.kill()
         batch.kill()
-    assert one_node.returncode == 0, one_output
     assert code == 0, batch.output()
     (run_dir,) = run_dirs(tmp_path / "runs")
     assert open(os.path.join(run_dir, "run_id")).read() == "4242"          # --rdzv-id is the job id
     two = load_checkpoint(os.path.join(run_dir, "model_2.pt"))
     assert two["config"]["max_iterations"] == 2
-    one = load_checkpoint(glob.glob(os.path.join(tmp_path / "one", "cartpole", "*", "model_2.pt"))[0])["model"]
     assert one.keys() == two["model"].keys()
     for key in one:
         assert torch.equal(one[key], two["model"][key]), key
