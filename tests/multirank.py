@@ -49,7 +49,8 @@ def _worker(rank, world_size, port, fn, args, queue, init_group):
 # What the server imports before it forks the first rank: torch; torch._dynamo, which a rank would otherwise import
 # on its first torch.optim optimizer or DistributedDataParallel (1.5-2.5 s each time); and train (the project's
 # modules, tyro, TensorBoard) and pytest, which a rank imports with the test module its function is pickled from.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest", "train", "tests.multirank"]
+# Last, tests.frozen_heap: what these built, frozen out of the cyclic GC (a rank's collections would copy it).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest", "train", "tests.multirank", "tests.frozen_heap"]
 
 
 def _context():
