@@ -41,7 +41,6 @@ def pytest_unconfigure(config):
     shutil.rmtree(_CHILD_TMPDIR, ignore_errors=True)
 
 
-
 @pytest.fixture(scope="session")
 def one_node_two_ranks(tmp_path_factory):
     """The reference run of tests/test_multi_node.py and tests/test_slurm.py, which train it again on 2 nodes:
