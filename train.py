@@ -13,6 +13,7 @@ before anything is built or written.
 
 import contextlib
 import dataclasses
+import gc
 import io
 import json
 import os
@@ -397,4 +398,5 @@ if __name__ == "__main__":
         raise
     code = cli(config, sys.argv[1:])
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # finalizing, Python resets a handler to SIG_DFL (130, unsaid)
+    gc.freeze()     # else the exit's last collection walks every object torch made: 0.55 s a process, for nothing
     sys.exit(code)
