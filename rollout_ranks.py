@@ -315,7 +315,7 @@ def run_rollout_rank(cfg: Config, roles, device, checkpoint: dict | None, start_
 
 def unpack_team_states(states: torch.Tensor, spec: dict) -> tuple[list[dict], dict]:
     """From the gathered blobs: every rollout rank's RNG states, in rollout-rank order, and the first one's env
-    state (the same on all of them after the sampler sum; train.team_checkpoint keeps that one)."""
+    state (the same on all of them after the sampler sum; team_checkpoint keeps that one)."""
     per = spec["state_bytes"]
     out = []
     for i in range(states.numel() // per):
@@ -333,3 +333,10 @@ def unpack_team_states(states: torch.Tensor, spec: dict) -> tuple[list[dict], di
                        f"checkpoint keeps; every rank loads that one on resume: make it the same everywhere (summed "
                        f"across ranks, as the sampler's counts are) or re-derivable after a load (envs/base.py)")
     return [o["rng"] for o in out], unflatten_state(out[0]["env"])
+
+
+def team_checkpoint(gathered: torch.Tensor, spec: dict, roles) -> dict:
+    """The checkpoint entries of the rollout ranks: every one's RNG, and the env state (identical on all
+    of them after the sampler sum) from the first."""
+    rollout_rngs, env_state = unpack_team_states(gathered.cpu().flatten(), spec)
+    return {"env": env_state, "rollout_rng": rollout_rngs, "layout": [roles.num_learners, roles.num_rollouts]}

@@ -59,7 +59,7 @@ from ppo.normalizer import RewardNormalizer
 from ppo.restore import restore
 from ppo.rollout import (TERM_TAGS, TRAIN_KEYS, EpisodeStats, check_finite, collect_rollout, episode_returns_plan_rows,
                           fill_storage)
-from rollout_ranks import LearnerTeam, describe_rollout, run_rollout_rank, unpack_team_states
+from rollout_ranks import LearnerTeam, describe_rollout, run_rollout_rank, team_checkpoint
 from ppo.storage import RolloutStorage
 from ppo.update import checked_noise_std, ppo_update, update_plan_rows
 
@@ -317,13 +317,6 @@ def finished(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.time()
-
-
-def team_checkpoint(gathered: torch.Tensor, spec: dict, roles) -> dict:
-    """The checkpoint entries of the rollout ranks: every one's RNG, and the env state (identical on all
-    of them after the sampler sum) from the first."""
-    rollout_rngs, env_state = unpack_team_states(gathered.cpu().flatten(), spec)
-    return {"env": env_state, "rollout_rng": rollout_rngs, "layout": [roles.num_learners, roles.num_rollouts]}
 
 
 def first_on_node() -> bool:

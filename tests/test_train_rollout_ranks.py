@@ -120,8 +120,8 @@ def test_team_checkpoint_records_learners_then_rollout_ranks(monkeypatch):
     def states(gathered, spec):
         seen.append((gathered.device.type, tuple(gathered.shape), spec))
         return [{"torch": 1}, {"torch": 2}], {"steps": 3}
-    monkeypatch.setattr(train, "unpack_team_states", states)
+    monkeypatch.setattr(rollout_ranks, "unpack_team_states", states)
     roles = SimpleNamespace(num_learners=1, num_rollouts=2)
-    entries = train.team_checkpoint(torch.zeros(2, 5, dtype=torch.uint8), {"state_bytes": 5}, roles)
+    entries = rollout_ranks.team_checkpoint(torch.zeros(2, 5, dtype=torch.uint8), {"state_bytes": 5}, roles)
     assert entries == {"env": {"steps": 3}, "rollout_rng": [{"torch": 1}, {"torch": 2}], "layout": [1, 2]}
     assert seen == [("cpu", (10,), {"state_bytes": 5})]
