@@ -128,11 +128,12 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     comm.use_group(roles.learner_group)           # None (all ranks) when colocated
 
     # ---- build: env (or the rollout ranks' spec), model, optimizer, gradient sync, buffer rules -----
-    seed_everything(rank_seed(cfg.seed, rank))
+    seed = rank_seed(cfg.seed, rank)         # this rank's envs, sampling and minibatch shuffles
+    seed_everything(seed)
     env = team = sampler = None
     if roles.colocated:
         try:
-            env = make_env(cfg.env, device, seed=rank_seed(cfg.seed, rank), base_seed=env_seed)
+            env = make_env(cfg.env, device, seed=seed, base_seed=env_seed)
         except (ValueError, MissingSimulator) as exc:   # the adapters name the --env flag or the package to install
             raise UsageError(one_line(exc)) from exc      # a simulator's own error may span lines
         check_built(env, env_label(cfg), cfg.env.num_envs)   # before the model is built from its sizes
@@ -152,7 +153,7 @@ def main(cfg: Config, typed: frozenset[str] | None = None) -> tuple[torch.nn.Mod
     also_verified = ([(reward_normalizer, resolve_buffer_policy(reward_normalizer, reward_normalizer.BUFFER_POLICY))]
                      if reward_normalizer is not None else [])   # its merged return statistics, beside the model's
     storage = RolloutStorage(cfg.ppo.num_steps, N, obs_dims, num_actions, device)
-    shuffle = torch.Generator().manual_seed(rank_seed(cfg.seed, rank))
+    shuffle = torch.Generator().manual_seed(seed)
     stateful = {"model": model, "optimizer": optimizer, "env": env, "reward_normalizer": reward_normalizer}
     if checkpoint is not None:
         restore(checkpoint, resume_path, stateful, shuffle, roles, device, cfg)
