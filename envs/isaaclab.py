@@ -127,9 +127,12 @@ class IsaacLabEnv:
         launcher = launcher_namespace(add_launcher_args, launcher_args, sim_device, distributed)
         self.action_scale, self.action_clip = action_scale, action_clip
 
-        # Overrides only when given: an isaaclab_tasks whose parse_env_cfg takes none still runs the task's defaults.
-        overrides = {"overrides": list(task_overrides)} if task_overrides else {}
-        if overrides and "overrides" not in inspect.signature(parse_env_cfg).parameters:
+        # Always an explicit list where parse_env_cfg takes one, even empty: isaaclab_tasks' Hydra resolution
+        # (hydra.register_task) reads sys.argv[1:] when handed overrides=None, i.e. this script's own flags.
+        # An isaaclab_tasks whose parse_env_cfg takes none still runs the task's defaults.
+        takes_overrides = "overrides" in inspect.signature(parse_env_cfg).parameters
+        overrides = {"overrides": list(task_overrides)} if takes_overrides else {}
+        if task_overrides and not takes_overrides:
             raise MissingSimulator(f"--env.task-overrides: this isaaclab_tasks' parse_env_cfg takes no overrides "
                                    f"(signature {inspect.signature(parse_env_cfg)}); leave the flag out for the "
                                    f"task's defaults, or {INSTALL_HINT}")

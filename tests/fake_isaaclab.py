@@ -6,13 +6,15 @@ envs/isaaclab.py uses, so that a test against the fake fails where the release w
   only when the calling script adds one.
 - `isaaclab.app.launch_simulation(cfg, launcher_args=None)` is a context manager that, when the namespace
   says `distributed`, puts the sim on cuda:LOCAL_RANK (as 3.0.0 does), starts a launcher and closes it
-  with the block's exit status: 130 for KeyboardInterrupt, the code of a SystemExit, 1 for any other
-  exception, else 0. A task config whose physics is Isaac Sim PhysX needs Kit; Kit's launcher ends the
-  process with that status when it closes (and also closes from its own atexit handler); without Isaac Sim
-  installed (`Record.kit_installed`) it logs 3.0.0's error and raises SystemExit(1) before yielding. Kitless
-  physics (Newton, the G1 task's default) starts no runtime.
+  with the block's exit status: the code of a SystemExit, 1 for any other exception, else 0 (also for a
+  KeyboardInterrupt, which 3.0.0's block does not catch). A task config whose physics is Isaac Sim PhysX
+  needs Kit; Kit's launcher ends the process with that status when it closes (and also closes from its
+  own atexit handler); without Isaac Sim installed (`Record.kit_installed`) it logs 3.0.0's error and
+  raises SystemExit(1) before yielding. Kitless physics (Newton, the G1 task's default) starts no runtime.
 - `isaaclab_tasks.utils.parse_env_cfg(task_name, device=None, num_envs=None, use_fabric=None,
-  overrides=())`, where an override `physics=NAME` picks one of the task's physics presets.
+  overrides=None)`, where an override `physics=NAME` picks one of the task's physics presets. With
+  overrides=None it reads them from sys.argv[1:], as 3.0's `isaaclab_tasks.utils.hydra.register_task` does
+  (a script's own flags there are handed to Hydra, which refuses them); the fake refuses any it cannot apply.
 - `import isaaclab_tasks` registers the task under 3.0.0's id `Isaac-Velocity-Rough-G1` with gymnasium
   (the id is real, the env is not: a point mass moved by its actions).
 
@@ -199,9 +201,6 @@ def fake_modules(record: Record) -> dict[str, types.ModuleType]:
         exit_code = 0
         try:
             yield None
-        except KeyboardInterrupt:
-            exit_code = 130
-            raise
         except SystemExit as exc:
             exit_code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
             raise
@@ -212,14 +211,14 @@ def fake_modules(record: Record) -> dict[str, types.ModuleType]:
             record.runtime_open = False
             launcher.close(exit_code)
 
-    def parse_env_cfg(task_name, device=None, num_envs=None, use_fabric=None, overrides=()):
+    def parse_env_cfg(task_name, device=None, num_envs=None, use_fabric=None, overrides=None):
         if isinstance(overrides, str):
             raise TypeError(f"'overrides' must be a list or tuple of 'key=value' strings, not a bare string: "
                             f"{overrides!r}")
         if task_name not in gymnasium.registry:
             raise ValueError(f"task {task_name!r} is not registered")
         cfg = FakeEnvCfg(record.finite_horizon)
-        for override in overrides:
+        for override in sys.argv[1:] if overrides is None else overrides:
             key, _, value = override.partition("=")
             if key != "physics" or value not in PHYSICS_PRESETS:
                 raise ValueError(f"the fake knows only physics=<one of {PHYSICS_PRESETS}>, got {override!r}")

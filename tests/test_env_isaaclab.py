@@ -259,12 +259,21 @@ def test_a_parse_env_cfg_without_overrides_runs_the_defaults_and_refuses_overrid
     utils = sys.modules["isaaclab_tasks.utils"]
     newer = utils.parse_env_cfg
     monkeypatch.setattr(utils, "parse_env_cfg", lambda task_name, device="cuda:0", num_envs=None, use_fabric=None:
-                        newer(task_name, device, num_envs, use_fabric))
+                        newer(task_name, device, num_envs, use_fabric, overrides=()))
     IsaacLabEnv(TASK, 4, torch.device("cpu"), 0).close()
     with pytest.raises(MissingSimulator, match=r"^--env.task-overrides: this isaaclab_tasks' parse_env_cfg takes no "
                                                r"overrides \(signature \(task_name, device='cuda:0', num_envs=None, "
                                                r"use_fabric=None\)\); leave the flag out"):
         IsaacLabEnv(TASK, 4, torch.device("cpu"), 0, task_overrides=("physics=isaacsim_physx",))
+
+
+def test_no_task_overrides_keep_the_scripts_own_argv_out_of_the_task_config(make, fake, monkeypatch):
+    """Isaac Lab 3.0's Hydra resolution reads sys.argv[1:] when handed overrides=None; train.py's own flags there
+    would be taken for Hydra overrides. Without --env.task-overrides the adapter hands an empty list: defaults.
+    Mutant: `overrides` passed to parse_env_cfg only when --env.task-overrides is given."""
+    monkeypatch.setattr(sys, "argv", ["train.py", "isaaclab", "--env.task", TASK, "--env.launcher-args=--viz none"])
+    make()
+    assert fake.launches[-1]["physics"] == "newton_mjwarp"
 
 
 def test_unknown_task_suggests_registered_ones(fake):
