@@ -185,7 +185,9 @@ def test_a_returned_termination_survives_the_next_step(fake):
 
 def test_an_isaac_lab_without_compute_final_obs_is_refused_before_launch(fake, monkeypatch):
     """An Isaac Lab whose env config has no `compute_final_obs` loses the observation before every auto-reset, so
-    time-outs could not be bootstrapped: refused, naming the fix, before any runtime starts."""
+    time-outs could not be bootstrapped: refused, naming the fix, before any runtime starts. The wrapper takes **kwargs,
+    so it is handed `overrides` too. Mutant: a **kwargs parse_env_cfg taken for one without overrides -> the fake reads
+    pytest's own argv as Hydra overrides, as 3.0's does on overrides=None."""
     utils = sys.modules["isaaclab_tasks.utils"]
     parse = utils.parse_env_cfg
 
