@@ -129,8 +129,8 @@ class IsaacLabEnv:
 
         # Always an explicit list where parse_env_cfg takes one, even empty: isaaclab_tasks' Hydra resolution
         # (hydra.register_task) reads sys.argv[1:] when handed overrides=None, i.e. this script's own flags.
-        # An isaaclab_tasks whose parse_env_cfg takes none still runs the task's defaults (a wrapper's **kwargs
-        # takes it).
+        # An isaaclab_tasks whose parse_env_cfg takes none still runs the task's defaults; one taking **kwargs (a
+        # wrapper) is handed it too.
         parameters = inspect.signature(parse_env_cfg).parameters
         takes_overrides = "overrides" in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
         overrides = {"overrides": list(task_overrides)} if takes_overrides else {}
