@@ -1,11 +1,13 @@
-"""slurm/train.sbatch run for real under bash, with stand-ins for SLURM's `srun` and `scontrol` first on PATH: the fake
-srun starts one copy of its command per node (SLURM_JOB_NUM_NODES), each with SLURM_NODEID / SLURM_PROCID /
-SLURM_LOCALID and a working directory of its own, waits for them all and passes a SIGTERM on to them, as real srun
-forwards one to its tasks (FAKE_SRUN_LINGER: and stays after they end, until a signal, as a step tearing down); the fake
-scontrol names localhost as every node and records `scontrol requeue JOBID` in a file (FAKE_REQUEUE_REFUSED: refuses
-it). What this cannot show: real SLURM's `--signal=B:USR1@...` timing, what a real requeue does to the running job,
-and slurmstepd signalling every process of a step (the ranks then get the SIGTERM twice, which dist/stop.py takes as one
-request)."""
+"""slurm/train.sbatch run for real under bash, with stand-ins for SLURM's `srun`, `scontrol` and `scancel` first on
+PATH: the fake srun starts one copy of its command per node (SLURM_JOB_NUM_NODES), each with SLURM_NODEID /
+SLURM_PROCID / SLURM_LOCALID and a working directory of its own, and waits for them all; like real srun (Slurm's
+src/srun/signals.c) it answers a SIGTERM by SIGKILLing its step (FAKE_SRUN_LINGER: it stays after its tasks end, until
+the step is signalled, as a step tearing down). The fake `scancel --signal=SIG JOBID` sends SIG to every process of the
+step (tasks and their descendants, as slurmstepd does: the ranks get it from it and from torchrun, which dist/stop.py
+takes as one request), not to the batch shell (scancel(1)). The fake scontrol names localhost as every node and records
+`scontrol requeue JOBID` in a file (FAKE_REQUEUE_REFUSED: refuses it with real scontrol's error). What this cannot
+show: real SLURM's `--signal=B:USR1@...` timing and what a real requeue does to the running job (it ends it: SIGTERM,
+KillWait, SIGKILL to what is left, here only the batch shell)."""
 
 import glob
 import os
@@ -27,16 +29,34 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "slurm", "train.sbatch")
 TRAIN = ["cartpole", "--max-iterations", "2", "--env.num-envs", "16", "--ppo.num-steps", "16"]
 
+# Every process of the fake step: its tasks (FAKE_STEP_PIDS, written by the fake srun) and all their descendants, as
+# slurmstepd signals its step's whole process tree (the ranks too, not only each node's torchrun).
+STEP_SIGNAL = r"""
+step_signal() {
+    local todo=() pids=() pid
+    [ -f "$FAKE_STEP_PIDS" ] && mapfile -t todo <"$FAKE_STEP_PIDS"
+    while ((${#todo[@]})); do
+        pid=${todo[0]}; todo=("${todo[@]:1}"); pids+=("$pid")
+        todo+=($(ps -o pid= --ppid "$pid"))
+    done
+    ((${#pids[@]} == 0)) || kill -"$1" "${pids[@]}" 2>/dev/null
+}
+"""
+
 FAKE_SRUN = r"""#!/bin/bash
 # srun's options (all --name=value here) up to the command; one copy per node, each in its own folder.
+""" + STEP_SIGNAL + r"""
 while [[ $1 == -* ]]; do shift; done
 pids=()
+: >"$FAKE_STEP_PIDS"
 for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do
     mkdir -p "$FAKE_NODES/$node"
     (cd "$FAKE_NODES/$node" && SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 exec "$@") &
     pids+=($!)
+    echo $! >>"$FAKE_STEP_PIDS"
 done
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+# Real srun does not forward SIGTERM: it SIGKILLs every task of its step (Slurm's src/srun/signals.c).
+trap 'echo "srun: forcing job termination"; step_signal KILL' TERM
 status=0
 for pid in "${pids[@]}"; do
     while :; do
@@ -45,23 +65,32 @@ for pid in "${pids[@]}"; do
     done
     [ "$code" -gt "$status" ] && status=$code
 done
-if [ -n "${FAKE_SRUN_LINGER:-}" ]; then    # a step still tearing down after its tasks ended: until a signal
+if [ -n "${FAKE_SRUN_LINGER:-}" ]; then    # a step still tearing down after its tasks ended: until it is signalled
     sleep infinity & sleeper=$!
-    trap 'kill "$sleeper"; exit "$status"' TERM
+    echo "$sleeper" >>"$FAKE_STEP_PIDS"
     echo "fake srun: tasks ended"
-    wait "$sleeper"
+    while kill -0 "$sleeper" 2>/dev/null; do wait "$sleeper"; done
 fi
 exit "$status"
 """
 
 FAKE_SCONTROL = r"""#!/bin/bash
 if [ "$1" = requeue ] && [ $# = 2 ]; then    # recorded; FAKE_REQUEUE_REFUSED: as for a job without --requeue
-    [ -z "${FAKE_REQUEUE_REFUSED:-}" ] || { echo "scontrol: error: Requeue of JobId=$2 not allowed" >&2; exit 1; }
+    [ -z "${FAKE_REQUEUE_REFUSED:-}" ] || { echo "Requested operation is presently disabled for job $2" >&2; exit 1; }
     echo "requeue $2" >>"$FAKE_REQUEUES"
     exit 0
 fi
 [ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: only 'show hostnames' and 'requeue JOBID'" >&2; exit 1; }
 for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do echo localhost; done
+"""
+
+# `scancel --signal=SIG JOBID`: the signal to every process of the job's steps, not to the batch shell; recorded.
+FAKE_SCANCEL = r"""#!/bin/bash
+""" + STEP_SIGNAL + r"""
+[[ $# = 2 && $1 == --signal=* && $2 = "$SLURM_JOB_ID" ]] || { echo "fake scancel: only --signal=SIG JOBID" >&2
+    exit 1; }
+echo "scancel $*" >>"$FAKE_SCANCELS"
+step_signal "${1#--signal=}"
 """
 
 
@@ -71,7 +100,7 @@ class Batch:
     def __init__(self, tmp_path, args, job_id="4242", restart_count=0, **extra_env):
         bin_dir = tmp_path / "bin"
         bin_dir.mkdir(exist_ok=True)
-        for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL)):
             (bin_dir / name).write_text(text)
             (bin_dir / name).chmod(0o755)
         env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1",
@@ -80,10 +109,12 @@ class Batch:
                "NPROC": "1", "RDZV_PORT": str(free_port()), "LOG_ROOT": str(tmp_path / "runs"),
                "VENV": os.path.dirname(os.path.dirname(sys.executable)),
                "FAKE_NODES": str(tmp_path / f"nodes-{restart_count}"), "FAKE_REQUEUES": str(tmp_path / "requeues"),
+               "FAKE_STEP_PIDS": str(tmp_path / f"step-{restart_count}"), "FAKE_SCANCELS": str(tmp_path / "scancels"),
                **extra_env}
         env.pop("SLURM_GPUS_ON_NODE", None)
         if "REQUEUE" not in extra_env:                 # the script's default, whatever this shell's
             env.pop("REQUEUE", None)
+        self.env = env
         self.lines: list[str] = []
         self.proc = subprocess.Popen([SCRIPT, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -127,10 +158,16 @@ def run_dirs(root) -> list[str]:
     return sorted(glob.glob(os.path.join(root, "cartpole", "*")))
 
 
-def requeues(tmp_path) -> list[str]:
-    """The `scontrol requeue JOBID` calls the fake scontrol took, in order."""
-    path = tmp_path / "requeues"
+def requeues(tmp_path, name="requeues") -> list[str]:
+    """The `scontrol requeue JOBID` calls the fake scontrol took (name="scancels": the fake scancel's), in order."""
+    path = tmp_path / name
     return path.read_text().splitlines() if path.exists() else []
+
+
+def scancel_steps(batch: Batch) -> None:
+    """`scancel --signal=TERM JOBID` typed by hand: SIGTERM to the job's steps, not to the batch shell."""
+    subprocess.run([str(batch.env["PATH"].split(":")[0] + "/scancel"), "--signal=TERM", batch.env["SLURM_JOB_ID"]],
+                   env=batch.env, check=True)
 
 
 @pytest.mark.slow
@@ -165,12 +202,16 @@ STOPPED = r"stopped on request \(SIGINT/SIGTERM\) after iteration (\d+); saved (
 
 
 def signalled_while_training(tmp_path, signum, **extra_env) -> tuple[str, int, int, str]:
-    """A long run whose batch shell gets `signum` (as SLURM sends it) once iteration 3 is out: the job's output and
-    exit status, and the iteration and checkpoint rank 0 says it stopped after and saved."""
+    """A long run whose batch shell gets `signum` (as SLURM sends it; None: the steps get SIGTERM, `scancel_steps`)
+    once iteration 3 is out: the job's output and exit status, and the iteration and checkpoint rank 0 says it
+    stopped after and saved."""
     batch = Batch(tmp_path, LONG, **extra_env)
     try:
         batch.wait_for(r"^it +3/")
-        os.kill(batch.proc.pid, signum)
+        if signum is None:
+            scancel_steps(batch)
+        else:
+            os.kill(batch.proc.pid, signum)
         stopped = batch.wait_for(STOPPED)
         code = batch.finish()
     finally:
@@ -200,18 +241,21 @@ def requeued_job_continues(tmp_path, k: int, path: str) -> None:
 
 @pytest.mark.slow
 def test_sigterm_to_the_batch_shell_saves_and_a_requeue_continues_that_run(tmp_path):
-    """A scancel or a preemption sends SIGTERM to the batch shell only: the script passes it to srun, srun to each
-    node's torchrun, torchrun to its ranks, which finish the iteration; rank 0 saves model_k.pt and says so; the
-    ranks exit 0 and torchrun 1 (it got the signal), so the job ends with 1, not requeued by the script (a cancelled
-    job stays cancelled; SLURM requeues a preempted one). A requeued job (same job id, SLURM_RESTART_COUNT=1)
-    continues that run directory from model_k.pt, whose run_id is the job's.
+    """SIGTERM to the batch shell alone (`scancel --batch --signal=TERM JOBID`): the script has SLURM send SIGTERM to
+    every process of the step (`scancel --signal=TERM JOBID`; a SIGTERM to srun would have it SIGKILL the step),
+    torchrun passes it to its ranks too, which finish the iteration; rank 0 saves model_k.pt and says so; the ranks
+    exit 0 and torchrun 1 (it got the signal), so the job ends with 1, not requeued by the script (a cancelled job
+    stays cancelled). A requeued job (same job id, SLURM_RESTART_COUNT=1) continues that run directory from
+    model_k.pt, whose run_id is the job's.
     Mutant: the `trap ... TERM` line replaced by `:` -> the shell dies alone, srun and the run go on, nothing is saved.
     Mutant: srun in the foreground (no `&`, `wait "$!"` after it) -> the trap waits for srun's end: nothing is saved.
+    Mutant: the TERM trap's scancel replaced by `kill -TERM "$srun_pid"` -> srun SIGKILLs the step: nothing is saved.
     Mutant: the TERM trap's `requeue=0` replaced by `warned=1` -> a scancel'd job is requeued.
     Mutant: the requeue block removed -> the requeued job starts a second run directory from iteration 0."""
     output, code, k, path = signalled_while_training(tmp_path, signal.SIGTERM)
     assert code == 1, output
     assert requeues(tmp_path) == [], output
+    assert requeues(tmp_path, "scancels") == ["scancel --signal=TERM 4242"], output
     requeued_job_continues(tmp_path, k, path)
 
 
@@ -220,10 +264,12 @@ def test_the_time_limit_warning_saves_requeues_once_and_the_requeued_job_continu
     """`--signal=B:USR1@...`: the script stops the run as for SIGTERM (rank 0 saves model_k.pt), and once srun has
     ended runs `scontrol requeue JOBID`, once; the requeued job continues the run from model_k.pt.
     Mutant: the USR1 trap without `warned=1` -> the run saves, no requeue.
+    Mutant: the USR1 trap's scancel replaced by `kill -TERM "$srun_pid"` -> srun SIGKILLs the step: nothing is saved.
     Mutant: the requeue decided in the USR1 trap, before srun ends -> no checkpoint yet: no requeue."""
     output, code, k, path = signalled_while_training(tmp_path, signal.SIGUSR1)
     assert code == 1, output
     assert requeues(tmp_path) == ["requeue 4242"], output
+    assert requeues(tmp_path, "scancels") == ["scancel --signal=TERM 4242"], output
     assert f"requeueing job 4242 to continue {os.path.dirname(path)}" in output
     requeued_job_continues(tmp_path, k, path)
 
@@ -267,3 +313,25 @@ def test_a_refused_requeue_says_how_to_continue_and_fails(tmp_path):
     errors = [line for line in output.splitlines() if line.startswith("error: scontrol requeue 4242 failed")]
     assert len(errors) == 1 and errors[0].endswith(f"submit again with --resume {os.path.dirname(path)} to continue"), \
         output
+
+
+@pytest.mark.slow
+def test_scancel_signal_term_to_the_steps_saves_and_ends_the_job_unrequeued(tmp_path):
+    """`scancel --signal=TERM JOBID` (docs/running.md: stop a job and keep its progress) signals every process of the
+    step and not the batch shell (scancel(1)): rank 0 saves model_k.pt, srun ends with torchrun's 1, and the script,
+    warned of nothing, ends with that status and requeues nothing.
+    Mutant: `[ "$warned" = 1 ]` replaced by `true` in the requeue test -> requeue recorded.
+    Mutant: `exit "$status"` replaced by `exit 0` -> the job ends 0."""
+    output, code, _, _ = signalled_while_training(tmp_path, None)
+    assert code == 1, output
+    assert requeues(tmp_path) == [], output
+
+
+def test_a_requeued_job_appends_to_its_output_file():
+    """A requeued job keeps its id, so `--output=%x-%j.out` names the same file, which SLURM truncates at each start
+    unless `--open-mode=append` (sbatch(1); slurm.conf's JobFileAppend defaults to 0): the first start's output, with
+    the --resume line of the checkpoint it saved, would be lost.
+    Mutant: the `#SBATCH --open-mode=append` line removed -> fails."""
+    with open(SCRIPT) as f:
+        options = [line.split()[1] for line in f if line.startswith("#SBATCH ")]
+    assert "--requeue" in options and "--open-mode=append" in options, options
