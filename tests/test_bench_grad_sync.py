@@ -141,9 +141,12 @@ def test_bench_grad_sync_rank_out_of_memory_is_one_line_naming_batch(capfd):
 
 
 def _one_rank_out_of_memory(rank, world, port, args, queue):
-    """Rank args.oom_rank fails to allocate once in the process group; its partner then waits in a barrier."""
+    """Rank args.oom_rank fails to allocate once in the process group; its partner then waits in a barrier. The first
+    barrier keeps the failing rank until every rank is through init: rank 0 hosts the rendezvous store, and its exit
+    while the partner still read from the store printed torch's C++ TCPStore warning on stderr (once in CI)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.distributed.barrier()
     if rank == args.oom_rank:
         _rank_out_of_memory(rank, world, port, args, queue)
     torch.distributed.barrier()
