@@ -27,10 +27,14 @@ def field_widths(obs_dims: dict[str, int], num_actions: int) -> dict[str, int]:
             "returns": 0}
 
 
+def packed_width(widths: dict[str, int]) -> int:
+    """Columns of the packed buffer: a scalar field (width 0) takes one."""
+    return sum(max(w, 1) for w in widths.values())
+
+
 def storage_bytes(num_steps: int, num_envs: int, obs_dims: dict[str, int], num_actions: int) -> int:
     """Bytes a RolloutStorage of these sizes allocates: the packed float32 buffer, rewards (float32), dones (bool)."""
-    packed = sum(max(w, 1) for w in field_widths(obs_dims, num_actions).values())
-    return num_steps * num_envs * (4 * packed + 4 + 1)
+    return num_steps * num_envs * (4 * packed_width(field_widths(obs_dims, num_actions)) + 4 + 1)
 
 
 class _Column:
@@ -59,7 +63,7 @@ class RolloutStorage:
         T, N = num_steps, num_envs
         self.num_steps, self.num_envs = T, N
         self.widths = field_widths(obs_dims, num_actions)
-        self.data = torch.zeros(T, N, sum(max(w, 1) for w in self.widths.values()), device=device)
+        self.data = torch.zeros(T, N, packed_width(self.widths), device=device)
         self.columns = self.split(self.data)
         self.rewards = torch.zeros(T, N, device=device)
         self.dones = torch.zeros(T, N, dtype=torch.bool, device=device)
