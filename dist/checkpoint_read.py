@@ -35,8 +35,10 @@ def read_torch_file(path: str):
     except (zipfile.BadZipFile, OSError) as exc:     # an end record found, the index behind it unreadable
         raise ValueError(f"a damaged checkpoint (its zip archive's index is unreadable: {exc}); use another one") \
             from None
+    # torch.export's archive: a folder holding archive_format (torch 2.13), or top-level files (torch 2.5 and 2.7)
     kind = "TorchScript" if any(name.endswith("/constants.pkl") for name in names) else \
-        "torch.export" if any(name.endswith("/archive_format") for name in names) else ""
+        "torch.export" if any(name.endswith("/archive_format") or name == "serialized_exported_program.json"
+                              for name in names) else ""
     if kind:
         raise ValueError(f"an exported policy ({kind}), not a training checkpoint: pass the model_<k>.pt it was "
                          "exported from")

@@ -203,16 +203,17 @@ def export(path: str, out_dir: str = "") -> dict[str, str]:
     if same:        # a link to the checkpoint at an output's name: writing it would overwrite the checkpoint
         raise ValueError(f"{same[0]!r} is the checkpoint itself (a link to it), where the export writes a file; "
                          f"remove that link, or pass --out with another folder")
-    example = torch.zeros(1, policy.actor[0].in_features)
+    # A batch of 2: torch.export specializes a dimension of size 1 to that size, which would refuse every other batch
+    # (and torch 2.5's ONNX exporter then writes a graph for batch 1 alone).
+    example = torch.zeros(2, policy.actor[0].in_features)
     written = {}
     with warnings.catch_warnings():
         # TorchScript is deprecated in favour of torch.export, but it is what libtorch (C++) loads today.
         warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
         torch.jit.script(policy).save(stem + ".pt")
     written["torchscript"] = stem + ".pt"
-    # torch.export.load(file).module() runs it. The example batch is 2: torch.export specializes a dimension of
-    # size 1 to that size, which would refuse every other batch.
-    program = torch.export.export(policy, (example.repeat(2, 1),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    # torch.export.load(file).module() runs it.
+    program = torch.export.export(policy, (example,), dynamic_shapes=({0: torch.export.Dim("batch")},))
     torch.export.save(program, stem + ".pt2")
     written["torch.export"] = stem + ".pt2"
     if not onnx_missing():

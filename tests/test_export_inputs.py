@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import threading
+import zipfile
 
 import pytest
 import torch
@@ -57,14 +58,24 @@ def test_an_action_scale_or_clip_no_run_takes_is_refused_before_any_file_is_writ
 
 
 def test_an_exported_program_passed_back_is_named_as_one_and_a_pipe_is_not_a_regular_file(tmp_path):
-    """Also a missing file, a dangling link and an unexpanded pattern, each named as such.
-    Mutant: export without the pattern's note -> the pattern's match fails."""
+    """Also a program as torch 2.5 and 2.7 save it, a missing file, a dangling link and an unexpanded pattern, each
+    named as such.
+    Mutant: export without the pattern's note -> the pattern's match fails; torch.export known by archive_format
+    alone -> the older layout is read by torch.load and named unreadable."""
     path = small_checkpoint(tmp_path / "model_3.pt", False)
     written = export.export(path, str(tmp_path / "out"))
     for kind, file in (("TorchScript", written["torchscript"]), ("torch.export", written["torch.export"])):
         with pytest.raises(ValueError, match=rf"is an exported policy \({kind}\), not a training checkpoint: pass "
                                              r"the model_<k>\.pt it was exported from$"):
             export.export(file, str(tmp_path / "again"))
+    # torch 2.5 and 2.7 save a program as top-level files (2.13 in a folder with archive_format): their .pt2 is read
+    # as torch.load's "file in archive is not in a subdirectory" error otherwise
+    older = tmp_path / "model_3.policy.old.pt2"
+    with zipfile.ZipFile(older, "w") as archive:
+        for name in ("serialized_exported_program.json", "serialized_state_dict.pt", "version"):
+            archive.writestr(name, "{}")
+    with pytest.raises(ValueError, match=r"is an exported policy \(torch.export\), not a training checkpoint"):
+        export.export(str(older), str(tmp_path / "again"))
     pipe = tmp_path / "model_4.pt"
     os.mkfifo(pipe)
     stop = threading.Event()
