@@ -13,7 +13,7 @@ point-to-point message also names the rank it was sent to or received from as th
 
 import contextlib
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 import torch.distributed as torch_dist
@@ -31,6 +31,13 @@ _DEVICE: torch.device | None = None
 # and the rollout ranks' group on a rollout rank (the sampler-count sum): neither joins the other's. Set by
 # `use_group`.
 _GROUP = None
+
+# The tensors of the latest collectives, referenced until dist.setup.shutdown has destroyed the process groups. Before
+# torch 2.8 (pytorch/pytorch#154976) a gloo group's destructor joins its worker threads while holding the GIL, and a
+# worker that drops the last reference to a collective's tensor needs the GIL to free it: destroy_process_group then
+# deadlocked, in 3 of 150 two-rank exits on torch 2.5.1 (docs/running.md). A worker frees a work right after it
+# completes, so the latest few are the ones it can still hold at shutdown.
+RECENT: deque = deque(maxlen=16)
 
 
 class CollectiveError(RuntimeError):
@@ -132,6 +139,7 @@ def all_reduce(tensor: torch.Tensor, purpose: str, async_op: bool = False):
     if world_size() == 1:
         return None if async_op else tensor
     _count(purpose, tensor)
+    RECENT.append(tensor)
     with _named("all_reduce", purpose):
         work = torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=_GROUP, async_op=async_op)
     return _Work(work, "all_reduce", purpose) if async_op else tensor
@@ -145,6 +153,7 @@ def broadcast(tensor: torch.Tensor, purpose: str, src: int = 0) -> torch.Tensor:
     if world_size() == 1:
         return tensor
     _count(purpose, tensor)
+    RECENT.append(tensor)
     with _named("broadcast", purpose):
         torch_dist.broadcast(tensor, src=src, group=_GROUP)
     return tensor
@@ -159,6 +168,7 @@ def all_gather(tensor: torch.Tensor, purpose: str) -> torch.Tensor:
         return tensor.unsqueeze(0)
     _count(purpose, tensor)
     out = [torch.empty_like(tensor) for _ in range(world_size())]
+    RECENT.append((tensor, out))
     with _named("all_gather", purpose):
         torch_dist.all_gather(out, tensor, group=_GROUP)
     return torch.stack(out)
@@ -175,8 +185,10 @@ def gather(tensor: torch.Tensor, purpose: str, dst: int = 0) -> torch.Tensor | N
     _count(purpose, tensor)
     out = torch.empty((world_size(), *tensor.shape), dtype=tensor.dtype, device=tensor.device) \
         if torch_dist.get_rank() == dst else None
+    rows = list(out.unbind(0)) if out is not None else None
+    RECENT.append((tensor, rows))
     with _named("gather", purpose):
-        torch_dist.gather(tensor, list(out.unbind(0)) if out is not None else None, dst=dst, group=_GROUP)
+        torch_dist.gather(tensor, rows, dst=dst, group=_GROUP)
     return out
 
 

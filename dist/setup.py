@@ -183,8 +183,10 @@ def shutdown() -> None:
 
     gloo work objects still referenced at interpreter exit (e.g. from a reference cycle through a
     gradient hook) are destroyed after the groups' threads and can abort the process ("terminate
-    called without an active exception"), so unreachable objects are collected first.
+    called without an active exception"), so unreachable objects are collected first. The latest
+    collectives' tensors (comm.RECENT) are let go only once the groups are gone: see comm.RECENT.
     """
     if torch_dist.is_initialized():
         gc.collect()
         torch_dist.destroy_process_group()
+    comm.RECENT.clear()

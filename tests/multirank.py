@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench._common import free_port  # the one copy: the tests' ranks draw their port as the benches' ranks do
+from dist.setup import shutdown
 
 
 def _worker(rank, world_size, port, fn, args, queue, init_group):
@@ -42,8 +43,7 @@ def _worker(rank, world_size, port, fn, args, queue, init_group):
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()  # the product's: torch < 2.8 could deadlock destroying a group (dist/comm.py's RECENT)
 
 
 # What the server imports before it forks the first rank: torch; torch._dynamo, which a rank would otherwise import

@@ -7,12 +7,15 @@ tensor's device, and point-to-point calls run in the group their caller passes; 
 and keeps the original error as its cause."""
 
 import collections
+import gc
+import weakref
 
 import pytest
 import torch
 
 from dist import comm
 from dist.batches import naming
+from dist.setup import shutdown
 from tests.multirank import run_ranks
 
 
@@ -183,6 +186,33 @@ def test_the_wrappers_on_two_ranks_reduce_broadcast_gather_and_count_what_each_r
                    "episode_returns": (1, 2)}
     assert ledger0 == {**collectives, "batches": (1, 12), "control": (1, 8), "weight_sync": (1, 8)}
     assert ledger1 == {**collectives, "batches": (1, 12), "kind3": (1, 8), "weight_sync": (1, 8)}
+
+
+def collective_tensors_outlive_their_calls(rank, world_size):
+    """Weak references to what each collective was handed (and gave back), the caller's references dropped: which
+    are alive after the calls, and after shutdown()."""
+    inputs = [torch.ones(4), torch.ones(4), torch.ones(4), torch.ones(4), torch.ones(4)]
+    comm.all_reduce(inputs[0], "metrics")
+    comm.all_reduce(inputs[1], "gradients", async_op=True).wait()
+    comm.broadcast(inputs[2], "params")
+    comm.all_gather(inputs[3], "checksum")
+    comm.gather(inputs[4], "episode_returns")
+    refs = [weakref.ref(t) for t in inputs]
+    del inputs
+    gc.collect()
+    alive = [r() is not None for r in refs]
+    shutdown()
+    gc.collect()
+    return alive, [r() is not None for r in refs]
+
+
+@pytest.mark.slow
+def test_collective_tensors_stay_referenced_until_the_process_groups_are_destroyed():
+    """Before torch 2.8 a gloo worker that frees a collective's last tensor reference needs the GIL, which
+    destroy_process_group holds while it joins that worker: a deadlock (3 of 150 two-rank exits on torch 2.5.1).
+    Mutant: comm.RECENT never appended to -> the tensors are gone right after the calls."""
+    for after_calls, after_shutdown in run_ranks(collective_tensors_outlive_their_calls, 2):
+        assert after_calls == [True] * 5 and after_shutdown == [False] * 5
 
 
 def test_in_one_process_the_collectives_return_their_input_and_count_nothing():
