@@ -118,7 +118,8 @@ setup-mujoco: $(VENV)/.mujoco  ## gymnasium + MuJoCo into .venv for the gymnasiu
 
 # A stamp, as .runtime: without it every `make bench-mujoco` (a bad ARGS too) ran pip before the bench could say so.
 $(VENV)/.mujoco: $(VENV)/.runtime
-	$(BIN)/pip install -q "gymnasium[mujoco]>=1.4,<1.5" "mujoco>=4.0,<4.1"
+	$(BIN)/pip install -q "gymnasium[mujoco]>=1.4,<1.5" 'mujoco>=4.0,<4.1; python_version >= "3.11"' \
+		'mujoco>=3.3,<4; python_version < "3.11"'
 	touch $@
 
 setup-isaaclab:  ## Isaac Lab 3.0 in ../IsaacLab + its own Python 3.12 env .venv-isaaclab; ISAACSIM=1 adds Isaac Sim

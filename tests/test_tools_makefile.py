@@ -5,6 +5,7 @@ only note their arguments, or with a Python that fails."""
 
 import os
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -128,5 +129,6 @@ def test_after_make_test_setup_mujoco_installs_nothing(tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
     assert calls.read_text().splitlines() == ["pip install -q -r requirements-dev.txt"]
     makefile = (Path(REPO) / "Makefile").read_text()
-    mujoco_pins = re.search(r'\.mujoco: .*\n\t\$\(BIN\)/pip install -q (.*)\n', makefile)[1].replace('"', "").split()
+    recipe = re.search(r'\.mujoco: .*\n\t\$\(BIN\)/pip install -q ((?:.*\\\n)*.*)\n', makefile)[1]
+    mujoco_pins = shlex.split(recipe.replace("\\\n", " "))     # quoted requirements, markers included
     assert set(mujoco_pins) <= set(_requirements("requirements-dev.txt")), mujoco_pins
