@@ -53,6 +53,7 @@ from bench._common import (free_port, omp_threads, rank_signals, refuse_repeats,
                            stop_processes, stopped_main)
 from dist.errors import first_line, out_of_memory  # noqa: E402
 from dist.grad_sync import GradSync  # noqa: E402
+from dist.setup import shutdown  # noqa: E402
 
 MODELS = {"0.3M": (256, (512, 256, 128), 1), "10M": (1024, (2048, 2048, 1024, 1024, 512, 512), 1)}
 QUICK_MODELS = {"20k": (64, (128, 64), 1), "0.6M": (256, (512, 512, 256, 256, 128, 128), 1)}
@@ -235,10 +236,11 @@ def measure_memory(rank: int, world: int, port: int, args, model_name: str, kind
 
 
 def teardown() -> None:
-    """Crosses ranks: a final barrier, so no rank destroys the group while another is still in a collective."""
+    """Crosses ranks: a final barrier, so no rank destroys the group while another is still in a collective; then the
+    group goes as train.py's does (dist.setup.shutdown: before torch 2.8 a plain destroy could deadlock)."""
     gc.collect()
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 def rank_main(peer_oom, target, *target_args) -> None:
