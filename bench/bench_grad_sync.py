@@ -237,8 +237,8 @@ def measure_memory(rank: int, world: int, port: int, args, model_name: str, kind
 
 def teardown() -> None:
     """Crosses ranks: a final barrier, so no rank destroys the group while another is still in a collective; then the
-    group goes as train.py's does (dist.setup.shutdown: before torch 2.8 a plain destroy could deadlock)."""
-    gc.collect()
+    group goes as train.py's does (dist.setup.shutdown, which collects garbage first: before torch 2.8 a plain
+    destroy could deadlock)."""
     dist.barrier()
     shutdown()
 
