@@ -139,11 +139,15 @@ export: export-needs-ckpt $(VENV)/.runtime  ## policy of CKPT=runs/.../model_N.p
 export-needs-ckpt:
 	@$(if $(value CKPT),true,echo "error: make export needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2)
 
-eval: eval-needs-ckpt $(VENV)/.runtime  ## score CKPT=runs/.../model_N.pt in its env: mean return and length (ARGS="--episodes 100 --stochastic")
-	$(BIN)/python -m ppo.evaluate $(call quote,$(value CKPT)) $(value ARGS)
+# An Isaac Lab checkpoint (PRESET=isaaclab) is scored in Isaac Lab's environment, as make train runs it there.
+eval: eval-needs-ckpt $(if $(ISAAC),,$(VENV)/.runtime)  ## score CKPT=runs/.../model_N.pt in its env: mean return and length (ARGS="--episodes 100 --stochastic"; Isaac Lab: PRESET=isaaclab)
+	$(if $(ISAAC),$(call quote,$(ISAACLAB_VENV))/bin,$(BIN))/python -m ppo.evaluate $(call quote,$(value CKPT)) $(value ARGS)
 
 eval-needs-ckpt:
 	@$(if $(value CKPT),true,echo "error: make eval needs CKPT=path/to/model_<iteration>.pt" >&2; exit 2)
+	@$(if $(ISAAC),[ -x $(call quote,$(ISAACLAB_VENV))/bin/python ] || { echo $(call quote,error: PRESET=isaaclab \
+		evaluates in $(ISAACLAB_VENV)/bin/python; it is not there: make setup-isaaclab first (docs/simulators.md)) \
+		>&2; exit 2; },true)
 
 # Before the prerequisites, as train-settings: a bad PORT or LOGDIR is said before .venv is built.
 tensorboard: tensorboard-settings $(VENV)/.runtime  ## serve LOGDIR=runs (your --log.root) on PORT=6006

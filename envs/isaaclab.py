@@ -39,7 +39,7 @@ def simulation_device(device: torch.device) -> str:
     """This rank's simulation device: the learner's GPU. Isaac Lab has no distributed CPU mode."""
     if device.type != "cuda":
         raise ValueError(f"--env.name isaaclab simulates on GPUs (cuda:LOCAL_RANK per rank), but this rank's device "
-                         f"is {device}: run on a CUDA machine with --dist.device auto or cuda")
+                         f"is {device}: run on a CUDA machine (train.py: with --dist.device auto or cuda)")
     return str(device)
 
 

@@ -1,14 +1,15 @@
-"""Score a checkpoint's policy in the env it was trained on: mean return and length over whole episodes, on the CPU.
+"""Score a checkpoint's policy in the env it was trained on: mean return and length over whole episodes.
 
     make eval CKPT=runs/cartpole/2026-01-01_12-00-00/model_100.pt
     python -m ppo.evaluate runs/cartpole/.../model_100.pt --episodes 100 --num-envs 10 [--stochastic]
+    make eval CKPT=runs/isaaclab/.../model_5000.pt PRESET=isaaclab ARGS='--env.launcher-args="--viz kit"'
 
 The env is built as training builds it (envs.make_env from the run's saved env settings, the tracking motion library
-from the run's shared env seed: the motions the policy learned). The policy acts with its mean action unless
---stochastic samples it. Each env's first episode is not counted (the embedded envs start theirs part-way through
-the time limit, as in training); every env then counts the same number of whole episodes, so that short episodes
-are not over-represented by envs that finish sooner. Isaac Lab checkpoints are refused: Kit needs its own launcher
-(`make export`, then Isaac Lab's play scripts). No communication.
+from the run's shared env seed: the motions the policy learned), on the CPU; an Isaac Lab checkpoint on the first
+GPU, through the same adapter and Isaac Lab launcher, in Isaac Lab's environment (PRESET=isaaclab). The policy acts
+with its mean action unless --stochastic samples it. Each env's first episode is not counted (the envs start theirs
+part-way through the time limit, as in training); every env then counts the same number of whole episodes, so that
+short episodes are not over-represented by envs that finish sooner. No communication.
 """
 
 import argparse
@@ -33,38 +34,47 @@ from ppo.export import check_ckpt_path, policy_and_entries  # noqa: E402
 PROGRESS_S = 5.0    # at most one progress line this often
 
 
-def saved_env(config: dict, path: str, num_envs: int) -> EnvConfig:
+def saved_env(config: dict, path: str, num_envs: int, launcher_args: str | None = None) -> EnvConfig:
     """The run's env settings as an EnvConfig with `num_envs` envs (settings this version does not know are dropped,
-    those it added take their defaults; lists back to tuples, as JSON and torch.save give them)."""
+    those it added take their defaults; lists back to tuples, as JSON and torch.save give them); `launcher_args`, when
+    given, replaces an Isaac Lab run's --env.launcher-args (to watch the policy with --viz, say)."""
     env = config.get("env")
     if not isinstance(env, dict):
         raise ValueError(f"CKPT {path!r}: its config has no 'env' settings (saved by another version?)")
     known = {f.name for f in dataclasses.fields(EnvConfig)}
     cfg = EnvConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in env.items() if k in known})
-    if cfg.name == "isaaclab":
-        raise ValueError(f"CKPT {path!r} trained on Isaac Lab ({cfg.task}), whose Kit needs its own launcher: export "
-                         f"the policy (make export CKPT=...) and play it with Isaac Lab's scripts")
+    if launcher_args is not None:
+        if cfg.name != "isaaclab":
+            raise ValueError(f"--env.launcher-args are Isaac Lab's launcher flags, but CKPT {path!r} trained on "
+                             f"{cfg.name}: leave the flag out")
+        cfg.launcher_args = launcher_args
     cfg.num_envs, cfg.global_num_envs = num_envs, 0
     return cfg
 
 
 def evaluate(path: str, episodes: int = 100, num_envs: int = 10, seed: int = 0, stochastic: bool = False,
-             progress=print) -> dict:
+             progress=print, launcher_args: str | None = None) -> dict:
     """Run the checkpoint's policy until each of `num_envs` envs has finished ceil(episodes / num_envs) whole
     episodes after its first; returns {"episodes", "return_mean", "return_std", "return_min", "return_max",
-    "length_mean", "length_std"} over them (population std). `seed`: the envs' resets and --stochastic's draws."""
+    "length_mean", "length_std"} over them (population std). `seed`: the envs' resets and --stochastic's draws.
+    An Isaac Lab env is left open: its runtime (Kit) closes at the process's exit, ending the process."""
     for name, value, low, high in (("--episodes", episodes, 1, None), ("--num-envs", num_envs, 1, None),
                                    ("--seed", seed, 0, 2**32)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low or high and value >= high:
             raise ValueError(f"{name} must be an integer in [{low}, {high or 'inf'}), got {value!r}")
     check_ckpt_path(path)
     model, state = policy_and_entries(path, "evaluate")
-    cfg = saved_env(state["config"], path, num_envs)
+    cfg = saved_env(state["config"], path, num_envs, launcher_args)
     torch.manual_seed(seed)                  # Gaussian.sample draws from the global generator
+    # Isaac Lab simulates on a GPU only (the adapter says so on a machine without one); the rest on the CPU.
+    gpu = cfg.name == "isaaclab" and torch.cuda.is_available()
     try:
-        env = make_env(cfg, torch.device("cpu"), seed, shared_env_seed(types.SimpleNamespace(seed=seed), state))
-    except MissingSimulator as exc:      # gymnasium not installed here: the message says what to install
-        raise ValueError(str(exc)) from None
+        env = make_env(cfg, torch.device("cuda", 0) if gpu else torch.device("cpu"), seed,
+                       shared_env_seed(types.SimpleNamespace(seed=seed), state))
+    except MissingSimulator as exc:      # gymnasium or Isaac Lab not installed here: the message says what to install
+        where = "; make eval CKPT=... PRESET=isaaclab runs it there" if cfg.name == "isaaclab" else ""
+        raise ValueError(f"{exc}{where}") from None
+    model.to(env.device)
     label = " ".join(filter(None, (cfg.name, cfg.task)))      # "cartpole", "gymnasium Hopper-v4"
     sizes = {"actor observation": (model.actor[0].in_features, env.obs_dims["policy"]),
              "action": (model.log_std.shape[0], env.num_actions)}
@@ -77,8 +87,9 @@ def evaluate(path: str, episodes: int = 100, num_envs: int = 10, seed: int = 0, 
         raise ValueError(f"CKPT {path!r}: its env ({label}) has no time limit (max_episode_length "
                          f"{limit!r}), so an episode may never end; evaluate it with your own loop (docs/export.md)")
     quota = math.ceil(episodes / num_envs)
-    returns, lengths = torch.zeros(num_envs), torch.zeros(num_envs, dtype=torch.long)
-    finished = torch.zeros(num_envs, dtype=torch.long)   # episodes ended, the uncounted first one included
+    returns, lengths = torch.zeros(num_envs, device=env.device), torch.zeros(num_envs, dtype=torch.long,
+                                                                             device=env.device)
+    finished = torch.zeros_like(lengths)   # episodes ended, the uncounted first one included
     counted_returns, counted_lengths = [], []
     obs, _ = env.reset()
     started = shown = time.monotonic()
@@ -120,10 +131,15 @@ def main() -> None:
     parser.add_argument("--num-envs", type=int, default=10, help="envs stepped side by side")
     parser.add_argument("--seed", type=int, default=0, help="seed of the envs' resets and of --stochastic's draws")
     parser.add_argument("--stochastic", action="store_true", help="sample actions (default: the mean action)")
+    parser.add_argument("--env.launcher-args", dest="launcher_args", help="Isaac Lab checkpoints: the launcher's "
+                        "flags instead of the run's, written with = (--env.launcher-args=\"--viz kit\")")
     args = parser.parse_args()
     try:
-        scores = evaluate(args.ckpt, args.episodes, args.num_envs, args.seed, args.stochastic)
+        scores = evaluate(args.ckpt, args.episodes, args.num_envs, args.seed, args.stochastic,
+                          launcher_args=args.launcher_args)
     except ValueError as exc:
+        # Where an exit handler looks for the status: Isaac Lab's Kit, if started, ends the process with it.
+        sys.last_exc = sys.last_value = SystemExit(2)
         parser.exit(2, f"error: {exc}\n")
     print(f"{scores['episodes']} episodes ({args.num_envs} envs, {'stochastic' if args.stochastic else 'mean action'}"
           f"): return {scores['return_mean']:.2f} +- {scores['return_std']:.2f} (min {scores['return_min']:.2f}, max "

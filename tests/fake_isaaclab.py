@@ -189,7 +189,7 @@ def fake_modules(record: Record) -> dict[str, types.ModuleType]:
         if args.get("distributed", False):
             args["device"] = cfg.sim.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
         launch = {"device": args.get("device"), "distributed": args.get("distributed", False),
-                  "physics": cfg.sim.physics, "seed": cfg.seed, "num_envs": cfg.scene.num_envs,
+                  "visualizer": args.get("visualizer"), "physics": cfg.sim.physics, "seed": cfg.seed, "num_envs": cfg.scene.num_envs,
                   "compute_final_obs": cfg.compute_final_obs, "exit_code": None}
         record.launches.append(launch)
         kit = cfg.sim.physics == "isaacsim_physx"

@@ -49,8 +49,8 @@ def test_the_preset_task_is_the_one_isaac_lab_3_0_registers():
 def test_start_up_follows_the_3_0_launch_order(fake, make):
     env = make(num_envs=4, seed=7, task_overrides=("physics=ovphysx",), launcher_args="--viz none")
     (launch,) = fake.launches
-    assert launch == {"device": "cuda:0", "distributed": False, "physics": "ovphysx", "seed": 7, "num_envs": 4,
-                      "compute_final_obs": True, "exit_code": None}
+    assert launch == {"device": "cuda:0", "distributed": False, "visualizer": ["none"], "physics": "ovphysx",
+                      "seed": 7, "num_envs": 4, "compute_final_obs": True, "exit_code": None}
     assert env.obs_dims == {"policy": 3, "critic": 3 + 4}      # critic = policy group + flattened 2x2 history
     assert env.num_actions == 2 and env.max_episode_length == MAX_EPISODE_LENGTH
     assert env.log_keys == ("Metrics/constant", "Episode_Termination/time_out")

@@ -2,6 +2,7 @@
 exported policy (ppo.export's torch.export program, not the code under test) on an env built as the test builds it."""
 
 import glob
+import os
 import subprocess
 
 import numpy as np
@@ -152,11 +153,10 @@ def relabelled(ckpt: str, path, **env) -> str:
 
 @pytest.mark.slow      # nine commands, each importing the project: ~17 s on 2 cores
 def test_bad_input_is_one_line_and_status_2(cartpole_checkpoint, tmp_path):
-    """Counts that are not positive, a seed outside 32 bits, a missing file, a directory, an Isaac Lab checkpoint (Kit
-    needs its own launcher) and a checkpoint whose policy does not fit its config's env, each one `error:` line naming
-    what to fix, exit status 2.
-    Mutants: saved_env without the isaaclab refusal -> make_env starts the adapter and fails on a missing package;
-    the size check left out -> the actor's shape error, a traceback."""
+    """Counts that are not positive, a seed outside 32 bits, a missing file, a directory, a checkpoint whose policy does
+    not fit its config's env and an Isaac Lab checkpoint on a machine without a GPU, each one `error:` line naming
+    what to fix, exit status 2 (an Isaac Lab checkpoint where Isaac Lab runs: tests/test_evaluate_isaaclab.py).
+    Mutant: the size check left out -> the actor's shape error, a traceback."""
     isaac = relabelled(cartpole_checkpoint, tmp_path / "model_3.pt", name="isaaclab", task="Isaac-Velocity-Rough-G1")
     pendulum = relabelled(cartpole_checkpoint, tmp_path / "model_4.pt", name="gymnasium", task="Pendulum-v1")
     for args, said in (([cartpole_checkpoint, "--episodes", "0"], "--episodes must be an integer in [1, inf), got 0"),
@@ -166,11 +166,12 @@ def test_bad_input_is_one_line_and_status_2(cartpole_checkpoint, tmp_path):
                        ([cartpole_checkpoint, "--seed", str(2**32)], "--seed must be an integer in [0, 4294967296)"),
                        ([str(tmp_path / "nope.pt")], "no such checkpoint file"),
                        ([str(tmp_path)], "is a directory; pass a model_<iteration>.pt file inside it"),
-                       ([isaac], "trained on Isaac Lab (Isaac-Velocity-Rough-G1), whose Kit needs its own "
-                                 "launcher: export the policy (make export CKPT=...)"),
                        ([pendulum], "its policy's actor observation size 4 (the env's: 3) does not fit the gymnasium "
-                                    "Pendulum-v1 env built from its config")):
-        result = run_python(["-m", "ppo.evaluate", *args], cwd=REPO, timeout=120)
+                                    "Pendulum-v1 env built from its config"),
+                       ([isaac], "--env.name isaaclab simulates on GPUs (cuda:LOCAL_RANK per rank), but this rank's "
+                                 "device is cpu: run on a CUDA machine")):
+        no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if args == [isaac] else None   # also on a GPU machine
+        result = run_python(["-m", "ppo.evaluate", *args], cwd=REPO, env=no_gpu, timeout=120)
         assert result.returncode == 2 and result.stderr.startswith("error: ") and said in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 

@@ -1,0 +1,155 @@
+"""ppo/evaluate.py on an Isaac Lab checkpoint (`make eval CKPT=... PRESET=isaaclab`), through the adapter against
+tests/fake_isaaclab.py: scored as counted by hand with the exported policy, in the run's launcher settings or the ones
+typed, and ended by Kit with evaluate's own status. The fake simulates on the CPU (see tests/test_env_isaaclab.py)."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from envs.isaaclab import IsaacLabEnv
+from ppo import evaluate as evaluation
+from ppo.export import export
+from tests.fake_isaaclab import MAX_EPISODE_LENGTH, TASK, install_for_test
+from tests.forked_python import run_python
+from tests.test_env_isaaclab import fake  # noqa: F401 - the fixture that installs the fake Isaac Lab
+from tests.test_env_isaaclab_runs import small_run
+from tests.test_evaluate import relabelled
+from tests.test_export_inputs import REPO
+
+
+@pytest.fixture(scope="module")
+def isaac_checkpoint(tmp_path_factory) -> str:
+    """Two iterations of the isaaclab preset through the fake, with a privileged critic and launcher flags of its own
+    (a visualizer) that an evaluation of it starts with too."""
+    root = tmp_path_factory.mktemp("eval_isaaclab")
+    with pytest.MonkeyPatch.context() as patch:
+        install_for_test(patch)
+        patch.setattr(torch.cuda, "is_available", lambda: False)     # the fake simulates on the CPU
+        cfg = small_run(root)
+        cfg.env.launcher_args = "--viz newton"
+        train.main(cfg)
+    (ckpt,) = glob.glob(str(root / "isaaclab" / "*" / "model_2.pt"))
+    return ckpt
+
+
+def by_hand(ckpt: str, per_env: int, num_envs: int, seed: int) -> tuple[list, list]:
+    """(returns, lengths) of episodes 2 .. per_env + 1 of every env: the exported mean action (ppo.export's torch.export
+    program) plus the model's std times standard normals from the global generator seeded with `seed` (the point mass
+    under its mean action runs every episode alike), on an adapter built here with the run's observation groups."""
+    policy = torch.export.load(export(ckpt, ckpt + ".out")["torch.export"]).module()
+    std = torch.load(ckpt, weights_only=False)["model"]["log_std"].exp()
+    torch.manual_seed(seed)
+    env = IsaacLabEnv(TASK, num_envs, torch.device("cpu"), seed, critic_obs_groups=("policy", "critic"))
+    obs, _ = env.reset()
+    ret, length, ended = [0.0] * num_envs, [0] * num_envs, [0] * num_envs
+    returns, lengths = [], []
+    with torch.no_grad():
+        while min(ended) <= per_env:
+            mean = policy(obs["policy"])
+            obs, reward, terminated, truncated, _ = env.step(torch.randn_like(mean).mul_(std).add_(mean))
+            for i in range(num_envs):
+                ret[i] += float(reward[i])
+                length[i] += 1
+                if terminated[i] or truncated[i]:
+                    if 1 <= ended[i] <= per_env:
+                        returns.append(ret[i])
+                        lengths.append(length[i])
+                    ended[i], ret[i], length[i] = ended[i] + 1, 0.0, 0
+    return returns, lengths
+
+
+def test_an_isaac_lab_checkpoint_is_scored_through_the_adapter_as_counted_by_hand(isaac_checkpoint, fake, monkeypatch):
+    """9 episodes on 3 envs, 3 each, the first of each env (its length spread over the time limit at reset) left out;
+    the evaluation starts Isaac Lab with the run's launcher flags (its visualizer) and the seed given.
+    Mutants: the isaaclab refusal kept in saved_env -> ValueError; the score accumulators left on the CPU while the
+    env is on another device -> (on a GPU) a device error; the run's --env.launcher-args dropped -> no visualizer."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    scores = evaluation.evaluate(isaac_checkpoint, episodes=9, num_envs=3, seed=4, stochastic=True,
+                                 progress=lambda line: None)
+    launch = fake.launches[0]
+    assert (launch["visualizer"], launch["seed"], launch["num_envs"]) == (["newton"], 4, 3)
+    returns, lengths = by_hand(isaac_checkpoint, 3, 3, 4)
+    assert scores["episodes"] == len(returns) == 9
+    r, n = np.array(returns), np.array(lengths)
+    expected = {"return_mean": r.mean(), "return_std": r.std(), "return_min": r.min(), "return_max": r.max(),
+                "length_mean": n.mean(), "length_std": n.std()}
+    assert {k: scores[k] for k in expected} == pytest.approx(expected, rel=1e-6)
+    assert len(set(returns)) == 9 and set(lengths) <= set(range(1, MAX_EPISODE_LENGTH + 1))
+
+
+def test_typed_launcher_flags_replace_the_runs_and_are_checked_as_in_training(isaac_checkpoint, fake, monkeypatch):
+    """--env.launcher-args replaces the run's flags (to watch the policy in a viewer, say), checked by the adapter's
+    parser; other envs' checkpoints refuse the flag. Mutants: the typed flags ignored -> the run's visualizer; the
+    refusal for other envs left out -> no error."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    evaluation.evaluate(isaac_checkpoint, episodes=3, num_envs=3, progress=lambda line: None,
+                        launcher_args="--viz kit")
+    assert fake.launches[-1]["visualizer"] == ["kit"]
+    with pytest.raises(ValueError, match="--env.launcher-args: Isaac Lab's launcher does not know --frame-rate 5"):
+        evaluation.evaluate(isaac_checkpoint, episodes=3, num_envs=3, launcher_args="--frame-rate 5")
+    with pytest.raises(ValueError, match=r"^--env.launcher-args are Isaac Lab's launcher flags, but CKPT 'm.pt' "
+                                         r"trained on cartpole: leave the flag out$"):
+        evaluation.saved_env({"env": {"name": "cartpole"}}, "m.pt", 4, launcher_args="--viz kit")
+
+
+def test_an_isaac_lab_checkpoint_without_isaac_lab_names_where_to_run_it(isaac_checkpoint, monkeypatch):
+    """A GPU but no Isaac Lab in this environment (.venv): the adapter's install hint, then the make command that
+    evaluates in Isaac Lab's environment. Mutant: the hint's `PRESET=isaaclab` tail left out."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # fails at the import, before touching a GPU
+    for name in ("isaaclab", "isaaclab_tasks"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ValueError, match=r"--env.name isaaclab needs Isaac Lab 3.0 .*make setup-isaaclab.*; make eval "
+                                         r"CKPT=\.\.\. PRESET=isaaclab runs it there$"):
+        evaluation.evaluate(isaac_checkpoint, episodes=3, num_envs=3)
+
+
+EVAL_UNDER_KIT = """
+import runpy, sys
+import torch
+torch.cuda.is_available = lambda: False      # the fake simulates on the CPU
+from tests.fake_isaaclab import install
+install(rank=0)
+sys.argv[0] = "ppo/evaluate.py"
+runpy.run_module("ppo.evaluate", run_name="__main__")
+"""
+
+
+@pytest.mark.slow      # two processes, each importing the project
+def test_kit_ends_the_evaluation_with_its_status(isaac_checkpoint, tmp_path):
+    """Under a physics preset that starts Kit (which ends the process when it closes, at exit): a score is printed
+    and the process ends 0; a policy that does not fit the built env (found after Kit started) is one `error:` line
+    and status 2, not Kit's 0. Mutant: evaluate's main not recording SystemExit(2) for the exit handlers -> 0."""
+    kit = relabelled(isaac_checkpoint, tmp_path / "model_2.pt", task_overrides=["physics=isaacsim_physx"])
+    result = run_python(["-c", EVAL_UNDER_KIT, kit, "--episodes", "2", "--num-envs", "2"], cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("2 episodes (2 envs, mean action): return "), result.stdout
+    unfit = relabelled(kit, tmp_path / "model_3.pt", actor_obs_groups=["policy", "critic"])
+    result = run_python(["-c", EVAL_UNDER_KIT, unfit], cwd=REPO, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: CKPT ") and "its policy's actor observation size 3 (the env's: 7) does " \
+        "not fit the isaaclab Isaac-Velocity-Rough-G1 env" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_make_eval_with_preset_isaaclab_runs_in_isaac_labs_environment(tmp_path):
+    """PRESET=isaaclab: the command runs Isaac Lab's Python (ISAACLAB_VENV), as make train does; without it, one line
+    naming make setup-isaaclab before anything runs. Mutants: .venv's python for Isaac Lab -> the adapter's import
+    fails; the check left out -> make's own `No such file` error."""
+    venv = tmp_path / "venv-isaaclab"
+    os.makedirs(venv / "bin")
+    os.symlink(sys.executable, venv / "bin" / "python")
+    result = subprocess.run(["make", "--no-print-directory", "-n", "eval", "CKPT=m.pt", "PRESET=isaaclab",
+                             f"ISAACLAB_VENV={venv}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert f"'{venv}'/bin/python -m ppo.evaluate 'm.pt'" in result.stdout, result.stdout
+    result = subprocess.run(["make", "--no-print-directory", "eval", "CKPT=m.pt", "PRESET=isaaclab",
+                             f"ISAACLAB_VENV={tmp_path / 'none'}"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and result.stderr.startswith(
+        f"error: PRESET=isaaclab evaluates in {tmp_path / 'none'}/bin/python; it is not there: make setup-isaaclab "
+        f"first"), result.stderr
