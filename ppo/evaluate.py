@@ -6,7 +6,8 @@
 
 The env is built as training builds it (envs.make_env from the run's saved env settings, the tracking motion library
 from the run's shared env seed: the motions the policy learned), on the CPU; an Isaac Lab checkpoint on the first
-GPU, through the same adapter and Isaac Lab launcher, in Isaac Lab's environment (PRESET=isaaclab). The policy acts
+GPU, through the same adapter and Isaac Lab launcher, in Isaac Lab's environment (PRESET=isaaclab); --env.task,
+--env.task-overrides and --env.launcher-args replace the run's settings where its env takes them. The policy acts
 with its mean action unless --stochastic samples it. Each env's first episode is not counted (the envs start theirs
 part-way through the time limit, as in training); every env then counts the same number of whole episodes, so that
 short episodes are not over-represented by envs that finish sooner. No communication.
@@ -34,37 +35,46 @@ from ppo.export import check_ckpt_path, policy_and_entries  # noqa: E402
 PROGRESS_S = 5.0    # at most one progress line this often
 
 
-def saved_env(config: dict, path: str, num_envs: int, launcher_args: str | None = None) -> EnvConfig:
+# Settings typed for an evaluation, replacing the run's: which envs take each (another task: e.g. a task's Play
+# variant; other task-config overrides or launcher flags: another physics preset, a viewer).
+TYPED = {"task": ("--env.task", ("gymnasium", "isaaclab")),
+         "task_overrides": ("--env.task-overrides", ("isaaclab",)),
+         "launcher_args": ("--env.launcher-args", ("isaaclab",))}
+
+
+def saved_env(config: dict, path: str, num_envs: int, typed: dict | None = None) -> EnvConfig:
     """The run's env settings as an EnvConfig with `num_envs` envs (settings this version does not know are dropped,
-    those it added take their defaults; lists back to tuples, as JSON and torch.save give them); `launcher_args`, when
-    given, replaces an Isaac Lab run's --env.launcher-args (to watch the policy with --viz, say)."""
+    those it added take their defaults; lists back to tuples, as JSON and torch.save give them), with the `typed`
+    ones of TYPED (name -> value) in place of the run's."""
     env = config.get("env")
     if not isinstance(env, dict):
         raise ValueError(f"CKPT {path!r}: its config has no 'env' settings (saved by another version?)")
     known = {f.name for f in dataclasses.fields(EnvConfig)}
     cfg = EnvConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in env.items() if k in known})
-    if launcher_args is not None:
-        if cfg.name != "isaaclab":
-            raise ValueError(f"--env.launcher-args are Isaac Lab's launcher flags, but CKPT {path!r} trained on "
+    for name, value in (typed or {}).items():
+        flag, envs = TYPED[name]
+        if cfg.name not in envs:
+            raise ValueError(f"{flag} is for {' and '.join(envs)} checkpoints, but CKPT {path!r} trained on "
                              f"{cfg.name}: leave the flag out")
-        cfg.launcher_args = launcher_args
+        setattr(cfg, name, tuple(value) if isinstance(value, list) else value)
     cfg.num_envs, cfg.global_num_envs = num_envs, 0
     return cfg
 
 
 def evaluate(path: str, episodes: int = 100, num_envs: int = 10, seed: int = 0, stochastic: bool = False,
-             progress=print, launcher_args: str | None = None) -> dict:
+             progress=print, typed: dict | None = None) -> dict:
     """Run the checkpoint's policy until each of `num_envs` envs has finished ceil(episodes / num_envs) whole
     episodes after its first; returns {"episodes", "return_mean", "return_std", "return_min", "return_max",
-    "length_mean", "length_std"} over them (population std). `seed`: the envs' resets and --stochastic's draws.
-    An Isaac Lab env is left open: its runtime (Kit) closes at the process's exit, ending the process."""
+    "length_mean", "length_std"} over them (population std). `seed`: the envs' resets and --stochastic's draws;
+    `typed`: env settings in place of the run's (saved_env). An Isaac Lab env is left open: its runtime (Kit)
+    closes at the process's exit, ending the process."""
     for name, value, low, high in (("--episodes", episodes, 1, None), ("--num-envs", num_envs, 1, None),
                                    ("--seed", seed, 0, 2**32)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low or high and value >= high:
             raise ValueError(f"{name} must be an integer in [{low}, {high or 'inf'}), got {value!r}")
     check_ckpt_path(path)
     model, state = policy_and_entries(path, "evaluate")
-    cfg = saved_env(state["config"], path, num_envs, launcher_args)
+    cfg = saved_env(state["config"], path, num_envs, typed)
     torch.manual_seed(seed)                  # Gaussian.sample draws from the global generator
     # Isaac Lab simulates on a GPU only (the adapter says so on a machine without one); the rest on the CPU.
     gpu = cfg.name == "isaaclab" and torch.cuda.is_available()
@@ -131,12 +141,16 @@ def main() -> None:
     parser.add_argument("--num-envs", type=int, default=10, help="envs stepped side by side")
     parser.add_argument("--seed", type=int, default=0, help="seed of the envs' resets and of --stochastic's draws")
     parser.add_argument("--stochastic", action="store_true", help="sample actions (default: the mean action)")
-    parser.add_argument("--env.launcher-args", dest="launcher_args", help="Isaac Lab checkpoints: the launcher's "
-                        "flags instead of the run's, written with = (--env.launcher-args=\"--viz kit\")")
+    parser.add_argument("--env.task", dest="task", help="gymnasium, Isaac Lab: this task instead of the run's (a "
+                        "variant of it: the sizes must fit the policy)")
+    parser.add_argument("--env.task-overrides", dest="task_overrides", nargs="*", help="Isaac Lab: these task-config "
+                        "overrides instead of the run's (e.g. physics=newton_mjwarp)")
+    parser.add_argument("--env.launcher-args", dest="launcher_args", help="Isaac Lab: the launcher's flags instead "
+                        "of the run's, written with = (--env.launcher-args=\"--viz kit\")")
     args = parser.parse_args()
+    typed = {name: getattr(args, name) for name in TYPED if getattr(args, name) is not None}
     try:
-        scores = evaluate(args.ckpt, args.episodes, args.num_envs, args.seed, args.stochastic,
-                          launcher_args=args.launcher_args)
+        scores = evaluate(args.ckpt, args.episodes, args.num_envs, args.seed, args.stochastic, typed=typed)
     except ValueError as exc:
         # Where an exit handler looks for the status: Isaac Lab's Kit, if started, ends the process with it.
         sys.last_exc = sys.last_value = SystemExit(2)

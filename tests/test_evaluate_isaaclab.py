@@ -83,19 +83,39 @@ def test_an_isaac_lab_checkpoint_is_scored_through_the_adapter_as_counted_by_han
     assert len(set(returns)) == 9 and set(lengths) <= set(range(1, MAX_EPISODE_LENGTH + 1))
 
 
-def test_typed_launcher_flags_replace_the_runs_and_are_checked_as_in_training(isaac_checkpoint, fake, monkeypatch):
-    """--env.launcher-args replaces the run's flags (to watch the policy in a viewer, say), checked by the adapter's
-    parser; other envs' checkpoints refuse the flag. Mutants: the typed flags ignored -> the run's visualizer; the
-    refusal for other envs left out -> no error."""
+def test_typed_env_settings_replace_the_runs_and_are_checked_as_in_training(isaac_checkpoint, fake, monkeypatch):
+    """--env.launcher-args (to watch the policy in a viewer, say) and --env.task-overrides (another physics preset)
+    replace the run's, checked by the adapter as in training. Mutants: the typed settings ignored -> the run's
+    visualizer and physics."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     evaluation.evaluate(isaac_checkpoint, episodes=3, num_envs=3, progress=lambda line: None,
-                        launcher_args="--viz kit")
-    assert fake.launches[-1]["visualizer"] == ["kit"]
+                        typed={"launcher_args": "--viz kit", "task_overrides": ["physics=ovphysx"]})
+    assert (fake.launches[-1]["visualizer"], fake.launches[-1]["physics"]) == (["kit"], "ovphysx")
     with pytest.raises(ValueError, match="--env.launcher-args: Isaac Lab's launcher does not know --frame-rate 5"):
-        evaluation.evaluate(isaac_checkpoint, episodes=3, num_envs=3, launcher_args="--frame-rate 5")
-    with pytest.raises(ValueError, match=r"^--env.launcher-args are Isaac Lab's launcher flags, but CKPT 'm.pt' "
-                                         r"trained on cartpole: leave the flag out$"):
-        evaluation.saved_env({"env": {"name": "cartpole"}}, "m.pt", 4, launcher_args="--viz kit")
+        evaluation.evaluate(isaac_checkpoint, episodes=3, num_envs=3, typed={"launcher_args": "--frame-rate 5"})
+    with pytest.raises(ValueError, match=r"unknown --env.task 'Isaac-Velocity-Rough-G2' for Isaac Lab; did you mean: "
+                                         r"Isaac-Velocity-Rough-G1"):
+        evaluation.evaluate(isaac_checkpoint, episodes=3, num_envs=3, typed={"task": "Isaac-Velocity-Rough-G2"})
+
+
+def test_typed_env_settings_are_refused_by_envs_that_do_not_take_them():
+    """Which checkpoints take which typed setting: a task for gymnasium and Isaac Lab, task overrides and launcher
+    flags for Isaac Lab; the rest of the run's settings stay. Mutant: the per-env refusal left out -> no error."""
+    gym = evaluation.saved_env({"env": {"name": "gymnasium", "task": "Hopper-v4", "action_scale": 2.0}}, "m.pt", 4,
+                               {"task": "Hopper-v5"})
+    assert (gym.task, gym.action_scale, gym.num_envs) == ("Hopper-v5", 2.0, 4)
+    isaac = evaluation.saved_env({"env": {"name": "isaaclab", "task": "T", "task_overrides": ["physics=physx"]}},
+                                 "m.pt", 4, {"task_overrides": []})
+    assert (isaac.task, isaac.task_overrides) == ("T", ())
+    for name, value, flag, envs in (("launcher_args", "--viz kit", "--env.launcher-args", "isaaclab"),
+                                    ("task_overrides", ["physics=physx"], "--env.task-overrides", "isaaclab"),
+                                    ("task", "CartPole-v1", "--env.task", "gymnasium and isaaclab")):
+        with pytest.raises(ValueError, match=rf"^{flag} is for {envs} checkpoints, but CKPT 'm.pt' trained on "
+                                             rf"cartpole: leave the flag out$"):
+            evaluation.saved_env({"env": {"name": "cartpole"}}, "m.pt", 4, {name: value})
+    with pytest.raises(ValueError, match="--env.task-overrides is for isaaclab checkpoints, but CKPT 'm.pt' trained "
+                                         "on gymnasium"):
+        evaluation.saved_env({"env": {"name": "gymnasium", "task": "Hopper-v4"}}, "m.pt", 4, {"task_overrides": []})
 
 
 def test_an_isaac_lab_checkpoint_without_isaac_lab_names_where_to_run_it(isaac_checkpoint, monkeypatch):
@@ -113,8 +133,15 @@ EVAL_UNDER_KIT = """
 import runpy, sys
 import torch
 torch.cuda.is_available = lambda: False      # the fake simulates on the CPU
-from tests.fake_isaaclab import install
-install(rank=0)
+import tests.fake_isaaclab as fake
+fake.install(rank=0)
+close = fake.FakeKitLauncher.close
+
+def said_close(kit, exit_code=0):            # Kit ends the process in its close: say with which status first
+    print(f"[kit] closed with {exit_code}", flush=True)
+    close(kit, exit_code)
+
+fake.FakeKitLauncher.close = said_close
 sys.argv[0] = "ppo/evaluate.py"
 runpy.run_module("ppo.evaluate", run_name="__main__")
 """
@@ -122,16 +149,21 @@ runpy.run_module("ppo.evaluate", run_name="__main__")
 
 @pytest.mark.slow      # two processes, each importing the project
 def test_kit_ends_the_evaluation_with_its_status(isaac_checkpoint, tmp_path):
-    """Under a physics preset that starts Kit (which ends the process when it closes, at exit): a score is printed
-    and the process ends 0; a policy that does not fit the built env (found after Kit started) is one `error:` line
-    and status 2, not Kit's 0. Mutant: evaluate's main not recording SystemExit(2) for the exit handlers -> 0."""
+    """Under a physics preset that starts Kit (which ends the process when it closes, at exit), typed on the command
+    line or saved with the run: a score is printed and Kit ends the process with 0; a policy that does not fit the
+    built env (found after Kit started) is one `error:` line and Kit ends the process with 2, not 0. Mutants:
+    evaluate's main not recording SystemExit(2) for the exit handlers -> 0; the typed --env.task-overrides not handed
+    on -> no Kit."""
     kit = relabelled(isaac_checkpoint, tmp_path / "model_2.pt", task_overrides=["physics=isaacsim_physx"])
-    result = run_python(["-c", EVAL_UNDER_KIT, kit, "--episodes", "2", "--num-envs", "2"], cwd=REPO, timeout=120)
+    typed = ["--env.task-overrides", "physics=isaacsim_physx"]         # the same physics, typed instead of saved
+    result = run_python(["-c", EVAL_UNDER_KIT, isaac_checkpoint, "--episodes", "2", "--num-envs", "2", *typed],
+                        cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("2 episodes (2 envs, mean action): return "), result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("2 episodes (2 envs, mean action): return ") and lines[1:] == ["[kit] closed with 0"]
     unfit = relabelled(kit, tmp_path / "model_3.pt", actor_obs_groups=["policy", "critic"])
     result = run_python(["-c", EVAL_UNDER_KIT, unfit], cwd=REPO, timeout=120)
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == 2 and result.stdout == "[kit] closed with 2\n", (result.stdout, result.stderr)
     assert result.stderr.startswith("error: CKPT ") and "its policy's actor observation size 3 (the env's: 7) does " \
         "not fit the isaaclab Isaac-Velocity-Rough-G1 env" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
