@@ -263,3 +263,15 @@ def test_reward_normalizer_restarts_returns_for_dones_of_any_dtype(dtype):
     rn(torch.ones(2), torch.tensor([0, 1]).to(dtype))
     rn(torch.ones(2), torch.tensor([0, 0]).to(dtype))
     np.testing.assert_allclose(rn.returns.numpy(), [0.99 * 1.0 + 1.0, 1.0], rtol=1e-7)
+
+
+def test_reward_normalizer_restarts_returns_for_any_nonzero_done_not_only_one():
+    """`done` is nonzero where the episode ended, as the docstring says: an integer code 2 or a float 0.5 ends it
+    too, so both envs' returns restart at 0 while the env with done 0 keeps 0.99 * 1 + 1 (by hand).
+    Mutant: `done.logical_not()` -> `1 - done` for non-bool dones (right only for 0/1: done 2 scales by -1)."""
+    for done in (torch.tensor([0, 2, 3]), torch.tensor([0.0, 0.5, 2.0])):
+        rn = RewardNormalizer(num_envs=3, gamma=0.99, clip=10.0)
+        rn(torch.ones(3), done)
+        assert rn.returns.tolist() == [1.0, 0.0, 0.0]
+        rn(torch.ones(3), torch.zeros(3))
+        np.testing.assert_allclose(rn.returns.numpy(), [0.99 * 1.0 + 1.0, 1.0, 1.0], rtol=1e-7)
