@@ -46,13 +46,13 @@ def test_clip_fraction_counts_the_ratios_beyond_the_clip_range_on_both_sides():
 
 def test_clip_fraction_does_not_count_a_ratio_exactly_on_the_clip_boundary():
     """Beyond 1 +- clip_param means strictly beyond (CleanRL's `(ratio - 1).abs() > clip_coef`). Ratios e^0.25,
-    e^0.5 and e^0.1 (float64), with clip_param set to exactly e^0.25 - 1 as a Python float: the first sits on the
-    boundary and does not count, only e^0.5 does: 1 of 3. Ratio 1 with clip_param 0 is not clipped either.
+    e^0.5 and e^0.1 (float64), with clip_param set to the first ratio minus 1 as torch computes it (not math.exp,
+    which may differ from torch's exp in the last bit): the first sits on the boundary and does not count, only e^0.5
+    does: 1 of 3. Ratio 1 with clip_param 0 is not clipped either.
     Mutant: `>` -> `>=` in clip_fraction (counts the boundary samples: 2 of 3, and 1 of 1 at clip 0)."""
     lp = torch.tensor([0.25, 0.5, 0.1], dtype=torch.float64)
     zeros, ones = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
-    clip = math.exp(0.25) - 1.0
-    assert torch.exp(lp[0]).item() - 1.0 == clip     # on the boundary, to the last bit
+    clip = torch.exp(lp)[0].item() - 1.0      # the ratio ppo_loss computes from these log-probs (the old ones 0)
     out = ppo_loss(lp, zeros, ones, ones, ones, ones, ones, clip, False, 0.5, 0.0)
     assert out["clip_fraction"].item() == pytest.approx(1 / 3)
     one = torch.zeros(1, dtype=torch.float64)
