@@ -90,8 +90,10 @@ def evaluate(path: str, episodes: int = 100, num_envs: int = 10, seed: int = 0, 
              "action": (model.log_std.shape[0], env.num_actions)}
     wrong = [f"{what} size {mine} (the env's: {theirs})" for what, (mine, theirs) in sizes.items() if mine != theirs]
     if wrong:     # the policy's first layer would fail on the env's observations with a shape error's traceback
+        why = ("the settings typed here build an env of other sizes" if typed else
+               "another env's checkpoint, or one saved by another version of the env?")
         raise ValueError(f"CKPT {path!r}: its policy's {' and '.join(wrong)} does not fit the {label} env built "
-                         f"from its config (another env's checkpoint, or one saved by another version of the env?)")
+                         f"from its config ({why})")
     limit = env.max_episode_length
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"CKPT {path!r}: its env ({label}) has no time limit (max_episode_length "

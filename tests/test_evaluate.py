@@ -203,3 +203,13 @@ def test_make_eval_passes_ckpt_as_one_word_and_needs_one():
                             timeout=60)
     assert result.returncode == 2 and result.stderr.startswith("error: make eval needs CKPT=path/to/model_")
     assert len(result.stderr.splitlines()) == 2 and "***" in result.stderr.splitlines()[1], result.stderr
+
+
+def test_a_typed_task_whose_sizes_do_not_fit_the_policy_says_so(cartpole_checkpoint, tmp_path):
+    """--env.task replaces the run's task; when the env it builds does not fit the policy, the refusal blames the typed
+    setting, not the checkpoint. Mutant: the typed task ignored -> CartPole-v1's discrete actions refused instead."""
+    cartpole = relabelled(cartpole_checkpoint, tmp_path / "model_6.pt", name="gymnasium", task="CartPole-v1")
+    with pytest.raises(ValueError, match=r"its policy's actor observation size 4 \(the env's: 3\) does not fit the "
+                                         r"gymnasium Pendulum-v1 env built from its config \(the settings typed here "
+                                         r"build an env of other sizes\)$"):
+        evaluation.evaluate(cartpole, episodes=2, num_envs=2, typed={"task": "Pendulum-v1"})
