@@ -31,14 +31,15 @@ def cartpole_checkpoint(tmp_path_factory) -> str:
     return ckpt
 
 
-def by_hand(ckpt: str, per_env: int, num_envs: int, seed: int, stochastic: bool, steps: int = -1) -> tuple[list, list]:
-    """(returns, lengths) of episodes 2 .. per_env + 1 of every env, the exported mean action plus, when stochastic,
-    the model's std times standard normals drawn from the global generator seeded with `seed`; `steps` steps at
-    most (-1: no bound)."""
+def by_hand(ckpt: str, per_env: int, num_envs: int, seed: int, stochastic: bool, steps: int = -1,
+            make=lambda num_envs, seed: CartPole(num_envs, "cpu", seed)) -> tuple[list, list]:
+    """(returns, lengths) of episodes 2 .. per_env + 1 of every env of `make(num_envs, seed)`, the exported mean action
+    plus, when stochastic, the model's std times standard normals drawn from the global generator seeded with `seed`;
+    `steps` steps at most (-1: no bound)."""
     policy = torch.export.load(export(ckpt, ckpt + ".out")["torch.export"]).module()
     std = torch.load(ckpt, weights_only=False)["model"]["log_std"].exp()
     torch.manual_seed(seed)
-    env = CartPole(num_envs, "cpu", seed)
+    env = make(num_envs, seed)
     obs, _ = env.reset()
     ret, length, ended = [0.0] * num_envs, [0] * num_envs, [0] * num_envs
     returns, lengths = [], []

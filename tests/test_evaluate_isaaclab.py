@@ -14,12 +14,11 @@ import torch
 import train
 from envs.isaaclab import IsaacLabEnv
 from ppo import evaluate as evaluation
-from ppo.export import export
 from tests.fake_isaaclab import MAX_EPISODE_LENGTH, TASK, install_for_test
 from tests.forked_python import run_python
 from tests.test_env_isaaclab import fake  # noqa: F401 - the fixture that installs the fake Isaac Lab
 from tests.test_env_isaaclab_runs import small_run
-from tests.test_evaluate import relabelled
+from tests.test_evaluate import by_hand, relabelled
 from tests.test_export_inputs import REPO
 
 
@@ -38,32 +37,6 @@ def isaac_checkpoint(tmp_path_factory) -> str:
     return ckpt
 
 
-def by_hand(ckpt: str, per_env: int, num_envs: int, seed: int) -> tuple[list, list]:
-    """(returns, lengths) of episodes 2 .. per_env + 1 of every env: the exported mean action (ppo.export's torch.export
-    program) plus the model's std times standard normals from the global generator seeded with `seed` (the point mass
-    under its mean action runs every episode alike), on an adapter built here with the run's observation groups."""
-    policy = torch.export.load(export(ckpt, ckpt + ".out")["torch.export"]).module()
-    std = torch.load(ckpt, weights_only=False)["model"]["log_std"].exp()
-    torch.manual_seed(seed)
-    env = IsaacLabEnv(TASK, num_envs, torch.device("cpu"), seed, critic_obs_groups=("policy", "critic"))
-    obs, _ = env.reset()
-    ret, length, ended = [0.0] * num_envs, [0] * num_envs, [0] * num_envs
-    returns, lengths = [], []
-    with torch.no_grad():
-        while min(ended) <= per_env:
-            mean = policy(obs["policy"])
-            obs, reward, terminated, truncated, _ = env.step(torch.randn_like(mean).mul_(std).add_(mean))
-            for i in range(num_envs):
-                ret[i] += float(reward[i])
-                length[i] += 1
-                if terminated[i] or truncated[i]:
-                    if 1 <= ended[i] <= per_env:
-                        returns.append(ret[i])
-                        lengths.append(length[i])
-                    ended[i], ret[i], length[i] = ended[i] + 1, 0.0, 0
-    return returns, lengths
-
-
 def test_an_isaac_lab_checkpoint_is_scored_through_the_adapter_as_counted_by_hand(isaac_checkpoint, fake, monkeypatch):
     """9 episodes on 3 envs, 3 each, the first of each env (its length spread over the time limit at reset) left out;
     the evaluation starts Isaac Lab with the run's launcher flags (its visualizer) and the seed given.
@@ -74,7 +47,10 @@ def test_an_isaac_lab_checkpoint_is_scored_through_the_adapter_as_counted_by_han
                                  progress=lambda line: None)
     launch = fake.launches[0]
     assert (launch["visualizer"], launch["seed"], launch["num_envs"]) == (["newton"], 4, 3)
-    returns, lengths = by_hand(isaac_checkpoint, 3, 3, 4)
+    # The exported mean action plus the model's std times standard normals (under its mean action the fake's point
+    # mass runs every episode alike), on an adapter built here with the run's observation groups.
+    returns, lengths = by_hand(isaac_checkpoint, 3, 3, 4, stochastic=True, make=lambda num_envs, seed: IsaacLabEnv(
+        TASK, num_envs, torch.device("cpu"), seed, critic_obs_groups=("policy", "critic")))
     assert scores["episodes"] == len(returns) == 9
     r, n = np.array(returns), np.array(lengths)
     expected = {"return_mean": r.mean(), "return_std": r.std(), "return_min": r.min(), "return_max": r.max(),
