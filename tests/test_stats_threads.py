@@ -84,7 +84,8 @@ def run_threads(monkeypatch, world_size: int, body) -> list:
 
 def test_the_fake_all_reduce_sums_every_ranks_tensor_in_place_in_its_dtype(monkeypatch):
     """The fake itself: each rank's own tensor object holds the sum afterwards (int64 stays int64), the call returns
-    it, and a rank whose tensor has another length makes every rank fail instead of hanging."""
+    it, and a rank whose tensor has another length makes every rank fail instead of hanging.
+    Mutant (of the fake): the sum returned as a new tensor (`return total`), the rank's own tensor left as it was."""
     def body(rank):
         mine = torch.tensor([rank, 10 * rank], dtype=torch.int64)
         return mine, comm.all_reduce(mine, "test"), comm.rank(), comm.world_size()
