@@ -189,8 +189,8 @@ def fake_modules(record: Record) -> dict[str, types.ModuleType]:
         if args.get("distributed", False):
             args["device"] = cfg.sim.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
         launch = {"device": args.get("device"), "distributed": args.get("distributed", False),
-                  "visualizer": args.get("visualizer"), "physics": cfg.sim.physics, "seed": cfg.seed, "num_envs": cfg.scene.num_envs,
-                  "compute_final_obs": cfg.compute_final_obs, "exit_code": None}
+                  "visualizer": args.get("visualizer"), "physics": cfg.sim.physics, "seed": cfg.seed,
+                  "num_envs": cfg.scene.num_envs, "compute_final_obs": cfg.compute_final_obs, "exit_code": None}
         record.launches.append(launch)
         kit = cfg.sim.physics == "isaacsim_physx"
         if kit and not record.kit_installed:    # 3.0.0's _ensure_isaac_sim_available: logs its hint, then exits
