@@ -40,8 +40,8 @@ def isaac_checkpoint(tmp_path_factory) -> str:
 def test_an_isaac_lab_checkpoint_is_scored_through_the_adapter_as_counted_by_hand(isaac_checkpoint, fake, monkeypatch):
     """9 episodes on 3 envs, 3 each, the first of each env (its length spread over the time limit at reset) left out;
     the evaluation starts Isaac Lab with the run's launcher flags (its visualizer) and the seed given.
-    Mutants: the isaaclab refusal kept in saved_env -> ValueError; the score accumulators left on the CPU while the
-    env is on another device -> (on a GPU) a device error; the run's --env.launcher-args dropped -> no visualizer."""
+    Mutants: the isaaclab refusal kept in saved_env -> ValueError; the run's --env.launcher-args dropped -> no
+    visualizer. (The accumulators on the env's device matter on a GPU only: the fake simulates on the CPU.)"""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     scores = evaluation.evaluate(isaac_checkpoint, episodes=9, num_envs=3, seed=4, stochastic=True,
                                  progress=lambda line: None)
