@@ -144,6 +144,12 @@ def onnx_missing() -> str:
     missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
     if missing:
         return f"not installed: {', '.join(missing)} (pip install onnx onnxscript)"
+    for name in ("onnx", "onnxscript"):
+        try:   # installed but broken (e.g. ml_dtypes built for numpy 2 under numpy 1): the exporter would raise this
+            importlib.import_module(name)
+        except Exception as exc:
+            return (f"installed but {name} fails to import ({type(exc).__name__}: {one_line(exc)}); reinstall it in "
+                    f"this environment: pip install --force-reinstall onnx onnxscript")
     lacking = [name for name in EXPORTER_OPTIONS if name not in inspect.signature(torch.onnx.export).parameters]
     return f"torch {torch.__version__}'s torch.onnx.export has no {', '.join(lacking)} (torch 2.5 or later)" \
         if lacking else ""

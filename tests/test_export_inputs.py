@@ -6,6 +6,7 @@ it as one word, as typed."""
 import os
 import re
 import subprocess
+import sys
 import threading
 import zipfile
 
@@ -279,3 +280,23 @@ def test_a_model_whose_distribution_does_more_than_its_actor_mlp_is_refused_befo
                                          r"the model's mean action, .*DeterministicActor compute what distribution"):
         export.export(path, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_broken_onnx_install_skips_onnx_naming_the_import_error(tmp_path, monkeypatch, capsys):
+    """onnxscript installed (find_spec finds it) but failing at import, as it does when its ml_dtypes was built for
+    numpy 2 under numpy 1: the TorchScript and torch.export files are written and ONNX is skipped with that error
+    and the reinstall line, where the exporter's import traceback had ended the export.
+    Mutant: the import check dropped from onnx_missing (the export raises the ImportError)."""
+    broken = tmp_path / "site" / "onnxscript"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('numpy.core.multiarray failed to import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in [m for m in sys.modules if m == "onnxscript" or m.startswith("onnxscript.")]:
+        monkeypatch.delitem(sys.modules, name)
+    path = small_checkpoint(tmp_path / "model_3.pt", False)
+    written = export.export(path, str(tmp_path / "out"))
+    assert list(written) == ["torchscript", "torch.export"] and all(map(os.path.isfile, written.values()))
+    assert sorted(os.listdir(tmp_path / "out")) == ["model_3.policy.pt", "model_3.policy.pt2"]
+    assert ("ONNX skipped, installed but onnxscript fails to import (ImportError: numpy.core.multiarray failed to "
+            "import); reinstall it in this environment: pip install --force-reinstall onnx onnxscript"
+            ) in capsys.readouterr().out
