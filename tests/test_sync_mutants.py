@@ -1,0 +1,89 @@
+"""Tests that kill mutants of sync/'s integrity checks which the other sync tests let survive (hand-picked
+mutation testing of wire.py, patch.py, encodings.py, link.py and handshake.py). Most run in one process: frames
+go through `Loopback`, an in-process stand-in for dist.comm's point-to-point calls (one message queue, received
+in the order sent, a receive of the wrong size an error as in gloo), so that recv_frame meets exactly the bytes
+send_frame (or a test) put on the wire. Expected values are worked out by hand or with the reference checksum."""
+
+import pytest
+import torch
+
+from dist import comm
+from sync import SyncIntegrityError
+from sync.wire import BITMAP, DENSE, GAPS8, KIND_PATCH, MAGIC, _check_table, recv_frame, send_frame
+from test_checksum_reference import ref_checksum, ref_tensor_checksum
+
+
+class _Done:
+    def wait(self):
+        return None
+
+
+class Loopback:
+    """dist.comm's send/isend/recv/irecv/recv_then_count over one in-process FIFO (sender and receiver in one
+    process, one peer). A receive takes the next message and must be exactly its size (gloo's rule)."""
+
+    def __init__(self, monkeypatch):
+        self.queue = []
+        for name in ("send", "isend"):
+            monkeypatch.setattr(comm, name, self._send)
+        for name in ("recv", "irecv"):
+            monkeypatch.setattr(comm, name, self._recv if name == "recv" else self._irecv)
+        monkeypatch.setattr(comm, "recv_then_count", lambda t, purpose_of, src, group=None: self._recv(t))
+
+    def _send(self, tensor, purpose, dst, group=None):
+        self.queue.append(tensor.detach().clone().reshape(-1).view(torch.uint8))
+        return _Done()
+
+    def _recv(self, tensor, purpose=None, src=None, group=None):
+        if not self.queue:
+            raise RuntimeError("loopback: receive with no message queued (a real receiver would wait for ever)")
+        message, into = self.queue.pop(0), tensor.reshape(-1).view(torch.uint8)
+        if message.numel() != into.numel():
+            raise RuntimeError(f"loopback: a {into.numel()}-byte receive met a {message.numel()}-byte message")
+        into.copy_(message)
+        return tensor
+
+    def _irecv(self, tensor, purpose, src, group=None):
+        self._recv(tensor)
+        return _Done()
+
+    def send_words(self, words, table=None):
+        """A header of these 7 words with correct checks of the words (and of the table), then the table."""
+        words_t = torch.tensor(words, dtype=torch.int64)
+        table_t = torch.zeros(0, 4, dtype=torch.int64) if table is None else torch.tensor(table, dtype=torch.int64)
+        checks = [ref_checksum([words_t]), ref_checksum([words_t, table_t])]
+        self._send(torch.tensor(words + checks, dtype=torch.int64), None, 1)
+        if table is not None:
+            self._send(table_t, None, 1)
+
+
+EXPECT_F32 = lambda kind: ("weight_sync", [torch.float32, torch.float32], None)  # noqa: E731
+
+
+def _receive(numels=(4, 4), expect=EXPECT_F32):
+    return recv_frame(0, None, "cpu", list(numels), expect)
+
+
+# ----- wire.py: recv_frame and _check_table ------------------------------------------------------------------
+
+def test_a_header_announcing_one_row_more_than_the_receiver_has_tensors_is_refused_before_any_table(monkeypatch):
+    """A receiver of 2 tensors can take at most 2 table rows; a header (with a correct check) announcing 3 must be
+    refused by its row count, as a lost link, before a 96-byte table receive is posted (nothing more is queued:
+    a posted receive would wait for ever, here an error of the loopback).
+    Mutant: `0 <= rows <= len(numels) + 1` in recv_frame."""
+    wire = Loopback(monkeypatch)
+    wire.send_words([MAGIC, KIND_PATCH, 1, 0, 3, 0, 0])
+    with pytest.raises(SyncIntegrityError, match=r"announces 3 table rows") as caught:
+        _receive()
+    assert caught.value.link_lost and not wire.queue
+
+
+def test_a_bitmap_row_with_more_symbol_bytes_than_its_tensor_needs_is_refused():
+    """A bitmap of a 100-element tensor is exactly ceil(100 / 8) = 13 bytes; a row announcing 14 (a byte no
+    sender writes, whose bits _decode would not look at if zero) is malformed, and so is 12.
+    Mutant: `symbols >= (numel + 7) // 8` for BITMAP in _check_table."""
+    numels = [10, 100]
+    _check_table(torch.tensor([[1, 3, BITMAP, 13]]), numels)
+    for symbols in (12, 14, 26):
+        with pytest.raises(SyncIntegrityError, match=r"malformed table row \[1, 3, 3, %d\]" % symbols):
+            _check_table(torch.tensor([[1, 3, BITMAP, symbols]]), numels)
