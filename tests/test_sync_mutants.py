@@ -87,3 +87,39 @@ def test_a_bitmap_row_with_more_symbol_bytes_than_its_tensor_needs_is_refused():
     for symbols in (12, 14, 26):
         with pytest.raises(SyncIntegrityError, match=r"malformed table row \[1, 3, 3, %d\]" % symbols):
             _check_table(torch.tensor([[1, 3, BITMAP, symbols]]), numels)
+
+
+# ----- patch.py: _write ---------------------------------------------------------------------------------------
+
+def _two_patches_then_a_stale_one(rank, world_size):
+    """Rank 0 sends patch 1 (w[3] = 1) and patch 2 (v[5] = 2) of {w, v}; rank 1 takes both with recv_update,
+    applies them in order, then offers patch 1 again (its base, 0, is older than the version held, 2)."""
+    from sync import WeightSyncConfig, make_weight_syncer
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    state = {"w": torch.zeros(100), "v": torch.zeros(100)}
+    if rank == 0:
+        syncer.init_sender(state)
+        state["w"][3] = 1.0
+        syncer.sync(state, 1)
+        state["v"][5] = 2.0
+        syncer.sync(state, 2)
+        return None
+    syncer.init_receiver(state)
+    first, second = syncer.recv_update(), syncer.recv_update()
+    assert syncer.apply_update(state, first) == 1 and syncer.apply_update(state, second) == 2
+    with pytest.raises(SyncIntegrityError, match="patch 1 applies to version 0 but this receiver holds version 2"):
+        syncer.apply_update(state, first)
+    return syncer.version, {k: v.clone() for k, v in state.items()}
+
+
+@pytest.mark.slow
+def test_a_patch_older_than_the_version_held_is_refused_not_applied_again():
+    """A receiver holding version 2 must refuse patch 1 (base 0) offered again: its base is not the version held.
+    Here patch 1 touches only w, whose checksum after patch 1 equals w's now, so no checksum would catch it: only
+    the base check does, and the version must stay 2 (not go back to 1), the model unchanged.
+    Mutant: `frame.base > self.version` in PatchSyncer._write (only a newer base refused)."""
+    from multirank import run_ranks
+    _, (version, state) = run_ranks(_two_patches_then_a_stale_one, 2)
+    expected_w, expected_v = torch.zeros(100), torch.zeros(100)
+    expected_w[3], expected_v[5] = 1.0, 2.0
+    assert version == 2 and torch.equal(state["w"], expected_w) and torch.equal(state["v"], expected_v)
