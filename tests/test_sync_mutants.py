@@ -123,3 +123,21 @@ def test_a_patch_older_than_the_version_held_is_refused_not_applied_again():
     expected_w, expected_v = torch.zeros(100), torch.zeros(100)
     expected_w[3], expected_v[5] = 1.0, 2.0
     assert version == 2 and torch.equal(state["w"], expected_w) and torch.equal(state["v"], expected_v)
+
+
+@pytest.mark.xfail(strict=True, reason="bug in sync/wire.py _check_table: a gap row's symbol count is only capped at "
+                                       "2**40, not at what its tensor allows, so the receiver allocates and posts a "
+                                       "receive for symbols no sender can write")
+def test_a_gap_row_with_more_symbols_than_its_tensor_allows_is_refused_before_any_allocation(monkeypatch):
+    """A gap stream of `values` changes in a tensor of `numel` elements has one symbol per change plus one escape
+    per `escape` (255 for 1-byte gaps) of gap, and the gaps sum to at most numel - values: so at most
+    values + (numel - values) // 255 symbols, here 3 + 97 // 255 = 3 for 3 changes in 100 elements. A row (with a
+    correct check) announcing 1000 is impossible for its encoding and must be refused as a malformed row, before
+    the 1012-byte payload receive is sized from it (_check_table's docstring and wire.py's: a receiver refuses a
+    malformed frame before allocating anything). Today it passes _check_table (the only cap is 2**40, up to 4 TiB
+    of gaps32 symbols) and recv_frame posts the payload receive: here the loopback's error, no message queued.
+    Mutant: none (a gap found while judging the survivors of `values <= symbols < 2**40`)."""
+    wire = Loopback(monkeypatch)
+    wire.send_words([MAGIC, KIND_PATCH, 1, 0, 1, 1012, 1012], [[1, 3, GAPS8, 1000]])
+    with pytest.raises(SyncIntegrityError, match=r"malformed table row \[1, 3, 0, 1000\]"):
+        _receive(numels=(10, 100))
