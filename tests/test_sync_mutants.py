@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dist import comm
-from sync import SyncIntegrityError
+from multirank import run_ranks
+from sync import SyncIntegrityError, WeightSyncConfig, make_weight_syncer
 from sync.wire import BITMAP, DENSE, GAPS8, KIND_PATCH, MAGIC, _check_table, recv_frame, send_frame
 from test_checksum_reference import ref_checksum, ref_tensor_checksum
 
@@ -89,12 +90,23 @@ def test_a_bitmap_row_with_more_symbol_bytes_than_its_tensor_needs_is_refused():
             _check_table(torch.tensor([[1, 3, BITMAP, symbols]]), numels)
 
 
+def test_rows_of_empty_tensors_must_still_name_a_next_tensor():
+    """A whole empty tensor is a dense row of 0 values and 0 symbols (bucket frames carry them); such a row must
+    still name a tensor after the previous row's and inside the receiver's list: a repeated row and an ordinal
+    past the last tensor are malformed, as they are for rows of values.
+    Mutant: `numel = ... else 0` (an unknown or repeated tensor given numel 0, not -1) in _check_table."""
+    numels = [0, 5]
+    _check_table(torch.tensor([[0, 0, DENSE, 0], [1, 5, DENSE, 0]]), numels)
+    for rows in ([[0, 0, DENSE, 0], [0, 0, DENSE, 0]], [[1, 5, DENSE, 0], [0, 0, DENSE, 0]], [[2, 0, DENSE, 0]]):
+        with pytest.raises(SyncIntegrityError, match=r"malformed table row \[%d, 0, 4, 0\]" % rows[-1][0]):
+            _check_table(torch.tensor(rows), numels)
+
+
 # ----- patch.py: _write ---------------------------------------------------------------------------------------
 
 def _two_patches_then_a_stale_one(rank, world_size):
     """Rank 0 sends patch 1 (w[3] = 1) and patch 2 (v[5] = 2) of {w, v}; rank 1 takes both with recv_update,
     applies them in order, then offers patch 1 again (its base, 0, is older than the version held, 2)."""
-    from sync import WeightSyncConfig, make_weight_syncer
     syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
     state = {"w": torch.zeros(100), "v": torch.zeros(100)}
     if rank == 0:
@@ -118,7 +130,6 @@ def test_a_patch_older_than_the_version_held_is_refused_not_applied_again():
     Here patch 1 touches only w, whose checksum after patch 1 equals w's now, so no checksum would catch it: only
     the base check does, and the version must stay 2 (not go back to 1), the model unchanged.
     Mutant: `frame.base > self.version` in PatchSyncer._write (only a newer base refused)."""
-    from multirank import run_ranks
     _, (version, state) = run_ranks(_two_patches_then_a_stale_one, 2)
     expected_w, expected_v = torch.zeros(100), torch.zeros(100)
     expected_w[3], expected_v[5] = 1.0, 2.0
@@ -141,3 +152,37 @@ def test_a_gap_row_with_more_symbols_than_its_tensor_allows_is_refused_before_an
     wire.send_words([MAGIC, KIND_PATCH, 1, 0, 1, 1012, 1012], [[1, 3, GAPS8, 1000]])
     with pytest.raises(SyncIntegrityError, match=r"malformed table row \[1, 3, 0, 1000\]"):
         _receive(numels=(10, 100))
+
+
+def _a_copy_of_one_tensor(rank, world_size):
+    """Rank 0 sends patch 1 (w[3] = 1) and patch 2 (v[7] = 2) of {w, v}, 100 and 1000 zeros; rank 1 applies patch 1
+    to its model, then patch 2 to a dict holding its own w but a copy of v that differs at v[500] (stale)."""
+    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
+    state = {"w": torch.zeros(100), "v": torch.zeros(1000)}
+    if rank == 0:
+        syncer.init_sender(state)
+        state["w"][3] = 1.0
+        syncer.sync(state, 1)
+        state["v"][7] = 2.0
+        syncer.sync(state, 2)
+        return None
+    syncer.init_receiver(state)
+    assert syncer.apply(state) == 1
+    stale = state["v"].clone()
+    stale[500] = 9.0
+    with pytest.raises(SyncIntegrityError) as caught:
+        syncer.apply({"w": state["w"], "v": stale})
+    return str(caught.value), syncer.version, stale
+
+
+@pytest.mark.slow
+def test_a_model_with_one_tensor_in_other_memory_is_rescanned_before_a_patch():
+    """apply() given tensors in other memory than the last patch wrote rescans them first; that must hold when
+    only one tensor (v, the second) is a copy. The copy differs from the receiver's v at v[500], which patch 2
+    (1 change in 1000: under 1/64, checked from the changed element alone) never looks at: only the rescan finds
+    it. So the patch is refused naming v, and the copy is left untouched (v[7] still 0).
+    Mutant: only the first synced tensor's memory compared with the last patch's (`[...][:1] != self._memory[:1]`)
+    in PatchSyncer._write."""
+    _, (message, version, stale) = run_ranks(_a_copy_of_one_tensor, 2)
+    assert "verification found ['v'] were given to apply() in other memory than the last patch wrote" in message
+    assert version == 1 and stale[7] == 0.0 and stale[500] == 9.0
