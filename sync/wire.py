@@ -225,7 +225,7 @@ def recv_frame(src: int, group, device, numels: Sequence[int], expect: Callable[
     packed = decompress is None and _packed([d.itemsize * n for d, n in specs if n])
     target = [into(entries[r][0]) if into and part and not packed else None for r, part in places]
     _, offsets, staged = layout([(d, 0 if t is not None else n) for (d, n), t in zip(specs, target)])
-    if total != raw or (decompress is None and wire != raw):
+    if total != raw or (wire != raw if decompress is None else wire > zstd_bound(raw) or (wire == 0) != (raw == 0)):
         raise lost_link(f"weight sync: frame header {head.tolist()} announces payload sizes its table does not "
                         f"({total} bytes)")
     buffer = staging[0] if staging else None
@@ -278,14 +278,18 @@ def check_kind(frame: Frame, kind: int) -> None:
 
 
 def _check_table(table: torch.Tensor, numels: Sequence[int]) -> None:
-    """Refuse rows that name no tensor or repeat one, or whose sizes are impossible for their encoding."""
+    """Refuse rows that name no tensor or repeat one, or whose sizes are impossible for their encoding. A gap row
+    has a symbol per change and an escape per `escape` elements of gap, the gaps summing to at most numel - values:
+    so at most values + (numel - values) // escape symbols (more would size a receive no sender fills)."""
     last = -1
     for row in table.tolist():
         ordinal, values, encoding, symbols = row
         numel = numels[ordinal] if last < ordinal < len(numels) else -1
+        escape = 2 ** (8 * SYMBOL_DTYPES[encoding].itemsize) - 1 if encoding in SYMBOL_DTYPES else 1
         ok = {DENSE: values == numel and symbols == 0,
               BITMAP: 0 < values < numel and symbols == (numel + 7) // 8}.get(
-            encoding, encoding in SYMBOL_DTYPES and 0 < values < numel and values <= symbols < 2**40)
+            encoding, encoding in SYMBOL_DTYPES and 0 < values < numel and
+            values <= symbols <= values + (numel - values) // escape)
         if not ok:
             raise lost_link(f"weight sync: malformed table row {row} (unknown or repeated tensor, or impossible "
                             "sizes)")
@@ -340,6 +344,11 @@ def recv_json(src: int, group, device) -> tuple[object, int]:
 
 def zstd_compress(payload: torch.Tensor) -> torch.Tensor:
     return _as_tensor(require_zstd().ZstdCompressor(level=3).compress(payload.cpu().numpy().tobytes()))
+
+
+def zstd_bound(raw_bytes: int) -> int:
+    """The most bytes zstd writes for `raw_bytes` (its ZSTD_COMPRESSBOUND): a longer blob is malformed."""
+    return raw_bytes + (raw_bytes >> 8) + ((2**17 - raw_bytes) >> 11 if raw_bytes < 2**17 else 0)
 
 
 def zstd_discard(data: torch.Tensor, raw_bytes: int) -> torch.Tensor:

@@ -10,7 +10,9 @@ import torch
 from dist import comm
 from multirank import run_ranks
 from sync import SyncIntegrityError, WeightSyncConfig, make_weight_syncer
-from sync.wire import BITMAP, DENSE, GAPS8, KIND_PATCH, MAGIC, _check_table, recv_frame, send_frame
+from sync.encodings import _encode
+from sync.wire import (BITMAP, DENSE, GAPS8, KIND_PATCH, MAGIC, _check_table, recv_frame, send_frame,
+                       zstd_bound, zstd_compress, zstd_decompress)
 from test_checksum_reference import ref_checksum, ref_tensor_checksum
 
 
@@ -136,22 +138,51 @@ def test_a_patch_older_than_the_version_held_is_refused_not_applied_again():
     assert version == 2 and torch.equal(state["w"], expected_w) and torch.equal(state["v"], expected_v)
 
 
-@pytest.mark.xfail(strict=True, reason="bug in sync/wire.py _check_table: a gap row's symbol count is only capped at "
-                                       "2**40, not at what its tensor allows, so the receiver allocates and posts a "
-                                       "receive for symbols no sender can write")
 def test_a_gap_row_with_more_symbols_than_its_tensor_allows_is_refused_before_any_allocation(monkeypatch):
     """A gap stream of `values` changes in a tensor of `numel` elements has one symbol per change plus one escape
     per `escape` (255 for 1-byte gaps) of gap, and the gaps sum to at most numel - values: so at most
-    values + (numel - values) // 255 symbols, here 3 + 97 // 255 = 3 for 3 changes in 100 elements. A row (with a
-    correct check) announcing 1000 is impossible for its encoding and must be refused as a malformed row, before
-    the 1012-byte payload receive is sized from it (_check_table's docstring and wire.py's: a receiver refuses a
-    malformed frame before allocating anything). Today it passes _check_table (the only cap is 2**40, up to 4 TiB
-    of gaps32 symbols) and recv_frame posts the payload receive: here the loopback's error, no message queued.
-    Mutant: none (a gap found while judging the survivors of `values <= symbols < 2**40`)."""
+    values + (numel - values) // 255 symbols. The sender's own worst case reaches that bound and passes: changes at
+    0-9 and 999 of 1000 (gaps 0 and 989: 11 + 3 escapes = 14 = 11 + 989 // 255 symbols); one more is refused. A
+    row (with a correct check) announcing 1000 symbols for 3 changes in 100 elements (at most 3) is refused as a
+    malformed row before the 1012-byte payload receive is sized from it (nothing more is queued: a posted receive
+    would wait for ever, here the loopback's error). Until 2026-12-06 the only cap was 2**40 symbols (4 TiB of
+    gaps32), which the receiver allocated and waited for.
+    Mutant: `values <= symbols < 2**40` (the cap before the fix) in _check_table."""
+    current, mask = torch.zeros(1000), torch.zeros(1000, dtype=torch.bool)
+    index = torch.tensor([*range(10), 999])
+    mask[index] = True
+    encoding, segments, _ = _encode(current, mask, 11, index)
+    assert encoding == GAPS8 and segments[0].numel() == 14 == 11 + 989 // 255
+    _check_table(torch.tensor([[0, 11, GAPS8, 14]]), [1000])
+    with pytest.raises(SyncIntegrityError, match=r"malformed table row \[0, 11, 0, 15\]"):
+        _check_table(torch.tensor([[0, 11, GAPS8, 15]]), [1000])
     wire = Loopback(monkeypatch)
     wire.send_words([MAGIC, KIND_PATCH, 1, 0, 1, 1012, 1012], [[1, 3, GAPS8, 1000]])
-    with pytest.raises(SyncIntegrityError, match=r"malformed table row \[1, 3, 0, 1000\]"):
+    with pytest.raises(SyncIntegrityError, match=r"malformed table row \[1, 3, 0, 1000\]") as caught:
         _receive(numels=(10, 100))
+    assert caught.value.link_lost and not wire.queue
+
+
+def test_a_compressed_payload_longer_than_zstd_can_write_is_refused_before_its_receive(monkeypatch):
+    """zstd writes at most raw + raw // 256 + (2**17 - raw) // 2**11 bytes for raw bytes (ZSTD_COMPRESSBOUND; 79 for
+    16), and a blob only when there is a payload. A compressed frame whose header (with a correct check) announces
+    80 bytes, 2**40 (a receive and an allocation of 1 TiB) or none for the 16 raw bytes of its table is refused
+    before the blob's receive is sized; a real compressed frame of 16 random bytes arrives whole.
+    Mutant: the compressed payload's size left unbounded (`wire != raw if decompress is None else False`)."""
+    assert zstd_bound(16) == 16 + 0 + 63
+    for wire_bytes in (80, 2**40, 0):
+        wire = Loopback(monkeypatch)
+        wire.send_words([MAGIC, KIND_PATCH, 1, 0, 1, wire_bytes, 16], [[0, 4, DENSE, 0]])
+        with pytest.raises(SyncIntegrityError, match=r"announces payload sizes its table does not") as caught:
+            _receive(expect=lambda kind: (*EXPECT_F32(kind), zstd_decompress))
+        assert caught.value.link_lost and not wire.queue
+    wire = Loopback(monkeypatch)
+    values = torch.rand(4, generator=torch.Generator().manual_seed(0))
+    send_frame(KIND_PATCH, 1, 0, torch.tensor([[0, 4, DENSE, 0]]), [values], lambda: [0], [1], None, "cpu",
+               "weight_sync", zstd_compress)
+    frame = _receive(expect=lambda kind: (*EXPECT_F32(kind), zstd_decompress))
+    assert 0 < frame.sizes[0] <= 79 and frame.sizes[1] == 16 and torch.equal(frame.row(0)[1], values)
+    assert frame.sums() == [0] and not wire.queue
 
 
 def _a_copy_of_one_tensor(rank, world_size):
