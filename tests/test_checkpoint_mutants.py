@@ -138,3 +138,69 @@ def test_a_file_that_begins_with_pk_but_no_zip_entry_is_no_torch_checkpoint_not_
     path.write_bytes(b"PK\x03\x04" + b"\0" * 40)
     with pytest.raises(UsageError, match=r"is a truncated or damaged checkpoint \(its zip archive does not end\)"):
         load_checkpoint(str(path))
+
+
+def test_runs_started_in_the_same_second_get_the_stamp_then_2_then_3_each_with_its_run_id(tmp_path, monkeypatch):
+    """create_run_dir names the first run of a second by its time stamp alone, the next ones -2, -3, ..., and
+    writes the torchrun job id into each (none without one). The clock is fixed, so all three share a second.
+    Mutant: the first run suffixed too (`n == 0` for `n == 1`: STAMP-1); the run_id file never written."""
+    from dist.checkpoint import create_run_dir, find_run_dir
+    monkeypatch.setattr(dist.checkpoint.time, "strftime", lambda fmt: "2026-01-02_03-04-05")
+    made = [create_run_dir(str(tmp_path / "exp"), run_id) for run_id in ("job-a", None, "job-c")]
+    stamp = str(tmp_path / "exp" / "2026-01-02_03-04-05")
+    assert made == [stamp, f"{stamp}-2", f"{stamp}-3"]
+    assert [os.listdir(d) for d in made] == [["run_id"], [], ["run_id"]]
+    assert find_run_dir(str(tmp_path / "exp"), "job-c") == f"{stamp}-3"
+    assert find_run_dir(str(tmp_path / "exp"), "job-a") == stamp
+
+
+class _InterruptedAfter(_FillsUpAfter):
+    """A file whose write past LIMIT bytes gets a KeyboardInterrupt, as a second Ctrl-C inside torch.save does."""
+
+    def write(self, b):
+        if self.written + len(b) > self.LIMIT:
+            raise KeyboardInterrupt
+        self.written += len(b)
+        return io.FileIO.write(self, b)
+
+
+def test_an_interrupt_inside_torch_save_is_re_raised_as_the_interrupt_not_torch_s_zip_error(tmp_path, monkeypatch):
+    """A Ctrl-C while torch.save writes tensor records: its zip writer raises RuntimeError over the interrupt;
+    save_checkpoint re-raises the KeyboardInterrupt itself (cli() reports it as an interrupt, status 130) and
+    removes its temporary.
+    Mutant: a bare `raise` for `raise first from None`: the RuntimeError escapes, reported as a bug."""
+    monkeypatch.setattr(dist.checkpoint, "open", lambda path, mode: _InterruptedAfter(path, mode), raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(str(tmp_path / "model_1.pt"), {"iteration": 1, "model": {"w": torch.arange(1000.0)}})
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("changes, damage", [
+    ({"rng": []}, "its 'rng' is not a non-empty list of per-rank dicts"),
+    ({"rng": [], "layout": [0, 0]}, "its 'rng' is not a non-empty list of per-rank dicts"),
+    ({"env_name": 3}, "its config's env.name is 3, not an env's name"),
+    ({"weight_decay": -0.5}, "its optimizer param group 0 has betas (0.9, 0.999) and weight_decay -0.5, not Adam's "
+                             "settings"),
+])
+def test_entries_past_their_bounds_are_refused_and_a_large_weight_decay_loads(tmp_path, changes, damage):
+    """Refused by name: no learner RNG state at all (with the layout saying 1 learner, or 0), an env name that is
+    a number, a negative weight decay; a weight decay of 2 (large, but Adam's setting) loads.
+    Mutants: `not rng` dropped (an empty list passed, with the layout's message or none); env.name checked only
+    against None (`is None`); weight decay bounded by 1 (`in_range(decay, 1)`)."""
+    from dist.checkpoint_read import load_checkpoint
+    from dist.errors import UsageError
+
+    def group(decay):
+        return {"params": [], "lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": decay}
+    path = str(tmp_path / "model_2.pt")
+    save_checkpoint(path, _healthy(optimizer={"param_groups": [group(2.0)], "state": {}}))
+    assert load_checkpoint(path)["optimizer"]["param_groups"][0]["weight_decay"] == 2.0
+    state = _healthy(**{k: v for k, v in changes.items() if k in ("rng", "layout")})
+    if "env_name" in changes:
+        state["config"]["env"]["name"] = changes["env_name"]
+    if "weight_decay" in changes:
+        state["optimizer"] = {"param_groups": [group(changes["weight_decay"])], "state": {}}
+    save_checkpoint(path, state)
+    with pytest.raises(UsageError) as info:
+        load_checkpoint(path)
+    assert str(info.value) == f"--resume {path!r} is damaged ({damage}); resume from another checkpoint"

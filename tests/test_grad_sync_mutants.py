@@ -89,3 +89,20 @@ def test_a_new_grad_sync_s_buckets_start_at_zero_whatever_memory_they_were_given
     expected = torch.autograd.grad(_loss(net, x, y), list(net.parameters()))
     for p, e in zip(net.parameters(), expected):
         torch.testing.assert_close(p.grad, e)
+
+
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+def test_arm_without_the_extras_a_grad_sync_was_built_for_is_refused(mode):
+    """A GradSync built with num_extras=2 refuses arm() with no extras (they would not be staged: the sum
+    synchronize() returns would be whatever the bucket last held, the previous step's), and takes two.
+    Mutant: arm() checks the extras only when some are given (`if extras is not None:` for `if self.num_extras:`)."""
+    net = _net()
+    sync = GradSync(net.parameters(), mode, bucket_mb=100 / 2**20, num_extras=2)
+    sync.zero_grad()
+    with pytest.raises(ValueError) as info:
+        sync.arm()
+    assert str(info.value) == "arm() expects 2 extra scalars, got None"
+    sync.arm(torch.tensor([3.0, 4.0]))
+    x, y = _data(0)
+    _loss(net, x, y).backward()
+    assert sync.synchronize().tolist() == [3.0, 4.0]
