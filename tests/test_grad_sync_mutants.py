@@ -106,3 +106,49 @@ def test_arm_without_the_extras_a_grad_sync_was_built_for_is_refused(mode):
     x, y = _data(0)
     _loss(net, x, y).backward()
     assert sync.synchronize().tolist() == [3.0, 4.0]
+
+
+class _MirrorWork:
+    """An all-reduce of two ranks whose other rank holds what this one held at launch: its sum lands at wait()."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer, self.other = buffer, buffer.clone()
+
+    def wait(self) -> None:
+        self.buffer.add_(self.other)
+
+
+@pytest.mark.parametrize("mode, unused", [("flat", "error"), ("bucketed", "error"), ("bucketed", "zero")])
+def test_a_mirrored_world_of_two_gives_autograd_s_gradient_and_twice_the_extras_without_gloo(monkeypatch, mode,
+                                                                                             unused):
+    """No process group: comm.world_size() says 2 and comm.all_reduce adds, at wait(), a copy of the bucket as it
+    was at launch (a second rank with the same data). Every step, the mean gradient is autograd's on that data,
+    the extras come back doubled (summed, not averaged), and no all-reduce work is kept after synchronize().
+    The mutants below were caught otherwise only by the gloo tests.
+    Mutant: a bucket launched before its last gradient arrived (`bucket.pending -= 2`); the wait skipped; no division at world size 2 (`world > 2`); the extras divided too
+    (`b.buffer.div_`), or the gradient view taking the extras in (`self.grads = self.buffer`); a finished work
+    kept (`b.work = None` dropped)."""
+    from dist import comm
+
+    def mirrored(tensor, purpose, async_op=False):
+        work = _MirrorWork(tensor)
+        if not async_op:
+            work.wait()
+        return work if async_op else None
+    monkeypatch.setattr(comm, "all_reduce", mirrored)
+    monkeypatch.setattr(comm, "world_size", lambda: 2)
+    net = _net()
+    sync = GradSync(net.parameters(), mode, bucket_mb=60 / 2**20, num_extras=2, unused=unused)
+    if mode == "bucketed":
+        assert [len(b.params) for b in sync.buckets] == [2, 1, 1]   # 8 + 40 bytes, then 20, then 80
+    for step in range(2):
+        x, y = _data(step)
+        sync.zero_grad()
+        sync.arm(torch.tensor([0.5, 3.0 + step]))
+        _loss(net, x, y).backward()
+        extras = sync.synchronize()
+        assert extras.tolist() == [1.0, 6.0 + 2 * step]
+        assert all(b.work is None for b in sync.buckets)
+        expected = torch.autograd.grad(_loss(net, x, y), list(net.parameters()))
+        for p, e in zip(net.parameters(), expected):
+            torch.testing.assert_close(p.grad, e)
