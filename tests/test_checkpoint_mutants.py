@@ -185,7 +185,7 @@ def test_an_interrupt_inside_torch_save_is_re_raised_as_the_interrupt_not_torch_
 def test_entries_past_their_bounds_are_refused_and_a_large_weight_decay_loads(tmp_path, changes, damage):
     """Refused by name: no learner RNG state at all (with the layout saying 1 learner, or 0), an env name that is
     a number, a negative weight decay; a weight decay of 2 (large, but Adam's setting) loads.
-    Mutants: `not rng` dropped (an empty list passed, with the layout's message or none); env.name checked only
+    Mutant: `not rng` dropped (an empty list passed, with the layout's message or none); env.name checked only
     against None (`is None`); weight decay bounded by 1 (`in_range(decay, 1)`)."""
     from dist.checkpoint_read import load_checkpoint
     from dist.errors import UsageError

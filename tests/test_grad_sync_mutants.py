@@ -125,9 +125,9 @@ def test_a_mirrored_world_of_two_gives_autograd_s_gradient_and_twice_the_extras_
     was at launch (a second rank with the same data). Every step, the mean gradient is autograd's on that data,
     the extras come back doubled (summed, not averaged), and no all-reduce work is kept after synchronize().
     The mutants below were caught otherwise only by the gloo tests.
-    Mutant: a bucket launched before its last gradient arrived (`bucket.pending -= 2`); the wait skipped; no division at world size 2 (`world > 2`); the extras divided too
-    (`b.buffer.div_`), or the gradient view taking the extras in (`self.grads = self.buffer`); a finished work
-    kept (`b.work = None` dropped)."""
+    Mutant: a bucket launched before its last gradient arrived (`bucket.pending -= 2`); the wait skipped; no
+    division at world size 2 (`world > 2`); the extras divided too (`b.buffer.div_`), or the gradient view taking
+    the extras in (`self.grads = self.buffer`); a finished work kept (`b.work = None` dropped)."""
     from dist import comm
 
     def mirrored(tensor, purpose, async_op=False):
