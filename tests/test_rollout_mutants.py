@@ -9,7 +9,7 @@ import torch
 
 import rollout_ranks
 from dist.errors import RunError
-from tests.test_rollout_close_rules import cartpole
+from tests.test_rollout_close_rules import ScriptedLearner, cartpole, run_against, tracking
 
 SPEC = {"obs_dims": {"policy": 4, "critic": 4}, "num_actions": 1, "num_envs": 4, "log_keys": (), "layout": None,
         "state_bytes": 8}
@@ -28,3 +28,34 @@ def test_a_learner_refuses_a_second_rollout_rank_whose_env_differs_in_any_agreed
     roles = SimpleNamespace(rank=0, team=[0, 1, 2], batches_group=None, weights_group=None)
     with pytest.raises(RunError, match=r"^rollout rank 2 built a different env than rollout rank 1$"):
         rollout_ranks.LearnerTeam(cartpole(3, "async", 2), roles, torch.device("cpu"), 0)
+
+
+@pytest.mark.parametrize("mode, staleness", [("sync", 1), ("async", 1)])
+def test_a_save_commits_the_sampler_visits_of_every_iteration_up_to_the_saved_one(monkeypatch, mode, staleness):
+    """The tracking env's motion sampler, summed only at saves (every 2 iterations, 6 in all): the sum in the save
+    of iteration i must hold the episode visits of batches 0..i, every one collected and nothing past i (async
+    S = 1: batch i + 1 may be collected before decision i is read; its visits stay local, summed at the next save).
+    The visits per batch are read from the sampler around each collection, independently of rollout_ranks.py's own
+    bookkeeping. Mutant: `counted.pop(decided - 1, None)` in read_decision (the saved iteration's own visits held
+    back from its checkpoint)."""
+    cfg = tracking(6, staleness)
+    cfg.rollout.mode, cfg.log.save_every, cfg.dist.sampler_sync_every = mode, 2, 1000
+    per_batch, committed, collect, summed = [], [], rollout_ranks.collect_rollout, rollout_ranks.sum_counts
+
+    def counted(copy, env, *args, **kwargs):
+        before = env.sampler.local_counts[0].sum().item()
+        out = collect(copy, env, *args, **kwargs)
+        per_batch.append(env.sampler.local_counts[0].sum().item() - before)
+        return out
+
+    def recorded(sampler):
+        summed(sampler)
+        committed.append(sampler.global_counts[0].sum().item())
+
+    monkeypatch.setattr(rollout_ranks, "collect_rollout", counted)
+    monkeypatch.setattr(rollout_ranks, "sum_counts", recorded)
+    learner = ScriptedLearner(0, 6, 1 if mode == "sync" else staleness + 1, save_every=2)
+    run_against(learner, cfg, monkeypatch)
+    assert learner.done and learner.states == {1, 3, 5} and len(per_batch) == 6
+    assert per_batch[1] > 0 and per_batch[3] > 0      # the saved batches end episodes: a held-back one would show
+    assert committed == [sum(per_batch[:2]), sum(per_batch[:4]), sum(per_batch)]
