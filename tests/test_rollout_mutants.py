@@ -59,3 +59,28 @@ def test_a_save_commits_the_sampler_visits_of_every_iteration_up_to_the_saved_on
     assert learner.done and learner.states == {1, 3, 5} and len(per_batch) == 6
     assert per_batch[1] > 0 and per_batch[3] > 0      # the saved batches end episodes: a held-back one would show
     assert committed == [sum(per_batch[:2]), sum(per_batch[:4]), sum(per_batch)]
+
+
+class Recording(ScriptedLearner):
+    """The scripted learner, keeping every batch's metric counts and dones as sent."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent = []
+
+    def send(self, tensors):
+        self.sent.append((tensors["counts"].clone(), tensors["dones"].clone()))
+        super().send(tensors)
+
+
+def test_each_batch_carries_the_episode_counts_of_its_own_collection_only(monkeypatch):
+    """Cartpole, 8 iterations of 4 steps x 4 envs: a batch's count of ended episodes (the count of
+    Train/mean_episode_length, TRAIN_KEYS[1]) is exactly its own dones' sum, not a running total since the start
+    (episodes end in several batches, so a total would exceed it). Mutant: `stats.start_iteration()` dropped before
+    a collection in run_rollout_rank."""
+    learner = Recording(0, 8, 1, save_every=100)
+    run_against(learner, cartpole(8, "sync", 1, save_every=100), monkeypatch)
+    assert learner.done and len(learner.sent) == 8
+    ended = [int(dones.sum()) for _, dones in learner.sent]
+    assert sum(e > 0 for e in ended[:-1]) >= 1, ended      # an episode ends before the last batch
+    assert [int(counts[1]) for counts, _ in learner.sent] == ended
