@@ -1,7 +1,11 @@
 """dist/verify.py and dist/buffers.py over W simulated ranks in one process: each rank a thread, and the dist.comm
 collectives they call (all_gather, broadcast, all_reduce) replaced by a fake that does what torch.distributed does
 with every thread's tensor (the idea of tests/test_stats_threads.py). Expected values are written out by hand or
-computed with numpy over the per-rank data. These run in milliseconds; the gloo versions are slow tests."""
+computed with numpy over the per-rank data. These run in milliseconds; the gloo versions are slow tests.
+
+Equivalent (no test can tell it apart): differing_tensors comparing each tensor's checksums with the last rank's
+instead of rank 0's (`per[-1, i]`): a column differs from its first entry exactly when it differs from its last,
+so the same tensors are named."""
 
 import threading
 
