@@ -120,3 +120,13 @@ def test_a_resumed_run_s_iteration_rows_count_its_own_iterations_only():
     rows = [PlanRow("metrics", "r", "all_reduce", "iteration", [8]), PlanRow("sampler", "r", "all_reduce", "every",
                                                                             [4], every=2)]
     assert expected_ledger(rows, 3, start=5) == {"metrics": [3, 24], "sampler": [2, 8]}
+
+
+def test_a_gather_gives_the_stack_to_its_destination_alone(two_ranks):
+    """Rank 0 gathering to rank 1 passes no receive buffers and gets None back (the other ranks receive nothing,
+    what makes gather cheaper than an all-gather); it still counts what it sent: 1 call, 3 x 4 bytes.
+    Mutant: the receive buffer made on every rank (`if True else None` for `get_rank() == dst`)."""
+    assert comm.gather(torch.zeros(3, dtype=torch.int32), "checkpoint", dst=1) is None
+    ((name, args, kwargs),) = two_ranks
+    assert (name, args[1], kwargs["dst"]) == ("gather", None, 1)
+    assert comm.ledger_snapshot() == {"checkpoint": (1, 12)}

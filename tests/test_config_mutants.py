@@ -93,3 +93,21 @@ def test_differing_settings_names_the_flag_whose_value_differs_when_the_code_agr
         return torch.stack([t, theirs])
     _two_ranks_gathering(monkeypatch, [lambda t: torch.tensor([[5], [5]]), other_seed])
     assert same_settings.differing_settings(cfg) == "--seed differ"
+
+
+@pytest.mark.parametrize("field, value", [("seed", 2), ("max_iterations", 151), ("env__num_envs", 128),
+                                          ("ppo__learning_rate", 3e-4), ("dist__grad_sync", "bucketed"),
+                                          ("rollout__ranks", 1), ("log__save_every", 7)])
+def test_the_settings_digest_changes_with_each_setting_every_rank_computes_with(field, value, monkeypatch):
+    """Only --log.root, --resume, --env.launcher-args and --dist.timeout-s may differ between nodes: another seed,
+    iteration count, env count, LR, gradient sync, rollout split or save interval on one node changes its digest
+    (with the code the same), so the ranks stop at start-up.
+    Mutant: "--seed" added to PER_NODE."""
+    monkeypatch.setattr(same_settings, "source_digest", lambda: 12345)
+    cfg = preset("cartpole")
+    base = same_settings.settings_digest(cfg)
+    section, _, name = field.rpartition("__")
+    owner = getattr(cfg, section) if section else cfg
+    assert getattr(owner, name) != value
+    setattr(owner, name, value)
+    assert same_settings.settings_digest(cfg) != base
