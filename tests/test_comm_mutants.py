@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist import comm
-from dist.plan import PlanRow, expected_ledger
+from dist.plan import PlanRow, expected_ledger, format_plan
 
 
 class _Done:
@@ -130,3 +130,23 @@ def test_a_gather_gives_the_stack_to_its_destination_alone(two_ranks):
     ((name, args, kwargs),) = two_ranks
     assert (name, args[1], kwargs["dst"]) == ("gather", None, 1)
     assert comm.ledger_snapshot() == {"checkpoint": (1, 12)}
+
+
+def test_an_all_gather_stacks_the_ranks_tensors_along_a_new_first_dim(two_ranks, monkeypatch):
+    """Each rank's (2, 3) tensor, gathered from 2 ranks, comes back as [2, 2, 3] with rank r's tensor at [r] (the
+    fake backend writes r + 1 into rank r's slot), not concatenated along the existing first dim.
+    Mutant: `torch.cat(out)` for `torch.stack(out)` in all_gather."""
+    def fill(out, tensor, group=None):
+        for r, slot in enumerate(out):
+            slot.fill_(r + 1)
+    monkeypatch.setattr(comm.torch_dist, "all_gather", fill)
+    gathered = comm.all_gather(torch.zeros(2, 3), "checksum")
+    assert gathered.shape == (2, 2, 3) and gathered[:, 0, 0].tolist() == [1.0, 2.0]
+
+
+def test_a_row_without_messages_shows_no_steps_in_the_plan_table():
+    """A row that crosses nothing ("-", no call sizes) prints "-" for its bytes even when it has rounds: "(x3 steps)"
+    belongs to rows whose messages repeat per optimizer step.
+    Mutant: `if r.rounds > 1:` for `if r.call_bytes and r.rounds > 1:` in format_plan."""
+    text = format_plan([PlanRow("kept", "identical by construction", "-", "-", [], rounds=3)], 2)
+    assert text.splitlines()[-1].endswith("  -") and "steps" not in text

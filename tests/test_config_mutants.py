@@ -9,6 +9,7 @@ import torch
 
 from configs import preset
 from configs import same_settings
+from configs.config import validate
 from configs.resume import check_resume_fits
 from dist import comm
 from dist.errors import UsageError
@@ -111,3 +112,19 @@ def test_the_settings_digest_changes_with_each_setting_every_rank_computes_with(
     assert getattr(owner, name) != value
     setattr(owner, name, value)
     assert same_settings.settings_digest(cfg) != base
+
+
+def test_local_advantage_norm_over_one_transition_per_rank_is_refused_on_any_number_of_ranks():
+    """--ppo.advantage-norm local normalizes each rank's advantages alone: one env and one step per rank is one
+    transition, turned into 0, on 1 rank or on 4 (global pools the 4 ranks' 4 transitions and is accepted there).
+    Mutant: the world size multiplied into the pooled count of every norm (`else world_size` for `else 1`)."""
+    cfg = preset("tracking")
+    cfg.env.num_envs, cfg.ppo.num_steps, cfg.ppo.num_mini_batches, cfg.ppo.advantage_norm = 1, 1, 1, "local"
+    for world_size in (1, 4):
+        with pytest.raises(UsageError) as caught:
+            validate(cfg, world_size)
+        assert str(caught.value) == ("--ppo.advantage-norm local normalizes over 1 transition, which it turns into 0 "
+                                     "(no policy gradient); use more --env.num-envs or --ppo.num-steps, or another "
+                                     "--ppo.advantage-norm"), world_size
+    cfg.ppo.advantage_norm = "global"
+    validate(cfg, 4)
