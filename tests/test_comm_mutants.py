@@ -150,3 +150,15 @@ def test_a_row_without_messages_shows_no_steps_in_the_plan_table():
     Mutant: `if r.rounds > 1:` for `if r.call_bytes and r.rounds > 1:` in format_plan."""
     text = format_plan([PlanRow("kept", "identical by construction", "-", "-", [], rounds=3)], 2)
     assert text.splitlines()[-1].endswith("  -") and "steps" not in text
+
+
+@pytest.mark.parametrize("backend", ["mpi", "ucc"])
+def test_an_unset_device_is_the_host_under_any_backend_but_nccl(monkeypatch, backend):
+    """device()'s rule, unset: the current CUDA device under an NCCL group only, "else the host", so a copy of
+    dist/comm.py in a project on another backend stages its tensors on the host (no CUDA device is asked for).
+    Mutant: `get_backend(_GROUP) != "gloo"` for `== "nccl"` in device()."""
+    monkeypatch.setattr(comm, "_DEVICE", None)
+    monkeypatch.setattr(comm.torch_dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm.torch_dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert comm.device() == torch.device("cpu")
