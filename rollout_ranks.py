@@ -97,7 +97,8 @@ class LearnerTeam:
                 received.append(recv_object(src, roles.batches_group, "setup"))
         specs, self.spec_sizes = [spec for spec, _ in received], [size for _, size in received]
         for src, spec in zip(self.rollouts[1:], specs[1:]):
-            if any(spec[k] != specs[0][k] for k in ("obs_dims", "num_actions", "num_envs", "log_keys")):
+            # state_layout too: the learner sizes every rank's checkpoint-state receive from the first rank's
+            if any(spec[k] != specs[0][k] for k in ("obs_dims", "num_actions", "num_envs", "log_keys", "state_layout")):
                 raise RunError(f"rollout rank {src} built a different env than rollout rank {self.rollouts[0]}")
         self.spec = specs[0]
         self.num_envs = len(self.rollouts) * self.spec["num_envs"]

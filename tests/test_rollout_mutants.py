@@ -12,15 +12,17 @@ from dist.errors import RunError
 from tests.test_rollout_close_rules import ScriptedLearner, cartpole, run_against, tracking
 
 SPEC = {"obs_dims": {"policy": 4, "critic": 4}, "num_actions": 1, "num_envs": 4, "log_keys": (), "layout": None,
-        "state_bytes": 8}
+        "state_layout": {"rng/torch": ((8,), torch.uint8)}, "state_bytes": 8}
 
 
 @pytest.mark.parametrize("key, other", [("num_envs", 6), ("obs_dims", {"policy": 4, "critic": 5}),
-                                        ("num_actions", 2), ("log_keys", ("x",))])
+                                        ("num_actions", 2), ("log_keys", ("x",)),
+                                        ("state_layout", {"rng/torch": ((8,), torch.int8)})])
 def test_a_learner_refuses_a_second_rollout_rank_whose_env_differs_in_any_agreed_field(monkeypatch, key, other):
     """Rollout ranks 1 and 2 of one team send their specs; rank 2's differs from rank 1's in one field only: the
-    learner names rank 2 before it builds a receiver (another number of envs would make its receive layout wrong).
-    Mutant: "num_envs" left out of the fields compared in LearnerTeam.__init__."""
+    learner names rank 2 before it builds a receiver (another number of envs would make its receive layout wrong;
+    another checkpoint-state layout, of the same bytes, would be unpacked with rank 1's at the first save).
+    Mutant: "num_envs" (or "state_layout") left out of the fields compared in LearnerTeam.__init__."""
     specs = {1: SPEC, 2: {**SPEC, key: other}}
     monkeypatch.setattr(rollout_ranks, "recv_object", lambda src, group, purpose: (specs[src], 10))
     monkeypatch.setattr(rollout_ranks, "BatchReceiver", lambda *args: pytest.fail("a receiver was built"))
