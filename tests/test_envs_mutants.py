@@ -1,12 +1,14 @@
-"""Surviving mutants of envs/tracking.py killed by hand-checked boundary cases (the mutation pass of envs/, ppo/rollout,
-ppo/restore, ppo/env_check and dist/stop)."""
+"""Surviving mutants of envs/tracking.py and envs/motions.py killed by hand-checked cases (the mutation pass of envs/,
+ppo/rollout, ppo/restore, ppo/env_check and dist/stop)."""
 
 import copy
 
 import numpy as np
+import pytest
 import torch
 
 from envs import Tracking
+from envs.motions import AdaptiveMotionSampler
 
 
 def one_env_off_its_reference():
@@ -42,3 +44,22 @@ def test_a_body_error_exactly_at_fail_distance_is_not_a_failure_and_one_ulp_abov
     below.fail_distance = float(np.nextafter(np.float32(error), np.float32(0)))
     _, _, terminated, truncated, _ = below.step(action.clone())
     assert terminated.item() and not truncated.item()
+
+
+def test_a_sampler_that_loads_a_checkpoint_forgets_the_episodes_it_counted_before():
+    """A loaded sampler's counts are the checkpoint's only: its saved local counts folded into the global ones and
+    nothing of what this sampler recorded before the load (3 failed episodes of motion 0, not yet committed) left to
+    add at the next sync. Saved: global visits [4, 2], failures [1, 2]; local visits [1, 0], failures [1, 0]. Loaded:
+    visits [5, 2], failures [2, 2], so rates 3/7 and 3/4 (sum 33/28), shares 4/11 and 7/11, and with a 0.2 floor over
+    2 motions p = 0.1 + 0.8 * share = [0.1 + 3.2/11, 0.1 + 5.6/11].
+
+    Mutant: motions.py load_state_dict without `self.local_counts = torch.zeros_like(self.global_counts)`."""
+    sampler = AdaptiveMotionSampler(2, 0.2, torch.device("cpu"))
+    ended = torch.ones(3, dtype=torch.bool)
+    sampler.record(torch.zeros(3, dtype=torch.long), ended, ended)
+    saved = {"global_counts": torch.tensor([[4.0, 2.0], [1.0, 2.0]], dtype=torch.float64),
+             "local_counts": torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64)}
+    sampler.load_state_dict(saved)
+    assert sampler.local_counts.tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    assert sampler.global_counts.tolist() == [[5.0, 2.0], [2.0, 2.0]]
+    assert sampler.probabilities().tolist() == pytest.approx([0.1 + 3.2 / 11, 0.1 + 5.6 / 11], rel=1e-12)
