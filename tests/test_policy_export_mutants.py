@@ -144,3 +144,21 @@ def test_evaluate_checks_its_counts_and_seed_at_their_bounds_before_the_checkpoi
     from ppo import evaluate as evaluation
     with pytest.raises(ValueError, match=re.escape(said)):
         evaluation.evaluate(str(tmp_path / "missing.pt"), **kwargs)
+
+
+def test_export_refuses_a_fork_whose_actions_differ_only_off_the_zero_observation(tmp_path, monkeypatch):
+    """Without an actor normalizer, an encoder x + 0.5 tanh(x) before the actor MLP leaves the zero observation as it
+    is: the check that the exported actor gives distribution(obs).mean must look at other observations too, and refuse
+    before writing anything.
+    Mutant: check_same_actions' observations `randn * 3` -> `randn * 0`."""
+    from ppo import export
+    from ppo.actor_critic import Gaussian
+    from tests.test_export import small_checkpoint
+    path = small_checkpoint(tmp_path / "model_3.pt", normalize_actor_obs=False)
+
+    def with_encoder(self, obs):
+        return Gaussian(self.actor(obs + 0.5 * obs.tanh()), self.log_std)
+    monkeypatch.setattr(ActorCritic, "distribution", with_encoder)
+    with pytest.raises(ValueError, match=r"does not give the model's mean action"):
+        export.export(path, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
