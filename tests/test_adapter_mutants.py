@@ -2,13 +2,18 @@
 survive (see each test's Mutant line)."""
 
 import re
+import sys
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as torch_dist
 
 import envs.isaaclab
-from dist.setup import rank_seed
+from dist import comm
+from dist.errors import RunError, UsageError
+from dist.setup import init_distributed, rank_seed
+from envs.base import MissingSimulator
 from envs.isaaclab import IsaacLabEnv, simulation_device
 from tests.fake_isaaclab import TASK, FakeRLEnv, install_for_test
 
@@ -64,15 +69,11 @@ def test_a_runtime_that_exits_without_a_status_is_reported_as_exit_1(fake, monke
     """Isaac Lab's launcher ending with a bare SystemExit() (code None: Python exits with status 1) when Kit cannot
     start: the one-line refusal says exit 1, not `exit None`.
     Mutant: the message's `exc.code or 1` -> `exc.code`."""
-    import sys
-
-    from envs.base import MissingSimulator
-
     def launch_simulation(cfg, launcher_args=None):
         raise SystemExit()
     monkeypatch.setattr(sys.modules["isaaclab.app"], "launch_simulation", launch_simulation)
-    with pytest.raises(MissingSimulator, match=r"could not start the Isaac Sim \(Kit\) runtime that this task's physics "
-                                               r"or renderer needs \(its error above, exit 1\);"):
+    with pytest.raises(MissingSimulator, match=r"could not start the Isaac Sim \(Kit\) runtime that this task's "
+                                               r"physics or renderer needs \(its error above, exit 1\);"):
         IsaacLabEnv(TASK, 2, torch.device("cpu"), 0, critic_obs_groups=("policy", "critic"))
 
 
@@ -81,8 +82,6 @@ def test_an_empty_master_addr_or_port_is_refused_as_missing(monkeypatch, empty):
     """WORLD_SIZE=2 with MASTER_ADDR or MASTER_PORT set but empty (`export MASTER_ADDR=` in a job script) cannot
     reach rank 0 any more than unset ones: refused by name before any process group is made.
     Mutant: the check `not os.environ.get(name)` -> `name not in os.environ`."""
-    from dist.errors import UsageError
-    from dist.setup import init_distributed
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
@@ -97,11 +96,6 @@ def test_only_gloo_s_mesh_timeout_among_runtime_errors_becomes_the_rendezvous_me
     """A RuntimeError from init_process_group that is not gloo's connectFullMesh (a bug, a wrong argument) passes
     through as it is; the mesh's timeout becomes the RunError naming --dist.timeout-s.
     Mutant: every RuntimeError turned into the rendezvous RunError."""
-    import torch.distributed as torch_dist
-
-    from dist import comm
-    from dist.errors import RunError
-    from dist.setup import init_distributed
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():

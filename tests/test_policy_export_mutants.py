@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from ppo.actor_critic import ActorCritic
+from ppo import evaluate as evaluation
+from ppo import export
+from ppo.actor_critic import ActorCritic, Gaussian
+from tests.test_export import small_checkpoint
 
 
 def gain(weight: torch.Tensor) -> float:
@@ -93,8 +96,6 @@ class ScriptedEnv:
 
 
 def scripted_evaluation(tmp_path, monkeypatch, env, **kwargs):
-    from ppo import evaluate as evaluation
-    from tests.test_export import small_checkpoint
     path = small_checkpoint(tmp_path / "model_3.pt", env={"name": "cartpole"})
     monkeypatch.setattr(evaluation, "make_env", lambda *args: env)
     notes = []
@@ -141,7 +142,6 @@ def test_evaluate_checks_its_counts_and_seed_at_their_bounds_before_the_checkpoi
     """--seed takes [0, 2**32) (2**32 - 1 passes, 2**32 does not), the counts [1, inf), no bool, all before the
     checkpoint path is looked at.
     Mutant: the seed's upper bound `value >= high` -> `value > high`."""
-    from ppo import evaluate as evaluation
     with pytest.raises(ValueError, match=re.escape(said)):
         evaluation.evaluate(str(tmp_path / "missing.pt"), **kwargs)
 
@@ -151,9 +151,6 @@ def test_export_refuses_a_fork_whose_actions_differ_only_off_the_zero_observatio
     is: the check that the exported actor gives distribution(obs).mean must look at other observations too, and refuse
     before writing anything.
     Mutant: check_same_actions' observations `randn * 3` -> `randn * 0`."""
-    from ppo import export
-    from ppo.actor_critic import Gaussian
-    from tests.test_export import small_checkpoint
     path = small_checkpoint(tmp_path / "model_3.pt", normalize_actor_obs=False)
 
     def with_encoder(self, obs):
