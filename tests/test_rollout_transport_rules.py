@@ -231,7 +231,7 @@ def _cfg(mode="async", max_staleness=2):
 
 def _spec(num_envs, state_bytes=5):
     return {"obs_dims": {"policy": 4, "critic": 4}, "num_actions": 1, "num_envs": num_envs, "log_keys": (),
-            "layout": TINY, "state_bytes": state_bytes}
+            "layout": TINY, "state_layout": {"rng/torch": ((state_bytes,), torch.uint8)}, "state_bytes": state_bytes}
 
 
 def team_setup(rank, world_size, second_num_envs):

@@ -106,19 +106,28 @@ def test_rows_of_empty_tensors_must_still_name_a_next_tensor():
 
 # ----- patch.py: _write ---------------------------------------------------------------------------------------
 
-def _two_patches_then_a_stale_one(rank, world_size):
-    """Rank 0 sends patch 1 (w[3] = 1) and patch 2 (v[5] = 2) of {w, v}; rank 1 takes both with recv_update,
-    applies them in order, then offers patch 1 again (its base, 0, is older than the version held, 2)."""
+def _two_patches(rank, numel_v, v_at):
+    """Rank 0 sends patch 1 (w[3] = 1) and patch 2 (v[v_at] = 2) of {w, v}, 100 and `numel_v` zeros, and returns
+    (None, None); rank 1 returns its initialized receiver and its model."""
     syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
-    state = {"w": torch.zeros(100), "v": torch.zeros(100)}
+    state = {"w": torch.zeros(100), "v": torch.zeros(numel_v)}
     if rank == 0:
         syncer.init_sender(state)
         state["w"][3] = 1.0
         syncer.sync(state, 1)
-        state["v"][5] = 2.0
+        state["v"][v_at] = 2.0
         syncer.sync(state, 2)
-        return None
+        return None, None
     syncer.init_receiver(state)
+    return syncer, state
+
+
+def _two_patches_then_a_stale_one(rank, world_size):
+    """Patches 1 (w[3] = 1) and 2 (v[5] = 2); rank 1 takes both with recv_update, applies them in order, then offers
+    patch 1 again (its base, 0, is older than the version held, 2)."""
+    syncer, state = _two_patches(rank, 100, 5)
+    if syncer is None:
+        return None
     first, second = syncer.recv_update(), syncer.recv_update()
     assert syncer.apply_update(state, first) == 1 and syncer.apply_update(state, second) == 2
     with pytest.raises(SyncIntegrityError, match="patch 1 applies to version 0 but this receiver holds version 2"):
@@ -186,18 +195,11 @@ def test_a_compressed_payload_longer_than_zstd_can_write_is_refused_before_its_r
 
 
 def _a_copy_of_one_tensor(rank, world_size):
-    """Rank 0 sends patch 1 (w[3] = 1) and patch 2 (v[7] = 2) of {w, v}, 100 and 1000 zeros; rank 1 applies patch 1
-    to its model, then patch 2 to a dict holding its own w but a copy of v that differs at v[500] (stale)."""
-    syncer = make_weight_syncer(WeightSyncConfig(type="patch"), src=0, dsts=[1])
-    state = {"w": torch.zeros(100), "v": torch.zeros(1000)}
-    if rank == 0:
-        syncer.init_sender(state)
-        state["w"][3] = 1.0
-        syncer.sync(state, 1)
-        state["v"][7] = 2.0
-        syncer.sync(state, 2)
+    """Patches 1 (w[3] = 1) and 2 (v[7] = 2), v of 1000 zeros; rank 1 applies patch 1 to its model, then patch 2 to a
+    dict holding its own w but a copy of v that differs at v[500] (stale)."""
+    syncer, state = _two_patches(rank, 1000, 7)
+    if syncer is None:
         return None
-    syncer.init_receiver(state)
     assert syncer.apply(state) == 1
     stale = state["v"].clone()
     stale[500] = 9.0
