@@ -1,87 +1,20 @@
 """dist/verify.py and dist/buffers.py over W simulated ranks in one process: each rank a thread, and the dist.comm
-collectives they call (all_gather, broadcast, all_reduce) replaced by a fake that does what torch.distributed does
-with every thread's tensor (the idea of tests/test_stats_threads.py). Expected values are written out by hand or
-computed with numpy over the per-rank data. These run in milliseconds; the gloo versions are slow tests.
+collectives they call (all_gather, broadcast, all_reduce) replaced by tests/thread_ranks.py's fake, which does what
+torch.distributed does with every thread's tensor. Expected values are written out by hand or computed with numpy
+over the per-rank data. These run in milliseconds; the gloo versions are slow tests.
 
 Equivalent (no test can tell it apart): differing_tensors comparing each tensor's checksums with the last rank's
 instead of rank 0's (`per[-1, i]`): a column differs from its first entry exactly when it differs from its last,
 so the same tensors are named."""
-
-import threading
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from dist import comm
 from dist.buffers import buffer_plan_rows, resolve_buffer_policy, sync_buffers
-from dist.errors import UsageError
 from dist.verify import verify_replicas
-
-WAIT_S = 30.0   # a barrier that waits this long is a deadlock (a rank skipped a collective), not slowness
-
-
-class Collectives:
-    """rank, world_size, all_gather, broadcast and all_reduce of dist.comm for `size` threads of one process."""
-
-    def __init__(self, size: int):
-        self.size, self.local = size, threading.local()
-        self.barrier = threading.Barrier(size, timeout=WAIT_S)
-        self.slots: list[torch.Tensor | None] = [None] * size
-
-    def rank(self) -> int:
-        return self.local.rank
-
-    def world_size(self) -> int:
-        return self.size
-
-    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's tensor (copies), once all have called."""
-        try:
-            self.slots[self.rank()] = tensor.clone()
-            self.barrier.wait()
-            every = [t.clone() for t in self.slots]
-            self.barrier.wait()
-        except BaseException:
-            self.barrier.abort()
-            raise
-        assert all(t.shape == tensor.shape and t.dtype == tensor.dtype for t in every), "ranks' tensors differ"
-        return every
-
-    def all_gather(self, tensor: torch.Tensor, purpose: str) -> torch.Tensor:
-        return torch.stack(self._exchange(tensor))
-
-    def broadcast(self, tensor: torch.Tensor, purpose: str, src: int = 0) -> torch.Tensor:
-        return tensor.copy_(self._exchange(tensor)[src])
-
-    def all_reduce(self, tensor: torch.Tensor, purpose: str, async_op: bool = False) -> torch.Tensor:
-        assert not async_op
-        return tensor.copy_(torch.stack(self._exchange(tensor)).sum(0))
-
-
-def on_ranks(monkeypatch, size: int, body) -> list:
-    """`body(rank)` on `size` threads sharing one fake group; the results (or the exceptions raised) by rank."""
-    fake = Collectives(size)
-    for name in ("rank", "world_size", "all_gather", "broadcast", "all_reduce"):
-        monkeypatch.setattr(comm, name, getattr(fake, name))
-    monkeypatch.setattr(comm, "_DEVICE", torch.device("cpu"))
-    results: list = [None] * size
-
-    def target(rank):
-        fake.local.rank = rank
-        try:
-            results[rank] = body(rank)
-        except Exception as exc:  # noqa: BLE001 - the test reads it
-            results[rank] = exc
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=WAIT_S + 5)
-    assert not any(t.is_alive() for t in threads), "a simulated rank deadlocked"
-    return results
+from tests.thread_ranks import run_threads
 
 
 def said(body):
@@ -112,7 +45,7 @@ def test_one_rank_apart_of_three_is_named_against_the_two_that_agree_with_the_te
     group), naming only that tensor; the message's head is exact.
     Mutant: `len(groups) > 2` (two groups not a divergence), `min(...)` for the agreeing group, `r in agree`, or
     `.all()` for the ranks of a differing tensor in differing_tensors."""
-    out = on_ranks(monkeypatch, 3, said(lambda rank: verify_replicas(net(rank, {1: "1.bias"}))))
+    out = run_threads(monkeypatch, 3, said(lambda rank: verify_replicas(net(rank, {1: "1.bias"}))))
     assert len(set(out)) == 1, out
     assert out[0].startswith("parameters diverged across ranks: rank(s) [1] differ from rank(s) [0, 2] (checksums ")
     assert out[0].endswith("; tensors that differ: ['1.bias']"), out[0]
@@ -122,7 +55,7 @@ def test_two_groups_apart_of_four_rank0_with_a_rank_alone_blames_the_larger_grou
     """Ranks 0 and 3 hold one value, ranks 1 and 2 another moved weight: a tie of two ranks each goes to rank 0's
     group, so ranks [1, 2] are named; the first parameter alone differs and is named.
     Mutant: the checksum over `named[1:]` (the first tensor never compared), or `r in agree`."""
-    out = on_ranks(monkeypatch, 4, said(lambda rank: verify_replicas(net(rank, {1: "0.weight", 2: "0.weight"}))))
+    out = run_threads(monkeypatch, 4, said(lambda rank: verify_replicas(net(rank, {1: "0.weight", 2: "0.weight"}))))
     assert out[0].startswith("parameters diverged across ranks: rank(s) [1, 2] differ from rank(s) [0, 3] "), out[0]
     assert out[0].endswith("; tensors that differ: ['0.weight']"), out[0]
 
@@ -144,7 +77,7 @@ RULES = {"kept": "broadcast", "averaged": "mean", "own": "local"}
 def test_buffers_are_checked_by_their_rule_a_local_one_never(monkeypatch, apart, named):
     """With the rules given, a `local` buffer apart across ranks passes; a `mean` or `broadcast` one apart is
     raised, naming it. Mutant: `rules.get(n, "local") == "local"` (only the local buffers checked)."""
-    out = on_ranks(monkeypatch, 2, said(lambda rank: verify_replicas(WithBuffers(rank, apart), buffer_rules=RULES)))
+    out = run_threads(monkeypatch, 2, said(lambda rank: verify_replicas(WithBuffers(rank, apart), buffer_rules=RULES)))
     if named is None:
         assert out == ["no error", "no error"]
     else:
@@ -154,7 +87,7 @@ def test_buffers_are_checked_by_their_rule_a_local_one_never(monkeypatch, apart,
 def test_without_rules_no_buffer_is_checked(monkeypatch):
     """No buffer_rules: every buffer counts as `local` (the docstring's default), so buffers apart pass while the
     parameters agree. Mutant: a buffer missing from the rules taken as `broadcast` (`rules.get(n, "broadcast")`)."""
-    out = on_ranks(monkeypatch, 2, said(lambda rank: verify_replicas(WithBuffers(rank, ("kept", "averaged")))))
+    out = run_threads(monkeypatch, 2, said(lambda rank: verify_replicas(WithBuffers(rank, ("kept", "averaged")))))
     assert out == ["no error", "no error"]
 
 
@@ -169,7 +102,7 @@ class Scaler(nn.Module):
 def test_a_module_in_also_is_checked_and_named_by_its_class(monkeypatch):
     """Equal models, but the module passed in `also` holds another value on rank 1: raised, the tensor named
     `Scaler.count`. Mutant: the `also` modules left out of the check."""
-    out = on_ranks(monkeypatch, 2, said(lambda rank: verify_replicas(
+    out = run_threads(monkeypatch, 2, said(lambda rank: verify_replicas(
         net(rank, {}), also=[(Scaler(float(rank)), {"count": "merge"})])))
     assert out[0].endswith("; tensors that differ: ['Scaler.count']"), out[0]
 
@@ -201,7 +134,7 @@ def test_sync_buffers_broadcasts_rank0s_averages_the_means_and_leaves_local_ones
         sync_buffers(m, resolve_buffer_policy(m, m.BUFFER_POLICY))
         return {k: v.clone() for k, v in m.named_buffers()}
 
-    out = on_ranks(monkeypatch, 3, body)
+    out = run_threads(monkeypatch, 3, body)
     ranks = [Mixed(r) for r in range(3)]
     for rank, got in enumerate(out):
         assert got["f"].tolist() == [1.0, 1.0] and got["g"].tolist() == [100.0]

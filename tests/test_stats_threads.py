@@ -1,11 +1,10 @@
-"""dist/stats.py over W simulated ranks in one process: each rank a thread, and the three dist.comm functions stats
-calls (rank, world_size, all_reduce) replaced by a fake whose all-reduce sums every thread's tensor and writes the sum
-back into each thread's tensor in place, as torch.distributed.all_reduce(op=SUM) does. The multi-rank checks of
+"""dist/stats.py over W simulated ranks in one process: each rank a thread, and the dist.comm functions stats calls
+(rank, world_size, all_reduce) replaced by tests/thread_ranks.py's fake, whose all-reduce sums every thread's tensor and
+writes the sum back into each thread's tensor in place, as torch.distributed.all_reduce(op=SUM) does. The checks of
 tests/test_stats_merge.py run gloo processes (slow, so `make test-fast` skips them); these run in milliseconds.
 Expected values are numpy's over the concatenated per-rank data, or written out by hand."""
 
 import math
-import threading
 
 import numpy as np
 import pytest
@@ -13,73 +12,7 @@ import torch
 
 from dist import comm
 from dist.stats import global_mean_std, merge_moments, reduce_metrics
-
-WAIT_S = 30.0   # a barrier or a join that waits this long is a deadlock (a rank skipped a collective), not slowness
-
-
-class ThreadRanks:
-    """The part of dist.comm that dist/stats.py uses, for `world_size` threads of one process (rank per thread)."""
-
-    def __init__(self, world_size: int):
-        self.size, self.local = world_size, threading.local()
-        self.barrier = threading.Barrier(world_size, timeout=WAIT_S)
-        self.contributed: list[torch.Tensor | None] = [None] * world_size
-
-    def rank(self) -> int:
-        return self.local.rank
-
-    def world_size(self) -> int:
-        return self.size
-
-    def all_reduce(self, tensor: torch.Tensor, purpose: str, async_op: bool = False):
-        """comm.all_reduce's contract: the sum over ranks written into `tensor` in place (its dtype and shape, which
-        every rank must share), and `tensor` returned."""
-        assert not async_op and isinstance(purpose, str) and tensor.is_contiguous()
-        try:
-            self.contributed[self.rank()] = tensor.clone()
-            self.barrier.wait()                                   # every rank's tensor is in
-            total = self.contributed[0].clone()
-            for other in self.contributed[1:]:
-                assert other.shape == total.shape and other.dtype == total.dtype, "ranks' tensors differ"
-                total += other
-            self.barrier.wait()                                   # every rank has read them: the next call may write
-        except BaseException:
-            self.barrier.abort()                                  # the other ranks fail now instead of timing out
-            raise
-        tensor.copy_(total)
-        return tensor
-
-
-def run_threads(monkeypatch, world_size: int, body) -> list:
-    """`body(rank)` on `world_size` threads sharing one fake process group; their results by rank. An exception in a
-    thread is raised here; a thread still running after WAIT_S fails the test."""
-    ranks = ThreadRanks(world_size)
-    for name in ("rank", "world_size", "all_reduce"):
-        monkeypatch.setattr(comm, name, getattr(ranks, name))
-    monkeypatch.setattr(comm, "_DEVICE", torch.device("cpu"))
-    results, errors = [None] * world_size, [None] * world_size
-
-    def target(rank):
-        ranks.local.rank = rank
-        try:
-            results[rank] = body(rank)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread below
-            errors[rank] = exc
-            ranks.barrier.abort()
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=WAIT_S + 5)
-    if any(t.is_alive() for t in threads):
-        ranks.barrier.abort()
-        pytest.fail(f"a simulated rank still ran after {WAIT_S + 5} s: deadlocked")
-    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
-                 next((e for e in errors if e is not None), None))
-    if first is not None:
-        raise first
-    return results
+from tests.thread_ranks import run_threads
 
 
 def test_the_fake_all_reduce_sums_every_ranks_tensor_in_place_in_its_dtype(monkeypatch):
