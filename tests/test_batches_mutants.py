@@ -1,62 +1,14 @@
-"""dist/batches.py's BatchReceiver and BatchSender in one process: `Wire` stands in for dist.comm's point-to-point
-calls between simulated ranks (the test says which rank is calling), matching a posted receive to the messages of
-its peer in posting order, as gloo does, and counting the receives posted and the sends waited for. The gloo
+"""dist/batches.py's BatchReceiver and BatchSender in one process: tests/p2p_wire.py's `Wire` stands in for dist.comm's
+point-to-point calls between simulated ranks (the test says which rank is calling), matching a posted receive to the
+messages of its peer in posting order, as gloo does, and counting the receives posted and the sends waited for. The gloo
 versions of these checks are slow tests (tests/test_rollout_transport_rules.py); these run in milliseconds."""
 
 import torch
 
-from dist import comm
 from dist.batches import BatchReceiver, BatchSender, Layout
+from tests.p2p_wire import Wire
 
 LAYOUT = Layout({"x": ((2,), torch.float32), "flags": ((1,), torch.float64)})
-
-
-class Work:
-    def __init__(self, wire, filled):
-        self.wire, self.filled, self.waited = wire, filled, False
-
-    def wait(self):
-        if not self.filled[0]:
-            raise RuntimeError("wire: a receive waited for with no message from its peer (it would wait for ever)")
-        self.waited = True
-
-
-class Wire:
-    """send/isend/recv/irecv of dist.comm between simulated ranks of one process; `me` is the calling rank."""
-
-    def __init__(self, monkeypatch):
-        self.me, self.queued, self.pending, self.posted, self.sends = 0, {}, {}, 0, []
-        for name in ("send", "isend", "recv", "irecv"):
-            monkeypatch.setattr(comm, name, getattr(self, name))
-
-    def isend(self, tensor, purpose, dst, group=None):
-        key = (self.me, dst)
-        if self.pending.get(key):
-            into, filled = self.pending[key].pop(0)
-            into.copy_(tensor)
-            filled[0] = True
-        else:
-            self.queued.setdefault(key, []).append(tensor.clone())
-        work = Work(self, [True])
-        self.sends.append(work)
-        return work
-
-    def send(self, tensor, purpose, dst, group=None):
-        self.isend(tensor, purpose, dst, group).wait()
-
-    def irecv(self, tensor, purpose, src, group=None):
-        key, filled = (src, self.me), [False]
-        self.posted += 1
-        if self.queued.get(key):
-            tensor.copy_(self.queued[key].pop(0))
-            filled[0] = True
-        else:
-            self.pending.setdefault(key, []).append((tensor, filled))
-        return Work(self, filled)
-
-    def recv(self, tensor, purpose, src, group=None):
-        self.irecv(tensor, purpose, src, group).wait()
-        return tensor
 
 
 def batch(k: int) -> dict[str, torch.Tensor]:

@@ -1,8 +1,8 @@
 """Tests that kill mutants of sync/'s integrity checks which the other sync tests let survive (hand-picked
 mutation testing of wire.py, patch.py, encodings.py, link.py and handshake.py). Most run in one process: frames
-go through `Loopback`, an in-process stand-in for dist.comm's point-to-point calls (one message queue, received
-in the order sent, a receive of the wrong size an error as in gloo), so that recv_frame meets exactly the bytes
-send_frame (or a test) put on the wire. Expected values are worked out by hand or with the reference checksum."""
+go through tests/p2p_wire.py's `Wire`, an in-process stand-in for dist.comm's point-to-point calls (received in the
+order sent, a receive of the wrong size an error as in gloo), so that recv_frame meets exactly the bytes send_frame
+(or a test) put on the wire. Expected values are worked out by hand or with the reference checksum."""
 
 import pytest
 import torch
@@ -14,56 +14,26 @@ from sync.encodings import _encode
 from sync.wire import (BITMAP, DENSE, GAPS8, KIND_PATCH, MAGIC, _check_table, recv_frame, send_frame,
                        zstd_bound, zstd_compress, zstd_decompress)
 from test_checksum_reference import ref_checksum, ref_tensor_checksum
+from tests.p2p_wire import Wire
 
 
-class _Done:
-    def wait(self):
-        return None
-
-
-class Loopback:
-    """dist.comm's send/isend/recv/irecv/recv_then_count over one in-process FIFO (sender and receiver in one
-    process, one peer). A receive takes the next message and must be exactly its size (gloo's rule)."""
-
-    def __init__(self, monkeypatch):
-        self.queue = []
-        for name in ("send", "isend"):
-            monkeypatch.setattr(comm, name, self._send)
-        for name in ("recv", "irecv"):
-            monkeypatch.setattr(comm, name, self._recv if name == "recv" else self._irecv)
-        monkeypatch.setattr(comm, "recv_then_count", lambda t, purpose_of, src, group=None: self._recv(t))
-
-    def _send(self, tensor, purpose, dst, group=None):
-        self.queue.append(tensor.detach().clone().reshape(-1).view(torch.uint8))
-        return _Done()
-
-    def _recv(self, tensor, purpose=None, src=None, group=None):
-        if not self.queue:
-            raise RuntimeError("loopback: receive with no message queued (a real receiver would wait for ever)")
-        message, into = self.queue.pop(0), tensor.reshape(-1).view(torch.uint8)
-        if message.numel() != into.numel():
-            raise RuntimeError(f"loopback: a {into.numel()}-byte receive met a {message.numel()}-byte message")
-        into.copy_(message)
-        return tensor
-
-    def _irecv(self, tensor, purpose, src, group=None):
-        self._recv(tensor)
-        return _Done()
-
-    def send_words(self, words, table=None):
-        """A header of these 7 words with correct checks of the words (and of the table), then the table."""
-        words_t = torch.tensor(words, dtype=torch.int64)
-        table_t = torch.zeros(0, 4, dtype=torch.int64) if table is None else torch.tensor(table, dtype=torch.int64)
-        checks = [ref_checksum([words_t]), ref_checksum([words_t, table_t])]
-        self._send(torch.tensor(words + checks, dtype=torch.int64), None, 1)
-        if table is not None:
-            self._send(table_t, None, 1)
+def send_words(words, table=None):
+    """Rank 0 sends rank 1 a header of these 7 words with correct checks of the words (and of the table), then the
+    table."""
+    words_t = torch.tensor(words, dtype=torch.int64)
+    table_t = torch.zeros(0, 4, dtype=torch.int64) if table is None else torch.tensor(table, dtype=torch.int64)
+    checks = [ref_checksum([words_t]), ref_checksum([words_t, table_t])]
+    comm.send(torch.tensor(words + checks, dtype=torch.int64), "weight_sync", 1)
+    if table is not None:
+        comm.send(table_t, "weight_sync", 1)
 
 
 EXPECT_F32 = lambda kind: ("weight_sync", [torch.float32, torch.float32], None)  # noqa: E731
 
 
-def _receive(numels=(4, 4), expect=EXPECT_F32):
+def _receive(wire, numels=(4, 4), expect=EXPECT_F32):
+    """Rank 1 receives the next frame from rank 0."""
+    wire.me = 1
     return recv_frame(0, None, "cpu", list(numels), expect)
 
 
@@ -71,14 +41,14 @@ def _receive(numels=(4, 4), expect=EXPECT_F32):
 
 def test_a_header_announcing_one_row_more_than_the_receiver_has_tensors_is_refused_before_any_table(monkeypatch):
     """A receiver of 2 tensors can take at most 2 table rows; a header (with a correct check) announcing 3 must be
-    refused by its row count, as a lost link, before a 96-byte table receive is posted (nothing more is queued:
-    a posted receive would wait for ever, here an error of the loopback).
+    refused by its row count, as a lost link, before a 96-byte table receive is posted (the header's is the one
+    receive posted; nothing more is queued, so a table receive would wait for ever).
     Mutant: `0 <= rows <= len(numels) + 1` in recv_frame."""
-    wire = Loopback(monkeypatch)
-    wire.send_words([MAGIC, KIND_PATCH, 1, 0, 3, 0, 0])
+    wire = Wire(monkeypatch)
+    send_words([MAGIC, KIND_PATCH, 1, 0, 3, 0, 0])
     with pytest.raises(SyncIntegrityError, match=r"announces 3 table rows") as caught:
-        _receive()
-    assert caught.value.link_lost and not wire.queue
+        _receive(wire)
+    assert caught.value.link_lost and not wire.unread() and wire.posted == 1
 
 
 def test_a_bitmap_row_with_more_symbol_bytes_than_its_tensor_needs_is_refused():
@@ -153,9 +123,9 @@ def test_a_gap_row_with_more_symbols_than_its_tensor_allows_is_refused_before_an
     values + (numel - values) // 255 symbols. The sender's own worst case reaches that bound and passes: changes at
     0-9 and 999 of 1000 (gaps 0 and 989: 11 + 3 escapes = 14 = 11 + 989 // 255 symbols); one more is refused. A
     row (with a correct check) announcing 1000 symbols for 3 changes in 100 elements (at most 3) is refused as a
-    malformed row before the 1012-byte payload receive is sized from it (nothing more is queued: a posted receive
-    would wait for ever, here the loopback's error). Until 2026-12-06 the only cap was 2**40 symbols (4 TiB of
-    gaps32), which the receiver allocated and waited for.
+    malformed row before the 1012-byte payload receive is sized from it (only the header and table receives are
+    posted; nothing more is queued, so a payload receive would wait for ever). Until 2026-12-06 the only cap was
+    2**40 symbols (4 TiB of gaps32), which the receiver allocated and waited for.
     Mutant: `values <= symbols < 2**40` (the cap before the fix) in _check_table."""
     current, mask = torch.zeros(1000), torch.zeros(1000, dtype=torch.bool)
     index = torch.tensor([*range(10), 999])
@@ -165,11 +135,11 @@ def test_a_gap_row_with_more_symbols_than_its_tensor_allows_is_refused_before_an
     _check_table(torch.tensor([[0, 11, GAPS8, 14]]), [1000])
     with pytest.raises(SyncIntegrityError, match=r"malformed table row \[0, 11, 0, 15\]"):
         _check_table(torch.tensor([[0, 11, GAPS8, 15]]), [1000])
-    wire = Loopback(monkeypatch)
-    wire.send_words([MAGIC, KIND_PATCH, 1, 0, 1, 1012, 1012], [[1, 3, GAPS8, 1000]])
+    wire = Wire(monkeypatch)
+    send_words([MAGIC, KIND_PATCH, 1, 0, 1, 1012, 1012], [[1, 3, GAPS8, 1000]])
     with pytest.raises(SyncIntegrityError, match=r"malformed table row \[1, 3, 0, 1000\]") as caught:
-        _receive(numels=(10, 100))
-    assert caught.value.link_lost and not wire.queue
+        _receive(wire, numels=(10, 100))
+    assert caught.value.link_lost and not wire.unread() and wire.posted == 2
 
 
 def test_a_compressed_payload_longer_than_zstd_can_write_is_refused_before_its_receive(monkeypatch):
@@ -180,18 +150,18 @@ def test_a_compressed_payload_longer_than_zstd_can_write_is_refused_before_its_r
     Mutant: the compressed payload's size left unbounded (`wire != raw if decompress is None else False`)."""
     assert zstd_bound(16) == 16 + 0 + 63
     for wire_bytes in (80, 2**40, 0):
-        wire = Loopback(monkeypatch)
-        wire.send_words([MAGIC, KIND_PATCH, 1, 0, 1, wire_bytes, 16], [[0, 4, DENSE, 0]])
+        wire = Wire(monkeypatch)
+        send_words([MAGIC, KIND_PATCH, 1, 0, 1, wire_bytes, 16], [[0, 4, DENSE, 0]])
         with pytest.raises(SyncIntegrityError, match=r"announces payload sizes its table does not") as caught:
-            _receive(expect=lambda kind: (*EXPECT_F32(kind), zstd_decompress))
-        assert caught.value.link_lost and not wire.queue
-    wire = Loopback(monkeypatch)
+            _receive(wire, expect=lambda kind: (*EXPECT_F32(kind), zstd_decompress))
+        assert caught.value.link_lost and not wire.unread() and wire.posted == 2
+    wire = Wire(monkeypatch)
     values = torch.rand(4, generator=torch.Generator().manual_seed(0))
     send_frame(KIND_PATCH, 1, 0, torch.tensor([[0, 4, DENSE, 0]]), [values], lambda: [0], [1], None, "cpu",
                "weight_sync", zstd_compress)
-    frame = _receive(expect=lambda kind: (*EXPECT_F32(kind), zstd_decompress))
+    frame = _receive(wire, expect=lambda kind: (*EXPECT_F32(kind), zstd_decompress))
     assert 0 < frame.sizes[0] <= 79 and frame.sizes[1] == 16 and torch.equal(frame.row(0)[1], values)
-    assert frame.sums() == [0] and not wire.queue
+    assert frame.sums() == [0] and not wire.unread()
 
 
 def _a_copy_of_one_tensor(rank, world_size):
