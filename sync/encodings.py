@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .wire import BITMAP, DENSE, GAPS8, GAPS16, GAPS32, SYMBOL_DTYPES
+from .wire import BITMAP, DENSE, GAPS8, GAPS16, GAPS32, SYMBOL_DTYPES, escape_symbol
 
 GAP_DTYPES = {code: SYMBOL_DTYPES[code] for code in (GAPS8, GAPS16, GAPS32)}
 
@@ -37,7 +37,7 @@ def _encode(current: torch.Tensor, mask: torch.Tensor, count: int, index: Option
         gaps = torch.diff(index, prepend=index.new_full((1,), -1)) - 1
         longest = int(gaps.max())  # escapes only where a gap reaches the escape symbol (integer division is slow)
         for code in GAP_DTYPES:
-            extra = int((gaps // _escape(code)).sum()) if longest >= _escape(code) else 0
+            extra = int((gaps // escape_symbol(code)).sum()) if longest >= escape_symbol(code) else 0
             sizes[code] = (count + extra) * GAP_DTYPES[code].itemsize + count * v
     encoding = min(sizes, key=lambda code: (sizes[code], -code))  # on a tie, the cheaper to apply
     if encoding == DENSE:
@@ -45,11 +45,11 @@ def _encode(current: torch.Tensor, mask: torch.Tensor, count: int, index: Option
     if encoding == BITMAP:
         return BITMAP, [_pack_bits(mask), current.index_select(0, _positions(mask))], None
     symbols = gaps  # no escapes: one symbol per change, its gap
-    if longest >= _escape(encoding):
-        per = gaps // _escape(encoding) + 1  # symbols per change: its escapes, then its remainder
+    if longest >= escape_symbol(encoding):
+        per = gaps // escape_symbol(encoding) + 1  # symbols per change: its escapes, then its remainder
         ends = torch.cumsum(per, 0) - 1
-        symbols = torch.full((int(ends[-1]) + 1,), _escape(encoding), dtype=torch.int64, device=index.device)
-        symbols[ends] = gaps % _escape(encoding)
+        symbols = torch.full((int(ends[-1]) + 1,), escape_symbol(encoding), dtype=torch.int64, device=index.device)
+        symbols[ends] = gaps % escape_symbol(encoding)
     return encoding, [_narrow(symbols, GAP_DTYPES[encoding]), current.index_select(0, index)], index
 
 
@@ -61,7 +61,7 @@ def _decode(symbols: torch.Tensor, encoding: int, numel: int):
     if encoding == BITMAP:
         bits = _unpack_bits(symbols)
         return _positions(bits[:numel]), [bits[numel:].any()]
-    top = _escape(encoding)
+    top = escape_symbol(encoding)
     s = symbols.to(torch.int64) & top  # the unsigned value of each symbol
     is_change = s != top
     if bool(is_change.all()):  # no escapes: every symbol is a gap
@@ -72,10 +72,6 @@ def _decode(symbols: torch.Tensor, encoding: int, numel: int):
         index = positions[is_change]
         flags = [(positions[-1:] >= numel).any() if index.numel() else torch.tensor(False), ~is_change[-1:].all()]
     return index.clamp_(max=numel - 1), flags
-
-
-def _escape(code: int) -> int:
-    return 2 ** (8 * GAP_DTYPES[code].itemsize) - 1
 
 
 def _narrow(symbols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

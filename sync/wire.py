@@ -285,7 +285,7 @@ def _check_table(table: torch.Tensor, numels: Sequence[int]) -> None:
     for row in table.tolist():
         ordinal, values, encoding, symbols = row
         numel = numels[ordinal] if last < ordinal < len(numels) else -1
-        escape = 2 ** (8 * SYMBOL_DTYPES[encoding].itemsize) - 1 if encoding in SYMBOL_DTYPES else 1
+        escape = escape_symbol(encoding) if encoding in SYMBOL_DTYPES else 1
         ok = {DENSE: values == numel and symbols == 0,
               BITMAP: 0 < values < numel and symbols == (numel + 7) // 8}.get(
             encoding, encoding in SYMBOL_DTYPES and 0 < values < numel and
@@ -294,6 +294,11 @@ def _check_table(table: torch.Tensor, numels: Sequence[int]) -> None:
             raise lost_link(f"weight sync: malformed table row {row} (unknown or repeated tensor, or impossible "
                             "sizes)")
         last = ordinal
+
+
+def escape_symbol(code: int) -> int:
+    """A gap encoding's largest symbol, which means "skip that many" (255, 65,535, 2**32 - 1 for gaps8/16/32)."""
+    return 2 ** (8 * SYMBOL_DTYPES[code].itemsize) - 1
 
 
 def plan_buckets(nbytes: Sequence[int], bucket_size: int) -> list[list[int]]:
